@@ -1,0 +1,36 @@
+# IMP — the two commands that matter are at the top of README.md:
+#   make dev    bring IMP up locally and run a VM
+#   make test   run every test, installing what it needs first
+SHELL := /usr/bin/env bash
+CONTROLLER_GEN := go tool controller-gen
+GENERATED := api config
+
+.PHONY: all build test unit generate verify-generated vet setup dev
+
+all: build
+
+build: ## Build the four binaries into bin/.
+	go build -o bin/ ./cmd/...
+
+test: ## Every test, on a fresh machine too (installs its prerequisites).
+	hack/test.sh
+
+unit: ## Unit tests only: no control plane, no root.
+	go test ./api/... ./internal/...
+
+generate: ## Regenerate deepcopy, CRDs and RBAC from the Go types and markers.
+	$(CONTROLLER_GEN) object:headerFile=hack/boilerplate.go.txt paths=./api/...
+	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
+	$(CONTROLLER_GEN) rbac:roleName=imp-operator paths=./internal/controller/... output:rbac:artifacts:config=config/rbac/operator
+
+verify-generated: ## Fail when the checked-in generated code differs from what the sources generate.
+	hack/verify-generated.sh
+
+vet:
+	go vet ./...
+
+setup: ## Build the local control plane binaries (cached outside the repo).
+	hack/setup-control-plane.sh
+
+dev: ## Bring IMP up locally and run a VM.
+	hack/dev.sh

@@ -1,0 +1,77 @@
+package v1alpha1
+
+// Labels IMP reads or writes.
+const (
+	// NodeEnabledLabel marks a node as opted in to IMP. Placement always requires it to be
+	// NodeEnabledValue, whatever else a VM selects.
+	NodeEnabledLabel = "imp/enabled"
+	// NodeEnabledValue is the value NodeEnabledLabel must have.
+	NodeEnabledValue = "true"
+
+	// VMNodeLabel is set on an ImpVM by the operator when it places the VM, to the node's name,
+	// so that each agent lists and watches only the VMs placed on its own node. It mirrors
+	// status.nodeName, which is also a selectable field of the ImpVM CRD.
+	VMNodeLabel = "imp.dev/node"
+)
+
+// ImpVM condition types.
+const (
+	// ScheduledCondition is True once the VM has a node (and, with a networkRef, an address).
+	ScheduledCondition = "Scheduled"
+	// ReadyCondition is True while the VM runs and its guest reports ready.
+	ReadyCondition = "Ready"
+)
+
+// Reasons of ScheduledCondition.
+const (
+	// ReasonPlaced: the VM was placed on status.nodeName.
+	ReasonPlaced = "Placed"
+	// ReasonClassNotFound: spec.classRef names an ImpVMClass that does not exist.
+	ReasonClassNotFound = "ClassNotFound"
+	// ReasonNetworkNotFound: spec.networkRef names an ImpNetwork that does not exist in the
+	// VM's namespace.
+	ReasonNetworkNotFound = "NetworkNotFound"
+	// ReasonNetworkExhausted: the VM's ImpNetwork has no free address.
+	ReasonNetworkExhausted = "NetworkExhausted"
+	// ReasonNoNodeAvailable: no node matches the VM's requirements and has room for it.
+	ReasonNoNodeAvailable = "NoNodeAvailable"
+	// ReasonInvalidSpec: the spec passed the API's validation but cannot be acted on, such as a
+	// node selector with an invalid label value. Retrying cannot fix it; editing the VM can.
+	ReasonInvalidSpec = "InvalidSpec"
+	// ReasonNodeLost: the VM's node disappeared or stayed NotReady beyond the grace period.
+	ReasonNodeLost = "NodeLost"
+)
+
+// Reasons of ReadyCondition.
+const (
+	// ReasonNotScheduled: the VM has no node yet.
+	ReasonNotScheduled = "NotScheduled"
+	// ReasonStarting: the node is preparing disks and network, or the VMM is booting.
+	ReasonStarting = "Starting"
+	// ReasonGuestReady: the VMM runs and the guest reported ready over the guest channel.
+	ReasonGuestReady = "GuestReady"
+	// ReasonGuestNotReady: the VMM runs but the guest has not reported ready.
+	ReasonGuestNotReady = "GuestNotReady"
+	// ReasonExited: the workload exited (see the condition's message for the code).
+	ReasonExited = "Exited"
+	// ReasonBackoff: the VM exited and waits before its runStrategy restarts it.
+	ReasonBackoff = "Backoff"
+	// ReasonHalted: runStrategy is Halted.
+	ReasonHalted = "Halted"
+	// ReasonSuspended: the VM's state is saved on its node and its VMM is gone.
+	ReasonSuspended = "Suspended"
+	// ReasonStartFailed: the node could not start the VM (see the message).
+	ReasonStartFailed = "StartFailed"
+)
+
+// ImpNetwork condition types and reasons.
+const (
+	// NetworkReadyCondition is True when the network's spec is usable and addresses remain.
+	NetworkReadyCondition = "Ready"
+	// ReasonNetworkValid: the network is usable.
+	ReasonNetworkValid = "Valid"
+	// ReasonInvalidGateway: the gateway is the broadcast address or otherwise unusable.
+	ReasonInvalidGateway = "InvalidGateway"
+	// ReasonAddressesExhausted: every address of the network is allocated.
+	ReasonAddressesExhausted = "AddressesExhausted"
+)

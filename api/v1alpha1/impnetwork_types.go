@@ -1,0 +1,128 @@
+package v1alpha1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// NATSpec configures egress address translation.
+type NATSpec struct {
+	// enabled masquerades the network's traffic out of each node's uplink, so VMs reach
+	// addresses beyond the cluster with their node's address.
+	// +optional
+	// +kubebuilder:default=false
+	Enabled bool `json:"enabled"`
+}
+
+// DNSSpec is the resolver configuration written into the VMs of a network.
+type DNSSpec struct {
+	// nameservers are IPv4 addresses of resolvers.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=3
+	// +kubebuilder:validation:items:MaxLength=15
+	// +kubebuilder:validation:items:XValidation:rule="isIP(self) && ip(self).family() == 4",message="each nameserver must be an IPv4 address"
+	Nameservers []string `json:"nameservers,omitempty"`
+
+	// searches are DNS search domains.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=6
+	// +kubebuilder:validation:items:MaxLength=253
+	// +kubebuilder:validation:items:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\.?$`
+	Searches []string `json:"searches,omitempty"`
+}
+
+// ImpNetworkSpec is an IPv4 network for VMs: a CIDR, its gateway, NAT egress and DNS.
+//
+// IPv4 only in v1alpha1: the node plumbing (bridge gateway, NAT, VXLAN forwarding) is IPv4.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.gateway) || !isCIDR(self.cidr) || !isIP(self.gateway) || cidr(self.cidr).containsIP(self.gateway)",message="gateway must be inside cidr",fieldPath=".gateway"
+// +kubebuilder:validation:XValidation:rule="!has(self.gateway) || !isCIDR(self.cidr) || !isIP(self.gateway) || self.gateway != string(cidr(self.cidr).ip())",message="gateway must not be the network address of cidr",fieldPath=".gateway"
+type ImpNetworkSpec struct {
+	// cidr is the network's IPv4 range in canonical form, such as 10.100.0.0/24, from /8 to /30.
+	// It cannot change while any address of it is allocated.
+	// +required
+	// +kubebuilder:validation:MinLength=9
+	// +kubebuilder:validation:MaxLength=18
+	// +kubebuilder:validation:XValidation:rule="isCIDR(self) && cidr(self).ip().family() == 4",message="cidr must be an IPv4 CIDR such as 10.100.0.0/24"
+	// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || cidr(self) == cidr(self).masked()",message="cidr must be a network address with no host bits set, such as 10.100.0.0/24"
+	// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || (cidr(self).prefixLength() >= 8 && cidr(self).prefixLength() <= 30)",message="cidr prefix length must be between /8 and /30"
+	CIDR string `json:"cidr"`
+
+	// gateway is the address the nodes' bridges hold on this network; VMs route through it.
+	// Defaults to the first host address of cidr. It cannot change while any address of the
+	// network is allocated.
+	// +optional
+	// +kubebuilder:validation:MaxLength=15
+	// +kubebuilder:validation:XValidation:rule="isIP(self) && ip(self).family() == 4",message="gateway must be an IPv4 address"
+	Gateway string `json:"gateway,omitempty"`
+
+	// nat configures egress to addresses outside the network.
+	// +optional
+	NAT NATSpec `json:"nat,omitempty"`
+
+	// dns is the resolver configuration of the network's VMs.
+	// +optional
+	DNS *DNSSpec `json:"dns,omitempty"`
+}
+
+// ImpNetworkStatus is the observed state of an ImpNetwork.
+type ImpNetworkStatus struct {
+	// observedGeneration is the spec generation the status was last computed for.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// gateway is the gateway in effect (spec.gateway or the first host address).
+	// +optional
+	Gateway string `json:"gateway,omitempty"`
+
+	// allocated counts addresses held by VMs.
+	// +optional
+	Allocated int32 `json:"allocated,omitempty"`
+
+	// free counts addresses VMs can still get (network, gateway and broadcast excluded).
+	// +optional
+	Free int32 `json:"free,omitempty"`
+
+	// conditions: Ready, and others; reasons are documented in conditions.go.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// ImpNetwork is an IPv4 network that ImpVMs of its namespace attach to, on any node.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=impnet,categories=imp
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.status) || !has(oldSelf.status.allocated) || oldSelf.status.allocated == 0 || self.spec.cidr == oldSelf.spec.cidr",message="spec.cidr cannot change while addresses of the network are allocated"
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.status) || !has(oldSelf.status.allocated) || oldSelf.status.allocated == 0 || (has(self.spec.gateway) == has(oldSelf.spec.gateway) && (!has(self.spec.gateway) || self.spec.gateway == oldSelf.spec.gateway))",message="spec.gateway cannot change while addresses of the network are allocated"
+// +kubebuilder:printcolumn:name="CIDR",type=string,JSONPath=`.spec.cidr`
+// +kubebuilder:printcolumn:name="Gateway",type=string,JSONPath=`.status.gateway`
+// +kubebuilder:printcolumn:name="NAT",type=boolean,JSONPath=`.spec.nat.enabled`
+// +kubebuilder:printcolumn:name="Allocated",type=integer,JSONPath=`.status.allocated`
+// +kubebuilder:printcolumn:name="Free",type=integer,JSONPath=`.status.free`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type ImpNetwork struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +required
+	Spec ImpNetworkSpec `json:"spec"`
+	// +optional
+	Status ImpNetworkStatus `json:"status,omitempty"`
+}
+
+// ImpNetworkList is a list of ImpNetworks.
+//
+// +kubebuilder:object:root=true
+type ImpNetworkList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []ImpNetwork `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&ImpNetwork{}, &ImpNetworkList{})
+}

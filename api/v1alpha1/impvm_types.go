@@ -1,0 +1,360 @@
+package v1alpha1
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// RunStrategy says what happens when a VM's workload exits, and whether the VM runs at all.
+// +kubebuilder:validation:Enum=Always;RerunOnFailure;Once;Halted
+type RunStrategy string
+
+const (
+	// RunStrategyAlways restarts the VM after any exit, successful or not.
+	RunStrategyAlways RunStrategy = "Always"
+	// RunStrategyRerunOnFailure restarts the VM only after its workload failed.
+	RunStrategyRerunOnFailure RunStrategy = "RerunOnFailure"
+	// RunStrategyOnce runs the VM once and never restarts it.
+	RunStrategyOnce RunStrategy = "Once"
+	// RunStrategyHalted stops a running VM and keeps it stopped.
+	RunStrategyHalted RunStrategy = "Halted"
+)
+
+// VMMKind names a virtual machine monitor an IMP node can run.
+// +kubebuilder:validation:Enum=firecracker;qemu
+type VMMKind string
+
+const (
+	// VMMFirecracker is Firecracker under its jailer: the production VMM (needs /dev/kvm).
+	VMMFirecracker VMMKind = "firecracker"
+	// VMMQEMU is QEMU's microvm machine, with KVM when present and TCG otherwise.
+	VMMQEMU VMMKind = "qemu"
+)
+
+// VMPhase is a one-word summary of a VM's state for humans. Logic keys off conditions.
+// +kubebuilder:validation:Enum=Pending;Scheduled;Starting;Running;Stopping;Stopped;Succeeded;Failed;Suspending;Suspended;Unknown
+type VMPhase string
+
+const (
+	// VMPending: accepted, not yet placed on a node.
+	VMPending VMPhase = "Pending"
+	// VMScheduled: placed on a node (and given an address), the agent has not started it yet.
+	VMScheduled VMPhase = "Scheduled"
+	// VMStarting: the agent is preparing disks and network or the VMM is booting.
+	VMStarting VMPhase = "Starting"
+	// VMRunning: the VMM is running.
+	VMRunning VMPhase = "Running"
+	// VMStopping: the VM is shutting down.
+	VMStopping VMPhase = "Stopping"
+	// VMStopped: the VM is not running and is not expected to run (runStrategy Halted).
+	VMStopped VMPhase = "Stopped"
+	// VMSucceeded: the workload exited with code 0 and the runStrategy does not restart it.
+	VMSucceeded VMPhase = "Succeeded"
+	// VMFailed: the workload or VMM failed and the runStrategy does not restart it.
+	VMFailed VMPhase = "Failed"
+	// VMSuspending: the VM's memory is being written to a snapshot.
+	VMSuspending VMPhase = "Suspending"
+	// VMSuspended: the VM's state is on its node's disk and its VMM is gone.
+	VMSuspended VMPhase = "Suspended"
+	// VMUnknown: the VM's node stopped reporting.
+	VMUnknown VMPhase = "Unknown"
+)
+
+// ClassReference names a cluster-scoped ImpVMClass.
+type ClassReference struct {
+	// name of the ImpVMClass.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	Name string `json:"name"`
+}
+
+// NetworkReference names an ImpNetwork in the VM's own namespace.
+type NetworkReference struct {
+	// name of the ImpNetwork.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	Name string `json:"name"`
+}
+
+// VMResources are a VM's inline resources. Each field set here overrides its ImpVMClass.
+type VMResources struct {
+	// vcpus is the number of virtual CPUs.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=32
+	VCPUs *int32 `json:"vcpus,omitempty"`
+
+	// memory is the guest's memory, a whole number of MiB and at least 128Mi (the guest kernel and
+	// IMP's initramfs need about 100 MiB).
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('128Mi')) >= 0",message="memory must be at least 128Mi"
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('1Ti')) <= 0",message="memory must be at most 1Ti"
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).isInteger() && quantity(string(self)).asInteger() % 1048576 == 0",message="memory must be a whole number of MiB, such as 512Mi or 2Gi"
+	Memory *resource.Quantity `json:"memory,omitempty"`
+}
+
+// EnvVar is an environment variable of the VM's workload.
+// +kubebuilder:validation:XValidation:rule="!(has(self.value) && has(self.valueFrom))",message="value and valueFrom are mutually exclusive"
+type EnvVar struct {
+	// name of the variable.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=256
+	// +kubebuilder:validation:Pattern=`^[-._a-zA-Z][-._a-zA-Z0-9]*$`
+	Name string `json:"name"`
+
+	// value of the variable.
+	// +optional
+	// +kubebuilder:validation:MaxLength=32768
+	Value string `json:"value,omitempty"`
+
+	// valueFrom takes the value from a key of a Secret or ConfigMap in the VM's namespace.
+	// +optional
+	ValueFrom *EnvVarSource `json:"valueFrom,omitempty"`
+}
+
+// EnvVarSource is where an environment variable's value comes from: exactly one of its fields.
+// +kubebuilder:validation:XValidation:rule="has(self.secretKeyRef) != has(self.configMapKeyRef)",message="exactly one of secretKeyRef and configMapKeyRef must be set"
+type EnvVarSource struct {
+	// secretKeyRef selects a key of a Secret.
+	// +optional
+	SecretKeyRef *corev1.SecretKeySelector `json:"secretKeyRef,omitempty"`
+
+	// configMapKeyRef selects a key of a ConfigMap.
+	// +optional
+	ConfigMapKeyRef *corev1.ConfigMapKeySelector `json:"configMapKeyRef,omitempty"`
+}
+
+// ImpVMSpec is the desired state of an ImpVM.
+//
+// classRef and resources together must give both vcpus and memory; inline resources override the
+// class. The fields that define the VM's instance (class, resources, disk size, network, VMM) are
+// immutable: delete and recreate the ImpVM to change them. The workload fields (image, command,
+// args, env, workingDir) take effect at the VM's next start.
+//
+// +kubebuilder:validation:XValidation:rule="has(self.classRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
+// +kubebuilder:validation:XValidation:rule="has(self.classRef) == has(oldSelf.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".classRef"
+// +kubebuilder:validation:XValidation:rule="has(self.resources) == has(oldSelf.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".resources"
+// +kubebuilder:validation:XValidation:rule="has(self.diskSize) == has(oldSelf.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".diskSize"
+// +kubebuilder:validation:XValidation:rule="has(self.networkRef) == has(oldSelf.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".networkRef"
+// +kubebuilder:validation:XValidation:rule="has(self.vmm) == has(oldSelf.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".vmm"
+type ImpVMSpec struct {
+	// classRef names the ImpVMClass giving the VM's default vCPUs, memory, disk size and VMM.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="classRef is immutable; delete and recreate the ImpVM to change it"
+	ClassRef *ClassReference `json:"classRef,omitempty"`
+
+	// resources are the VM's vCPUs and memory, overriding its class field by field.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="resources are immutable; delete and recreate the ImpVM to change them"
+	Resources *VMResources `json:"resources,omitempty"`
+
+	// image is the OCI image whose filesystem becomes the VM's root, such as
+	// registry.example.com/team/app:1.2 or ...@sha256:<digest>. A tag is resolved to a digest when
+	// the VM is started.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=1024
+	// +kubebuilder:validation:Pattern=`^[a-zA-Z0-9][a-zA-Z0-9.-]*(:[0-9]+)?(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$`
+	Image string `json:"image"`
+
+	// imagePullSecrets name Secrets of type kubernetes.io/dockerconfigjson in the VM's namespace
+	// used to pull image.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=16
+	ImagePullSecrets []corev1.LocalObjectReference `json:"imagePullSecrets,omitempty"`
+
+	// command replaces the image's entrypoint.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=256
+	// +kubebuilder:validation:items:MaxLength=4096
+	Command []string `json:"command,omitempty"`
+
+	// args replaces the image's cmd.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=256
+	// +kubebuilder:validation:items:MaxLength=4096
+	Args []string `json:"args,omitempty"`
+
+	// env is added to the image's environment; a name here wins over the image's.
+	// +optional
+	// +listType=map
+	// +listMapKey=name
+	// +kubebuilder:validation:MaxItems=256
+	Env []EnvVar `json:"env,omitempty"`
+
+	// workingDir replaces the image's working directory.
+	// +optional
+	// +kubebuilder:validation:MaxLength=4096
+	// +kubebuilder:validation:Pattern=`^/`
+	WorkingDir string `json:"workingDir,omitempty"`
+
+	// networkRef attaches the VM to an ImpNetwork in its namespace, which gives it an address.
+	// Without it the VM has no network interface.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="networkRef is immutable; delete and recreate the ImpVM to change it"
+	NetworkRef *NetworkReference `json:"networkRef,omitempty"`
+
+	// nodeSelector adds node label requirements. Nodes must always carry imp/enabled=true as
+	// well; this field cannot replace that requirement.
+	// +optional
+	// +kubebuilder:validation:MaxProperties=32
+	// +kubebuilder:validation:XValidation:rule="!('imp/enabled' in self) || self['imp/enabled'] == 'true'",message="imp/enabled is always required to be \"true\"; add other labels beside it"
+	NodeSelector map[string]string `json:"nodeSelector,omitempty"`
+
+	// tolerations let the VM be placed on nodes with matching taints.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=32
+	Tolerations []corev1.Toleration `json:"tolerations,omitempty"`
+
+	// runStrategy says whether the VM runs and whether it is restarted when it exits.
+	// +optional
+	// +kubebuilder:default=Always
+	RunStrategy RunStrategy `json:"runStrategy,omitempty"`
+
+	// terminationGracePeriodSeconds is how long the guest has to shut down cleanly before its
+	// VMM is killed.
+	// +optional
+	// +kubebuilder:default=30
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=3600
+	TerminationGracePeriodSeconds *int64 `json:"terminationGracePeriodSeconds,omitempty"`
+
+	// diskSize is the size of the VM's own writable disk (the upper layer over the image). It
+	// defaults to the class's defaultDiskSize, then to 1Gi.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('64Mi')) >= 0",message="diskSize must be at least 64Mi"
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('16Ti')) <= 0",message="diskSize must be at most 16Ti"
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="diskSize is immutable; delete and recreate the ImpVM to change it"
+	DiskSize *resource.Quantity `json:"diskSize,omitempty"`
+
+	// vmm asks for a VMM; the VM is then placed only on nodes that offer it. Without it (and
+	// without a class preference) a node's best VMM is used: firecracker, else qemu.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="vmm is immutable; delete and recreate the ImpVM to change it"
+	VMM VMMKind `json:"vmm,omitempty"`
+
+	// expireAfter deletes the VM once it has existed this long, such as 1h or 90m.
+	// +optional
+	// +kubebuilder:validation:Type=string
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s')",message="expireAfter must be at least 1s"
+	ExpireAfter *metav1.Duration `json:"expireAfter,omitempty"`
+}
+
+// ResolvedResources are what a VM was placed with: its class and inline resources combined at
+// placement, so that a later change to the class never changes what a placed VM holds.
+type ResolvedResources struct {
+	// vcpus is the number of virtual CPUs.
+	VCPUs int32 `json:"vcpus"`
+	// memory is the guest's memory.
+	Memory resource.Quantity `json:"memory"`
+	// diskSize is the size of the VM's writable disk.
+	DiskSize resource.Quantity `json:"diskSize"`
+	// vmm is the VMM asked for, empty when any will do.
+	// +optional
+	VMM VMMKind `json:"vmm,omitempty"`
+}
+
+// SuspensionStatus says why and since when a VM is suspended.
+type SuspensionStatus struct {
+	// reason is why the VM was suspended: PressureLifecycle or User.
+	Reason string `json:"reason"`
+	// since is when the VM was suspended.
+	// +optional
+	Since *metav1.Time `json:"since,omitempty"`
+	// memoryReleased is the memory the node got back.
+	// +optional
+	MemoryReleased *resource.Quantity `json:"memoryReleased,omitempty"`
+	// message is detail for humans.
+	// +optional
+	Message string `json:"message,omitempty"`
+}
+
+// ImpVMStatus is the observed state of an ImpVM. The operator writes placement (nodeName,
+// address, resources); the node's agent writes what it observes of the VM.
+type ImpVMStatus struct {
+	// observedGeneration is the spec generation the status was last computed for.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// phase is a one-word summary for humans; conditions carry the detail.
+	// +optional
+	Phase VMPhase `json:"phase,omitempty"`
+
+	// nodeName is the node the VM is placed on. Set once per instance by the operator.
+	// +optional
+	NodeName string `json:"nodeName,omitempty"`
+
+	// ip is the VM's address on its ImpNetwork. Set once per instance by the operator.
+	// +optional
+	IP string `json:"ip,omitempty"`
+
+	// resources are what the VM was placed with.
+	// +optional
+	Resources *ResolvedResources `json:"resources,omitempty"`
+
+	// conditions: Scheduled, Ready, and others; reasons are documented in conditions.go.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+
+	// startedAt is when the VM's current run started.
+	// +optional
+	StartedAt *metav1.Time `json:"startedAt,omitempty"`
+
+	// restartCount counts restarts made by the runStrategy.
+	// +optional
+	RestartCount int32 `json:"restartCount,omitempty"`
+
+	// suspension is set while the VM is suspended.
+	// +optional
+	Suspension *SuspensionStatus `json:"suspension,omitempty"`
+}
+
+// ImpVM is a Firecracker (or QEMU) microVM run from an OCI image.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=impvm,categories=imp
+// +kubebuilder:selectablefield:JSONPath=`.status.nodeName`
+// +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.status.nodeName`
+// +kubebuilder:printcolumn:name="IP",type=string,JSONPath=`.status.ip`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+// +kubebuilder:printcolumn:name="VCPUs",type=integer,JSONPath=`.status.resources.vcpus`,priority=1
+// +kubebuilder:printcolumn:name="Memory",type=string,JSONPath=`.status.resources.memory`,priority=1
+// +kubebuilder:printcolumn:name="Image",type=string,JSONPath=`.spec.image`,priority=1
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
+type ImpVM struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +required
+	Spec ImpVMSpec `json:"spec"`
+	// +optional
+	Status ImpVMStatus `json:"status,omitempty"`
+}
+
+// ImpVMList is a list of ImpVMs.
+//
+// +kubebuilder:object:root=true
+type ImpVMList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []ImpVM `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&ImpVM{}, &ImpVMList{})
+}

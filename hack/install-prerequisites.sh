@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install the Debian packages the tests and the local environment use, when missing.
+# Idempotent and quiet when everything is there; needs root (or sudo) only when installing.
+set -euo pipefail
+packages=(
+  git make curl openssl ca-certificates   # scripts, PKI of the local control plane
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "prerequisites: all Debian packages present"
+  exit 0
+fi
+echo "prerequisites: installing ${missing[*]}"
+sudo=()
+((EUID == 0)) || sudo=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

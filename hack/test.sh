@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine too: installs what the tests need (Debian packages,
+# the control plane built from the Go module proxy into $IMP_CACHE), checks generated code,
+# formatting and vet, then runs every Go test (unit, envtest against a real kube-apiserver).
+#
+#   hack/test.sh            (what `make test` and .ci/run call)
+#
+# Env: IMP_CACHE [~/.cache/imp]   where built binaries live (kept between runs)
+#      KUBEBUILDER_ASSETS         use these etcd/kube-apiserver/kubectl instead of building them
+#      GO_TEST_FLAGS              extra flags for go test (e.g. -run Foo, -v)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export IMP_CACHE=${IMP_CACHE:-$HOME/.cache/imp}
+export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
+t0=$SECONDS
+step() { printf '\n=== [%4ds] %s\n' "$((SECONDS - t0))" "$*"; }
+
+step "prerequisites"
+hack/install-prerequisites.sh
+
+if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
+  step "control plane binaries ($IMP_CACHE/cp/bin)"
+  hack/setup-control-plane.sh "$IMP_CACHE/cp/bin"
+  export KUBEBUILDER_ASSETS=$IMP_CACHE/cp/bin
+fi
+
+step "generated code"
+hack/verify-generated.sh
+
+step "gofmt and go vet"
+unformatted=$(gofmt -l $(git ls-files '*.go'))
+if [[ -n "$unformatted" ]]; then echo "gofmt would change:"; echo "$unformatted"; exit 1; fi
+go vet ./...
+
+step "go test"
+# shellcheck disable=SC2086
+go test -count=1 ${GO_TEST_FLAGS:-} ./...
+
+step "done in $((SECONDS - t0))s"
