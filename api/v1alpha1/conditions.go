@@ -8,10 +8,14 @@ const (
 	// NodeEnabledValue is the value NodeEnabledLabel must have.
 	NodeEnabledValue = "true"
 
-	// VMNodeLabel is set on an ImpVM by the operator when it places the VM, to the node's name,
-	// so that each agent lists and watches only the VMs placed on its own node. It mirrors
-	// status.nodeName, which is also a selectable field of the ImpVM CRD.
-	VMNodeLabel = "imp.dev/node"
+
+	// NetworkLabel is set on an ImpIPAddress to the name of its ImpNetwork.
+	NetworkLabel = "imp.dev/network"
+	// VMUIDLabel is set on an ImpIPAddress to the UID of the ImpVM holding it.
+	VMUIDLabel = "imp.dev/vm-uid"
+
+	// VMFinalizer holds an ImpVM until its node confirmed the VM is gone and its address is released.
+	VMFinalizer = "imp.dev/vm"
 )
 
 // ImpVM condition types.
@@ -62,6 +66,14 @@ const (
 	ReasonSuspended = "Suspended"
 	// ReasonStartFailed: the node could not start the VM (see the message).
 	ReasonStartFailed = "StartFailed"
+)
+
+// Reasons of ImpNode's ReadyCondition.
+const (
+	// ReasonAgentReady: the node's agent reports and can run VMs.
+	ReasonAgentReady = "AgentReady"
+	// ReasonNoVMM: the node's agent found no VMM it can run.
+	ReasonNoVMM = "NoVMM"
 )
 
 // ImpNetwork condition types and reasons.

@@ -96,6 +96,7 @@ type ImpNetworkStatus struct {
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
 // +kubebuilder:resource:shortName=impnet,categories=imp
+// +kubebuilder:validation:XValidation:rule="self.metadata.name.size() <= 63 && !self.metadata.name.contains('.')",message="an ImpNetwork's name must be a DNS label: at most 63 characters, no dots"
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.status) || !has(oldSelf.status.allocated) || oldSelf.status.allocated == 0 || self.spec.cidr == oldSelf.spec.cidr",message="spec.cidr cannot change while addresses of the network are allocated"
 // +kubebuilder:validation:XValidation:rule="!has(oldSelf.status) || !has(oldSelf.status.allocated) || oldSelf.status.allocated == 0 || (has(self.spec.gateway) == has(oldSelf.spec.gateway) && (!has(self.spec.gateway) || self.spec.gateway == oldSelf.spec.gateway))",message="spec.gateway cannot change while addresses of the network are allocated"
 // +kubebuilder:printcolumn:name="CIDR",type=string,JSONPath=`.spec.cidr`

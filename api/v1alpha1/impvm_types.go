@@ -280,8 +280,60 @@ type SuspensionStatus struct {
 	Message string `json:"message,omitempty"`
 }
 
-// ImpVMStatus is the observed state of an ImpVM. The operator writes placement (nodeName,
-// address, resources); the node's agent writes what it observes of the VM.
+// RuntimeState is what a node's agent observed of a VM's current run.
+// +kubebuilder:validation:Enum=Starting;Running;Exited;Stopped;Gone
+type RuntimeState string
+
+const (
+	// RuntimeStarting: disks, network or the VMM are being prepared, or the guest is booting.
+	RuntimeStarting RuntimeState = "Starting"
+	// RuntimeRunning: the VMM process runs.
+	RuntimeRunning RuntimeState = "Running"
+	// RuntimeExited: the run ended by itself (the workload exited, or the VMM died).
+	RuntimeExited RuntimeState = "Exited"
+	// RuntimeStopped: the agent stopped the VM because it was asked to (runStrategy Halted).
+	RuntimeStopped RuntimeState = "Stopped"
+	// RuntimeGone: the VM is being deleted and the agent removed its VMM, disks and state.
+	RuntimeGone RuntimeState = "Gone"
+)
+
+// RuntimeStatus is what the agent of the VM's node observed. Only the agent writes it; the
+// operator reads it and decides.
+type RuntimeStatus struct {
+	// instance is the status.instance this report is about; a report about another instance
+	// is stale and ignored.
+	Instance int64 `json:"instance"`
+	// run is the status.restartCount this report is about.
+	Run int32 `json:"run"`
+	// state of the run.
+	State RuntimeState `json:"state"`
+	// startedAt is when the VMM was started.
+	// +optional
+	StartedAt *metav1.Time `json:"startedAt,omitempty"`
+	// bootMilliseconds is how long the guest took from VMM start to ready.
+	// +optional
+	BootMilliseconds *int64 `json:"bootMilliseconds,omitempty"`
+	// guestReady is true when the guest reported ready over the guest channel.
+	// +optional
+	GuestReady bool `json:"guestReady,omitempty"`
+	// finishedAt is when the run ended.
+	// +optional
+	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`
+	// exitCode is the workload's exit code, when the guest reported one.
+	// +optional
+	ExitCode *int32 `json:"exitCode,omitempty"`
+	// reason is a CamelCase word for why the run is in its state (e.g. WorkloadExited,
+	// VMMCrashed, StartFailed).
+	// +optional
+	Reason string `json:"reason,omitempty"`
+	// message is detail for humans.
+	// +optional
+	Message string `json:"message,omitempty"`
+}
+
+// ImpVMStatus is the observed state of an ImpVM. The operator writes everything but runtime:
+// placement (nodeName, ip, resources, instance), the restart decisions and the conditions. The
+// node's agent writes only runtime.
 type ImpVMStatus struct {
 	// observedGeneration is the spec generation the status was last computed for.
 	// +optional
@@ -303,6 +355,15 @@ type ImpVMStatus struct {
 	// +optional
 	Resources *ResolvedResources `json:"resources,omitempty"`
 
+	// instance counts placements: it grows each time the VM is placed anew (after its node was
+	// lost). An agent runs only the current instance of a VM placed on its own node.
+	// +optional
+	Instance int64 `json:"instance,omitempty"`
+
+	// runtime is what the node's agent observed of the VM's current run.
+	// +optional
+	Runtime *RuntimeStatus `json:"runtime,omitempty"`
+
 	// conditions: Scheduled, Ready, and others; reasons are documented in conditions.go.
 	// +optional
 	// +listType=map
@@ -313,9 +374,14 @@ type ImpVMStatus struct {
 	// +optional
 	StartedAt *metav1.Time `json:"startedAt,omitempty"`
 
-	// restartCount counts restarts made by the runStrategy.
+	// restartCount counts restarts made by the runStrategy. The agent starts run number
+	// restartCount of the current instance when it has not run yet.
 	// +optional
 	RestartCount int32 `json:"restartCount,omitempty"`
+
+	// nextRestartAt is when the VM, which exited, will be restarted (exponential back-off).
+	// +optional
+	NextRestartAt *metav1.Time `json:"nextRestartAt,omitempty"`
 
 	// suspension is set while the VM is suspended.
 	// +optional

@@ -15,7 +15,9 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/logging"
+	"github.com/syscode-labs/imp/internal/operator"
 )
 
 func main() {
@@ -31,12 +33,19 @@ func run() error {
 		leaderElect            bool
 		leaderElectionNS       string
 		logOpts                logging.Options
+		concurrency            int
+		vmOpts                 = impvm.DefaultOptions()
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	fs.BoolVar(&leaderElect, "leader-elect", true, "elect a leader so that only one replica acts at a time")
 	fs.StringVar(&leaderElectionNS, "leader-election-namespace", "", "namespace of the leader election Lease (default: the pod's namespace)")
+	fs.IntVar(&concurrency, "vm-concurrency", 4, "how many ImpVMs are reconciled at once")
+	fs.DurationVar(&vmOpts.NodeLostGracePeriod, "node-lost-grace-period", vmOpts.NodeLostGracePeriod, "how long a VM's node may be NotReady before the VM is placed again")
+	fs.DurationVar(&vmOpts.RestartBackoffBase, "restart-backoff-base", vmOpts.RestartBackoffBase, "first delay before restarting a VM that exited; doubles per restart")
+	fs.DurationVar(&vmOpts.RestartBackoffMax, "restart-backoff-max", vmOpts.RestartBackoffMax, "longest delay before restarting a VM that exited")
+	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-operator [flags]\n\nPlaces ImpVMs on nodes, allocates their addresses and drives their lifecycle.\n\nFlags:\n")
@@ -76,6 +85,10 @@ func run() error {
 	); err != nil {
 		return fmt.Errorf("adding health checks: %w", err)
 	}
+	ctx := ctrl.SetupSignalHandler()
+	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency}); err != nil {
+		return err
+	}
 	log.Info("starting imp-operator")
-	return mgr.Start(ctrl.SetupSignalHandler())
+	return mgr.Start(ctx)
 }

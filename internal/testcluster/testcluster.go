@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -28,6 +29,8 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
@@ -141,6 +144,8 @@ func (c *Cluster) Stop() error { return c.Env.Stop() }
 // Under -short no control plane is started and Require skips the tests that need one.
 func Main(m *testing.M, c **Cluster, opts ...Option) int {
 	flag.Parse()
+	// Components under test log through controller-runtime; keep errors, drop the chatter.
+	ctrllog.SetLogger(zap.New(zap.WriteTo(os.Stderr), zap.Level(zapcore.ErrorLevel)))
 	if testing.Short() {
 		return m.Run()
 	}

@@ -1,0 +1,63 @@
+package v1alpha1
+
+import (
+	"k8s.io/apimachinery/pkg/types"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// VMReference names an ImpVM of the same namespace, and which one by UID.
+type VMReference struct {
+	// name of the ImpVM.
+	Name string `json:"name"`
+	// uid of the ImpVM.
+	UID types.UID `json:"uid"`
+}
+
+// ImpIPAddressSpec says which VM holds which address of which network.
+// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="an ImpIPAddress is immutable"
+type ImpIPAddressSpec struct {
+	// network is the ImpNetwork the address belongs to.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	Network string `json:"network"`
+	// address is the IPv4 address.
+	// +kubebuilder:validation:MaxLength=15
+	// +kubebuilder:validation:XValidation:rule="isIP(self) && ip(self).family() == 4",message="address must be an IPv4 address"
+	Address string `json:"address"`
+	// vmRef is the VM holding the address.
+	VMRef VMReference `json:"vmRef"`
+}
+
+// ImpIPAddress records that one VM holds one address of an ImpNetwork. The operator creates it
+// when it allocates the address and deletes it when the VM is gone. Its name is
+// "<network>.<address>", so the API server itself refuses a second holder of an address.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:resource:shortName=impip,categories=imp
+// +kubebuilder:printcolumn:name="Network",type=string,JSONPath=`.spec.network`
+// +kubebuilder:printcolumn:name="Address",type=string,JSONPath=`.spec.address`
+// +kubebuilder:printcolumn:name="VM",type=string,JSONPath=`.spec.vmRef.name`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type ImpIPAddress struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +required
+	Spec ImpIPAddressSpec `json:"spec"`
+}
+
+// ImpIPAddressList is a list of ImpIPAddresses.
+//
+// +kubebuilder:object:root=true
+type ImpIPAddressList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []ImpIPAddress `json:"items"`
+}
+
+// IPAddressName is the name of the ImpIPAddress of address on network.
+func IPAddressName(network, address string) string { return network + "." + address }
+
+func init() {
+	SchemeBuilder.Register(&ImpIPAddress{}, &ImpIPAddressList{})
+}

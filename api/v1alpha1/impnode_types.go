@@ -1,0 +1,100 @@
+package v1alpha1
+
+import (
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// NodeResources are vCPUs and memory of a node.
+type NodeResources struct {
+	// vcpus is a number of virtual CPUs.
+	// +kubebuilder:validation:Minimum=0
+	VCPUs int32 `json:"vcpus"`
+	// memory is an amount of memory.
+	Memory resource.Quantity `json:"memory"`
+}
+
+// VMMCapability is a VMM a node can run.
+type VMMCapability struct {
+	// kind of the VMM.
+	Kind VMMKind `json:"kind"`
+	// acceleration is kvm or tcg (software emulation, QEMU only).
+	// +kubebuilder:validation:Enum=kvm;tcg
+	Acceleration string `json:"acceleration"`
+	// version the VMM reports.
+	// +optional
+	Version string `json:"version,omitempty"`
+}
+
+// Artifact identifies a file the agent boots guests with.
+type Artifact struct {
+	// path on the host.
+	Path string `json:"path"`
+	// sha256 of the file's content, hex.
+	// +optional
+	SHA256 string `json:"sha256,omitempty"`
+}
+
+// ImpNodeStatus is what a node's agent reports about the node.
+type ImpNodeStatus struct {
+	// capacity is the node's total vCPUs and memory.
+	// +optional
+	Capacity *NodeResources `json:"capacity,omitempty"`
+	// allocatable is what VMs may use, after the agent's configured reserve. The operator places
+	// VMs against allocatable minus what VMs placed on the node hold.
+	// +optional
+	Allocatable *NodeResources `json:"allocatable,omitempty"`
+	// vmms the node can run, best first.
+	// +optional
+	// +listType=atomic
+	VMMs []VMMCapability `json:"vmms,omitempty"`
+	// kernel the node boots guests with.
+	// +optional
+	Kernel *Artifact `json:"kernel,omitempty"`
+	// initramfs the node boots guests with.
+	// +optional
+	Initramfs *Artifact `json:"initramfs,omitempty"`
+	// agentVersion is the version of the node's agent.
+	// +optional
+	AgentVersion string `json:"agentVersion,omitempty"`
+	// heartbeatTime is when the agent last refreshed this report.
+	// +optional
+	HeartbeatTime *metav1.Time `json:"heartbeatTime,omitempty"`
+	// conditions: Ready.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// ImpNode is a node's agent's report of what the node offers VMs. It has the node's name and
+// is written only by that node's agent.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:scope=Cluster,categories=imp
+// +kubebuilder:printcolumn:name="VCPUs",type=integer,JSONPath=`.status.allocatable.vcpus`
+// +kubebuilder:printcolumn:name="Memory",type=string,JSONPath=`.status.allocatable.memory`
+// +kubebuilder:printcolumn:name="VMM",type=string,JSONPath=`.status.vmms[0].kind`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type ImpNode struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +optional
+	Status ImpNodeStatus `json:"status,omitempty"`
+}
+
+// ImpNodeList is a list of ImpNodes.
+//
+// +kubebuilder:object:root=true
+type ImpNodeList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []ImpNode `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&ImpNode{}, &ImpNodeList{})
+}

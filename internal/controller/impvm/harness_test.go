@@ -1,0 +1,292 @@
+package impvm_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+var shared *testcluster.Cluster
+
+func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared)) }
+
+const gi = int64(1) << 30
+
+// env is one test's world: its namespace, a label only its nodes carry (so that VMs of other
+// tests never land on them), and the operator it runs.
+type env struct {
+	t    *testing.T
+	c    client.Client
+	cl   *testcluster.Cluster
+	ns   string
+	pool string
+	opts operator.Options
+}
+
+func newEnv(t *testing.T) *env {
+	c := testcluster.Require(t, shared)
+	ns := c.Namespace(t)
+	opts := operator.Options{VM: impvm.DefaultOptions(), Concurrency: 4}
+	opts.VM.RestartBackoffBase = 200 * time.Millisecond
+	opts.VM.RestartBackoffMax = time.Second
+	opts.VM.NodeLostGracePeriod = 2 * time.Second
+	opts.VM.DeletionTimeout = 30 * time.Second
+	return &env{t: t, c: c.Client, cl: c, ns: ns, pool: ns, opts: opts}
+}
+
+// startOperator runs the operator in-process until the returned function (also a test cleanup)
+// stops it.
+func (e *env) startOperator() (stop func()) {
+	e.t.Helper()
+	mgr, err := ctrl.NewManager(e.cl.Config, ctrl.Options{
+		Scheme:                 e.cl.Scheme,
+		Metrics:                metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress: "0",
+		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
+	})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := operator.Setup(ctx, mgr, e.opts); err != nil {
+		e.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := mgr.Start(ctx); err != nil {
+			e.t.Errorf("operator: %v", err)
+		}
+	}()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	e.t.Cleanup(stop)
+	return stop
+}
+
+type nodeOpt func(*corev1.Node)
+
+// node creates a Ready node of the test's pool with an agent report of vcpus and memGi.
+func (e *env) node(name string, vcpus int32, memGi int64, opts ...nodeOpt) *corev1.Node {
+	e.t.Helper()
+	ctx := context.Background()
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-" + name, Labels: map[string]string{
+		impv1.NodeEnabledLabel: "true", "imp.test/pool": e.pool,
+	}}}
+	for _, o := range opts {
+		o(n)
+	}
+	st := n.Status
+	if err := e.c.Create(ctx, n); err != nil {
+		e.t.Fatal(err)
+	}
+	n.Status = st
+	hasReady := false
+	for _, c := range n.Status.Conditions {
+		hasReady = hasReady || c.Type == corev1.NodeReady
+	}
+	if !hasReady {
+		n.Status.Conditions = append(n.Status.Conditions, corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()})
+	}
+	if err := e.c.Status().Update(ctx, n); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = e.c.Delete(context.Background(), n) })
+
+	rep := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: n.Name}}
+	if err := e.c.Create(ctx, rep); err != nil {
+		e.t.Fatal(err)
+	}
+	rep.Status = impv1.ImpNodeStatus{
+		Allocatable: &impv1.NodeResources{VCPUs: vcpus, Memory: *resource.NewQuantity(memGi*gi, resource.BinarySI)},
+		VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg"}},
+		Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, LastTransitionTime: metav1.Now()}},
+	}
+	if err := e.c.Status().Update(ctx, rep); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = e.c.Delete(context.Background(), rep) })
+	return n
+}
+
+func withCondition(t corev1.NodeConditionType, s corev1.ConditionStatus) nodeOpt {
+	return func(n *corev1.Node) {
+		n.Status.Conditions = append(n.Status.Conditions, corev1.NodeCondition{Type: t, Status: s, LastTransitionTime: metav1.Now()})
+	}
+}
+
+// vm returns (does not create) a VM of the test's pool.
+func (e *env) vm(name string, vcpus int32, mem string) *impv1.ImpVM {
+	return &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name},
+		Spec: impv1.ImpVMSpec{
+			Image:        "registry.test/app:1",
+			Resources:    &impv1.VMResources{VCPUs: ptr.To(vcpus), Memory: ptr.To(resource.MustParse(mem))},
+			NodeSelector: map[string]string{"imp.test/pool": e.pool},
+		},
+	}
+}
+
+func (e *env) create(objs ...client.Object) {
+	e.t.Helper()
+	for _, o := range objs {
+		if err := e.c.Create(context.Background(), o); err != nil {
+			e.t.Fatalf("creating %s: %v", o.GetName(), err)
+		}
+	}
+}
+
+func (e *env) get(name string) *impv1.ImpVM {
+	vm := &impv1.ImpVM{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Namespace: e.ns, Name: name}, vm); err != nil {
+		return nil
+	}
+	return vm
+}
+
+func (e *env) list() []impv1.ImpVM {
+	var l impv1.ImpVMList
+	if err := e.c.List(context.Background(), &l, client.InNamespace(e.ns)); err != nil {
+		e.t.Errorf("listing VMs: %v", err)
+	}
+	return l.Items
+}
+
+func condition(vm *impv1.ImpVM, t string) *metav1.Condition {
+	if vm == nil {
+		return nil
+	}
+	for i := range vm.Status.Conditions {
+		if vm.Status.Conditions[i].Type == t {
+			return &vm.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// scheduled returns "True", a False condition's reason, or "" when the operator has not
+// decided yet.
+func scheduled(vm *impv1.ImpVM) string {
+	c := condition(vm, impv1.ScheduledCondition)
+	switch {
+	case c == nil:
+		return ""
+	case c.Status == metav1.ConditionTrue:
+		return "True"
+	}
+	return c.Reason
+}
+
+// events returns the reasons of the Events about VMs in the test's namespace.
+func (e *env) events() map[string]int {
+	var l corev1.EventList
+	if err := e.c.List(context.Background(), &l, client.InNamespace(e.ns)); err != nil {
+		e.t.Errorf("listing events: %v", err)
+	}
+	out := map[string]int{}
+	for _, ev := range l.Items {
+		out[ev.Reason]++
+	}
+	return out
+}
+
+// agent is a test double for the node agents of the test's nodes: it reports every VM placed
+// on them as running (or as exit tells), stopped when halted, and gone when deleted, by
+// merge-patching status.runtime alone, as the real agent does.
+type agent struct {
+	e *env
+	// exit, when set, returns the exit code a run of vm reports once running, or nil to keep
+	// it running.
+	exit func(vm *impv1.ImpVM) *int32
+}
+
+func (e *env) startAgent(exit func(vm *impv1.ImpVM) *int32) {
+	a := &agent{e: e, exit: exit}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				for _, vm := range e.list() {
+					a.observe(ctx, &vm)
+				}
+			}
+		}
+	}()
+	e.t.Cleanup(func() { cancel(); <-done })
+}
+
+func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
+	st := vm.Status
+	if st.NodeName == "" || st.Instance == 0 {
+		return
+	}
+	rt := st.Runtime
+	current := rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount
+	now := metav1.Now()
+	next := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount}
+	switch {
+	case !vm.DeletionTimestamp.IsZero():
+		if current && rt.State == impv1.RuntimeGone {
+			return
+		}
+		next.State = impv1.RuntimeGone
+	case vm.Spec.RunStrategy == impv1.RunStrategyHalted:
+		if current && rt.State == impv1.RuntimeStopped {
+			return
+		}
+		next.State, next.FinishedAt = impv1.RuntimeStopped, &now
+	case st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed:
+		return
+	case !current:
+		next.State, next.StartedAt, next.GuestReady = impv1.RuntimeRunning, &now, true
+	case rt.State == impv1.RuntimeRunning && a.exit != nil:
+		code := a.exit(vm)
+		if code == nil {
+			return
+		}
+		next = *rt
+		next.State, next.FinishedAt, next.ExitCode, next.Reason = impv1.RuntimeExited, &now, code, "WorkloadExited"
+	default:
+		return
+	}
+	patch, _ := json.Marshal(map[string]any{"status": map[string]any{"runtime": next}})
+	err := a.e.c.Status().Patch(ctx, vm, client.RawPatch(types.MergePatchType, patch))
+	if err != nil && !apierrors.IsNotFound(err) && ctx.Err() == nil {
+		a.e.t.Logf("agent double: reporting %s: %v", vm.Name, err)
+	}
+}
+
+// eventually is Gomega's Eventually with the suite's defaults.
+func eventually(t *testing.T, f any, args ...any) AsyncAssertion {
+	return NewWithT(t).Eventually(f, args...).WithTimeout(60 * time.Second).WithPolling(50 * time.Millisecond)
+}
+
+func name(prefix string, i int) string { return fmt.Sprintf("%s-%03d", prefix, i) }

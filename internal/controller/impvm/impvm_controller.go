@@ -1,0 +1,545 @@
+// Package impvm is the operator's ImpVM reconciler: it resolves a VM's class and network,
+// places it on a node with room, allocates its address, and drives its lifecycle from what the
+// node's agent reports (restarts with back-off, halting, node loss, expiry, deletion).
+package impvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/ipam"
+	"github.com/syscode-labs/imp/internal/placement"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch;update;patch;delete
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms/finalizers,verbs=update
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmclasses;impnodes,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impnetworks,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impipaddresses,verbs=get;list;watch;create;delete
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
+// +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+
+// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
+type EventRecorder interface {
+	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
+}
+
+// Options tune the reconciler.
+type Options struct {
+	// NodeLostGracePeriod is how long a VM's node may be NotReady before the VM is considered
+	// lost and, if its runStrategy says so, placed again.
+	NodeLostGracePeriod time.Duration
+	// RestartBackoffBase and RestartBackoffMax bound the delay before a restart: base doubles
+	// with each restart, up to max; a run that lasted 10 minutes resets it to base.
+	RestartBackoffBase, RestartBackoffMax time.Duration
+	// DeletionTimeout is how long deletion waits for the node's agent to confirm the VM is gone
+	// before releasing the VM's address without it (with a Warning Event).
+	DeletionTimeout time.Duration
+}
+
+// DefaultOptions are the operator's defaults.
+func DefaultOptions() Options {
+	return Options{
+		NodeLostGracePeriod: 5 * time.Minute,
+		RestartBackoffBase:  10 * time.Second,
+		RestartBackoffMax:   5 * time.Minute,
+		DeletionTimeout:     5 * time.Minute,
+	}
+}
+
+// Reconciler reconciles ImpVMs.
+type Reconciler struct {
+	Client    client.Client
+	APIReader client.Reader // uncached reads, for the ledger's first load
+	Scheme    *runtime.Scheme
+	Recorder  EventRecorder
+	Clock     clock.PassiveClock
+	Ledger    *placement.Ledger
+	IPAM      *ipam.Allocator
+	Options   Options
+
+	ledgerOnce  sync.Mutex
+	ledgerReady bool
+	freed       chan struct{} // capacity or addresses were released: retry unplaced VMs
+}
+
+// scope carries what one reconcile learned, for the status computation.
+type scope struct {
+	vm             *impv1.ImpVM
+	oldPhase       impv1.VMPhase
+	oldSchedReason string
+	schedReason    string // why the VM is not placed
+	schedMsg       string
+	nodeLost       bool
+	requeue        time.Duration
+}
+
+func (s *scope) requeueAfter(d time.Duration) {
+	if d > 0 && (s.requeue == 0 || d < s.requeue) {
+		s.requeue = d
+	}
+}
+
+// Reconcile moves one ImpVM towards what its spec asks.
+func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, reterr error) {
+	vm := &impv1.ImpVM{}
+	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if err := r.loadLedger(ctx); err != nil {
+		return ctrl.Result{}, err
+	}
+	if !vm.DeletionTimestamp.IsZero() {
+		return r.reconcileDelete(ctx, vm)
+	}
+	if !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) {
+		orig := vm.DeepCopy()
+		controllerutil.AddFinalizer(vm, impv1.VMFinalizer)
+		if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+			return ctrl.Result{}, fmt.Errorf("adding finalizer: %w", err)
+		}
+	}
+
+	orig := vm.DeepCopy()
+	s := &scope{vm: vm, oldPhase: vm.Status.Phase}
+	if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ScheduledCondition); c != nil && c.Status == metav1.ConditionFalse {
+		s.oldSchedReason = c.Reason
+	}
+	defer func() {
+		computeStatus(s, r.Clock.Now())
+		if reterr == nil {
+			vm.Status.ObservedGeneration = vm.Generation
+		}
+		if err := r.patchStatus(ctx, orig, vm); err != nil {
+			reterr = errors.Join(reterr, err)
+			return
+		}
+		r.recordTransition(s)
+	}()
+
+	for _, phase := range []func(context.Context, *scope) error{
+		r.reconcileExpiry,
+		r.reconcilePlacement,
+		r.reconcileRuns,
+	} {
+		if err := phase(ctx, s); err != nil {
+			return ctrl.Result{}, err
+		}
+		if !vm.DeletionTimestamp.IsZero() {
+			break
+		}
+	}
+	return ctrl.Result{RequeueAfter: s.requeue}, nil
+}
+
+func (r *Reconciler) patchStatus(ctx context.Context, orig, vm *impv1.ImpVM) error {
+	if equality.Semantic.DeepEqual(orig.Status, vm.Status) {
+		return nil
+	}
+	// A merge patch of the fields this reconcile changed: the agent's status.runtime is left
+	// alone unless the operator changed it, which it never does.
+	if err := r.Client.Status().Patch(ctx, vm, client.MergeFrom(orig)); err != nil {
+		if vm.Status.NodeName != orig.Status.NodeName && vm.Status.NodeName != "" {
+			// The placement did not commit; the ledger keeps the VM's hold so the retry makes
+			// the same decision.
+			return fmt.Errorf("committing placement on node %s: %w", vm.Status.NodeName, err)
+		}
+		return fmt.Errorf("patching status: %w", client.IgnoreNotFound(err))
+	}
+	return nil
+}
+
+// loadLedger fills the ledger, once, with every placed VM in the API: before its first
+// decision the operator must know what earlier decisions (its own before a restart, or a
+// previous leader's) hold.
+func (r *Reconciler) loadLedger(ctx context.Context) error {
+	r.ledgerOnce.Lock()
+	defer r.ledgerOnce.Unlock()
+	if r.ledgerReady {
+		return nil
+	}
+	var list impv1.ImpVMList
+	if err := r.APIReader.List(ctx, &list); err != nil {
+		return fmt.Errorf("loading placed VMs into the ledger: %w", err)
+	}
+	for i := range list.Items {
+		r.holdIfPlaced(&list.Items[i])
+	}
+	r.ledgerReady = true
+	log.FromContext(ctx).Info("placement ledger loaded", "vms", len(list.Items))
+	return nil
+}
+
+// holdIfPlaced records what a VM holds on its node, if it is placed and may run.
+func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
+	if vm.Status.NodeName == "" || vm.Status.Resources == nil || isTerminal(vm.Status.Phase) {
+		return
+	}
+	res := vm.Status.Resources
+	r.Ledger.Hold(vm.UID, vm.Status.NodeName, int64(res.VCPUs), res.Memory.Value())
+}
+
+func isTerminal(p impv1.VMPhase) bool { return p == impv1.VMSucceeded || p == impv1.VMFailed }
+
+func (r *Reconciler) reconcileExpiry(ctx context.Context, s *scope) error {
+	vm := s.vm
+	if vm.Spec.ExpireAfter == nil {
+		return nil
+	}
+	left := vm.CreationTimestamp.Add(vm.Spec.ExpireAfter.Duration).Sub(r.Clock.Now())
+	if left > 0 {
+		s.requeueAfter(left)
+		return nil
+	}
+	r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Expired", "Delete", "VM existed for its expireAfter of %s; deleting it", vm.Spec.ExpireAfter.Duration)
+	if err := r.Client.Delete(ctx, vm); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("deleting expired VM: %w", err)
+	}
+	now := r.metaNow()
+	vm.DeletionTimestamp = &now // stop the other phases; the next reconcile handles deletion
+	return nil
+}
+
+func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
+	vm := s.vm
+	if isTerminal(vm.Status.Phase) {
+		return nil
+	}
+	if vm.Status.NodeName != "" {
+		return r.checkNode(ctx, s)
+	}
+	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
+		return nil // a halted VM holds no node until it is asked to run
+	}
+
+	// Class.
+	var class *impv1.ImpVMClassSpec
+	if ref := vm.Spec.ClassRef; ref != nil {
+		c := &impv1.ImpVMClass{}
+		if err := r.Client.Get(ctx, types.NamespacedName{Name: ref.Name}, c); err != nil {
+			if apierrors.IsNotFound(err) {
+				s.schedReason, s.schedMsg = impv1.ReasonClassNotFound, fmt.Sprintf("ImpVMClass %q does not exist", ref.Name)
+				return nil
+			}
+			return fmt.Errorf("getting ImpVMClass %s: %w", ref.Name, err)
+		}
+		class = &c.Spec
+	}
+	res, err := impv1.ResolveResources(&vm.Spec, class)
+	if err != nil {
+		s.schedReason, s.schedMsg = impv1.ReasonInvalidSpec, err.Error()
+		return reconcile.TerminalError(err)
+	}
+	for k, v := range vm.Spec.NodeSelector {
+		if errs := append(validation.IsQualifiedName(k), validation.IsValidLabelValue(v)...); len(errs) > 0 {
+			s.schedReason, s.schedMsg = impv1.ReasonInvalidSpec, fmt.Sprintf("nodeSelector %s=%s: %v", k, v, errs)
+			return reconcile.TerminalError(errors.New(s.schedMsg))
+		}
+	}
+
+	// Network.
+	var net *impv1.ImpNetwork
+	if ref := vm.Spec.NetworkRef; ref != nil {
+		net = &impv1.ImpNetwork{}
+		if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, net); err != nil {
+			if apierrors.IsNotFound(err) {
+				s.schedReason, s.schedMsg = impv1.ReasonNetworkNotFound, fmt.Sprintf("ImpNetwork %q does not exist in namespace %s", ref.Name, vm.Namespace)
+				return nil
+			}
+			return fmt.Errorf("getting ImpNetwork %s: %w", ref.Name, err)
+		}
+	}
+
+	// Node.
+	nodes, err := r.candidates(ctx)
+	if err != nil {
+		return err
+	}
+	start := r.Clock.Now()
+	node, err := r.Ledger.Place(vm.UID, placement.Request{
+		VCPUs:       int64(res.VCPUs),
+		MemoryBytes: res.Memory.Value(),
+		VMM:         res.VMM,
+		Labels:      vm.Spec.RequiredNodeLabels(),
+		Tolerations: vm.Spec.Tolerations,
+	}, nodes)
+	var unsched *placement.Unschedulable
+	if errors.As(err, &unsched) {
+		s.schedReason, s.schedMsg = impv1.ReasonNoNodeAvailable, unsched.Message
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("placing: %w", err)
+	}
+
+	// Address.
+	var addr netip.Addr
+	if net != nil {
+		addr, err = r.IPAM.Allocate(ctx, net, vm)
+		if err != nil {
+			r.Ledger.Release(vm.UID)
+			if errors.Is(err, ipam.ErrExhausted) {
+				s.schedReason, s.schedMsg = impv1.ReasonNetworkExhausted, fmt.Sprintf("ImpNetwork %s (%s) has no free address", net.Name, net.Spec.CIDR)
+				return nil
+			}
+			return fmt.Errorf("allocating an address on %s: %w", net.Name, err)
+		}
+	}
+
+	vm.Status.NodeName = node
+	vm.Status.Resources = &res
+	vm.Status.Instance++
+	if addr.IsValid() {
+		vm.Status.IP = addr.String()
+		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "IPAllocated", "Allocate", "Allocated %s on ImpNetwork %s", addr, net.Name)
+	}
+	placementLatency.Observe(r.Clock.Since(firstSeen(vm, start)).Seconds())
+	r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory)", node, res.VCPUs, res.Memory.String())
+	log.FromContext(ctx).V(1).Info("placed", "node", klog.KRef("", node), "instance", vm.Status.Instance)
+	return nil
+}
+
+// firstSeen is when the VM was created, or start when its second-precision creation time is
+// later than that (clock skew).
+func firstSeen(vm *impv1.ImpVM, start time.Time) time.Time {
+	if c := vm.CreationTimestamp.Time; !c.IsZero() && c.Before(start) {
+		return c
+	}
+	return start
+}
+
+// candidates lists every node with its agent's report.
+func (r *Reconciler) candidates(ctx context.Context) ([]placement.Node, error) {
+	var nodes corev1.NodeList
+	if err := r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, fmt.Errorf("listing nodes: %w", err)
+	}
+	var reports impv1.ImpNodeList
+	if err := r.Client.List(ctx, &reports, client.UnsafeDisableDeepCopy); err != nil {
+		return nil, fmt.Errorf("listing ImpNodes: %w", err)
+	}
+	byName := make(map[string]*impv1.ImpNode, len(reports.Items))
+	for i := range reports.Items {
+		byName[reports.Items[i].Name] = &reports.Items[i]
+	}
+	out := make([]placement.Node, 0, len(nodes.Items))
+	for i := range nodes.Items {
+		out = append(out, placement.Node{Node: &nodes.Items[i], Report: byName[nodes.Items[i].Name]})
+	}
+	return out, nil
+}
+
+// checkNode handles a placed VM whose node is gone or NotReady beyond the grace period.
+func (r *Reconciler) checkNode(ctx context.Context, s *scope) error {
+	vm := s.vm
+	node := &corev1.Node{}
+	err := r.Client.Get(ctx, types.NamespacedName{Name: vm.Status.NodeName}, node)
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("getting node %s: %w", vm.Status.NodeName, err)
+	}
+	var why string
+	if apierrors.IsNotFound(err) {
+		why = "was deleted"
+	} else {
+		ready := readyCondition(node)
+		if ready == nil || ready.Status != corev1.ConditionTrue {
+			since := node.CreationTimestamp.Time
+			if ready != nil {
+				since = ready.LastTransitionTime.Time
+			}
+			left := since.Add(r.Options.NodeLostGracePeriod).Sub(r.Clock.Now())
+			if left > 0 {
+				s.requeueAfter(left)
+				r.holdIfPlaced(vm)
+				return nil
+			}
+			why = fmt.Sprintf("has not been Ready for %s", r.Options.NodeLostGracePeriod)
+		}
+	}
+	if why == "" {
+		r.holdIfPlaced(vm)
+		return nil
+	}
+
+	// The VM leaves its node. The old node's agent must not run it again: an agent runs only
+	// VMs whose status.nodeName is its own node, and only their current instance.
+	old := vm.Status.NodeName
+	s.nodeLost = true
+	vm.Status.NodeName = ""
+	vm.Status.NextRestartAt = nil
+	r.Ledger.Release(vm.UID)
+	r.signalFreed()
+	if vm.Spec.RunStrategy == impv1.RunStrategyOnce {
+		vm.Status.Phase = impv1.VMFailed
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeLost", "Fail", "Node %s %s; runStrategy Once does not run the VM again", old, why)
+		return nil
+	}
+	// A new instance elsewhere (Always, RerunOnFailure), or none until asked (Halted).
+	r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeLost", "Reschedule", "Node %s %s; placing the VM again", old, why)
+	return nil
+}
+
+func readyCondition(n *corev1.Node) *corev1.NodeCondition {
+	for i := range n.Status.Conditions {
+		if n.Status.Conditions[i].Type == corev1.NodeReady {
+			return &n.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// currentRun returns the agent's report when it is about the VM's current instance and run.
+func currentRun(vm *impv1.ImpVM) *impv1.RuntimeStatus {
+	rt := vm.Status.Runtime
+	if rt == nil || rt.Instance != vm.Status.Instance || rt.Run != vm.Status.RestartCount {
+		return nil
+	}
+	return rt
+}
+
+// reconcileRuns applies the runStrategy to a run that exited.
+func (r *Reconciler) reconcileRuns(_ context.Context, s *scope) error {
+	vm := s.vm
+	rt := currentRun(vm)
+	if vm.Status.NodeName == "" || isTerminal(vm.Status.Phase) || rt == nil || rt.State != impv1.RuntimeExited {
+		return nil
+	}
+	failed := rt.ExitCode == nil || *rt.ExitCode != 0
+	restart := false
+	switch vm.Spec.RunStrategy {
+	case impv1.RunStrategyAlways:
+		restart = true
+	case impv1.RunStrategyRerunOnFailure:
+		restart = failed
+	}
+	if !restart {
+		if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
+			return nil // stopped on purpose; stays placed
+		}
+		vm.Status.Phase = impv1.VMSucceeded
+		if failed {
+			vm.Status.Phase = impv1.VMFailed
+		}
+		r.Ledger.Release(vm.UID)
+		r.signalFreed()
+		return nil
+	}
+	delay := restartDelay(vm.Status.RestartCount, rt, r.Options)
+	at := r.Clock.Now()
+	if rt.FinishedAt != nil {
+		at = rt.FinishedAt.Add(delay)
+	}
+	if left := at.Sub(r.Clock.Now()); left > 0 {
+		t := r.metaTime(at)
+		vm.Status.NextRestartAt = &t
+		s.requeueAfter(left)
+		return nil
+	}
+	vm.Status.NextRestartAt = nil
+	vm.Status.RestartCount++
+	r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Restarting", "Restart", "Restarting (restart %d) after the workload exited: %s", vm.Status.RestartCount, exitText(rt))
+	return nil
+}
+
+// restartDelay is the back-off before restart number restarts+1: base·2^restarts up to max,
+// or base after a run that lasted ten minutes.
+func restartDelay(restarts int32, rt *impv1.RuntimeStatus, o Options) time.Duration {
+	if rt.StartedAt != nil && rt.FinishedAt != nil && rt.FinishedAt.Sub(rt.StartedAt.Time) >= 10*time.Minute {
+		return o.RestartBackoffBase
+	}
+	d := o.RestartBackoffBase
+	for i := int32(0); i < restarts && d < o.RestartBackoffMax; i++ {
+		d *= 2
+	}
+	return min(d, o.RestartBackoffMax)
+}
+
+func exitText(rt *impv1.RuntimeStatus) string {
+	switch {
+	case rt.ExitCode != nil:
+		return fmt.Sprintf("exit code %d", *rt.ExitCode)
+	case rt.Reason != "":
+		return rt.Reason
+	}
+	return "no exit code"
+}
+
+// reconcileDelete waits for the node's agent to confirm the VM is gone, then releases the
+// VM's address and node and lets the API server delete it.
+func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
+	if !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) {
+		return ctrl.Result{}, nil
+	}
+	if node := vm.Status.NodeName; node != "" && !agentConfirmedGone(vm) {
+		err := r.Client.Get(ctx, types.NamespacedName{Name: node}, &corev1.Node{})
+		switch {
+		case apierrors.IsNotFound(err):
+			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeGone", "Delete", "Node %s no longer exists; releasing the VM without its agent's confirmation", node)
+		case err != nil:
+			return ctrl.Result{}, fmt.Errorf("getting node %s: %w", node, err)
+		default:
+			left := vm.DeletionTimestamp.Add(r.Options.DeletionTimeout).Sub(r.Clock.Now())
+			if left > 0 {
+				if vm.Status.Phase != impv1.VMStopping {
+					orig := vm.DeepCopy()
+					vm.Status.Phase = impv1.VMStopping
+					if err := r.patchStatus(ctx, orig, vm); err != nil {
+						return ctrl.Result{}, err
+					}
+				}
+				return ctrl.Result{RequeueAfter: left}, nil
+			}
+			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "DeletionTimeout", "Delete",
+				"The agent of node %s did not confirm within %s that the VM is gone; releasing its address. The agent removes the VM when it sees the ImpVM is gone.",
+				node, r.Options.DeletionTimeout)
+		}
+	}
+	if err := r.IPAM.Release(ctx, vm); err != nil {
+		return ctrl.Result{}, err
+	}
+	r.Ledger.Release(vm.UID)
+	orig := vm.DeepCopy()
+	controllerutil.RemoveFinalizer(vm, impv1.VMFinalizer)
+	if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		return ctrl.Result{}, fmt.Errorf("removing finalizer: %w", client.IgnoreNotFound(err))
+	}
+	r.signalFreed()
+	return ctrl.Result{}, nil
+}
+
+// agentConfirmedGone: the node's agent removed the VM's VMM, disks and state (any instance: a
+// deletion removes them all).
+func agentConfirmedGone(vm *impv1.ImpVM) bool {
+	rt := vm.Status.Runtime
+	return rt != nil && rt.Instance == vm.Status.Instance && rt.State == impv1.RuntimeGone
+}
+
+// signalFreed asks for the unplaced VMs to be tried again; signals coalesce.
+func (r *Reconciler) signalFreed() {
+	select {
+	case r.freed <- struct{}{}:
+	default:
+	}
+}

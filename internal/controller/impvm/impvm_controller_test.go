@@ -1,0 +1,509 @@
+package impvm_test
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// parallel runs f(i) for i in [0, n) on workers goroutines.
+func parallel(n, workers int, f func(i int)) {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				f(i)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// TestPlacementNeverOverbooks creates 200 VMs at once over 5 nodes that can hold 60 of them
+// and checks that no node holds more than its agent reported.
+func TestPlacementNeverOverbooks(t *testing.T) {
+	e := newEnv(t)
+	caps := map[string][2]int64{} // node → vcpus, memory
+	for i, c := range [][2]int64{{8, 4}, {4, 8}, {16, 16}, {2, 64}, {8, 2}} {
+		n := e.node(name("n", i), int32(c[0]), c[1])
+		caps[n.Name] = [2]int64{c[0], c[1] * gi}
+	}
+	e.startOperator()
+	const total = 200
+	parallel(total, 20, func(i int) {
+		if err := e.c.Create(context.Background(), e.vm(name("vm", i), 1, "512Mi")); err != nil {
+			t.Errorf("creating: %v", err)
+		}
+	})
+	// Every VM gets a decision.
+	eventually(t, func() int {
+		decided := 0
+		for _, vm := range e.list() {
+			if scheduled(&vm) != "" {
+				decided++
+			}
+		}
+		return decided
+	}).Should(Equal(total))
+
+	used := map[string][2]int64{}
+	placed := 0
+	for _, vm := range e.list() {
+		switch scheduled(&vm) {
+		case "True":
+			placed++
+			u := used[vm.Status.NodeName]
+			u[0] += int64(vm.Status.Resources.VCPUs)
+			u[1] += vm.Status.Resources.Memory.Value()
+			used[vm.Status.NodeName] = u
+		case impv1.ReasonNoNodeAvailable:
+		default:
+			t.Errorf("VM %s: unexpected Scheduled reason %q", vm.Name, scheduled(&vm))
+		}
+	}
+	want := 0
+	for n, c := range caps {
+		if used[n][0] > c[0] || used[n][1] > c[1] {
+			t.Errorf("node %s overbooked: holds %d vCPUs, %d bytes; reported %d vCPUs, %d bytes", n, used[n][0], used[n][1], c[0], c[1])
+		}
+		want += int(min(c[0], c[1]/(gi/2)))
+	}
+	if placed != want {
+		t.Errorf("placed %d VMs, want %d (every node filled)", placed, want)
+	}
+	unplaced := e.get(name("vm", 0))
+	for _, vm := range e.list() {
+		if scheduled(&vm) != "True" {
+			unplaced = &vm
+			break
+		}
+	}
+	if c := condition(unplaced, impv1.ScheduledCondition); c == nil || c.Message == "" || c.Reason != impv1.ReasonNoNodeAvailable {
+		t.Errorf("an unplaced VM's Scheduled condition: %+v", c)
+	}
+	t.Logf("placed %d of %d; an unplaced VM says: %s", placed, total, condition(unplaced, impv1.ScheduledCondition).Message)
+
+	// Freed capacity is used: deleting a placed VM lets an unplaced one in.
+	e.startAgent(nil)
+	var victim impv1.ImpVM
+	for _, vm := range e.list() {
+		if scheduled(&vm) == "True" {
+			victim = vm
+			break
+		}
+	}
+	if err := e.c.Delete(context.Background(), &victim); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() int {
+		n := 0
+		for _, vm := range e.list() {
+			if scheduled(&vm) == "True" {
+				n++
+			}
+		}
+		return n
+	}).Should(Equal(want))
+	eventually(t, func() *impv1.ImpVM { return e.get(victim.Name) }).Should(BeNil())
+}
+
+// TestAddressesStayUniqueAcrossRestarts creates and deletes 500 VMs concurrently while the
+// operator is stopped and started twice, and checks that no two live VMs ever hold one
+// address and that nothing leaks.
+func TestAddressesStayUniqueAcrossRestarts(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	for i := 0; i < 5; i++ {
+		e.node(name("n", i), 200, 200)
+	}
+	net := &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.20.0.0/22"}}
+	e.create(net)
+	e.startAgent(nil)
+	stop := e.startOperator()
+
+	// A watcher samples the live VMs' addresses throughout.
+	var dupes atomic.Int64
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	watched := make(chan struct{})
+	t.Cleanup(func() { stopWatch(); <-watched })
+	go func() {
+		defer close(watched)
+		for watchCtx.Err() == nil {
+			holder := map[string]types.UID{}
+			for _, vm := range e.list() {
+				if vm.Status.IP == "" {
+					continue
+				}
+				if other, ok := holder[vm.Status.IP]; ok && other != vm.UID {
+					dupes.Add(1)
+					t.Errorf("address %s held by two VMs", vm.Status.IP)
+				}
+				holder[vm.Status.IP] = vm.UID
+			}
+		}
+	}()
+
+	const total = 500
+	var created atomic.Int64
+	restarts := make(chan struct{})
+	go func() {
+		defer close(restarts)
+		for _, at := range []int64{total / 3, 2 * total / 3} {
+			eventually(t, created.Load).Should(BeNumerically(">=", at))
+			stop()
+			t.Logf("operator stopped after %d creations", created.Load())
+			stop = e.startOperator()
+		}
+	}()
+	parallel(total, 16, func(i int) {
+		vm := e.vm(name("vm", i), 1, "128Mi")
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+		if err := e.c.Create(ctx, vm); err != nil {
+			t.Errorf("creating: %v", err)
+			return
+		}
+		created.Add(1)
+		if i%2 == 1 { // every other VM is deleted right away, mid-flight
+			if err := e.c.Delete(ctx, vm); err != nil && !apierrors.IsNotFound(err) {
+				t.Errorf("deleting: %v", err)
+			}
+		}
+	})
+	<-restarts
+
+	// Quiescent: the survivors hold distinct addresses, one claim each.
+	eventually(t, func() int { return len(e.list()) }).Should(Equal(total / 2))
+	eventually(t, func() int {
+		n := 0
+		for _, vm := range e.list() {
+			if vm.Status.IP != "" {
+				n++
+			}
+		}
+		return n
+	}).Should(Equal(total / 2))
+	claims := func() int {
+		var l impv1.ImpIPAddressList
+		if err := e.c.List(ctx, &l, client.InNamespace(e.ns)); err != nil {
+			t.Error(err)
+		}
+		return len(l.Items)
+	}
+	eventually(t, claims).Should(Equal(total / 2))
+	eventually(t, func() int32 {
+		n := &impv1.ImpNetwork{}
+		_ = e.c.Get(ctx, client.ObjectKeyFromObject(net), n)
+		return n.Status.Allocated
+	}).Should(Equal(int32(total / 2)))
+
+	// Everything deleted: nothing left behind.
+	parallel(total, 16, func(i int) {
+		_ = e.c.Delete(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name("vm", i)}})
+	})
+	eventually(t, func() int { return len(e.list()) }).Should(BeZero())
+	eventually(t, claims).Should(BeZero())
+	eventually(t, func() int32 {
+		n := &impv1.ImpNetwork{}
+		_ = e.c.Get(ctx, client.ObjectKeyFromObject(net), n)
+		return n.Status.Allocated + n.Status.Free
+	}).Should(Equal(int32(1021)))
+	if dupes.Load() > 0 {
+		t.Errorf("%d duplicate address sightings", dupes.Load())
+	}
+}
+
+// TestUnfitNodesGetNoVMs: cordoned, NotReady and pressured nodes, and nodes not opted in,
+// receive nothing; a node that recovers does.
+func TestUnfitNodesGetNoVMs(t *testing.T) {
+	e := newEnv(t)
+	cordoned := e.node("cordoned", 8, 8, func(n *corev1.Node) { n.Spec.Unschedulable = true })
+	e.node("pressure", 8, 8, withCondition(corev1.NodeMemoryPressure, corev1.ConditionTrue))
+	e.node("disk", 8, 8, withCondition(corev1.NodeDiskPressure, corev1.ConditionTrue))
+	e.node("optout", 8, 8, func(n *corev1.Node) { n.Labels[impv1.NodeEnabledLabel] = "false" })
+	e.node("tainted", 8, 8, func(n *corev1.Node) {
+		n.Spec.Taints = []corev1.Taint{{Key: "dedicated", Value: "db", Effect: corev1.TaintEffectNoSchedule}}
+	})
+	e.startOperator()
+	e.create(e.vm("a", 1, "256Mi"))
+	eventually(t, func() string { return scheduled(e.get("a")) }).Should(Equal(impv1.ReasonNoNodeAvailable))
+	msg := condition(e.get("a"), impv1.ScheduledCondition).Message
+	for _, want := range []string{"0/", "1 are unschedulable", "1 have MemoryPressure", "1 have DiskPressure", "1 have a taint the VM does not tolerate", "do not match the VM's node selector"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("Scheduled message %q lacks %q", msg, want)
+		}
+	}
+	eventually(t, e.events).Should(HaveKey("Unschedulable"))
+
+	// Uncordoning the node lets the waiting VM in, without any change to the VM.
+	orig := cordoned.DeepCopy()
+	cordoned.Spec.Unschedulable = false
+	if err := e.c.Patch(context.Background(), cordoned, client.MergeFrom(orig)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("a").Status.NodeName }).Should(Equal(cordoned.Name))
+
+	// A VM tolerating the taint may go to the tainted node; the pressured one still gets none.
+	b := e.vm("b", 1, "256Mi")
+	b.Spec.Tolerations = []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpEqual, Value: "db", Effect: corev1.TaintEffectNoSchedule}}
+	b.Spec.NodeSelector["imp.test/only"] = "tainted"
+	e.create(b)
+	eventually(t, func() string { return scheduled(e.get("b")) }).Should(Equal(impv1.ReasonNoNodeAvailable))
+	tainted := &corev1.Node{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Name: e.ns + "-tainted"}, tainted); err != nil {
+		t.Fatal(err)
+	}
+	orig = tainted.DeepCopy()
+	tainted.Labels["imp.test/only"] = "tainted"
+	if err := e.c.Patch(context.Background(), tainted, client.MergeFrom(orig)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("b").Status.NodeName }).Should(Equal(tainted.Name))
+}
+
+// TestMissingClassAndNetworkRecover: a VM naming a class or network that does not exist says
+// so, and is placed once they are created.
+func TestMissingClassAndNetworkRecover(t *testing.T) {
+	e := newEnv(t)
+	e.node("n", 8, 8)
+	e.startOperator()
+	className := e.ns + "-small"
+	vm := e.vm("a", 1, "256Mi")
+	vm.Spec.Resources = nil
+	vm.Spec.ClassRef = &impv1.ClassReference{Name: className}
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	e.create(vm)
+	eventually(t, func() string { return scheduled(e.get("a")) }).Should(Equal(impv1.ReasonClassNotFound))
+	if msg := condition(e.get("a"), impv1.ScheduledCondition).Message; !strings.Contains(msg, className) {
+		t.Errorf("ClassNotFound message %q does not name the class", msg)
+	}
+
+	class := &impv1.ImpVMClass{ObjectMeta: metav1.ObjectMeta{Name: className}, Spec: impv1.ImpVMClassSpec{VCPUs: 2, Memory: resource.MustParse("512Mi")}}
+	e.create(class)
+	t.Cleanup(func() { _ = e.c.Delete(context.Background(), class) })
+	eventually(t, func() string { return scheduled(e.get("a")) }).Should(Equal(impv1.ReasonNetworkNotFound))
+
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.30.0.0/29"}})
+	eventually(t, func() string { return scheduled(e.get("a")) }).Should(Equal("True"))
+	got := e.get("a")
+	if got.Status.IP != "10.30.0.2" || got.Status.Resources.VCPUs != 2 || got.Status.Resources.Memory.String() != "512Mi" {
+		t.Errorf("placed with ip %s, resources %+v; want 10.30.0.2 (after the gateway), 2 vCPUs, 512Mi", got.Status.IP, got.Status.Resources)
+	}
+	ev := e.events()
+	for _, r := range []string{"Unschedulable", "Scheduled", "IPAllocated"} {
+		if ev[r] == 0 {
+			t.Errorf("no %s Event; events: %v", r, ev)
+		}
+	}
+}
+
+// TestNetworkExhaustion: a full network is a condition and an Event; a freed address is reused.
+func TestNetworkExhaustion(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.node("n", 8, 8)
+	e.startAgent(nil)
+	e.startOperator()
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tiny"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.40.0.0/30"}})
+	for _, n := range []string{"a", "b"} {
+		vm := e.vm(n, 1, "256Mi")
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "tiny"}
+		e.create(vm)
+		if n == "a" {
+			eventually(t, func() string { return e.get("a").Status.IP }).Should(Equal("10.40.0.2"))
+		}
+	}
+	eventually(t, func() string { return scheduled(e.get("b")) }).Should(Equal(impv1.ReasonNetworkExhausted))
+	eventually(t, func() string {
+		n := &impv1.ImpNetwork{}
+		_ = e.c.Get(ctx, types.NamespacedName{Namespace: e.ns, Name: "tiny"}, n)
+		if c := findCond(n.Status.Conditions, impv1.NetworkReadyCondition); c != nil {
+			return c.Reason
+		}
+		return ""
+	}).Should(Equal(impv1.ReasonAddressesExhausted))
+
+	if err := e.c.Delete(ctx, e.get("a")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("b").Status.IP }).Should(Equal("10.40.0.2"))
+}
+
+func findCond(cs []metav1.Condition, t string) *metav1.Condition {
+	for i := range cs {
+		if cs[i].Type == t {
+			return &cs[i]
+		}
+	}
+	return nil
+}
+
+// TestRunStrategies drives each runStrategy through a workload exit reported by the agent.
+func TestRunStrategies(t *testing.T) {
+	e := newEnv(t)
+	e.node("n", 16, 16)
+	codes := map[string]int32{"always": 0, "rerun-ok": 0, "rerun-fail": 3, "once-fail": 1}
+	e.startAgent(func(vm *impv1.ImpVM) *int32 {
+		c, ok := codes[vm.Name]
+		if !ok {
+			return nil
+		}
+		return &c
+	})
+	e.startOperator()
+	for n, s := range map[string]impv1.RunStrategy{
+		"always": impv1.RunStrategyAlways, "rerun-ok": impv1.RunStrategyRerunOnFailure,
+		"rerun-fail": impv1.RunStrategyRerunOnFailure, "once-fail": impv1.RunStrategyOnce, "halt": impv1.RunStrategyAlways,
+	} {
+		vm := e.vm(n, 1, "256Mi")
+		vm.Spec.RunStrategy = s
+		e.create(vm)
+	}
+	phase := func(n string) func() impv1.VMPhase { return func() impv1.VMPhase { return e.get(n).Status.Phase } }
+	restarts := func(n string) func() int32 { return func() int32 { return e.get(n).Status.RestartCount } }
+
+	eventually(t, restarts("always")).Should(BeNumerically(">=", 3))
+	eventually(t, restarts("rerun-fail")).Should(BeNumerically(">=", 2))
+	eventually(t, phase("rerun-ok")).Should(Equal(impv1.VMSucceeded))
+	eventually(t, phase("once-fail")).Should(Equal(impv1.VMFailed))
+	eventually(t, phase("halt")).Should(Equal(impv1.VMRunning))
+	if c := condition(e.get("halt"), impv1.ReadyCondition); c == nil || c.Status != metav1.ConditionTrue || c.Reason != impv1.ReasonGuestReady {
+		t.Errorf("running VM's Ready condition: %+v", c)
+	}
+	if e.get("rerun-ok").Status.RestartCount != 0 || e.get("once-fail").Status.RestartCount != 0 {
+		t.Error("a VM that must not restart was restarted")
+	}
+
+	// Halting a running VM stops it and keeps it stopped.
+	halt := e.get("halt")
+	orig := halt.DeepCopy()
+	halt.Spec.RunStrategy = impv1.RunStrategyHalted
+	if err := e.c.Patch(context.Background(), halt, client.MergeFrom(orig)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, phase("halt")).Should(Equal(impv1.VMStopped))
+	if c := condition(e.get("halt"), impv1.ReadyCondition); c.Reason != impv1.ReasonHalted {
+		t.Errorf("halted VM's Ready reason %q", c.Reason)
+	}
+	ev := e.events()
+	for _, r := range []string{"Scheduled", "Started", "Restarting", "Succeeded", "Failed", "Stopped"} {
+		if ev[r] == 0 {
+			t.Errorf("no %s Event; events: %v", r, ev)
+		}
+	}
+}
+
+// TestBackoffGrows: restart delays double and show in status.
+func TestBackoffGrows(t *testing.T) {
+	e := newEnv(t)
+	e.opts.VM.RestartBackoffBase = 300 * time.Millisecond
+	e.opts.VM.RestartBackoffMax = 10 * time.Second
+	e.node("n", 4, 4)
+	e.startAgent(func(*impv1.ImpVM) *int32 { return ptr.To[int32](1) })
+	e.startOperator()
+	e.create(e.vm("crash", 1, "256Mi"))
+	// Restart k waits 300ms·2^(k-1): the 4th restart comes after 300+600+1200 ms of waiting;
+	// status shows the pending restart with its reason.
+	eventually(t, func() string {
+		vm := e.get("crash")
+		if vm.Status.NextRestartAt == nil {
+			return ""
+		}
+		return condition(vm, impv1.ReadyCondition).Reason
+	}).Should(Equal(impv1.ReasonBackoff))
+	eventually(t, func() int32 { return e.get("crash").Status.RestartCount }).Should(BeNumerically(">=", 4))
+}
+
+// TestNodeLost: a VM whose node disappears is placed again as a new instance (Always) or
+// fails (Once).
+func TestNodeLost(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	doomed := e.node("doomed", 4, 4)
+	e.startAgent(nil)
+	e.startOperator()
+	again, once := e.vm("again", 1, "256Mi"), e.vm("once", 1, "256Mi")
+	once.Spec.RunStrategy = impv1.RunStrategyOnce
+	e.create(again, once)
+	for _, n := range []string{"again", "once"} {
+		eventually(t, func() impv1.VMPhase { return e.get(n).Status.Phase }).Should(Equal(impv1.VMRunning))
+	}
+	spare := e.node("spare", 4, 4)
+
+	// NotReady, then past the grace period.
+	orig := doomed.DeepCopy()
+	doomed.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionFalse, Reason: "KubeletStopped", LastTransitionTime: metav1.Now()}}
+	if err := e.c.Status().Patch(ctx, doomed, client.MergeFrom(orig)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("again").Status.NodeName }).Should(Equal(spare.Name))
+	got := e.get("again")
+	if got.Status.Instance != 2 {
+		t.Errorf("re-placed VM has instance %d, want 2", got.Status.Instance)
+	}
+	eventually(t, func() impv1.VMPhase { return e.get("again").Status.Phase }).Should(Equal(impv1.VMRunning))
+	eventually(t, func() impv1.VMPhase { return e.get("once").Status.Phase }).Should(Equal(impv1.VMFailed))
+	if c := condition(e.get("once"), impv1.ReadyCondition); c.Reason != impv1.ReasonNodeLost {
+		t.Errorf("lost Once VM's Ready reason %q, want NodeLost", c.Reason)
+	}
+	eventually(t, e.events).Should(HaveKey("NodeLost"))
+}
+
+// TestDeletionWaitsForTheAgent: the finalizer holds the VM until the node's agent reports it
+// gone; an address is released only then.
+func TestDeletionWaitsForTheAgent(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.node("n", 4, 4)
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.50.0.0/24"}})
+	e.startOperator()
+	vm := e.vm("a", 1, "256Mi")
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	e.create(vm)
+	eventually(t, func() string { return e.get("a").Status.IP }).ShouldNot(BeEmpty())
+	if err := e.c.Delete(ctx, e.get("a")); err != nil {
+		t.Fatal(err)
+	}
+	// No agent: the VM stays, Stopping, its address held.
+	eventually(t, func() impv1.VMPhase { return e.get("a").Status.Phase }).Should(Equal(impv1.VMStopping))
+	NewWithT(t).Consistently(func() *impv1.ImpVM { return e.get("a") }).WithTimeout(2 * time.Second).Should(Not(BeNil()))
+	var claims impv1.ImpIPAddressList
+	if err := e.c.List(ctx, &claims, client.InNamespace(e.ns)); err != nil || len(claims.Items) != 1 {
+		t.Errorf("address claims while waiting: %d, %v", len(claims.Items), err)
+	}
+	e.startAgent(nil)
+	eventually(t, func() *impv1.ImpVM { return e.get("a") }).Should(BeNil())
+	eventually(t, func() int {
+		_ = e.c.List(ctx, &claims, client.InNamespace(e.ns))
+		return len(claims.Items)
+	}).Should(BeZero())
+}
+
+// TestExpireAfter deletes a VM once it has existed for expireAfter.
+func TestExpireAfter(t *testing.T) {
+	e := newEnv(t)
+	e.node("n", 4, 4)
+	e.startAgent(nil)
+	e.startOperator()
+	vm := e.vm("short", 1, "256Mi")
+	vm.Spec.ExpireAfter = &metav1.Duration{Duration: 2 * time.Second}
+	e.create(vm)
+	eventually(t, func() *impv1.ImpVM { return e.get("short") }).Should(BeNil())
+	eventually(t, e.events).Should(HaveKey("Expired"))
+}

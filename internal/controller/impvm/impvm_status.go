@@ -1,0 +1,136 @@
+package impvm
+
+import (
+	"fmt"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// computeStatus sets phase and conditions from what this reconcile observed and decided.
+func computeStatus(s *scope, now time.Time) {
+	vm := s.vm
+	st := &vm.Status
+	gen := vm.Generation
+
+	// Scheduled.
+	switch {
+	case st.NodeName != "":
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue,
+			Reason: impv1.ReasonPlaced, Message: fmt.Sprintf("placed on node %s", st.NodeName), ObservedGeneration: gen})
+	case s.nodeLost:
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionFalse,
+			Reason: impv1.ReasonNodeLost, Message: "the VM's node was lost", ObservedGeneration: gen})
+	case s.schedReason != "":
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionFalse,
+			Reason: s.schedReason, Message: s.schedMsg, ObservedGeneration: gen})
+	case vm.Spec.RunStrategy == impv1.RunStrategyHalted && !isTerminal(st.Phase):
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionFalse,
+			Reason: impv1.ReasonHalted, Message: "runStrategy is Halted", ObservedGeneration: gen})
+	}
+
+	phase, ready, reason, msg := phaseOf(vm, now)
+	st.Phase = phase
+	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: ready,
+		Reason: reason, Message: msg, ObservedGeneration: gen})
+	if rt := currentRun(vm); rt != nil && rt.StartedAt != nil {
+		st.StartedAt = rt.StartedAt
+	}
+}
+
+// phaseOf derives the phase and the Ready condition.
+func phaseOf(vm *impv1.ImpVM, now time.Time) (impv1.VMPhase, metav1.ConditionStatus, string, string) {
+	st := &vm.Status
+	f := metav1.ConditionFalse
+	if isTerminal(st.Phase) {
+		reason := impv1.ReasonExited
+		if st.NodeName == "" || meta.IsStatusConditionFalse(st.Conditions, impv1.ScheduledCondition) {
+			reason = impv1.ReasonNodeLost
+		}
+		msg := "the VM will not run again"
+		if rt := currentRun(vm); rt != nil && rt.State == impv1.RuntimeExited {
+			msg = "the workload exited: " + exitText(rt)
+		}
+		return st.Phase, f, reason, msg
+	}
+	if !vm.DeletionTimestamp.IsZero() {
+		return impv1.VMStopping, f, impv1.ReasonExited, "the VM is being deleted"
+	}
+	halted := vm.Spec.RunStrategy == impv1.RunStrategyHalted
+	if st.NodeName == "" {
+		if halted {
+			return impv1.VMStopped, f, impv1.ReasonHalted, "runStrategy is Halted"
+		}
+		return impv1.VMPending, f, impv1.ReasonNotScheduled, "waiting for a node"
+	}
+	rt := currentRun(vm)
+	if halted {
+		if rt == nil || rt.State == impv1.RuntimeStopped || rt.State == impv1.RuntimeExited {
+			return impv1.VMStopped, f, impv1.ReasonHalted, "runStrategy is Halted"
+		}
+		return impv1.VMStopping, f, impv1.ReasonHalted, "stopping: runStrategy is Halted"
+	}
+	if rt == nil {
+		if st.RestartCount == 0 {
+			return impv1.VMScheduled, f, impv1.ReasonStarting, fmt.Sprintf("waiting for node %s to start the VM", st.NodeName)
+		}
+		return impv1.VMStarting, f, impv1.ReasonStarting, fmt.Sprintf("waiting for node %s to restart the VM", st.NodeName)
+	}
+	switch rt.State {
+	case impv1.RuntimeStarting:
+		return impv1.VMStarting, f, impv1.ReasonStarting, rt.Message
+	case impv1.RuntimeRunning:
+		if rt.GuestReady {
+			return impv1.VMRunning, metav1.ConditionTrue, impv1.ReasonGuestReady, "the guest reported ready"
+		}
+		return impv1.VMRunning, f, impv1.ReasonGuestNotReady, "the guest has not reported ready yet"
+	case impv1.RuntimeExited:
+		msg := "the workload exited: " + exitText(rt)
+		if st.NextRestartAt != nil {
+			msg += fmt.Sprintf("; restarting in %s", st.NextRestartAt.Sub(now).Round(time.Second))
+		}
+		return impv1.VMStarting, f, impv1.ReasonBackoff, msg
+	case impv1.RuntimeStopped:
+		return impv1.VMStopped, f, impv1.ReasonExited, "stopped by its node"
+	}
+	return impv1.VMStarting, f, impv1.ReasonStartFailed, rt.Message
+}
+
+// recordTransition emits the Events and metrics of what this reconcile changed.
+func (r *Reconciler) recordTransition(s *scope) {
+	vm := s.vm
+	if s.schedReason != "" {
+		placementFailures.WithLabelValues(s.schedReason).Inc()
+		if s.schedReason != s.oldSchedReason {
+			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
+		}
+	}
+	if s.oldPhase == vm.Status.Phase {
+		return
+	}
+	switch vm.Status.Phase {
+	case impv1.VMStarting:
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Starting", "Start", "Node %s is starting the VM", vm.Status.NodeName)
+	case impv1.VMRunning:
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Started", "Start", "The VM runs on node %s", vm.Status.NodeName)
+		if vm.Status.Instance == 1 && vm.Status.RestartCount == 0 {
+			createToRunning.Observe(r.Clock.Since(vm.CreationTimestamp.Time).Seconds())
+		}
+	case impv1.VMStopping:
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Stopping", "Stop", "Stopping the VM")
+	case impv1.VMStopped:
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Stopped", "Stop", "The VM is stopped")
+	case impv1.VMSucceeded:
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Succeeded", "Exit", "The VM's workload finished successfully; runStrategy %s does not restart it", vm.Spec.RunStrategy)
+	case impv1.VMFailed:
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Failed", "Exit", "The VM failed and runStrategy %s does not restart it", vm.Spec.RunStrategy)
+	}
+}
+
+func (r *Reconciler) metaNow() metav1.Time { return metav1.NewTime(r.Clock.Now()) }
+
+func (r *Reconciler) metaTime(t time.Time) metav1.Time { return metav1.NewTime(t) }

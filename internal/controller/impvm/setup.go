@@ -1,0 +1,158 @@
+package impvm
+
+import (
+	"context"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// Field indexes of the operator's ImpVM cache.
+const (
+	indexNode     = "status.nodeName"
+	indexClass    = "spec.classRef.name"
+	indexNetwork  = "spec.networkRef.name"
+	indexUnplaced = "imp.dev/unplaced"
+)
+
+// SetupWithManager registers the reconciler, its indexes and watches with mgr.
+func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, concurrency int) error {
+	idx := mgr.GetFieldIndexer()
+	for name, fn := range map[string]func(*impv1.ImpVM) []string{
+		indexNode: func(vm *impv1.ImpVM) []string { return nonEmpty(vm.Status.NodeName) },
+		indexClass: func(vm *impv1.ImpVM) []string {
+			if vm.Spec.ClassRef == nil {
+				return nil
+			}
+			return []string{vm.Spec.ClassRef.Name}
+		},
+		indexNetwork: func(vm *impv1.ImpVM) []string {
+			if vm.Spec.NetworkRef == nil {
+				return nil
+			}
+			return []string{vm.Spec.NetworkRef.Name}
+		},
+		indexUnplaced: func(vm *impv1.ImpVM) []string {
+			if vm.Status.NodeName == "" && !isTerminal(vm.Status.Phase) && vm.DeletionTimestamp.IsZero() {
+				return []string{"true"}
+			}
+			return nil
+		},
+	} {
+		if err := idx.IndexField(ctx, &impv1.ImpVM{}, name, func(o client.Object) []string { return fn(o.(*impv1.ImpVM)) }); err != nil {
+			return fmt.Errorf("indexing ImpVMs by %s: %w", name, err)
+		}
+	}
+	registerCollector(mgr.GetCache())
+	r.freed = make(chan struct{}, 1)
+	freedEvents := make(chan event.GenericEvent)
+	go func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.freed:
+				select {
+				case freedEvents <- event.GenericEvent{Object: &impv1.ImpVM{}}:
+				case <-ctx.Done():
+					return
+				}
+			}
+		}
+	}()
+
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&impv1.ImpVM{}).
+		Named("impvm").
+		WithOptions(controller.Options{MaxConcurrentReconciles: concurrency}).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(nodeChanged())).
+		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged())).
+		Watches(&impv1.ImpVMClass{}, handler.EnqueueRequestsFromMapFunc(r.forClass)).
+		Watches(&impv1.ImpNetwork{}, handler.EnqueueRequestsFromMapFunc(r.forNetwork)).
+		WatchesRawSource(source.Channel(freedEvents, handler.EnqueueRequestsFromMapFunc(r.unplaced))).
+		Complete(r)
+}
+
+func nonEmpty(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return []string{s}
+}
+
+// forNode: the VMs on the node (it may be lost) and every unplaced VM (it may fit now).
+func (r *Reconciler) forNode(ctx context.Context, o client.Object) []reconcile.Request {
+	return append(r.list(ctx, client.MatchingFields{indexNode: o.GetName()}), r.unplaced(ctx, o)...)
+}
+
+func (r *Reconciler) forClass(ctx context.Context, o client.Object) []reconcile.Request {
+	return r.list(ctx, client.MatchingFields{indexClass: o.GetName()})
+}
+
+func (r *Reconciler) forNetwork(ctx context.Context, o client.Object) []reconcile.Request {
+	return r.list(ctx, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexNetwork: o.GetName()})
+}
+
+func (r *Reconciler) unplaced(ctx context.Context, _ client.Object) []reconcile.Request {
+	return r.list(ctx, client.MatchingFields{indexUnplaced: "true"})
+}
+
+func (r *Reconciler) list(ctx context.Context, opts ...client.ListOption) []reconcile.Request {
+	var list impv1.ImpVMList
+	if err := r.Client.List(ctx, &list, opts...); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "listing VMs to reconcile")
+		return nil
+	}
+	out := make([]reconcile.Request, len(list.Items))
+	for i := range list.Items {
+		out[i] = reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])}
+	}
+	return out
+}
+
+// nodeChanged passes Node updates that can change placement: labels, taints, schedulability
+// and condition statuses; heartbeats alone do not.
+func nodeChanged() predicate.Predicate {
+	return predicate.Funcs{UpdateFunc: func(e event.UpdateEvent) bool {
+		o, n := e.ObjectOld.(*corev1.Node), e.ObjectNew.(*corev1.Node)
+		return !equality.Semantic.DeepEqual(o.Labels, n.Labels) ||
+			!equality.Semantic.DeepEqual(o.Spec.Taints, n.Spec.Taints) ||
+			o.Spec.Unschedulable != n.Spec.Unschedulable ||
+			!equality.Semantic.DeepEqual(conditionStatuses(o), conditionStatuses(n))
+	}}
+}
+
+func conditionStatuses(n *corev1.Node) map[corev1.NodeConditionType]corev1.ConditionStatus {
+	m := make(map[corev1.NodeConditionType]corev1.ConditionStatus, len(n.Status.Conditions))
+	for _, c := range n.Status.Conditions {
+		m[c.Type] = c.Status
+	}
+	return m
+}
+
+// reportChanged passes ImpNode updates other than heartbeats.
+func reportChanged() predicate.Predicate {
+	return predicate.Funcs{UpdateFunc: func(e event.UpdateEvent) bool {
+		o, n := e.ObjectOld.(*impv1.ImpNode).Status.DeepCopy(), e.ObjectNew.(*impv1.ImpNode).Status.DeepCopy()
+		o.HeartbeatTime, n.HeartbeatTime = nil, nil
+		for _, s := range []*impv1.ImpNodeStatus{o, n} {
+			for i := range s.Conditions {
+				s.Conditions[i].LastTransitionTime = metav1.Time{}
+			}
+		}
+		return !equality.Semantic.DeepEqual(o, n)
+	}}
+}

@@ -1,0 +1,60 @@
+// Package operator assembles imp-operator's reconcilers on a controller-runtime manager: the
+// shared placement ledger and address allocator, and the ImpVM and ImpNetwork reconcilers.
+package operator
+
+import (
+	"context"
+	"fmt"
+
+	"k8s.io/utils/clock"
+	ctrl "sigs.k8s.io/controller-runtime"
+
+	"github.com/syscode-labs/imp/internal/controller/impnetwork"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/ipam"
+	"github.com/syscode-labs/imp/internal/placement"
+)
+
+// Options configure the operator.
+type Options struct {
+	VM impvm.Options
+	// Concurrency is how many ImpVMs are reconciled at once.
+	Concurrency int
+	// Clock defaults to the real clock.
+	Clock clock.PassiveClock
+}
+
+// Setup adds the operator's reconcilers to mgr.
+func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
+	if o.Clock == nil {
+		o.Clock = clock.RealClock{}
+	}
+	if o.Concurrency < 1 {
+		o.Concurrency = 1
+	}
+	recorder := mgr.GetEventRecorder("imp-operator")
+	alloc := ipam.New(mgr.GetAPIReader(), mgr.GetClient(), mgr.GetScheme())
+	vms := &impvm.Reconciler{
+		Client:    mgr.GetClient(),
+		APIReader: mgr.GetAPIReader(),
+		Scheme:    mgr.GetScheme(),
+		Recorder:  recorder,
+		Clock:     o.Clock,
+		Ledger:    placement.NewLedger(),
+		IPAM:      alloc,
+		Options:   o.VM,
+	}
+	if err := vms.SetupWithManager(ctx, mgr, o.Concurrency); err != nil {
+		return fmt.Errorf("setting up the ImpVM reconciler: %w", err)
+	}
+	nets := &impnetwork.Reconciler{
+		Client:    mgr.GetClient(),
+		APIReader: mgr.GetAPIReader(),
+		Recorder:  recorder,
+		IPAM:      alloc,
+	}
+	if err := nets.SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the ImpNetwork reconciler: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,275 @@
+// Package placement decides which node an ImpVM runs on. It is pure logic over a snapshot of
+// nodes plus a Ledger of what placed VMs hold; the ImpVM reconciler feeds it and commits its
+// decisions to the API.
+//
+// A node fits a VM when it carries every required label (imp/enabled=true always among them),
+// is Ready and schedulable, has no memory, disk or PID pressure, every NoSchedule/NoExecute
+// taint is tolerated, its agent reports Ready and offers the VMM the VM asks for, and its
+// allocatable vCPUs and memory minus what the ledger says placed VMs hold cover the VM.
+// Among fitting nodes the one with the most free memory wins, then the lexically first name,
+// so that decisions are deterministic.
+package placement
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// Request is what a VM needs of a node.
+type Request struct {
+	VCPUs       int64
+	MemoryBytes int64
+	VMM         impv1.VMMKind // empty: any
+	Labels      labels.Set    // required node labels
+	Tolerations []corev1.Toleration
+}
+
+// Node is a node as placement sees it: the Node object and its agent's report (nil when the
+// node's agent never reported).
+type Node struct {
+	Node   *corev1.Node
+	Report *impv1.ImpNode
+}
+
+// Why a node does not fit, as counted in an Unschedulable message.
+const (
+	whyLabels      = "do not match the VM's node selector (imp/enabled=true is required)"
+	whyNotReady    = "are not Ready"
+	whyCordoned    = "are unschedulable"
+	whyMemPressure = "have MemoryPressure"
+	whyDiskPress   = "have DiskPressure"
+	whyPIDPressure = "have PIDPressure"
+	whyTaint       = "have a taint the VM does not tolerate"
+	whyNoAgent     = "have no ready IMP agent"
+	whyNoVMM       = "do not offer the VMM the VM asks for"
+	whyNoCPU       = "have too few free vCPUs"
+	whyNoMemory    = "have too little free memory"
+)
+
+// Fits reports whether n can take a VM asking for req, ignoring capacity, and if not, why.
+func Fits(req Request, n Node) (bool, string) {
+	node := n.Node
+	switch {
+	case !labels.SelectorFromSet(req.Labels).Matches(labels.Set(node.Labels)):
+		return false, whyLabels
+	case node.Spec.Unschedulable:
+		return false, whyCordoned
+	case nodeCondition(node, corev1.NodeReady) != corev1.ConditionTrue:
+		return false, whyNotReady
+	case nodeCondition(node, corev1.NodeMemoryPressure) == corev1.ConditionTrue:
+		return false, whyMemPressure
+	case nodeCondition(node, corev1.NodeDiskPressure) == corev1.ConditionTrue:
+		return false, whyDiskPress
+	case nodeCondition(node, corev1.NodePIDPressure) == corev1.ConditionTrue:
+		return false, whyPIDPressure
+	case !tolerates(req.Tolerations, node.Spec.Taints):
+		return false, whyTaint
+	case n.Report == nil || n.Report.Status.Allocatable == nil ||
+		!meta.IsStatusConditionTrue(n.Report.Status.Conditions, impv1.ReadyCondition):
+		return false, whyNoAgent
+	case !offers(n.Report, req.VMM):
+		return false, whyNoVMM
+	}
+	return true, ""
+}
+
+func nodeCondition(n *corev1.Node, t corev1.NodeConditionType) corev1.ConditionStatus {
+	for _, c := range n.Status.Conditions {
+		if c.Type == t {
+			return c.Status
+		}
+	}
+	return corev1.ConditionUnknown
+}
+
+// conditionTaints are the taints Kubernetes' node lifecycle controller derives from node
+// conditions and spec.unschedulable. Placement reads those conditions itself, first hand, so
+// these taints neither add to nor relax its rules (a VM tolerating memory-pressure still never
+// lands on a node under MemoryPressure).
+var conditionTaints = map[string]bool{
+	corev1.TaintNodeNotReady:           true,
+	corev1.TaintNodeUnreachable:        true,
+	corev1.TaintNodeUnschedulable:      true,
+	corev1.TaintNodeMemoryPressure:     true,
+	corev1.TaintNodeDiskPressure:       true,
+	corev1.TaintNodePIDPressure:        true,
+	corev1.TaintNodeNetworkUnavailable: true,
+}
+
+func tolerates(tols []corev1.Toleration, taints []corev1.Taint) bool {
+	for i := range taints {
+		taint := &taints[i]
+		if taint.Effect == corev1.TaintEffectPreferNoSchedule || conditionTaints[taint.Key] {
+			continue
+		}
+		ok := false
+		for j := range tols {
+			if tols[j].ToleratesTaint(klog.Background(), taint, false) {
+				ok = true
+				break
+			}
+		}
+		if !ok {
+			return false
+		}
+	}
+	return true
+}
+
+func offers(r *impv1.ImpNode, kind impv1.VMMKind) bool {
+	if len(r.Status.VMMs) == 0 {
+		return false
+	}
+	if kind == "" {
+		return true
+	}
+	for _, v := range r.Status.VMMs {
+		if v.Kind == kind {
+			return true
+		}
+	}
+	return false
+}
+
+// Unschedulable is returned when no node fits; its message counts the reasons the way
+// kube-scheduler does ("0/5 nodes are available: 2 are not Ready, 3 have too little free memory").
+type Unschedulable struct{ Message string }
+
+func (u *Unschedulable) Error() string { return u.Message }
+
+type holding struct {
+	node   string
+	vcpus  int64
+	memory int64
+}
+
+// Ledger counts what placed VMs hold on each node. It is the operator's memory of its own
+// decisions: a decision is counted the moment it is made, before the API write that commits it,
+// so that concurrent reconciles can never overbook a node; it is rebuilt from the API (every VM
+// with a node) when the operator starts.
+type Ledger struct {
+	mu    sync.Mutex
+	byVM  map[types.UID]holding
+	usage map[string]holding // per node: vcpus and memory held
+}
+
+// NewLedger returns an empty ledger.
+func NewLedger() *Ledger {
+	return &Ledger{byVM: map[types.UID]holding{}, usage: map[string]holding{}}
+}
+
+// Hold records that VM uid holds vcpus and memory on node. It is idempotent, and moves the
+// holding when the VM is now on another node.
+func (l *Ledger) Hold(uid types.UID, node string, vcpus, memory int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.hold(uid, holding{node: node, vcpus: vcpus, memory: memory})
+}
+
+func (l *Ledger) hold(uid types.UID, h holding) {
+	l.release(uid)
+	l.byVM[uid] = h
+	u := l.usage[h.node]
+	u.vcpus += h.vcpus
+	u.memory += h.memory
+	l.usage[h.node] = u
+}
+
+// Release forgets what VM uid holds.
+func (l *Ledger) Release(uid types.UID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.release(uid)
+}
+
+func (l *Ledger) release(uid types.UID) {
+	h, ok := l.byVM[uid]
+	if !ok {
+		return
+	}
+	delete(l.byVM, uid)
+	u := l.usage[h.node]
+	u.vcpus -= h.vcpus
+	u.memory -= h.memory
+	if u.vcpus == 0 && u.memory == 0 {
+		delete(l.usage, h.node)
+	} else {
+		l.usage[h.node] = u
+	}
+}
+
+// NodeOf returns the node VM uid holds resources on.
+func (l *Ledger) NodeOf(uid types.UID) (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	h, ok := l.byVM[uid]
+	return h.node, ok
+}
+
+// Used returns the vCPUs and memory (bytes) held on node.
+func (l *Ledger) Used(node string) (vcpus, memory int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	u := l.usage[node]
+	return u.vcpus, u.memory
+}
+
+// Place chooses a node for VM uid among nodes and holds req's resources there, atomically with
+// respect to every other Place. A VM that already holds a node gets that node again.
+func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if h, ok := l.byVM[uid]; ok {
+		return h.node, nil
+	}
+	why := map[string]int{}
+	best, bestFree := "", int64(-1)
+	for _, n := range nodes {
+		ok, reason := Fits(req, n)
+		if ok {
+			alloc := n.Report.Status.Allocatable
+			used := l.usage[n.Node.Name]
+			freeCPU := int64(alloc.VCPUs) - used.vcpus
+			freeMem := alloc.Memory.Value() - used.memory
+			switch {
+			case freeCPU < req.VCPUs:
+				ok, reason = false, whyNoCPU
+			case freeMem < req.MemoryBytes:
+				ok, reason = false, whyNoMemory
+			case freeMem > bestFree || (freeMem == bestFree && n.Node.Name < best):
+				best, bestFree = n.Node.Name, freeMem
+			}
+		}
+		if !ok {
+			why[reason]++
+		}
+	}
+	if best == "" {
+		return "", &Unschedulable{Message: unschedulableMessage(len(nodes), why)}
+	}
+	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes})
+	return best, nil
+}
+
+func unschedulableMessage(total int, why map[string]int) string {
+	reasons := make([]string, 0, len(why))
+	for r, n := range why {
+		reasons = append(reasons, fmt.Sprintf("%d %s", n, r))
+	}
+	sort.Strings(reasons)
+	msg := fmt.Sprintf("0/%d nodes are available", total)
+	if len(reasons) > 0 {
+		msg += ": " + strings.Join(reasons, ", ")
+	}
+	return msg
+}

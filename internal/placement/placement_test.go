@@ -1,0 +1,207 @@
+package placement
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+const gi = int64(1) << 30
+
+type nodeOpt func(*Node)
+
+func node(name string, vcpus int32, memGi int64, opts ...nodeOpt) Node {
+	n := Node{
+		Node: &corev1.Node{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{impv1.NodeEnabledLabel: "true"}},
+			Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{
+				{Type: corev1.NodeReady, Status: corev1.ConditionTrue},
+				{Type: corev1.NodeMemoryPressure, Status: corev1.ConditionFalse},
+			}},
+		},
+		Report: &impv1.ImpNode{Status: impv1.ImpNodeStatus{
+			Allocatable: &impv1.NodeResources{VCPUs: vcpus, Memory: *resource.NewQuantity(memGi*gi, resource.BinarySI)},
+			VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg"}},
+			Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue}},
+		}},
+	}
+	for _, o := range opts {
+		o(&n)
+	}
+	return n
+}
+
+func cond(t corev1.NodeConditionType, s corev1.ConditionStatus) nodeOpt {
+	return func(n *Node) {
+		for i := range n.Node.Status.Conditions {
+			if n.Node.Status.Conditions[i].Type == t {
+				n.Node.Status.Conditions[i].Status = s
+				return
+			}
+		}
+		n.Node.Status.Conditions = append(n.Node.Status.Conditions, corev1.NodeCondition{Type: t, Status: s})
+	}
+}
+
+func req(vcpus int64, memGi int64) Request {
+	return Request{VCPUs: vcpus, MemoryBytes: memGi * gi, Labels: (&impv1.ImpVMSpec{}).RequiredNodeLabels()}
+}
+
+func TestFits(t *testing.T) {
+	tests := []struct {
+		name    string
+		req     Request
+		node    Node
+		wantWhy string
+	}{
+		{name: "fits", req: req(1, 1), node: node("n", 4, 8)},
+		{name: "not opted in", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Node.Labels = nil }), wantWhy: whyLabels},
+		{name: "selector adds a label the node lacks", req: Request{Labels: (&impv1.ImpVMSpec{NodeSelector: map[string]string{"pool": "a"}}).RequiredNodeLabels()}, node: node("n", 4, 8), wantWhy: whyLabels},
+		{name: "cordoned", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Node.Spec.Unschedulable = true }), wantWhy: whyCordoned},
+		{name: "not ready", req: req(1, 1), node: node("n", 4, 8, cond(corev1.NodeReady, corev1.ConditionFalse)), wantWhy: whyNotReady},
+		{name: "ready unknown", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Node.Status.Conditions = nil }), wantWhy: whyNotReady},
+		{name: "memory pressure", req: req(1, 1), node: node("n", 4, 8, cond(corev1.NodeMemoryPressure, corev1.ConditionTrue)), wantWhy: whyMemPressure},
+		{name: "disk pressure", req: req(1, 1), node: node("n", 4, 8, cond(corev1.NodeDiskPressure, corev1.ConditionTrue)), wantWhy: whyDiskPress},
+		{name: "pid pressure", req: req(1, 1), node: node("n", 4, 8, cond(corev1.NodePIDPressure, corev1.ConditionTrue)), wantWhy: whyPIDPressure},
+		{
+			name: "untolerated taint", req: req(1, 1), wantWhy: whyTaint,
+			node: node("n", 4, 8, func(n *Node) {
+				n.Node.Spec.Taints = []corev1.Taint{{Key: "dedicated", Value: "db", Effect: corev1.TaintEffectNoSchedule}}
+			}),
+		},
+		{
+			name: "tolerated taint",
+			req: func() Request {
+				r := req(1, 1)
+				r.Tolerations = []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpEqual, Value: "db", Effect: corev1.TaintEffectNoSchedule}}
+				return r
+			}(),
+			node: node("n", 4, 8, func(n *Node) {
+				n.Node.Spec.Taints = []corev1.Taint{{Key: "dedicated", Value: "db", Effect: corev1.TaintEffectNoSchedule}}
+			}),
+		},
+		{
+			name: "PreferNoSchedule does not exclude", req: req(1, 1),
+			node: node("n", 4, 8, func(n *Node) {
+				n.Node.Spec.Taints = []corev1.Taint{{Key: "soft", Effect: corev1.TaintEffectPreferNoSchedule}}
+			}),
+		},
+		{
+			name: "condition taints are read as their conditions", req: req(1, 1),
+			node: node("n", 4, 8, func(n *Node) {
+				n.Node.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}}
+			}),
+		},
+		{name: "no agent report", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Report = nil }), wantWhy: whyNoAgent},
+		{name: "agent not ready", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Report.Status.Conditions[0].Status = metav1.ConditionFalse }), wantWhy: whyNoAgent},
+		{name: "VMM not offered", req: Request{VMM: impv1.VMMFirecracker, Labels: req(1, 1).Labels}, node: node("n", 4, 8), wantWhy: whyNoVMM},
+		{name: "VMM offered", req: Request{VMM: impv1.VMMQEMU, Labels: req(1, 1).Labels}, node: node("n", 4, 8)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ok, why := Fits(tt.req, tt.node)
+			if ok != (tt.wantWhy == "") || why != tt.wantWhy {
+				t.Errorf("Fits = %v, %q; want why %q", ok, why, tt.wantWhy)
+			}
+		})
+	}
+}
+
+func TestPlaceChoosesMostFreeMemoryThenName(t *testing.T) {
+	l := NewLedger()
+	nodes := []Node{node("b", 8, 8), node("a", 8, 8), node("c", 8, 4)}
+	var got []string
+	for i := 0; i < 7; i++ {
+		n, err := l.Place(types.UID(fmt.Sprint(i)), req(1, 2), nodes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, n)
+	}
+	// a and b tie at 8Gi free: a first, then b (8Gi > 6Gi), a, b; at 4Gi all three tie: a, then
+	// b (4Gi > a's 2Gi), then c (4Gi > 2Gi, 2Gi).
+	if want := "a b a b a b c"; strings.Join(got, " ") != want {
+		t.Errorf("placements = %v, want %s", got, want)
+	}
+}
+
+func TestPlaceIsIdempotentAndReleases(t *testing.T) {
+	l := NewLedger()
+	nodes := []Node{node("a", 2, 2)}
+	first, err := l.Place("vm", req(2, 2), nodes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := l.Place("vm", req(2, 2), nodes)
+	if err != nil || again != first {
+		t.Fatalf("second Place of the same VM = %q, %v; want %q", again, err, first)
+	}
+	if _, err := l.Place("other", req(1, 1), nodes); err == nil {
+		t.Fatal("a full node took another VM")
+	}
+	l.Release("vm")
+	if cpu, mem := l.Used("a"); cpu != 0 || mem != 0 {
+		t.Errorf("after release node a holds %d vCPUs, %d bytes", cpu, mem)
+	}
+	if _, err := l.Place("other", req(1, 1), nodes); err != nil {
+		t.Errorf("released capacity not reusable: %v", err)
+	}
+}
+
+func TestUnschedulableMessageCountsReasons(t *testing.T) {
+	l := NewLedger()
+	l.Hold("big", "full", 1, 8*gi)
+	nodes := []Node{
+		node("full", 8, 8),
+		node("nr", 8, 8, cond(corev1.NodeReady, corev1.ConditionFalse)),
+		node("mp", 8, 8, cond(corev1.NodeMemoryPressure, corev1.ConditionTrue)),
+		node("small", 1, 64),
+	}
+	_, err := l.Place("vm", req(2, 1), nodes)
+	var u *Unschedulable
+	if !errors.As(err, &u) {
+		t.Fatalf("want *Unschedulable, got %v", err)
+	}
+	want := "0/4 nodes are available: 1 are not Ready, 1 have MemoryPressure, 1 have too few free vCPUs, 1 have too little free memory"
+	if u.Message != want {
+		t.Errorf("message = %q\nwant      %q", u.Message, want)
+	}
+}
+
+// TestPlaceConcurrentNeverOverbooks races many placements against few nodes.
+func TestPlaceConcurrentNeverOverbooks(t *testing.T) {
+	l := NewLedger()
+	nodes := []Node{node("a", 4, 4), node("b", 4, 4), node("c", 4, 4)}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	placed := 0
+	for i := 0; i < 100; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := l.Place(types.UID(fmt.Sprint(i)), req(1, 1), nodes); err == nil {
+				mu.Lock()
+				placed++
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if placed != 12 {
+		t.Errorf("placed %d VMs of 1 vCPU/1Gi on 3 nodes of 4 vCPUs/4Gi, want 12", placed)
+	}
+	for _, n := range []string{"a", "b", "c"} {
+		if cpu, mem := l.Used(n); cpu != 4 || mem != 4*gi {
+			t.Errorf("node %s holds %d vCPUs, %d bytes", n, cpu, mem)
+		}
+	}
+}
