@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev
+.PHONY: all build test unit generate verify-generated vet setup dev bench-placement
 
 all: build
 
@@ -34,3 +34,9 @@ setup: ## Build the local control plane binaries (cached outside the repo).
 
 dev: ## Bring IMP up locally and run a VM.
 	hack/dev.sh
+
+N ?= 1000
+M ?= 100
+bench-placement: ## Place N VMs over M nodes; print latency, throughput, API writes/VM, operator RSS.
+	go build -o bin/ ./cmd/imp-operator
+	go run ./test/bench/placement -n $(N) -m $(M)

@@ -8,7 +8,6 @@ const (
 	// NodeEnabledValue is the value NodeEnabledLabel must have.
 	NodeEnabledValue = "true"
 
-
 	// NetworkLabel is set on an ImpIPAddress to the name of its ImpNetwork.
 	NetworkLabel = "imp.dev/network"
 	// VMUIDLabel is set on an ImpIPAddress to the UID of the ImpVM holding it.

@@ -1,8 +1,8 @@
 package v1alpha1
 
 import (
-	"k8s.io/apimachinery/pkg/types"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // VMReference names an ImpVM of the same namespace, and which one by UID.
