@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev bench-placement
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement
 
 all: build
 
@@ -32,8 +32,12 @@ vet:
 setup: ## Build the local control plane binaries (cached outside the repo).
 	hack/setup-control-plane.sh
 
-dev: ## Bring IMP up locally and run a VM.
+dev: ## Bring IMP up locally and run a VM (hack/dev-down.sh tears it down).
+
 	hack/dev.sh
+
+dev-down: ## Tear down what make dev started.
+	hack/dev-down.sh
 
 N ?= 1000
 M ?= 100

@@ -4,10 +4,14 @@ package operator
 
 import (
 	"context"
+	"errors"
 	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
@@ -56,5 +60,19 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err := nets.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpNetwork reconciler: %w", err)
 	}
+	for _, c := range []prometheus.Collector{impvm.Collector(mgr.GetCache()), impnetwork.Collector(mgr.GetCache())} {
+		register(c)
+	}
 	return nil
+}
+
+// register adds c to controller-runtime's metrics registry, replacing a collector of the same
+// metrics that an earlier manager in this process registered (tests restart the operator).
+func register(c prometheus.Collector) {
+	err := metrics.Registry.Register(c)
+	var are prometheus.AlreadyRegisteredError
+	if errors.As(err, &are) {
+		metrics.Registry.Unregister(are.ExistingCollector)
+		metrics.Registry.MustRegister(c)
+	}
 }

@@ -132,7 +132,6 @@ func (r *Reconciler) deleteIfOrphaned(ctx context.Context, c *impv1.ImpIPAddress
 
 // SetupWithManager registers the reconciler with mgr.
 func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
-	registerCollector(mgr.GetCache())
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&impv1.ImpNetwork{}).
 		Named("impnetwork").

@@ -2,11 +2,9 @@ package impnetwork
 
 import (
 	"context"
-	"errors"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
@@ -31,14 +29,6 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// registerCollector (re)registers the collector over reader.
-func registerCollector(reader client.Reader) {
-	c := collector{reader: reader}
-	if err := metrics.Registry.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			metrics.Registry.Unregister(are.ExistingCollector)
-			metrics.Registry.MustRegister(c)
-		}
-	}
-}
+// Collector returns the package's scrape-time collector, reading objects through reader (the
+// manager's cache).
+func Collector(reader client.Reader) prometheus.Collector { return collector{reader: reader} }

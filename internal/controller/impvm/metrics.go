@@ -2,7 +2,6 @@ package impvm
 
 import (
 	"context"
-	"errors"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -59,15 +58,6 @@ func init() {
 	metrics.Registry.MustRegister(placementLatency, createToRunning, placementFailures)
 }
 
-// registerCollector (re)registers the VM collector over reader, replacing one registered by an
-// earlier manager in the same process (tests restart the operator in-process).
-func registerCollector(reader client.Reader) {
-	c := vmCollector{reader: reader}
-	if err := metrics.Registry.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			metrics.Registry.Unregister(are.ExistingCollector)
-			metrics.Registry.MustRegister(c)
-		}
-	}
-}
+// Collector returns the package's scrape-time collector, reading objects through reader (the
+// manager's cache).
+func Collector(reader client.Reader) prometheus.Collector { return vmCollector{reader: reader} }

@@ -56,7 +56,6 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 			return fmt.Errorf("indexing ImpVMs by %s: %w", name, err)
 		}
 	}
-	registerCollector(mgr.GetCache())
 	r.freed = make(chan struct{}, 1)
 	freedEvents := make(chan event.GenericEvent)
 	go func() {
