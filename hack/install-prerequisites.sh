@@ -4,6 +4,7 @@
 set -euo pipefail
 packages=(
   git make curl openssl ca-certificates   # scripts, PKI of the local control plane
+  e2fsprogs                              # mkfs.ext4 -d builds base disks; debugfs reads them in tests
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,239 @@
+package disk
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"golang.org/x/sync/singleflight"
+)
+
+// BaseStore keeps one read-only ext4 base disk per image digest in Dir, named
+// "sha256-<hex>.ext4". A disk appears only complete: it is built in a temporary directory of Dir
+// and renamed into place.
+type BaseStore struct {
+	Dir string
+	// MaxBytes bounds the file bytes of one image.
+	MaxBytes int64
+	// Mkfs is the mkfs.ext4 to run (default: from PATH).
+	Mkfs string
+	// RemoteOptions are added to every registry request (transport, platform, ...).
+	RemoteOptions []remote.Option
+
+	builds singleflight.Group
+}
+
+// Resolve returns the digest reference an image reference names now: itself when it already
+// carries a digest, else what its tag points to.
+func Resolve(ctx context.Context, ref string, kc authn.Keychain, opts ...remote.Option) (name.Digest, error) {
+	r, err := name.ParseReference(ref)
+	if err != nil {
+		return name.Digest{}, fmt.Errorf("parsing image reference %q: %w", ref, err)
+	}
+	if d, ok := r.(name.Digest); ok {
+		return d, nil
+	}
+	desc, err := remote.Head(r, append(opts, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
+	if err != nil {
+		return name.Digest{}, fmt.Errorf("resolving %s: %w", ref, err)
+	}
+	return r.Context().Digest(desc.Digest.String()), nil
+}
+
+// Path is where the base disk of digest d lives (or will).
+func (s *BaseStore) Path(d name.Digest) string {
+	return filepath.Join(s.Dir, strings.Replace(d.DigestStr(), ":", "-", 1)+".ext4")
+}
+
+// Ensure returns the base disk of image d, pulling and building it when it is not there yet.
+// Concurrent calls for one digest share one build.
+func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain) (string, error) {
+	target := s.Path(d)
+	if _, err := os.Stat(target); err == nil {
+		return target, nil
+	}
+	_, err, _ := s.builds.Do(target, func() (any, error) {
+		if _, err := os.Stat(target); err == nil {
+			return nil, nil
+		}
+		return nil, s.build(ctx, d, kc, target)
+	})
+	if err != nil {
+		return "", err
+	}
+	return target, nil
+}
+
+func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain, target string) error {
+	img, err := remote.Image(d, append(s.RemoteOptions, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
+	if err != nil {
+		return fmt.Errorf("pulling %s: %w", d, err)
+	}
+	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+		return fmt.Errorf("creating %s: %w", s.Dir, err)
+	}
+	work, err := os.MkdirTemp(s.Dir, ".build-")
+	if err != nil {
+		return fmt.Errorf("creating a build directory: %w", err)
+	}
+	defer os.RemoveAll(work)
+	root := filepath.Join(work, "root")
+	if err := os.Mkdir(root, 0o755); err != nil {
+		return err
+	}
+
+	layers, err := img.Layers()
+	if err != nil {
+		return fmt.Errorf("listing the layers of %s: %w", d, err)
+	}
+	var rep ExtractReport // summed over layers: sizes the disk, overestimating what replaced files
+	budget := s.MaxBytes
+	for i, l := range layers {
+		r, err := l.Uncompressed() // verifies the layer's digest as it is read
+		if err != nil {
+			return fmt.Errorf("reading layer %d of %s: %w", i, d, err)
+		}
+		lr, err := ApplyLayer(r, root, &budget)
+		if cerr := r.Close(); err == nil && cerr != nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("applying layer %d of %s: %w", i, d, err)
+		}
+		rep.Files += lr.Files
+		rep.Dirs += lr.Dirs
+		rep.Symlinks += lr.Symlinks
+		rep.Hardlinks += lr.Hardlinks
+		rep.Bytes += lr.Bytes
+	}
+
+	entries := rep.Files + rep.Dirs + rep.Symlinks + rep.Hardlinks
+	size := sizeFor(rep.Bytes, entries)
+	tmp := filepath.Join(work, "disk.ext4")
+	mkfs := s.Mkfs
+	if mkfs == "" {
+		mkfs = "mkfs.ext4"
+	}
+	// No journal: the disk is read-only once built. Inodes for every entry and some slack.
+	cmd := exec.CommandContext(ctx, mkfs, "-q", "-F", "-t", "ext4", "-O", "^has_journal", "-L", "imp-base",
+		"-N", fmt.Sprint(entries+1024), "-d", root, tmp, fmt.Sprintf("%dM", size>>20))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("building the ext4 disk of %s: %w: %s", d, err, out)
+	}
+	if err := syncFile(tmp); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp, 0o444); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, target); err != nil {
+		return fmt.Errorf("installing the base disk of %s: %w", d, err)
+	}
+	return syncFile(s.Dir)
+}
+
+// sizeFor is the ext4 size for files of bytes in entries entries: the data, a block per entry,
+// 20% for metadata, at least 32 MiB, in whole MiB.
+func sizeFor(bytes int64, entries int) int64 {
+	n := (bytes + int64(entries)*4096) * 6 / 5
+	n = max(n+16<<20, 32<<20)
+	return (n + 1<<20 - 1) &^ (1<<20 - 1)
+}
+
+func syncFile(p string) error {
+	f, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("syncing %s: %w", p, err)
+	}
+	return nil
+}
+
+// GC removes the base disks of digests not in keep, and builds left over by a crash.
+func (s *BaseStore) GC(keep map[string]bool) (removed []string, err error) {
+	entries, err := os.ReadDir(s.Dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range entries {
+		n := e.Name()
+		switch {
+		case strings.HasPrefix(n, ".build-"):
+		case strings.HasSuffix(n, ".ext4") && !keep[strings.Replace(strings.TrimSuffix(n, ".ext4"), "-", ":", 1)]:
+		default:
+			continue
+		}
+		if err := os.RemoveAll(filepath.Join(s.Dir, n)); err != nil {
+			return removed, err
+		}
+		removed = append(removed, n)
+	}
+	return removed, nil
+}
+
+// PullSecretKeychain is an authn.Keychain from the .dockerconfigjson of image pull secrets.
+type PullSecretKeychain map[string]authn.AuthConfig
+
+// NewPullSecretKeychain parses the .dockerconfigjson data of pull secrets; later secrets do not
+// override a registry an earlier one gave.
+func NewPullSecretKeychain(dockerConfigJSON ...[]byte) (PullSecretKeychain, error) {
+	kc := PullSecretKeychain{}
+	for _, data := range dockerConfigJSON {
+		var cfg struct {
+			Auths map[string]authn.AuthConfig `json:"auths"`
+		}
+		if err := json.Unmarshal(data, &cfg); err != nil {
+			return nil, fmt.Errorf("parsing a .dockerconfigjson: %w", err)
+		}
+		for host, a := range cfg.Auths {
+			if a.Auth != "" && a.Username == "" {
+				raw, err := base64.StdEncoding.DecodeString(a.Auth)
+				if err != nil {
+					return nil, fmt.Errorf("decoding the auth of %s: %w", host, err)
+				}
+				a.Username, a.Password, _ = strings.Cut(string(raw), ":")
+				a.Auth = ""
+			}
+			host = registryHost(host)
+			if _, ok := kc[host]; !ok {
+				kc[host] = a
+			}
+		}
+	}
+	return kc, nil
+}
+
+// registryHost reduces a docker config key ("https://index.docker.io/v1/", "host:5000") to the
+// registry host name.
+func registryHost(key string) string {
+	key = strings.TrimPrefix(strings.TrimPrefix(key, "https://"), "http://")
+	key, _, _ = strings.Cut(key, "/")
+	if key == "index.docker.io" {
+		return name.DefaultRegistry
+	}
+	return key
+}
+
+// Resolve implements authn.Keychain.
+func (kc PullSecretKeychain) Resolve(r authn.Resource) (authn.Authenticator, error) {
+	if a, ok := kc[r.RegistryStr()]; ok {
+		return authn.FromConfig(a), nil
+	}
+	return authn.Anonymous, nil
+}

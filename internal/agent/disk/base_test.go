@@ -1,0 +1,258 @@
+package disk
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// testRegistry serves an in-memory OCI registry on 127.0.0.1, optionally behind basic auth.
+func testRegistry(t *testing.T, user, pass string) string {
+	t.Helper()
+	h := registry.New(registry.Logger(log.New(io.Discard, "", 0)))
+	if user != "" {
+		next := h
+		h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if u, p, ok := r.BasicAuth(); !ok || u != user || p != pass {
+				w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
+				http.Error(w, "unauthorized", http.StatusUnauthorized)
+				return
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+func layer(t *testing.T, entries ...entry) v1.Layer {
+	t.Helper()
+	data := tarOf(t, entries...)
+	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// push writes an image of layers to host/repo:tag and returns its digest reference.
+func push(t *testing.T, host, repo string, kc authn.Keychain, layers ...v1.Layer) name.Digest {
+	t.Helper()
+	img, err := mutate.AppendLayers(empty.Image, layers...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := name.ParseReference(host+"/"+repo+":v1", name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.Write(ref, img, remote.WithAuthFromKeychain(kc)); err != nil {
+		t.Fatal(err)
+	}
+	d, err := img.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ref.Context().Digest(d.String())
+}
+
+// debugfsCat reads a file from an ext4 image without mounting it.
+func debugfsCat(t *testing.T, disk, p string) (string, error) {
+	t.Helper()
+	out, err := exec.Command("debugfs", "-R", "cat "+p, disk).CombinedOutput()
+	s := string(out)
+	if i := strings.Index(s, "\n"); strings.HasPrefix(s, "debugfs ") && i >= 0 {
+		s = s[i+1:] // the version banner
+	}
+	if err != nil || strings.Contains(s, "File not found") {
+		return "", fmt.Errorf("debugfs cat %s: %v: %s", p, err, s)
+	}
+	return s, nil
+}
+
+func requireTools(t *testing.T) {
+	for _, tool := range []string{"mkfs.ext4", "debugfs"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s not found (Debian package e2fsprogs; hack/install-prerequisites.sh installs it)", tool)
+		}
+	}
+}
+
+func TestBaseDiskFromRegistry(t *testing.T) {
+	requireTools(t)
+	host := testRegistry(t, "", "")
+	d := push(t, host, "app", authn.DefaultKeychain,
+		layer(t, dir("etc", 0o755), file("etc/msg", "hello from layer one\n"), file("etc/old", "deleted by layer two"), modeFile("bin/su", 0o4755)),
+		layer(t, file("etc/.wh.old", ""), file("etc/msg2", "layer two\n")),
+	)
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30, RemoteOptions: []remote.Option{}}
+	ctx := context.Background()
+
+	// Four VMs of the image at once: one build, one disk.
+	var wg sync.WaitGroup
+	paths := make([]string, 4)
+	errs := make([]error, 4)
+	for i := range paths {
+		wg.Add(1)
+		go func() { defer wg.Done(); paths[i], errs[i] = store.Ensure(ctx, d, anonymous) }()
+	}
+	wg.Wait()
+	for i := range paths {
+		if errs[i] != nil || paths[i] != store.Path(d) {
+			t.Fatalf("Ensure %d = %q, %v", i, paths[i], errs[i])
+		}
+	}
+	disk := paths[0]
+	if got, err := debugfsCat(t, disk, "/etc/msg"); err != nil || got != "hello from layer one\n" {
+		t.Errorf("/etc/msg = %q, %v", got, err)
+	}
+	if got, err := debugfsCat(t, disk, "/etc/msg2"); err != nil || got != "layer two\n" {
+		t.Errorf("/etc/msg2 = %q, %v", got, err)
+	}
+	if _, err := debugfsCat(t, disk, "/etc/old"); err == nil {
+		t.Error("a file whited out by the second layer is on the disk")
+	}
+	stat, _ := exec.Command("debugfs", "-R", "stat /bin/su", disk).CombinedOutput()
+	if !strings.Contains(string(stat), "Mode:  04755") {
+		t.Errorf("setuid bit not kept on the disk:\n%s", stat)
+	}
+	fi, err := os.Stat(disk)
+	if err != nil || fi.Mode().Perm() != 0o444 {
+		t.Errorf("disk mode %v, %v; want read-only", fi.Mode(), err)
+	}
+	left, _ := filepath.Glob(filepath.Join(store.Dir, ".build-*"))
+	if len(left) != 0 {
+		t.Errorf("build directories left: %v", left)
+	}
+
+	// Present: not rebuilt.
+	before := fi.ModTime()
+	if _, err := store.Ensure(ctx, d, anonymous); err != nil {
+		t.Fatal(err)
+	}
+	if fi, _ := os.Stat(disk); !fi.ModTime().Equal(before) {
+		t.Error("an existing base disk was rebuilt")
+	}
+
+	// GC keeps what is used and removes the rest.
+	removed, err := store.GC(map[string]bool{})
+	if err != nil || len(removed) != 1 {
+		t.Errorf("GC removed %v, %v", removed, err)
+	}
+}
+
+// TestBaseDiskRefusesUnsafeImages pushes the three layers issue 4 names to a real registry
+// and checks each image is refused, nothing outside the build changes and nothing is left.
+func TestBaseDiskRefusesUnsafeImages(t *testing.T) {
+	requireTools(t)
+	host := testRegistry(t, "", "")
+	outside := t.TempDir()
+	secret := filepath.Join(outside, "secret")
+	if err := os.WriteFile(secret, []byte("host data"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name   string
+		layers [][]entry
+	}{
+		{"dot-dot path", [][]entry{{file("ok", "fine")}, {file("../../../../../../"+strings.TrimPrefix(outside, "/")+"/pwned", "x")}}},
+		{"write through an absolute symlink", [][]entry{{file("ok", "fine"), symlink("evil", outside)}, {file("evil/pwned", "through the lower layer's symlink")}}},
+		{"hard link to a host path", [][]entry{{hardlink("passwd", secret)}}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var ls []v1.Layer
+			for _, l := range tt.layers {
+				ls = append(ls, layer(t, l...))
+			}
+			d := push(t, host, "evil", authn.DefaultKeychain, ls...)
+			store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+			_, err := store.Ensure(context.Background(), d, anonymous)
+			if !errors.Is(err, ErrUnsafeLayer) {
+				t.Fatalf("error = %v, want ErrUnsafeLayer", err)
+			}
+			t.Logf("refused: %v", err)
+			entries, _ := os.ReadDir(outside)
+			if data, _ := os.ReadFile(secret); len(entries) != 1 || string(data) != "host data" {
+				t.Errorf("outside the root changed: %v", entries)
+			}
+			if fi, _ := os.Stat(secret); fi.Sys().(*syscall.Stat_t).Nlink != 1 {
+				t.Error("the host file got a hard link")
+			}
+			if entries, _ := os.ReadDir(store.Dir); len(entries) != 0 {
+				t.Errorf("a refused image left %v", entries)
+			}
+		})
+	}
+}
+
+func TestPullSecrets(t *testing.T) {
+	requireTools(t)
+	host := testRegistry(t, "puller", "s3cret")
+	secret := func(user, pass string) []byte {
+		auth := base64.StdEncoding.EncodeToString([]byte(user + ":" + pass))
+		return []byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth))
+	}
+	good, err := NewPullSecretKeychain(secret("puller", "s3cret"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := push(t, host, "private", good, layer(t, file("f", "private\n")))
+	ctx := context.Background()
+
+	tag := host + "/private:v1"
+	if _, err := Resolve(ctx, tag, anonymous, remote.WithTransport(http.DefaultTransport)); err == nil {
+		t.Error("resolved a private image anonymously")
+	}
+	resolved, err := Resolve(ctx, tag, good)
+	if err != nil || resolved.DigestStr() != d.DigestStr() {
+		t.Fatalf("Resolve = %v, %v; want %s", resolved, err, d.DigestStr())
+	}
+
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+	bad, _ := NewPullSecretKeychain(secret("puller", "wrong"))
+	if _, err := store.Ensure(ctx, d, bad); err == nil {
+		t.Error("pulled with a wrong password")
+	}
+	if _, err := store.Ensure(ctx, d, good); err != nil {
+		t.Errorf("pulling with the pull secret: %v", err)
+	}
+}
+
+func TestRegistryHost(t *testing.T) {
+	for in, want := range map[string]string{
+		"https://index.docker.io/v1/": name.DefaultRegistry,
+		"ghcr.io":                     "ghcr.io",
+		"http://127.0.0.1:5000/v2/":   "127.0.0.1:5000",
+		"registry.example.com:443":    "registry.example.com:443",
+	} {
+		if got := registryHost(in); got != want {
+			t.Errorf("registryHost(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// anonymous is a keychain with no credentials.
+var anonymous = PullSecretKeychain{}
