@@ -5,6 +5,7 @@ set -euo pipefail
 packages=(
   git make curl openssl ca-certificates   # scripts, PKI of the local control plane
   e2fsprogs                              # mkfs.ext4 -d builds base disks; debugfs reads them in tests
+  qemu-system-x86                        # the qemu VMM driver (TCG without KVM)
 )
 missing=()
 for p in "${packages[@]}"; do

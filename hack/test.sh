@@ -24,6 +24,9 @@ if [[ -z "${KUBEBUILDER_ASSETS:-}" ]]; then
   export KUBEBUILDER_ASSETS=$IMP_CACHE/cp/bin
 fi
 
+step "guest kernel ($IMP_CACHE/guest)"
+hack/guest-kernel.sh
+
 step "generated code"
 hack/verify-generated.sh
 

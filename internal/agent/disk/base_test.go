@@ -1,15 +1,11 @@
 package disk
 
 import (
-	"bytes"
 	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"io"
-	"log"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,63 +16,14 @@ import (
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
-	"github.com/google/go-containerregistry/pkg/registry"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
+
 	"github.com/google/go-containerregistry/pkg/v1/remote"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"github.com/syscode-labs/imp/internal/testregistry"
 )
 
-// testRegistry serves an in-memory OCI registry on 127.0.0.1, optionally behind basic auth.
-func testRegistry(t *testing.T, user, pass string) string {
-	t.Helper()
-	h := registry.New(registry.Logger(log.New(io.Discard, "", 0)))
-	if user != "" {
-		next := h
-		h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if u, p, ok := r.BasicAuth(); !ok || u != user || p != pass {
-				w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
-				http.Error(w, "unauthorized", http.StatusUnauthorized)
-				return
-			}
-			next.ServeHTTP(w, r)
-		})
-	}
-	srv := httptest.NewServer(h)
-	t.Cleanup(srv.Close)
-	return strings.TrimPrefix(srv.URL, "http://")
-}
-
 func layer(t *testing.T, entries ...entry) v1.Layer {
-	t.Helper()
-	data := tarOf(t, entries...)
-	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l
-}
-
-// push writes an image of layers to host/repo:tag and returns its digest reference.
-func push(t *testing.T, host, repo string, kc authn.Keychain, layers ...v1.Layer) name.Digest {
-	t.Helper()
-	img, err := mutate.AppendLayers(empty.Image, layers...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref, err := name.ParseReference(host+"/"+repo+":v1", name.Insecure)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := remote.Write(ref, img, remote.WithAuthFromKeychain(kc)); err != nil {
-		t.Fatal(err)
-	}
-	d, err := img.Digest()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ref.Context().Digest(d.String())
+	return testregistry.Layer(t, tarOf(t, entries...))
 }
 
 // debugfsCat reads a file from an ext4 image without mounting it.
@@ -103,8 +50,8 @@ func requireTools(t *testing.T) {
 
 func TestBaseDiskFromRegistry(t *testing.T) {
 	requireTools(t)
-	host := testRegistry(t, "", "")
-	d := push(t, host, "app", authn.DefaultKeychain,
+	host := testregistry.Start(t, "", "")
+	d := testregistry.Push(t, host, "app", authn.DefaultKeychain,
 		layer(t, dir("etc", 0o755), file("etc/msg", "hello from layer one\n"), file("etc/old", "deleted by layer two"), modeFile("bin/su", 0o4755)),
 		layer(t, file("etc/.wh.old", ""), file("etc/msg2", "layer two\n")),
 	)
@@ -168,7 +115,7 @@ func TestBaseDiskFromRegistry(t *testing.T) {
 // and checks each image is refused, nothing outside the build changes and nothing is left.
 func TestBaseDiskRefusesUnsafeImages(t *testing.T) {
 	requireTools(t)
-	host := testRegistry(t, "", "")
+	host := testregistry.Start(t, "", "")
 	outside := t.TempDir()
 	secret := filepath.Join(outside, "secret")
 	if err := os.WriteFile(secret, []byte("host data"), 0o600); err != nil {
@@ -187,7 +134,7 @@ func TestBaseDiskRefusesUnsafeImages(t *testing.T) {
 			for _, l := range tt.layers {
 				ls = append(ls, layer(t, l...))
 			}
-			d := push(t, host, "evil", authn.DefaultKeychain, ls...)
+			d := testregistry.Push(t, host, "evil", authn.DefaultKeychain, ls...)
 			store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
 			_, err := store.Ensure(context.Background(), d, anonymous)
 			if !errors.Is(err, ErrUnsafeLayer) {
@@ -210,7 +157,7 @@ func TestBaseDiskRefusesUnsafeImages(t *testing.T) {
 
 func TestPullSecrets(t *testing.T) {
 	requireTools(t)
-	host := testRegistry(t, "puller", "s3cret")
+	host := testregistry.Start(t, "puller", "s3cret")
 	secret := func(user, pass string) []byte {
 		auth := base64.StdEncoding.EncodeToString([]byte(user + ":" + pass))
 		return []byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth))
@@ -219,7 +166,7 @@ func TestPullSecrets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := push(t, host, "private", good, layer(t, file("f", "private\n")))
+	d := testregistry.Push(t, host, "private", good, layer(t, file("f", "private\n")))
 	ctx := context.Background()
 
 	tag := host + "/private:v1"

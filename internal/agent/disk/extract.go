@@ -63,9 +63,10 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 	defer root.Close()
 
 	type dirMeta struct {
-		name  string
-		mode  fs.FileMode
-		mtime time.Time
+		name     string
+		mode     fs.FileMode
+		mtime    time.Time
+		uid, gid int
 	}
 	var dirs []dirMeta
 	var links [][2]string        // target, name: made last, their targets may come later
@@ -98,7 +99,7 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 			continue
 		case name == ".":
 			if hdr.Typeflag == tar.TypeDir {
-				dirs = append(dirs, dirMeta{".", hdr.FileInfo().Mode(), hdr.ModTime})
+				dirs = append(dirs, dirMeta{".", hdr.FileInfo().Mode(), hdr.ModTime, hdr.Uid, hdr.Gid})
 			}
 			continue
 		}
@@ -119,7 +120,7 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 			if err := root.Mkdir(name, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 				return rep, unsafeOr(err, "creating directory %s", hdr.Name)
 			}
-			dirs = append(dirs, dirMeta{name, mode, hdr.ModTime})
+			dirs = append(dirs, dirMeta{name, mode, hdr.ModTime, hdr.Uid, hdr.Gid})
 			rep.Dirs++
 		case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old tars still use TypeRegA
 			if hdr.Size > *budget {
@@ -180,6 +181,9 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 	// children from being written, and writing children changes a directory's mtime.
 	slices.SortFunc(dirs, func(a, b dirMeta) int { return strings.Count(b.name, "/") - strings.Count(a.name, "/") })
 	for _, d := range dirs {
+		if os.Geteuid() == 0 {
+			_ = root.Lchown(d.name, d.uid, d.gid)
+		}
 		if err := root.Chmod(d.name, d.mode&(fs.ModePerm|fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky)); err != nil {
 			return rep, unsafeOr(err, "setting the mode of %s", d.name)
 		}

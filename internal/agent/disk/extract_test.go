@@ -19,6 +19,7 @@ type entry struct {
 	typ        byte
 	mode       int64
 	body       string
+	uid        int
 }
 
 func file(name, body string) entry {
@@ -41,7 +42,7 @@ func tarOf(t testing.TB, entries ...entry) []byte {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	for _, e := range entries {
-		h := &tar.Header{Name: e.name, Linkname: e.link, Typeflag: e.typ, Mode: e.mode, Size: int64(len(e.body))}
+		h := &tar.Header{Name: e.name, Linkname: e.link, Typeflag: e.typ, Mode: e.mode, Size: int64(len(e.body)), Uid: e.uid, Gid: e.uid}
 		if e.typ != tar.TypeReg {
 			h.Size = 0
 		}
@@ -158,6 +159,7 @@ func TestApplyLayerFilesystem(t *testing.T) {
 		device("dev/null", tar.TypeChar),
 		device("dev/fifo", tar.TypeFifo),
 		dir("ro", 0o555),
+		entry{name: "home/app", typ: tar.TypeDir, mode: 0o750, uid: 1000},
 		file("ro/inside", "written before ro's mode is applied"),
 	)
 	budget := int64(1 << 20)
@@ -177,6 +179,9 @@ func TestApplyLayerFilesystem(t *testing.T) {
 	}
 	if fi, _ := os.Stat(filepath.Join(root, "ro")); fi.Mode().Perm() != 0o555 {
 		t.Errorf("ro mode %v", fi.Mode())
+	}
+	if fi, _ := os.Stat(filepath.Join(root, "home/app")); os.Geteuid() == 0 && fi.Sys().(*syscall.Stat_t).Uid != 1000 {
+		t.Errorf("directory owner %d, want 1000", fi.Sys().(*syscall.Stat_t).Uid)
 	}
 	if l, _ := os.Readlink(filepath.Join(root, "etc/localtime")); l != "/usr/share/zoneinfo/UTC" {
 		t.Errorf("symlink target %q", l)

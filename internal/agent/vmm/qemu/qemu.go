@@ -1,0 +1,230 @@
+// Package qemu is IMP's QEMU driver: a microVM on QEMU's microvm machine, with KVM when
+// /dev/kvm works and TCG software emulation otherwise. It boots the same kernel, initramfs and
+// disks as the Firecracker driver; the guest channel is a virtio-serial port instead of vsock.
+package qemu
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// Spec is one VM as QEMU runs it.
+type Spec struct {
+	// Dir is the VM's state directory: sockets, console log, record.
+	Dir                    string
+	Kernel, Initramfs      string
+	BaseDisk, WritableDisk string
+	VCPUs                  int
+	MemoryMiB              int64
+	// Token authenticates the guest channel; it is passed on the kernel command line.
+	Token string
+	// Accel is "kvm" or "tcg".
+	Accel string
+	// TSCkHz is the host's TSC rate; microvm under TCG needs it on the kernel command line.
+	TSCkHz int
+	// Tap and MAC attach a virtio-net device on a host tap, when Tap is set.
+	Tap, MAC string
+	// Binary is the QEMU to run (default qemu-system-x86_64).
+	Binary string
+}
+
+// Files of a VM's state directory.
+const (
+	ConsoleLog  = "console.log"
+	ChannelSock = "channel.sock"
+	QMPSock     = "qmp.sock"
+	RecordFile  = "vmm.json"
+	qemuLog     = "qemu.log"
+)
+
+// Args is QEMU's command line for s.
+func (s Spec) Args() []string {
+	cpu := "max"
+	if s.Accel == "kvm" {
+		cpu = "host"
+	}
+	cmdline := []string{"console=ttyS0", "reboot=t", "panic=-1", "quiet", guestinit.TokenParam + "=" + s.Token}
+	if s.Accel == "tcg" && s.TSCkHz > 0 {
+		// microvm has no PIT/HPET to calibrate the TSC against under TCG.
+		cmdline = append(cmdline, fmt.Sprintf("tsc_early_khz=%d", s.TSCkHz), "tsc=reliable")
+	}
+	dir := s.Dir
+	args := []string{
+		"-name", filepath.Base(dir),
+		"-M", "microvm", "-accel", s.Accel, "-cpu", cpu,
+		"-smp", strconv.Itoa(s.VCPUs), "-m", fmt.Sprintf("%dM", s.MemoryMiB),
+		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+		"-kernel", s.Kernel, "-initrd", s.Initramfs, "-append", strings.Join(cmdline, " "),
+		"-drive", "id=base,file=" + s.BaseDisk + ",format=raw,if=none,readonly=on",
+		"-device", "virtio-blk-device,drive=base",
+		"-drive", "id=rw,file=" + s.WritableDisk + ",format=raw,if=none",
+		"-device", "virtio-blk-device,drive=rw",
+		"-chardev", "file,id=console,path=" + filepath.Join(dir, ConsoleLog) + ",append=on",
+		"-serial", "chardev:console",
+		"-device", "virtio-serial-device",
+		"-chardev", "socket,id=channel,path=" + filepath.Join(dir, ChannelSock) + ",server=on,wait=off",
+		"-device", "virtserialport,chardev=channel,name=" + guestinit.ChannelName,
+		"-qmp", "unix:" + filepath.Join(dir, QMPSock) + ",server=on,wait=off",
+	}
+	if s.Tap != "" {
+		args = append(args,
+			"-netdev", "tap,id=net0,ifname="+s.Tap+",script=no,downscript=no,vhost=off",
+			"-device", "virtio-net-device,netdev=net0,mac="+s.MAC)
+	}
+	return args
+}
+
+// Record is what the agent keeps of a running VMM in its state directory, so that a restarted
+// agent can find it again. A pid alone is not enough: pids are reused, so the process's start
+// time must match too.
+type Record struct {
+	Kind      string `json:"kind"`
+	Pid       int    `json:"pid"`
+	StartTime uint64 `json:"startTime"` // clock ticks after boot, /proc/<pid>/stat field 22
+	// ConfigHash identifies the configuration the VMM was started with.
+	ConfigHash string `json:"configHash"`
+}
+
+// Start launches QEMU for s detached from the caller: its own session, its standard streams
+// on files, so that the caller exiting (the agent restarting) does not end the VM. It writes and
+// returns the VM's record.
+func Start(s Spec, configHash string) (*Record, error) {
+	bin := s.Binary
+	if bin == "" {
+		bin = "qemu-system-x86_64"
+	}
+	for _, f := range []string{ChannelSock, QMPSock} {
+		_ = os.Remove(filepath.Join(s.Dir, f))
+	}
+	logf, err := os.OpenFile(filepath.Join(s.Dir, qemuLog), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("opening the VMM log: %w", err)
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, s.Args()...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s: %w", bin, err)
+	}
+	// Reap it if it exits while this process lives; after a restart the new agent's parent
+	// (init or the container's subreaper) does.
+	go func() { _ = cmd.Wait() }()
+	st, err := StartTime(cmd.Process.Pid)
+	if err != nil {
+		_ = cmd.Process.Kill()
+		return nil, err
+	}
+	rec := &Record{Kind: "qemu", Pid: cmd.Process.Pid, StartTime: st, ConfigHash: configHash}
+	if err := writeRecord(s.Dir, rec); err != nil {
+		_ = cmd.Process.Kill()
+		return nil, err
+	}
+	return rec, nil
+}
+
+func writeRecord(dir string, r *Record) error {
+	data, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, RecordFile+".tmp")
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return fmt.Errorf("writing the VMM record: %w", err)
+	}
+	return os.Rename(tmp, filepath.Join(dir, RecordFile))
+}
+
+// ReadRecord reads the record in a VM's state directory.
+func ReadRecord(dir string) (*Record, error) {
+	data, err := os.ReadFile(filepath.Join(dir, RecordFile))
+	if err != nil {
+		return nil, err
+	}
+	var r Record
+	if err := json.Unmarshal(data, &r); err != nil {
+		return nil, fmt.Errorf("parsing the VMM record in %s: %w", dir, err)
+	}
+	return &r, nil
+}
+
+// Alive reports whether the recorded process still runs: same pid, same start time.
+func (r *Record) Alive() bool {
+	st, err := StartTime(r.Pid)
+	return err == nil && st == r.StartTime
+}
+
+// StartTime returns a process's start time in clock ticks after boot.
+func StartTime(pid int) (uint64, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) may hold spaces and parentheses: count from its last ')'.
+	s := string(data)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
+	}
+	fields := strings.Fields(s[i+1:])
+	if len(fields) < 20 {
+		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
+	}
+	// fields[0] is field 3 (state); field 22 (starttime) is fields[19].
+	return strconv.ParseUint(fields[19], 10, 64)
+}
+
+// Accel returns "kvm" when this host's KVM can run QEMU guests, else "tcg".
+//
+// /dev/kvm opening is not enough: it must answer KVM_GET_API_VERSION with 12 and create a VM,
+// and the host must not be running kvm-pvm (pagetable-based nested virtualization), whose
+// /dev/kvm passes both checks but fails microvm guests ("kvm-pvm: INTERNAL_ERROR in batch emul",
+// seen on IMP's CI machines).
+func Accel() string {
+	if _, err := os.Stat("/sys/module/kvm_pvm"); err == nil {
+		return "tcg"
+	}
+	f, err := os.OpenFile("/dev/kvm", os.O_RDWR|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return "tcg"
+	}
+	defer f.Close()
+	const kvmGetAPIVersion, kvmCreateVM = 0xAE00, 0xAE01
+	v, _, errno := syscall.Syscall(syscall.SYS_IOCTL, f.Fd(), kvmGetAPIVersion, 0)
+	if errno != 0 || v != 12 {
+		return "tcg"
+	}
+	vm, _, errno := syscall.Syscall(syscall.SYS_IOCTL, f.Fd(), kvmCreateVM, 0)
+	if errno != 0 {
+		return "tcg"
+	}
+	syscall.Close(int(vm))
+	return "kvm"
+}
+
+// TSCkHz reads the host CPU's rate from /proc/cpuinfo, in kHz (0 when unknown).
+func TSCkHz() int {
+	data, err := os.ReadFile("/proc/cpuinfo")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok && strings.TrimSpace(k) == "cpu MHz" {
+			mhz, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err == nil {
+				return int(mhz * 1000)
+			}
+		}
+	}
+	return 0
+}
+
+func syscallKill(pid int) error { return syscall.Kill(pid, syscall.SIGKILL) }

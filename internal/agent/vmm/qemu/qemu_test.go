@@ -1,0 +1,211 @@
+package qemu
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/initramfs"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+func TestArgs(t *testing.T) {
+	s := Spec{Dir: "/var/lib/imp/vms/u1", Kernel: "/k", Initramfs: "/i", BaseDisk: "/b", WritableDisk: "/w",
+		VCPUs: 2, MemoryMiB: 256, Token: "tok", Accel: "tcg", TSCkHz: 2000000, Tap: "imp-t1", MAC: "02:00:00:00:00:01"}
+	args := strings.Join(s.Args(), " ")
+	for _, want := range []string{
+		"-M microvm -accel tcg -cpu max -smp 2 -m 256M",
+		"-append console=ttyS0 reboot=t panic=-1 quiet imp.token=tok tsc_early_khz=2000000 tsc=reliable",
+		"id=base,file=/b,format=raw,if=none,readonly=on",
+		"id=rw,file=/w,format=raw,if=none -device virtio-blk-device,drive=rw",
+		"path=/var/lib/imp/vms/u1/console.log,append=on",
+		"socket,id=channel,path=/var/lib/imp/vms/u1/channel.sock,server=on,wait=off",
+		"virtserialport,chardev=channel,name=imp.channel",
+		"tap,id=net0,ifname=imp-t1,script=no,downscript=no,vhost=off",
+		"virtio-net-device,netdev=net0,mac=02:00:00:00:00:01",
+		"-no-reboot",
+	} {
+		if !strings.Contains(args, want) {
+			t.Errorf("args lack %q:\n%s", want, args)
+		}
+	}
+	s.Accel, s.Tap = "kvm", ""
+	args = strings.Join(s.Args(), " ")
+	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {
+		t.Errorf("kvm args without a tap:\n%s", args)
+	}
+}
+
+func TestStartTimeDistinguishesProcesses(t *testing.T) {
+	self, err := StartTime(os.Getpid())
+	if err != nil || self == 0 {
+		t.Fatalf("StartTime(self) = %d, %v", self, err)
+	}
+	if !(&Record{Pid: os.Getpid(), StartTime: self}).Alive() {
+		t.Error("this process is not alive by its record")
+	}
+	if (&Record{Pid: os.Getpid(), StartTime: self + 1}).Alive() {
+		t.Error("a record with another start time matched this process (a reused pid would too)")
+	}
+}
+
+// guestKernel returns Debian's cloud kernel and its modules directory, fetched by
+// hack/guest-kernel.sh into $IMP_CACHE/guest.
+func guestKernel(t *testing.T) (kernel, modules string) {
+	cache := os.Getenv("IMP_CACHE")
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache", "imp")
+	}
+	ks, _ := filepath.Glob(filepath.Join(cache, "guest/kernel/boot/vmlinuz-*"))
+	if len(ks) == 0 {
+		t.Fatalf("no guest kernel in %s/guest (run hack/guest-kernel.sh)", cache)
+	}
+	version := strings.TrimPrefix(filepath.Base(ks[0]), "vmlinuz-")
+	return ks[0], filepath.Join(cache, "guest/kernel/lib/modules", version)
+}
+
+func goBuild(t *testing.T, out, pkg string) {
+	t.Helper()
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building %s: %v\n%s", pkg, err, b)
+	}
+}
+
+// TestBootUnderQEMU boots a real guest: an OCI image from a registry on 127.0.0.1 becomes a
+// base disk, imp-init mounts it under an overlay on the VM's writable disk, runs the workload,
+// reaps its orphan, reports ready and the exit code over the guest channel and powers off.
+func TestBootUnderQEMU(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a guest under QEMU")
+	}
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Fatal("qemu-system-x86_64 not found (Debian package qemu-system-x86; hack/install-prerequisites.sh installs it)")
+	}
+	kernel, modules := guestKernel(t)
+	tmp := t.TempDir()
+
+	goBuild(t, filepath.Join(tmp, "imp-init"), "github.com/syscode-labs/imp/cmd/imp-init")
+	goBuild(t, filepath.Join(tmp, "hello"), "./testdata/hello")
+	initrd := filepath.Join(tmp, "initramfs.cpio.gz")
+	f, err := os.Create(initrd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := initramfs.Build(f, filepath.Join(tmp, "imp-init"), modules); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+
+	hello, err := os.ReadFile(filepath.Join(tmp, "hello"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	host := testregistry.Start(t, "", "")
+	ref := testregistry.Push(t, host, "hello", disk.PullSecretKeychain{}, testregistry.FilesLayer(t,
+		testregistry.File{Name: "bin/hello", Mode: 0o755, Data: hello},
+		testregistry.File{Name: "etc/passwd", Mode: 0o644, Data: []byte("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")},
+		testregistry.File{Name: "home/app/", Mode: 0o755, Dir: true, Uid: 1000, Gid: 1000},
+	))
+	store := &disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}
+	ctx := context.Background()
+	base, err := store.Ensure(ctx, ref, disk.PullSecretKeychain{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vmDir := filepath.Join(tmp, "vm")
+	if err := os.Mkdir(vmDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rw := filepath.Join(vmDir, "rw.ext4")
+	cfg := guestinit.Config{Argv: []string{"hello", "orphan"}, Env: []string{"GREETING=hi"}, WorkingDir: "/home/app", User: "app", Hostname: "vm-one"}
+	if err := disk.EnsureWritable(rw, 64<<20, cfg, ""); err != nil {
+		t.Fatal(err)
+	}
+
+	spec := Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
+		VCPUs: 1, MemoryMiB: 256, Token: "t0ken", Accel: "tcg", TSCkHz: TSCkHz()} // issue 4: proven under TCG
+	start := time.Now()
+	rec, err := Start(spec, "h1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscallKill(rec.Pid) })
+	if got, err := ReadRecord(vmDir); err != nil || *got != *rec || !got.Alive() {
+		t.Fatalf("record %+v, %v; want %+v alive", got, err, rec)
+	}
+
+	// The guest channel: hello with the token, ready, the exit code.
+	var conn net.Conn
+	deadline := time.Now().Add(30 * time.Second)
+	for conn == nil {
+		conn, err = net.Dial("unix", filepath.Join(vmDir, ChannelSock))
+		if err != nil && time.Now().After(deadline) {
+			t.Fatalf("dialing the guest channel: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	defer conn.Close()
+	_ = conn.SetReadDeadline(time.Now().Add(90 * time.Second))
+	var events []string
+	var readyAt time.Duration
+	exit := -1
+	sc := bufio.NewScanner(conn)
+	for exit < 0 && sc.Scan() {
+		var m guestinit.Message
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			t.Fatalf("bad channel line %q: %v", sc.Text(), err)
+		}
+		events = append(events, m.Event)
+		switch m.Event {
+		case "hello":
+			if m.Token != "t0ken" {
+				t.Errorf("hello with token %q", m.Token)
+			}
+		case "ready":
+			readyAt = time.Since(start)
+		case "exit":
+			exit = *m.Code
+		case "error":
+			t.Errorf("guest error: %s", m.Message)
+		}
+	}
+	console, _ := os.ReadFile(filepath.Join(vmDir, ConsoleLog))
+	if exit != 3 {
+		qlog, _ := os.ReadFile(filepath.Join(vmDir, qemuLog))
+		t.Fatalf("exit code %d (events %v, scan error %v); console:\n%s\nqemu:\n%s", exit, events, sc.Err(), console, qlog)
+	}
+	t.Logf("launch→ready %v under %s; events %v", readyAt.Round(time.Millisecond), spec.Accel, events)
+
+	// The VMM exits with the guest.
+	for rec.Alive() {
+		if time.Since(start) > 4*time.Minute {
+			t.Fatal("QEMU still runs after the guest powered off")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	console, _ = os.ReadFile(filepath.Join(vmDir, ConsoleLog))
+	for _, want := range []string{"hello from imp: GREETING=hi host=vm-one", "uid=1000 wd=/home/app", "workload exited with code 3"} {
+		if !strings.Contains(string(console), want) {
+			t.Errorf("console lacks %q:\n%s", want, console)
+		}
+	}
+	// The guest wrote to its overlay's upper layer, on its own disk; the base disk is untouched.
+	if out, err := exec.Command("debugfs", "-R", "cat /upper/home/app/written-by-guest", rw).CombinedOutput(); err != nil || !strings.Contains(string(out), "upper layer") {
+		t.Errorf("the guest's write is not on its writable disk: %v\n%s", err, out)
+	}
+	if out, _ := exec.Command("debugfs", "-R", "stat /home/app/written-by-guest", base).CombinedOutput(); !strings.Contains(string(out), "File not found") {
+		t.Errorf("the guest's write reached the shared base disk:\n%s", out)
+	}
+}

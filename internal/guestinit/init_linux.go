@@ -1,0 +1,408 @@
+package guestinit
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Run is imp-init's main: it never returns; it powers the VM off.
+func Run() {
+	code, err := run()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "imp-init:", err)
+		if code < 0 {
+			code = 127
+		}
+	}
+	unix.Sync()
+	fmt.Fprintf(os.Stderr, "imp-init: workload exited with code %d; powering off\n", code)
+	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+	select {} // the kernel takes it from here
+}
+
+var ch *channel
+
+func run() (int, error) {
+	for _, m := range []struct{ src, dst, fstype string }{
+		{"proc", "/proc", "proc"}, {"sysfs", "/sys", "sysfs"}, {"devtmpfs", "/dev", "devtmpfs"},
+	} {
+		if err := os.MkdirAll(m.dst, 0o755); err != nil {
+			return -1, err
+		}
+		if err := unix.Mount(m.src, m.dst, m.fstype, 0, ""); err != nil && !errors.Is(err, unix.EBUSY) {
+			return -1, fmt.Errorf("mounting %s: %w", m.dst, err)
+		}
+	}
+	cmdline, _ := os.ReadFile("/proc/cmdline")
+	params := strings.Fields(string(cmdline))
+	if err := loadModules(params); err != nil {
+		return -1, err
+	}
+
+	var err error
+	ch, err = openChannel(param(params, TokenParam))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "imp-init: no guest channel:", err)
+	}
+
+	base, rw, err := findDisks(10 * time.Second)
+	if err != nil {
+		return ch.fail(err)
+	}
+	for _, d := range []string{"/run/lower", "/run/rw", "/run/root"} {
+		_ = os.MkdirAll(d, 0o755)
+	}
+	if err := unix.Mount(base, "/run/lower", "ext4", unix.MS_RDONLY, ""); err != nil {
+		return ch.fail(fmt.Errorf("mounting the base disk %s: %w", base, err))
+	}
+	if err := unix.Mount(rw, "/run/rw", "ext4", 0, ""); err != nil {
+		return ch.fail(fmt.Errorf("mounting the writable disk %s: %w", rw, err))
+	}
+	for _, d := range []string{"/run/rw/upper", "/run/rw/work"} {
+		_ = os.MkdirAll(d, 0o755)
+	}
+	if err := unix.Mount("overlay", "/run/root", "overlay", 0, "lowerdir=/run/lower,upperdir=/run/rw/upper,workdir=/run/rw/work"); err != nil {
+		return ch.fail(fmt.Errorf("mounting the overlay root: %w", err))
+	}
+	data, err := os.ReadFile(filepath.Join("/run/rw", ConfigPath))
+	if err != nil {
+		return ch.fail(fmt.Errorf("reading the workload configuration: %w", err))
+	}
+	var cfg Config
+	if err := json.Unmarshal(data, &cfg); err != nil || len(cfg.Argv) == 0 {
+		return ch.fail(fmt.Errorf("bad workload configuration: %v %q", err, data))
+	}
+	if err := switchRoot("/run/root"); err != nil {
+		return ch.fail(err)
+	}
+	if cfg.Hostname != "" {
+		_ = unix.Sethostname([]byte(cfg.Hostname))
+	}
+	return runWorkload(cfg)
+}
+
+func param(params []string, key string) string {
+	for _, p := range params {
+		if v, ok := strings.CutPrefix(p, key+"="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// loadModules loads the initramfs's modules in order. virtio_mmio gets the device= parameters
+// QEMU's microvm and Firecracker put on the kernel command line (only the kernel's own
+// modprobe would read them there).
+func loadModules(params []string) error {
+	order, err := os.ReadFile("/lib/modules/imp/order")
+	if err != nil {
+		return nil // no modules: everything is built in
+	}
+	var mmio []string
+	for _, p := range params {
+		if v, ok := strings.CutPrefix(p, "virtio_mmio.device="); ok {
+			mmio = append(mmio, "device="+v)
+		}
+	}
+	for _, name := range strings.Fields(string(order)) {
+		f, err := os.Open("/lib/modules/imp/" + name)
+		if err != nil {
+			return err
+		}
+		args := ""
+		if name == "virtio_mmio.ko" {
+			args = strings.Join(mmio, " ")
+		}
+		err = unix.FinitModule(int(f.Fd()), args, 0)
+		f.Close()
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("loading module %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// findDisks returns the block devices labelled BaseLabel and WritableLabel.
+func findDisks(timeout time.Duration) (base, rw string, err error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		devs, _ := filepath.Glob("/dev/vd*")
+		for _, d := range devs {
+			switch ext4Label(d) {
+			case BaseLabel:
+				base = d
+			case WritableLabel:
+				rw = d
+			}
+		}
+		if base != "" && rw != "" {
+			return base, rw, nil
+		}
+		if time.Now().After(deadline) {
+			return "", "", fmt.Errorf("disks labelled %s and %s not found among %v", BaseLabel, WritableLabel, devs)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// ext4Label reads the volume name of an ext4 superblock (offset 1024, name at 0x78).
+func ext4Label(dev string) string {
+	f, err := os.Open(dev)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	buf := make([]byte, 16)
+	if _, err := f.ReadAt(buf, 1024+0x78); err != nil {
+		return ""
+	}
+	return string(bytes.TrimRight(buf, "\x00"))
+}
+
+// switchRoot makes dir the root, carrying /proc, /sys and /dev along.
+func switchRoot(dir string) error {
+	for _, m := range []string{"/proc", "/sys", "/dev"} {
+		target := dir + m
+		_ = os.MkdirAll(target, 0o755)
+		if err := unix.Mount(m, target, "", unix.MS_MOVE, ""); err != nil {
+			return fmt.Errorf("moving %s into the root: %w", m, err)
+		}
+	}
+	if err := unix.Chdir(dir); err != nil {
+		return err
+	}
+	if err := unix.Mount(dir, "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("moving the root: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("entering the root: %w", err)
+	}
+	return unix.Chdir("/")
+}
+
+func runWorkload(cfg Config) (int, error) {
+	env := cfg.Env
+	if !hasEnv(env, "PATH") {
+		env = append(env, "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+	}
+	path, err := lookPath(cfg.Argv[0], env)
+	if err != nil {
+		return ch.fail(err)
+	}
+	cred, err := credential(cfg.User)
+	if err != nil {
+		return ch.fail(err)
+	}
+	dir := cfg.WorkingDir
+	if dir == "" {
+		dir = "/"
+	}
+	cmd := &exec.Cmd{
+		Path: path, Args: cfg.Argv, Env: env, Dir: dir,
+		Stdout: os.Stdout, Stderr: os.Stderr,
+		SysProcAttr: &syscall.SysProcAttr{Credential: cred, Setsid: true},
+	}
+	// Signals to PID 1 go to the workload.
+	sigs := make(chan os.Signal, 8)
+	signal.Notify(sigs, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGUSR1, unix.SIGUSR2)
+	if err := cmd.Start(); err != nil {
+		return ch.fail(fmt.Errorf("starting %v: %w", cfg.Argv, err))
+	}
+	pid := cmd.Process.Pid
+	go func() {
+		for s := range sigs {
+			_ = unix.Kill(pid, s.(unix.Signal))
+		}
+	}()
+	ch.serve(pid)
+	ch.send(Message{Event: "ready"})
+
+	// Reap every child; the workload's status ends the VM.
+	for {
+		var ws unix.WaitStatus
+		got, err := unix.Wait4(-1, &ws, 0, nil)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return ch.fail(fmt.Errorf("waiting for the workload: %w", err))
+		}
+		if got != pid {
+			continue // an orphan, reaped
+		}
+		code := ws.ExitStatus()
+		if ws.Signaled() {
+			code = 128 + int(ws.Signal())
+		}
+		_ = unix.Kill(-1, unix.SIGKILL) // whatever the workload left behind
+		ch.send(Message{Event: "exit", Code: &code})
+		return code, nil
+	}
+}
+
+func hasEnv(env []string, name string) bool {
+	for _, e := range env {
+		if strings.HasPrefix(e, name+"=") {
+			return true
+		}
+	}
+	return false
+}
+
+func lookPath(file string, env []string) (string, error) {
+	if strings.Contains(file, "/") {
+		return file, nil
+	}
+	for _, e := range env {
+		if p, ok := strings.CutPrefix(e, "PATH="); ok {
+			for _, d := range filepath.SplitList(p) {
+				c := filepath.Join(d, file)
+				if fi, err := os.Stat(c); err == nil && !fi.IsDir() && fi.Mode()&0o111 != 0 {
+					return c, nil
+				}
+			}
+		}
+	}
+	return "", fmt.Errorf("%s: not found in the image's PATH", file)
+}
+
+// credential resolves "user[:group]" against the image's /etc/passwd and /etc/group.
+func credential(spec string) (*syscall.Credential, error) {
+	if spec == "" || spec == "root" || spec == "0" {
+		return nil, nil
+	}
+	u, g, hasGroup := strings.Cut(spec, ":")
+	uid, gid := -1, -1
+	if n, err := strconv.Atoi(u); err == nil {
+		uid = n
+	}
+	if uid < 0 || !hasGroup {
+		if f := lookup("/etc/passwd", u, uid); f != nil {
+			uid, _ = strconv.Atoi(f[2])
+			gid, _ = strconv.Atoi(f[3])
+		} else if uid < 0 {
+			return nil, fmt.Errorf("user %q not in the image's /etc/passwd", u)
+		}
+	}
+	if hasGroup {
+		if n, err := strconv.Atoi(g); err == nil {
+			gid = n
+		} else if f := lookup("/etc/group", g, -1); f != nil {
+			gid, _ = strconv.Atoi(f[2])
+		} else {
+			return nil, fmt.Errorf("group %q not in the image's /etc/group", g)
+		}
+	}
+	if gid < 0 {
+		gid = uid
+	}
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+}
+
+// lookup returns the fields of the line of file whose name is name or whose id is id.
+func lookup(file, name string, id int) []string {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Split(sc.Text(), ":")
+		if len(fields) < 4 {
+			continue
+		}
+		if fields[0] == name || (id >= 0 && fields[2] == strconv.Itoa(id)) {
+			return fields
+		}
+	}
+	return nil
+}
+
+// channel is the guest end of the guest channel.
+type channel struct {
+	mu    sync.Mutex
+	f     *os.File
+	token string
+}
+
+// openChannel opens the virtio-serial port named ChannelName.
+func openChannel(token string) (*channel, error) {
+	var names []string
+	for i := 0; i < 50; i++ {
+		names, _ = filepath.Glob("/sys/class/virtio-ports/*/name")
+		for _, n := range names {
+			if b, _ := os.ReadFile(n); strings.TrimSpace(string(b)) == ChannelName {
+				dev := "/dev/" + filepath.Base(filepath.Dir(n))
+				f, err := os.OpenFile(dev, os.O_RDWR, 0)
+				if err != nil {
+					return nil, err
+				}
+				c := &channel{f: f, token: token}
+				c.send(Message{Event: "hello", Token: token})
+				return c, nil
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil, fmt.Errorf("no virtio-serial port named %s", ChannelName)
+}
+
+func (c *channel) send(m Message) {
+	if c == nil {
+		return
+	}
+	line, _ := json.Marshal(m)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	_, _ = c.f.Write(append(line, '\n'))
+}
+
+// fail reports a start failure and returns the exit code the VM ends with.
+func (c *channel) fail(err error) (int, error) {
+	c.send(Message{Event: "error", Message: err.Error()})
+	return 127, err
+}
+
+// serve answers the agent's requests.
+func (c *channel) serve(pid int) {
+	if c == nil {
+		return
+	}
+	go func() {
+		r := bufio.NewReader(c.f)
+		for {
+			line, err := r.ReadBytes('\n')
+			if len(line) > 0 {
+				var req Request
+				if json.Unmarshal(line, &req) == nil && req.Token == c.token && c.token != "" {
+					if req.Op == "stop" {
+						_ = unix.Kill(pid, unix.SIGTERM)
+					}
+				}
+			}
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					time.Sleep(100 * time.Millisecond) // no host end yet
+					continue
+				}
+				return
+			}
+		}
+	}()
+}

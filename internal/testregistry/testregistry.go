@@ -1,0 +1,107 @@
+// Package testregistry gives tests a real OCI registry on 127.0.0.1 (go-containerregistry's,
+// in memory, optionally behind basic auth) and a way to push small images to it.
+package testregistry
+
+import (
+	"archive/tar"
+	"bytes"
+	"io"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// Start serves a registry until the test ends and returns its host:port. With a user, every
+// request needs that user's basic auth.
+func Start(t testing.TB, user, pass string) string {
+	t.Helper()
+	h := registry.New(registry.Logger(log.New(io.Discard, "", 0)))
+	if user != "" {
+		next := h
+		h = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if u, p, ok := r.BasicAuth(); !ok || u != user || p != pass {
+				w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
+				http.Error(w, "unauthorized", http.StatusUnauthorized)
+				return
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+// Layer makes an image layer of a tar.
+func Layer(t testing.TB, tarData []byte) v1.Layer {
+	t.Helper()
+	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(tarData)), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// File is a regular file of a layer, or a directory when Dir is set.
+type File struct {
+	Name     string
+	Mode     int64
+	Data     []byte
+	Dir      bool
+	Uid, Gid int
+}
+
+// FilesLayer makes a layer of regular files.
+func FilesLayer(t testing.TB, files ...File) v1.Layer {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, f := range files {
+		h := &tar.Header{Name: f.Name, Mode: f.Mode, Size: int64(len(f.Data)), Typeflag: tar.TypeReg, Uid: f.Uid, Gid: f.Gid}
+		if f.Dir {
+			h.Typeflag, h.Size = tar.TypeDir, 0
+		}
+		if err := tw.WriteHeader(h); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tw.Write(f.Data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return Layer(t, buf.Bytes())
+}
+
+// Push writes an image of layers to host/repo:v1 and returns its digest reference.
+func Push(t testing.TB, host, repo string, kc authn.Keychain, layers ...v1.Layer) name.Digest {
+	t.Helper()
+	img, err := mutate.AppendLayers(empty.Image, layers...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := name.ParseReference(host+"/"+repo+":v1", name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.Write(ref, img, remote.WithAuthFromKeychain(kc)); err != nil {
+		t.Fatal(err)
+	}
+	d, err := img.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ref.Context().Digest(d.String())
+}
