@@ -22,6 +22,7 @@ generate: ## Regenerate deepcopy, CRDs and RBAC from the Go types and markers.
 	$(CONTROLLER_GEN) object:headerFile=hack/boilerplate.go.txt paths=./api/...
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
 	$(CONTROLLER_GEN) rbac:roleName=imp-operator paths=./internal/controller/... output:rbac:artifacts:config=config/rbac/operator
+	$(CONTROLLER_GEN) rbac:roleName=imp-agent paths=./internal/agent/... output:rbac:artifacts:config=config/rbac/agent
 
 verify-generated: ## Fail when the checked-in generated code differs from what the sources generate.
 	hack/verify-generated.sh

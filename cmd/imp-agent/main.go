@@ -1,6 +1,6 @@
 // Command imp-agent is IMP's privileged node agent (DaemonSet imp-runtime): it makes its node
-// match the ImpVMs placed on it — disks from OCI images, host networking, VMM processes, the
-// guest channel — and reports what it observes.
+// match the ImpVMs placed on it — disks from OCI images, VMM processes, the guest channel — and
+// reports what it observes (see internal/agent).
 package main
 
 import (
@@ -9,6 +9,15 @@ import (
 	"fmt"
 	"os"
 
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/logging"
 )
 
@@ -21,23 +30,71 @@ func main() {
 
 func run() error {
 	var (
-		nodeName, stateDir string
-		logOpts            logging.Options
+		opts                   agent.Options
+		metricsAddr, probeAddr string
+		reserveMemory          string
+		reserveVCPUs           int
+		logOpts                logging.Options
 	)
 	fs := flag.CommandLine
-	fs.StringVar(&nodeName, "node-name", os.Getenv("NODE_NAME"), "name of the node this agent runs on (default $NODE_NAME)")
-	fs.StringVar(&stateDir, "state-dir", "/var/lib/imp", "host directory holding per-VM state, disks and images")
+	fs.StringVar(&opts.NodeName, "node-name", os.Getenv("NODE_NAME"), "name of the node this agent runs on (default $NODE_NAME)")
+	fs.StringVar(&opts.StateDir, "state-dir", "/var/lib/imp", "host directory holding per-VM state, disks and images")
+	fs.StringVar(&opts.Kernel, "kernel", "/var/lib/imp/boot/vmlinuz", "guest kernel")
+	fs.StringVar(&opts.Initramfs, "initramfs", "/var/lib/imp/boot/initramfs.cpio.gz", "IMP's guest initramfs (imp-init and modules)")
+	fs.StringVar(&opts.Accel, "qemu-accel", "", "QEMU accelerator: kvm or tcg (default: kvm when it works)")
+	fs.IntVar(&reserveVCPUs, "reserve-vcpus", 1, "vCPUs kept for the host, not offered to VMs")
+	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")
+	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")
+	fs.Func("insecure-registry", "registry host:port reachable over plain HTTP (repeatable; loopback always is)", func(s string) error {
+		opts.InsecureRegistries = append(opts.InsecureRegistries, s)
+		return nil
+	})
+	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint (0 disables it)")
+	fs.StringVar(&probeAddr, "health-probe-bind-address", ":8091", "address of the /healthz and /readyz endpoints")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-agent [flags]\n\nRuns the ImpVMs placed on this node.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	flag.Parse()
-	if _, err := logOpts.Logger(); err != nil {
+	log, err := logOpts.Logger()
+	if err != nil {
 		return err
 	}
-	if nodeName == "" {
+	ctrl.SetLogger(log)
+	if opts.NodeName == "" {
 		return errors.New("--node-name (or $NODE_NAME) is required")
 	}
-	return errors.New("the node agent's control loop is not built yet (issue 4)")
+	mem, err := resource.ParseQuantity(reserveMemory)
+	if err != nil {
+		return fmt.Errorf("--reserve-memory: %w", err)
+	}
+	opts.ReserveVCPUs, opts.ReserveMemory = int32(reserveVCPUs), mem.Value()
+
+	scheme := runtime.NewScheme()
+	if err := errors.Join(clientgoscheme.AddToScheme(scheme), impv1.AddToScheme(scheme)); err != nil {
+		return fmt.Errorf("building the scheme: %w", err)
+	}
+	cfg, err := ctrl.GetConfig()
+	if err != nil {
+		return fmt.Errorf("loading the kubeconfig: %w", err)
+	}
+	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+		Scheme:                 scheme,
+		Cache:                  agent.CacheOptions(opts.NodeName),
+		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
+		HealthProbeBindAddress: probeAddr,
+	})
+	if err != nil {
+		return fmt.Errorf("creating the manager: %w", err)
+	}
+	if err := errors.Join(mgr.AddHealthzCheck("ping", healthz.Ping), mgr.AddReadyzCheck("ping", healthz.Ping)); err != nil {
+		return err
+	}
+	a := &agent.Agent{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("imp-agent"), Opts: opts}
+	if err := a.SetupWithManager(mgr); err != nil {
+		return err
+	}
+	log.Info("starting imp-agent", "node", opts.NodeName, "accel", a.Opts.Accel)
+	return mgr.Start(ctrl.SetupSignalHandler())
 }

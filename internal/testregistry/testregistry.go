@@ -92,6 +92,25 @@ func Push(t testing.TB, host, repo string, kc authn.Keychain, layers ...v1.Layer
 	if err != nil {
 		t.Fatal(err)
 	}
+	return write(t, host, repo, kc, img)
+}
+
+// PushWithEntrypoint is Push of an image whose config has entrypoint.
+func PushWithEntrypoint(t testing.TB, host, repo string, entrypoint []string, layers ...v1.Layer) name.Digest {
+	t.Helper()
+	img, err := mutate.AppendLayers(empty.Image, layers...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err = mutate.Config(img, v1.Config{Entrypoint: entrypoint, Env: []string{"PATH=/bin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return write(t, host, repo, authn.DefaultKeychain, img)
+}
+
+func write(t testing.TB, host, repo string, kc authn.Keychain, img v1.Image) name.Digest {
+	t.Helper()
 	ref, err := name.ParseReference(host+"/"+repo+":v1", name.Insecure)
 	if err != nil {
 		t.Fatal(err)

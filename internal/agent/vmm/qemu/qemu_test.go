@@ -14,7 +14,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/guestinit"
-	"github.com/syscode-labs/imp/internal/initramfs"
+	"github.com/syscode-labs/imp/internal/testguest"
 	"github.com/syscode-labs/imp/internal/testregistry"
 )
 
@@ -58,31 +58,6 @@ func TestStartTimeDistinguishesProcesses(t *testing.T) {
 	}
 }
 
-// guestKernel returns Debian's cloud kernel and its modules directory, fetched by
-// hack/guest-kernel.sh into $IMP_CACHE/guest.
-func guestKernel(t *testing.T) (kernel, modules string) {
-	cache := os.Getenv("IMP_CACHE")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache", "imp")
-	}
-	ks, _ := filepath.Glob(filepath.Join(cache, "guest/kernel/boot/vmlinuz-*"))
-	if len(ks) == 0 {
-		t.Fatalf("no guest kernel in %s/guest (run hack/guest-kernel.sh)", cache)
-	}
-	version := strings.TrimPrefix(filepath.Base(ks[0]), "vmlinuz-")
-	return ks[0], filepath.Join(cache, "guest/kernel/lib/modules", version)
-}
-
-func goBuild(t *testing.T, out, pkg string) {
-	t.Helper()
-	cmd := exec.Command("go", "build", "-o", out, pkg)
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if b, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("building %s: %v\n%s", pkg, err, b)
-	}
-}
-
 // TestBootUnderQEMU boots a real guest: an OCI image from a registry on 127.0.0.1 becomes a
 // base disk, imp-init mounts it under an overlay on the VM's writable disk, runs the workload,
 // reaps its orphan, reports ready and the exit code over the guest channel and powers off.
@@ -90,34 +65,10 @@ func TestBootUnderQEMU(t *testing.T) {
 	if testing.Short() {
 		t.Skip("boots a guest under QEMU")
 	}
-	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
-		t.Fatal("qemu-system-x86_64 not found (Debian package qemu-system-x86; hack/install-prerequisites.sh installs it)")
-	}
-	kernel, modules := guestKernel(t)
 	tmp := t.TempDir()
-
-	goBuild(t, filepath.Join(tmp, "imp-init"), "github.com/syscode-labs/imp/cmd/imp-init")
-	goBuild(t, filepath.Join(tmp, "hello"), "./testdata/hello")
-	initrd := filepath.Join(tmp, "initramfs.cpio.gz")
-	f, err := os.Create(initrd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := initramfs.Build(f, filepath.Join(tmp, "imp-init"), modules); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-
-	hello, err := os.ReadFile(filepath.Join(tmp, "hello"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	kernel, initrd := testguest.Artifacts(t, tmp)
 	host := testregistry.Start(t, "", "")
-	ref := testregistry.Push(t, host, "hello", disk.PullSecretKeychain{}, testregistry.FilesLayer(t,
-		testregistry.File{Name: "bin/hello", Mode: 0o755, Data: hello},
-		testregistry.File{Name: "etc/passwd", Mode: 0o644, Data: []byte("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")},
-		testregistry.File{Name: "home/app/", Mode: 0o755, Dir: true, Uid: 1000, Gid: 1000},
-	))
+	ref := testguest.Image(t, host, "hello")
 	store := &disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}
 	ctx := context.Background()
 	base, err := store.Ensure(ctx, ref, disk.PullSecretKeychain{})
@@ -129,7 +80,7 @@ func TestBootUnderQEMU(t *testing.T) {
 		t.Fatal(err)
 	}
 	rw := filepath.Join(vmDir, "rw.ext4")
-	cfg := guestinit.Config{Argv: []string{"hello", "orphan"}, Env: []string{"GREETING=hi"}, WorkingDir: "/home/app", User: "app", Hostname: "vm-one"}
+	cfg := guestinit.Config{Argv: []string{"hello", "exit"}, Env: []string{"GREETING=hi"}, WorkingDir: "/home/app", User: "app", Hostname: "vm-one"}
 	if err := disk.EnsureWritable(rw, 64<<20, cfg, ""); err != nil {
 		t.Fatal(err)
 	}

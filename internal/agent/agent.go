@@ -1,0 +1,419 @@
+// Package agent is imp-agent's control loop: it makes its node run the ImpVMs placed on it and
+// reports what it observes. It watches only VMs whose status.nodeName is its node; for each it
+// runs a plan of idempotent steps (state directory, base disk of the image, the VM's writable
+// disk, the VMM for the VM's current instance and run) and a monitor that turns the guest
+// channel and the VMM process into status.runtime. It never writes spec, never chooses a node
+// or an address, and removes a VM's VMM and state only when the API server says the VM is gone
+// from its node.
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;create
+// +kubebuilder:rbac:groups=imp.dev,resources=impnodes/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups="",resources=secrets;configmaps,verbs=get
+// +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+
+// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
+type EventRecorder interface {
+	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
+}
+
+// Options configure an agent.
+type Options struct {
+	NodeName string
+	// StateDir holds images/ (base disks) and vms/<uid>/ (each VM's state).
+	StateDir string
+	// Kernel and Initramfs boot every guest.
+	Kernel, Initramfs string
+	// Accel is the QEMU accelerator: kvm, tcg, or empty to probe.
+	Accel string
+	// ReserveVCPUs and ReserveMemory are kept for the host; the rest is offered to VMs.
+	ReserveVCPUs  int32
+	ReserveMemory int64
+	// VCPUOvercommit multiplies the vCPUs offered to VMs (default 1: none).
+	VCPUOvercommit float64
+	// InsecureRegistries may be reached over plain HTTP (loopback registries always may).
+	InsecureRegistries []string
+	// MaxImageBytes bounds the files of one image.
+	MaxImageBytes int64
+	// ReportInterval is how often the ImpNode report is refreshed.
+	ReportInterval time.Duration
+}
+
+// Agent runs the VMs of one node.
+type Agent struct {
+	Client    client.Client
+	APIReader client.Reader // uncached: what the API server says now
+	Recorder  EventRecorder
+	Opts      Options
+
+	images   *disk.BaseStore
+	mu       sync.Mutex
+	monitors map[types.UID]*monitor
+}
+
+// CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
+func CacheOptions(node string) cache.Options {
+	return cache.Options{ByObject: map[client.Object]cache.ByObject{
+		&impv1.ImpVM{}: {Field: fields.OneTermEqualSelector("status.nodeName", node)},
+	}}
+}
+
+// SetupWithManager registers the agent with mgr, whose cache must come from CacheOptions.
+func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
+	if a.Opts.Accel == "" {
+		a.Opts.Accel = qemu.Accel()
+	}
+	if a.Opts.MaxImageBytes == 0 {
+		a.Opts.MaxImageBytes = 64 << 30
+	}
+	if a.Opts.ReportInterval == 0 {
+		a.Opts.ReportInterval = 30 * time.Second
+	}
+	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes}
+	a.monitors = map[types.UID]*monitor{}
+	if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, "vms"), 0o700); err != nil {
+		return fmt.Errorf("creating the state directory: %w", err)
+	}
+	if err := mgr.Add(reporter{a}); err != nil {
+		return err
+	}
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&impv1.ImpVM{}).
+		Named("imp-agent").
+		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
+		Complete(a)
+}
+
+// meta is what the agent keeps beside a VM's VMM record.
+type meta struct {
+	Namespace string    `json:"namespace"`
+	Name      string    `json:"name"`
+	UID       types.UID `json:"uid"`
+	Token     string    `json:"token"`
+	Instance  int64     `json:"instance"`
+	Run       int32     `json:"run"`
+	Started   time.Time `json:"started"`
+}
+
+func (a *Agent) vmDir(uid types.UID) string {
+	return filepath.Join(a.Opts.StateDir, "vms", string(uid))
+}
+
+func readMeta(dir string) (*meta, error) {
+	data, err := os.ReadFile(filepath.Join(dir, "meta.json"))
+	if err != nil {
+		return nil, err
+	}
+	var m meta
+	return &m, json.Unmarshal(data, &m)
+}
+
+func writeMeta(dir string, m *meta) error {
+	data, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, "meta.json.tmp")
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(dir, "meta.json"))
+}
+
+// Reconcile makes the node match one VM.
+func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	vm := &impv1.ImpVM{}
+	if err := a.Client.Get(ctx, req.NamespacedName, vm); err != nil {
+		if !apierrors.IsNotFound(err) {
+			return ctrl.Result{}, err
+		}
+		// Not in the cache of this node's VMs: ask the API server before touching anything.
+		if err := a.APIReader.Get(ctx, req.NamespacedName, vm); err != nil && !apierrors.IsNotFound(err) {
+			return ctrl.Result{}, err
+		} else if err == nil && vm.Status.NodeName == a.Opts.NodeName {
+			return ctrl.Result{Requeue: true}, nil // the cache is behind
+		}
+		return ctrl.Result{}, a.removeLeftovers(ctx, req.NamespacedName, vm)
+	}
+	if !vm.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, a.teardown(ctx, vm)
+	}
+	st := vm.Status
+	if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
+		return ctrl.Result{}, nil
+	}
+	dir := a.vmDir(vm.UID)
+	m, _ := readMeta(dir)
+	rec, _ := qemu.ReadRecord(dir)
+	alive := rec != nil && rec.Alive()
+	current := m != nil && m.Instance == st.Instance && m.Run == st.RestartCount
+
+	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
+		if alive {
+			a.stopVMM(ctx, vm, rec)
+		}
+		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
+	}
+	if alive && current {
+		a.ensureMonitor(vm, dir, m, rec) // re-attach after an agent restart
+		return ctrl.Result{}, nil
+	}
+	if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount && rt.State != impv1.RuntimeStarting {
+		return ctrl.Result{}, nil // this run ran and ended: the operator decides what comes next
+	}
+	if alive { // a VMM of another run or instance: never two at once
+		a.stopVMM(ctx, vm, rec)
+	}
+	return ctrl.Result{}, a.start(ctx, vm, dir, m)
+}
+
+// start runs the plan for the VM's current run: state directory, base disk, writable disk,
+// VMM, monitor. A failure ends the run as Exited with reason StartFailed, so the operator's
+// runStrategy and back-off decide about retrying.
+func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *meta) error {
+	st := vm.Status
+	base := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount}
+	starting := base
+	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
+	if err := a.report(ctx, vm, starting); err != nil {
+		return err
+	}
+	fail := func(reason string, err error) error {
+		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Start", "%v", err)
+		failed := base
+		now := metav1.Now()
+		failed.State, failed.Reason, failed.Message, failed.FinishedAt = impv1.RuntimeExited, reason, err.Error(), &now
+		return a.report(ctx, vm, failed)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fail("StartFailed", fmt.Errorf("creating %s: %w", dir, err))
+	}
+	kc, err := a.keychain(ctx, vm)
+	if err != nil {
+		return fail("StartFailed", err)
+	}
+	opts := a.remoteOptions()
+	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
+	if err != nil {
+		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
+	}
+	digest, err := disk.Resolve(ctx, ref.String(), kc, append(opts, remote.WithContext(ctx))...)
+	if err != nil {
+		return fail("ImagePullFailed", err)
+	}
+	digest, _ = name.NewDigest(digest.String(), a.nameOptions(vm.Spec.Image)...)
+	a.images.RemoteOptions = opts
+	baseDisk, err := a.images.Ensure(ctx, digest, kc)
+	if err != nil {
+		reason := "ImagePullFailed"
+		if errors.Is(err, disk.ErrUnsafeLayer) {
+			reason = "ImageRefused"
+		}
+		return fail(reason, err)
+	}
+	img, err := remote.Image(digest, append(opts, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
+	if err != nil {
+		return fail("ImagePullFailed", err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		return fail("ImagePullFailed", fmt.Errorf("reading the image config: %w", err))
+	}
+	cfg, err := workload(ctx, a.APIReader, vm, &cf.Config)
+	if err != nil {
+		return fail("StartFailed", err)
+	}
+	res := st.Resources
+	if res == nil {
+		return fail("StartFailed", errors.New("the VM has no resources recorded by its placement"))
+	}
+	rw := filepath.Join(dir, "rw.ext4")
+	if err := disk.EnsureWritable(rw, res.DiskSize.Value(), cfg, ""); err != nil {
+		return fail("StartFailed", err)
+	}
+
+	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now()}
+	if old != nil && old.Token != "" {
+		m.Token = old.Token
+	} else {
+		m.Token = randomToken()
+	}
+	if err := writeMeta(dir, m); err != nil {
+		return fail("StartFailed", err)
+	}
+	spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
+		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz()}
+	rec, err := qemu.Start(spec, digest.DigestStr())
+	if err != nil {
+		return fail("StartFailed", err)
+	}
+	started := base
+	t := metav1.NewTime(m.Started)
+	started.State, started.StartedAt, started.Message = impv1.RuntimeRunning, &t, "the guest is booting"
+	if err := a.report(ctx, vm, started); err != nil {
+		return err
+	}
+	a.ensureMonitor(vm, dir, m, rec)
+	return nil
+}
+
+func randomToken() string {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// nameOptions lets loopback and configured registries be reached over plain HTTP.
+func (a *Agent) nameOptions(image string) []name.Option {
+	host, _, _ := strings.Cut(image, "/")
+	h, _, _ := strings.Cut(host, ":")
+	if h == "localhost" || strings.HasPrefix(h, "127.") || h == "[::1]" {
+		return []name.Option{name.Insecure}
+	}
+	for _, r := range a.Opts.InsecureRegistries {
+		if r == host {
+			return []name.Option{name.Insecure}
+		}
+	}
+	return nil
+}
+
+func (a *Agent) remoteOptions() []remote.Option { return nil }
+
+// keychain reads the VM's image pull secrets.
+func (a *Agent) keychain(ctx context.Context, vm *impv1.ImpVM) (authn.Keychain, error) {
+	var configs [][]byte
+	for _, ref := range vm.Spec.ImagePullSecrets {
+		var s corev1.Secret
+		if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, &s); err != nil {
+			return nil, fmt.Errorf("reading image pull secret %s: %w", ref.Name, err)
+		}
+		if d, ok := s.Data[corev1.DockerConfigJsonKey]; ok {
+			configs = append(configs, d)
+		}
+	}
+	return disk.NewPullSecretKeychain(configs...)
+}
+
+// report merge-patches status.runtime, and nothing else, when it differs.
+func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
+		cur.GuestReady == rt.GuestReady && cur.Message == rt.Message {
+		return nil
+	}
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"runtime": rt}})
+	if err != nil {
+		return err
+	}
+	obj := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name}}
+	if err := a.Client.Status().Patch(ctx, obj, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil // the VM is gone: nothing to report to
+		}
+		return fmt.Errorf("reporting %s of %s: %w", rt.State, vm.Name, err)
+	}
+	vm.Status.Runtime = &rt
+	return nil
+}
+
+// stopVMM asks the guest to stop, waits the VM's grace period, then kills the VMM.
+func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *qemu.Record) {
+	grace := 30 * time.Second
+	if g := vm.Spec.TerminationGracePeriodSeconds; g != nil {
+		grace = time.Duration(*g) * time.Second
+	}
+	a.mu.Lock()
+	mon := a.monitors[vm.UID]
+	a.mu.Unlock()
+	if mon != nil {
+		mon.requestStop()
+	}
+	deadline := time.Now().Add(grace)
+	for rec.Alive() && time.Now().Before(deadline) && ctx.Err() == nil {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if rec.Alive() {
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		for i := 0; i < 50 && rec.Alive(); i++ {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	a.stopMonitor(vm.UID)
+}
+
+// teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone
+// for the operator to release the VM.
+func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
+	dir := a.vmDir(vm.UID)
+	if rec, err := qemu.ReadRecord(dir); err == nil && rec.Alive() {
+		a.stopVMM(ctx, vm, rec)
+	}
+	a.stopMonitor(vm.UID)
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("removing the state of %s: %w", vm.Name, err)
+	}
+	return a.report(ctx, vm, impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeGone})
+}
+
+// removeLeftovers removes the local VM that a request named when the API server says it is
+// gone (vm empty) or placed elsewhere.
+func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, vm *impv1.ImpVM) error {
+	entries, err := os.ReadDir(filepath.Join(a.Opts.StateDir, "vms"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		dir := filepath.Join(a.Opts.StateDir, "vms", e.Name())
+		m, err := readMeta(dir)
+		if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
+			continue
+		}
+		if vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName {
+			continue
+		}
+		if rec, err := qemu.ReadRecord(dir); err == nil && rec.Alive() {
+			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		}
+		a.stopMonitor(m.UID)
+		if err := os.RemoveAll(dir); err != nil {
+			return err
+		}
+		ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", key, "uid", m.UID)
+	}
+	return nil
+}

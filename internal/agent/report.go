@@ -1,0 +1,126 @@
+package agent
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// reporter keeps the node's ImpNode report current: what the node offers VMs, which VMMs it
+// runs, and the artifacts it boots them with.
+type reporter struct{ a *Agent }
+
+// NeedLeaderElection: every agent reports its own node.
+func (reporter) NeedLeaderElection() bool { return false }
+
+func (r reporter) Start(ctx context.Context) error {
+	kernel := artifact(r.a.Opts.Kernel)
+	initrd := artifact(r.a.Opts.Initramfs)
+	vmms := []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: r.a.Opts.Accel, Version: qemuVersion()}}
+	t := time.NewTicker(r.a.Opts.ReportInterval)
+	defer t.Stop()
+	for {
+		if err := r.a.reportNode(ctx, vmms, kernel, initrd); err != nil {
+			ctrl.LoggerFrom(ctx).Error(err, "reporting the node")
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kernel, initrd *impv1.Artifact) error {
+	node := &impv1.ImpNode{}
+	err := a.Client.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, node)
+	if apierrors.IsNotFound(err) {
+		node = &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: a.Opts.NodeName}}
+		var n corev1.Node
+		if err := a.APIReader.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, &n); err == nil {
+			// Garbage-collected with its node.
+			node.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}}
+		}
+		if err := a.Client.Create(ctx, node); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("creating ImpNode %s: %w", a.Opts.NodeName, err)
+		}
+	} else if err != nil {
+		return err
+	}
+	orig := node.DeepCopy()
+	cpus := int32(runtime.NumCPU())
+	mem := memTotal()
+	now := metav1.Now()
+	node.Status.Capacity = &impv1.NodeResources{VCPUs: cpus, Memory: *resource.NewQuantity(mem, resource.BinarySI)}
+	node.Status.Allocatable = &impv1.NodeResources{
+		VCPUs:  int32(float64(max(cpus-a.Opts.ReserveVCPUs, 0)) * max(a.Opts.VCPUOvercommit, 1)),
+		Memory: *resource.NewQuantity(max(mem-a.Opts.ReserveMemory, 0), resource.BinarySI),
+	}
+	node.Status.VMMs = vmms
+	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
+	node.Status.HeartbeatTime = &now
+	apimeta.SetStatusCondition(&node.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue,
+		Reason: impv1.ReasonAgentReady, Message: fmt.Sprintf("qemu (%s) available", a.Opts.Accel)})
+	if err := a.Client.Status().Patch(ctx, node, client.MergeFrom(orig)); err != nil {
+		return fmt.Errorf("reporting ImpNode %s: %w", a.Opts.NodeName, err)
+	}
+	return nil
+}
+
+func artifact(path string) *impv1.Artifact {
+	f, err := os.Open(path)
+	if err != nil {
+		return &impv1.Artifact{Path: path}
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return &impv1.Artifact{Path: path}
+	}
+	return &impv1.Artifact{Path: path, SHA256: hex.EncodeToString(h.Sum(nil))}
+}
+
+func memTotal() int64 {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "MemTotal:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+func qemuVersion() string {
+	out, err := exec.Command("qemu-system-x86_64", "--version").Output()
+	if err != nil {
+		return ""
+	}
+	first, _, _ := strings.Cut(string(out), "\n")
+	return strings.TrimPrefix(first, "QEMU emulator version ")
+}

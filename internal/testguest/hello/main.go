@@ -1,0 +1,47 @@
+// Command hello is the workload of IMP's guest tests. It prints what imp-init gave it and
+// writes a file in its working directory; then, by its first argument:
+//
+//	exit    leaves an orphan for PID 1 to reap and exits with code 3
+//	serve   prints a line a second until SIGTERM, then exits 0
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+func main() {
+	host, _ := os.Hostname()
+	wd, _ := os.Getwd()
+	fmt.Printf("hello from imp: GREETING=%s host=%s pid=%d uid=%d wd=%s\n", os.Getenv("GREETING"), host, os.Getpid(), os.Getuid(), wd)
+	if err := os.WriteFile("written-by-guest", []byte("upper layer\n"), 0o644); err != nil {
+		fmt.Println("write failed:", err)
+	}
+	mode := "exit"
+	if len(os.Args) > 1 {
+		mode = os.Args[1]
+	}
+	switch mode {
+	case "serve":
+		term := make(chan os.Signal, 1)
+		signal.Notify(term, syscall.SIGTERM)
+		for i := 0; ; i++ {
+			select {
+			case <-term:
+				fmt.Println("hello: terminating")
+				os.Exit(0)
+			case <-time.After(time.Second):
+				fmt.Printf("hello: tick %d\n", i)
+			}
+		}
+	case "child":
+		return
+	default:
+		_ = exec.Command("/bin/hello", "child").Start() // exits at once; init reaps it
+		os.Exit(3)
+	}
+}

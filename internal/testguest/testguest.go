@@ -1,0 +1,75 @@
+// Package testguest gives tests what booting a real guest takes: Debian's cloud kernel (fetched
+// by hack/guest-kernel.sh), an initramfs with a freshly built imp-init, and an OCI image holding
+// the test workload (./hello) pushed to a registry on 127.0.0.1.
+package testguest
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-containerregistry/pkg/name"
+
+	"github.com/syscode-labs/imp/internal/initramfs"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+// Artifacts builds imp-init and an initramfs into dir and returns the kernel and initramfs.
+func Artifacts(t testing.TB, dir string) (kernel, initrd string) {
+	t.Helper()
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Fatal("qemu-system-x86_64 not found (Debian package qemu-system-x86; hack/install-prerequisites.sh installs it)")
+	}
+	cache := os.Getenv("IMP_CACHE")
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache", "imp")
+	}
+	ks, _ := filepath.Glob(filepath.Join(cache, "guest/kernel/boot/vmlinuz-*"))
+	if len(ks) == 0 {
+		t.Fatalf("no guest kernel in %s/guest (run hack/guest-kernel.sh)", cache)
+	}
+	kernel = ks[0]
+	modules := filepath.Join(cache, "guest/kernel/lib/modules", strings.TrimPrefix(filepath.Base(kernel), "vmlinuz-"))
+	init := filepath.Join(dir, "imp-init")
+	build(t, init, "github.com/syscode-labs/imp/cmd/imp-init")
+	initrd = filepath.Join(dir, "initramfs.cpio.gz")
+	f, err := os.Create(initrd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := initramfs.Build(f, init, modules); err != nil {
+		t.Fatal(err)
+	}
+	return kernel, initrd
+}
+
+// Image pushes an image holding /bin/hello (the test workload, entrypoint ["/bin/hello"]), a
+// user app (uid 1000) and its home /home/app, and returns its digest reference.
+func Image(t testing.TB, host, repo string) name.Digest {
+	t.Helper()
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "hello")
+	build(t, bin, "github.com/syscode-labs/imp/internal/testguest/hello")
+	hello, err := os.ReadFile(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return testregistry.PushWithEntrypoint(t, host, repo, []string{"/bin/hello"}, testregistry.FilesLayer(t,
+		testregistry.File{Name: "bin/hello", Mode: 0o755, Data: hello},
+		testregistry.File{Name: "etc/passwd", Mode: 0o644, Data: []byte("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")},
+		testregistry.File{Name: "home/app/", Mode: 0o755, Dir: true, Uid: 1000, Gid: 1000},
+	))
+}
+
+func build(t testing.TB, out, pkg string) {
+	t.Helper()
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building %s: %v\n%s", pkg, err, b)
+	}
+}
