@@ -336,7 +336,22 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 		cur.GuestReady == rt.GuestReady && cur.Message == rt.Message {
 		return nil
 	}
-	patch, err := json.Marshal(map[string]any{"status": map[string]any{"runtime": rt}})
+	// A merge patch keeps fields it does not name: name every field, null when unset, so the
+	// report replaces the previous one whole.
+	fields := map[string]any{}
+	raw, err := json.Marshal(rt)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(raw, &fields); err != nil {
+		return err
+	}
+	for _, f := range []string{"startedAt", "bootMilliseconds", "guestReady", "finishedAt", "exitCode", "reason", "message"} {
+		if _, ok := fields[f]; !ok {
+			fields[f] = nil
+		}
+	}
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"runtime": fields}})
 	if err != nil {
 		return err
 	}

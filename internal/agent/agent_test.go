@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/name"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -24,6 +26,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/operator"
@@ -52,6 +55,19 @@ func run(t *testing.T, mgr ctrl.Manager) func() {
 	return stop
 }
 
+// killVMMs, at the end of the test, kills every VMM recorded under stateDir: a failed test must
+// not leave guests running.
+func killVMMs(t *testing.T, stateDir string) {
+	t.Cleanup(func() {
+		recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", qemu.RecordFile))
+		for _, p := range recs {
+			if rec, err := qemu.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
+				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+			}
+		}
+	})
+}
+
 func managerOptions(c *testcluster.Cluster) ctrl.Options {
 	return ctrl.Options{
 		Scheme:                 c.Scheme,
@@ -61,21 +77,28 @@ func managerOptions(c *testcluster.Cluster) ctrl.Options {
 	}
 }
 
-// TestVMLifecycle: an ImpVM becomes a guest booted under QEMU/TCG on this machine, reaches
-// Running with Ready=True from the guest channel, shows its workload's output on its console,
-// and on deletion its VMM, disks and state go and its finalizer is released.
-func TestVMLifecycle(t *testing.T) {
+// world is a real control plane with the operator and an in-process agent for one Node that
+// stands for this machine, and a registry on 127.0.0.1 holding the test image as hello:v1.
+type world struct {
+	c        *testcluster.Cluster
+	ns, node string
+	host     string // registry
+	ref      name.Digest
+	stateDir string
+}
+
+func newWorld(t *testing.T) *world {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
 	ns := c.Namespace(t)
-	nodeName := "imp-e2e-" + ns[len(ns)-5:]
+	w := &world{c: c, ns: ns, node: "imp-e2e-" + ns[len(ns)-5:]}
 	tmp := t.TempDir()
 	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	ref := testguest.Image(t, host, "hello")
+	w.host = testregistry.Start(t, "", "")
+	w.ref = testguest.Image(t, w.host, "hello")
 
 	// This machine as a Node (no kubelet here: the test keeps it Ready).
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": nodeName}}}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w.node, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": w.node}}}
 	if err := c.Client.Create(ctx, node); err != nil {
 		t.Fatal(err)
 	}
@@ -96,45 +119,66 @@ func TestVMLifecycle(t *testing.T) {
 	}
 	run(t, opMgr)
 
-	stateDir := filepath.Join(tmp, "state")
+	w.stateDir = filepath.Join(tmp, "state")
+	killVMMs(t, w.stateDir)
 	opts := managerOptions(c)
-	opts.Cache = agent.CacheOptions(nodeName)
+	opts.Cache = agent.CacheOptions(w.node)
 	agMgr, err := ctrl.NewManager(c.Config, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ag := &agent.Agent{
 		Client: agMgr.GetClient(), APIReader: agMgr.GetAPIReader(), Recorder: agMgr.GetEventRecorder("imp-agent"),
-		Opts: agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, Accel: "tcg", ReportInterval: time.Second},
+		Opts: agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd, Accel: "tcg", ReportInterval: time.Second, VCPUOvercommit: 4},
 	}
 	if err := ag.SetupWithManager(agMgr); err != nil {
 		t.Fatal(err)
 	}
 	run(t, agMgr)
+	return w
+}
 
-	vm := &impv1.ImpVM{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "hello"},
+// vm returns (does not create) a VM of the test image on the world's node.
+func (w *world) vm(name string, args ...string) *impv1.ImpVM {
+	return &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name},
 		Spec: impv1.ImpVMSpec{
-			Image:        host + "/hello:v1",
-			Args:         []string{"serve"},
-			Env:          []impv1.EnvVar{{Name: "GREETING", Value: "from-the-api"}},
-			Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("256Mi"))},
-			NodeSelector: map[string]string{"imp.test/node": nodeName},
+			Image:        w.host + "/hello:v1",
+			Args:         args,
+			Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("192Mi"))},
+			NodeSelector: map[string]string{"imp.test/node": w.node},
 			DiskSize:     ptr.To(resource.MustParse("64Mi")),
 		},
 	}
+}
+
+func (w *world) get(name string) *impv1.ImpVM {
+	v := &impv1.ImpVM{}
+	if err := w.c.Client.Get(context.Background(), types.NamespacedName{Namespace: w.ns, Name: name}, v); err != nil {
+		return nil
+	}
+	return v
+}
+
+func (w *world) console(vm *impv1.ImpVM) string {
+	b, _ := os.ReadFile(filepath.Join(w.stateDir, "vms", string(vm.UID), qemu.ConsoleLog))
+	return string(b)
+}
+
+// TestVMLifecycle: an ImpVM becomes a guest booted under QEMU/TCG on this machine, reaches
+// Running with Ready=True from the guest channel, shows its workload's output on its console,
+// and on deletion its VMM, disks and state go and its finalizer is released.
+func TestVMLifecycle(t *testing.T) {
+	w := newWorld(t)
+	c, ns, ctx, stateDir, ref := w.c, w.ns, context.Background(), w.stateDir, w.ref
+	vm := w.vm("hello", "serve")
+	vm.Spec.Env = []impv1.EnvVar{{Name: "GREETING", Value: "from-the-api"}}
 	created := time.Now()
 	if err := c.Client.Create(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
 	g := NewWithT(t)
-	get := func() *impv1.ImpVM {
-		v := &impv1.ImpVM{}
-		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "hello"}, v); err != nil {
-			return nil
-		}
-		return v
-	}
+	get := func() *impv1.ImpVM { return w.get("hello") }
 	g.Eventually(func() bool {
 		v := get()
 		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
@@ -221,6 +265,7 @@ func TestAgentRestart(t *testing.T) {
 	}
 	kubeconfig := c.Kubeconfig(t)
 	stateDir := filepath.Join(tmp, "state")
+	killVMMs(t, stateDir)
 	startAgent := func() *exec.Cmd {
 		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir,
 			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "2",
@@ -314,5 +359,70 @@ func TestAgentRestart(t *testing.T) {
 			t.Fatal(err)
 		}
 		g.Eventually(func() *impv1.ImpVM { return get(n) }).WithTimeout(2 * time.Minute).Should(BeNil())
+	}
+}
+
+// TestSharedBaseDiskAndRefusedImage: two VMs of one image share one base disk and do not see
+// each other's writes; an image with a layer writing through a symlink out of its root is
+// refused with a clear Event and nothing runs.
+func TestSharedBaseDiskAndRefusedImage(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	g := NewWithT(t)
+	for _, n := range []string{"one", "two"} {
+		if err := w.c.Client.Create(ctx, w.vm(n, "serve")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range []string{"one", "two"} {
+		g.Eventually(func() string {
+			v := w.get(n)
+			rt := v.Status.Runtime
+			if rt == nil {
+				rt = &impv1.RuntimeStatus{}
+			}
+			return fmt.Sprintf("phase=%s node=%s runtime=%s/%s/%s console=%s", v.Status.Phase, v.Status.NodeName, rt.State, rt.Reason, rt.Message, w.console(v))
+		}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(ContainSubstring("hello: no earlier write"), "VM %s", n)
+	}
+	images, _ := filepath.Glob(filepath.Join(w.stateDir, "images", "*.ext4"))
+	if len(images) != 1 {
+		t.Errorf("base disks %v, want one shared by both VMs", images)
+	}
+	for _, n := range []string{"one", "two"} {
+		if c := w.console(w.get(n)); strings.Contains(c, "found an earlier write") {
+			t.Errorf("VM %s saw another VM's write:\n%s", n, c)
+		}
+	}
+
+	// The unsafe image.
+	outside := t.TempDir()
+	testregistry.Push(t, w.host, "evil", disk.PullSecretKeychain{},
+		testguest.Layer(t, testguest.Symlink("escape", outside)),
+		testguest.Layer(t, testguest.RegularFile("escape/pwned", "x")))
+	evil := w.vm("evil")
+	evil.Spec.Image = w.host + "/evil:v1"
+	evil.Spec.RunStrategy = impv1.RunStrategyOnce
+	if err := w.c.Client.Create(ctx, evil); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("evil").Status.Phase }).WithTimeout(time.Minute).Should(Equal(impv1.VMFailed))
+	rt := w.get("evil").Status.Runtime
+	if rt == nil || rt.Reason != "ImageRefused" || !strings.Contains(rt.Message, "unsafe layer entry") {
+		t.Errorf("runtime %+v, want reason ImageRefused naming the unsafe entry", rt)
+	}
+	var events corev1.EventList
+	_ = w.c.Client.List(ctx, &events)
+	found := ""
+	for _, e := range events.Items {
+		if e.Namespace == w.ns && e.InvolvedObject.Name == "evil" && e.Reason == "ImageRefused" {
+			found = e.Message
+		}
+	}
+	if !strings.Contains(found, "escapes") && !strings.Contains(found, "unsafe layer entry") {
+		t.Errorf("no clear ImageRefused Event (got %q)", found)
+	}
+	t.Logf("ImageRefused: %s", found)
+	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
+		t.Errorf("the image wrote outside its root: %v", entries)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"net"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -83,7 +82,7 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 	go func() {
 		defer close(msgs)
 		for ctx.Err() == nil && rec.Alive() {
-			conn, err := net.Dial("unix", filepath.Join(dir, qemu.ChannelSock))
+			conn, err := qemu.DialChannel(dir)
 			if err != nil {
 				time.Sleep(100 * time.Millisecond)
 				continue
@@ -160,6 +159,9 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 				rt.Reason, rt.Message = "GuestError", exit.Message
 			default:
 				rt.Reason, rt.Message = "VMMExited", "the VMM exited without the guest reporting an exit"
+				if tail := qemu.LogTail(dir, 300); tail != "" {
+					rt.Message += ": " + tail
+				}
 			}
 			report(rt)
 			return

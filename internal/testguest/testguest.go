@@ -4,6 +4,8 @@
 package testguest
 
 import (
+	"archive/tar"
+	"bytes"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/syscode-labs/imp/internal/initramfs"
 	"github.com/syscode-labs/imp/internal/testregistry"
@@ -72,4 +75,41 @@ func build(t testing.TB, out, pkg string) {
 	if b, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building %s: %v\n%s", pkg, err, b)
 	}
+}
+
+// Entry is a tar entry of a layer and, for a regular file, its content.
+type Entry struct {
+	Header tar.Header
+	Data   string
+}
+
+// Layer makes an image layer of entries.
+func Layer(t testing.TB, entries ...Entry) v1.Layer {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, e := range entries {
+		h := e.Header
+		h.Size = int64(len(e.Data))
+		if err := tw.WriteHeader(&h); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tw.Write([]byte(e.Data)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return testregistry.Layer(t, buf.Bytes())
+}
+
+// Symlink is a symlink entry.
+func Symlink(name, target string) Entry {
+	return Entry{Header: tar.Header{Name: name, Linkname: target, Typeflag: tar.TypeSymlink, Mode: 0o777}}
+}
+
+// RegularFile is a file entry holding data.
+func RegularFile(name, data string) Entry {
+	return Entry{Header: tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: 0o644}, Data: data}
 }

@@ -18,7 +18,12 @@ func main() {
 	host, _ := os.Hostname()
 	wd, _ := os.Getwd()
 	fmt.Printf("hello from imp: GREETING=%s host=%s pid=%d uid=%d wd=%s\n", os.Getenv("GREETING"), host, os.Getpid(), os.Getuid(), wd)
-	if err := os.WriteFile("written-by-guest", []byte("upper layer\n"), 0o644); err != nil {
+	if prev, err := os.ReadFile("written-by-guest"); err == nil {
+		fmt.Printf("hello: found an earlier write: %s", prev)
+	} else {
+		fmt.Println("hello: no earlier write")
+	}
+	if err := os.WriteFile("written-by-guest", []byte("upper layer of "+host+"\n"), 0o644); err != nil {
 		fmt.Println("write failed:", err)
 	}
 	mode := "exit"

@@ -6,6 +6,7 @@ package qemu
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -70,9 +71,11 @@ func (s Spec) Args() []string {
 		"-chardev", "file,id=console,path=" + filepath.Join(dir, ConsoleLog) + ",append=on",
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device",
-		"-chardev", "socket,id=channel,path=" + filepath.Join(dir, ChannelSock) + ",server=on,wait=off",
+		// Sockets relative to the state directory (QEMU runs in it): a unix socket path must
+		// be shorter than 108 bytes, which a deep state directory would not be.
+		"-chardev", "socket,id=channel,path=" + ChannelSock + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=channel,name=" + guestinit.ChannelName,
-		"-qmp", "unix:" + filepath.Join(dir, QMPSock) + ",server=on,wait=off",
+		"-qmp", "unix:" + QMPSock + ",server=on,wait=off",
 	}
 	if s.Tap != "" {
 		args = append(args,
@@ -110,6 +113,7 @@ func Start(s Spec, configHash string) (*Record, error) {
 	}
 	defer logf.Close()
 	cmd := exec.Command(bin, s.Args()...)
+	cmd.Dir = s.Dir
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -141,6 +145,40 @@ func writeRecord(dir string, r *Record) error {
 		return fmt.Errorf("writing the VMM record: %w", err)
 	}
 	return os.Rename(tmp, filepath.Join(dir, RecordFile))
+}
+
+// DialChannel connects to the guest channel of the VM in dir. A path too long for a unix
+// socket address is reached through /proc/self/fd.
+func DialChannel(dir string) (net.Conn, error) {
+	p := filepath.Join(dir, ChannelSock)
+	if len(p) < 100 {
+		return net.Dial("unix", p)
+	}
+	d, err := os.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), ChannelSock))
+}
+
+// LogTail returns up to n bytes of the end of the VMM's own log, on one line.
+func LogTail(dir string, n int64) string {
+	f, err := os.Open(filepath.Join(dir, qemuLog))
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return ""
+	}
+	off := max(fi.Size()-n, 0)
+	buf := make([]byte, fi.Size()-off)
+	if _, err := f.ReadAt(buf, off); err != nil {
+		return ""
+	}
+	return strings.Join(strings.Fields(string(buf)), " ")
 }
 
 // ReadRecord reads the record in a VM's state directory.

@@ -28,7 +28,7 @@ func TestArgs(t *testing.T) {
 		"id=base,file=/b,format=raw,if=none,readonly=on",
 		"id=rw,file=/w,format=raw,if=none -device virtio-blk-device,drive=rw",
 		"path=/var/lib/imp/vms/u1/console.log,append=on",
-		"socket,id=channel,path=/var/lib/imp/vms/u1/channel.sock,server=on,wait=off",
+		"socket,id=channel,path=channel.sock,server=on,wait=off",
 		"virtserialport,chardev=channel,name=imp.channel",
 		"tap,id=net0,ifname=imp-t1,script=no,downscript=no,vhost=off",
 		"virtio-net-device,netdev=net0,mac=02:00:00:00:00:01",
@@ -101,7 +101,7 @@ func TestBootUnderQEMU(t *testing.T) {
 	var conn net.Conn
 	deadline := time.Now().Add(30 * time.Second)
 	for conn == nil {
-		conn, err = net.Dial("unix", filepath.Join(vmDir, ChannelSock))
+		conn, err = DialChannel(vmDir)
 		if err != nil && time.Now().After(deadline) {
 			t.Fatalf("dialing the guest channel: %v", err)
 		}
@@ -153,7 +153,7 @@ func TestBootUnderQEMU(t *testing.T) {
 		}
 	}
 	// The guest wrote to its overlay's upper layer, on its own disk; the base disk is untouched.
-	if out, err := exec.Command("debugfs", "-R", "cat /upper/home/app/written-by-guest", rw).CombinedOutput(); err != nil || !strings.Contains(string(out), "upper layer") {
+	if out, err := exec.Command("debugfs", "-R", "cat /upper/home/app/written-by-guest", rw).CombinedOutput(); err != nil || !strings.Contains(string(out), "upper layer of vm-one") {
 		t.Errorf("the guest's write is not on its writable disk: %v\n%s", err, out)
 	}
 	if out, _ := exec.Command("debugfs", "-R", "stat /home/app/written-by-guest", base).CombinedOutput(); !strings.Contains(string(out), "File not found") {

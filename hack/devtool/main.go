@@ -1,0 +1,95 @@
+// Command devtool does the two build steps of the local environment that need Go:
+//
+//	devtool initramfs OUT IMP_INIT MODULES_DIR     write IMP's guest initramfs
+//	devtool image REGISTRY/REPO:TAG BINARY ARGS...  push an image holding BINARY as /bin/app
+package main
+
+import (
+	"archive/tar"
+	"bytes"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	"github.com/syscode-labs/imp/internal/initramfs"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "devtool:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	switch {
+	case len(args) == 4 && args[0] == "initramfs":
+		f, err := os.Create(args[1])
+		if err != nil {
+			return err
+		}
+		if err := initramfs.Build(f, args[2], args[3]); err != nil {
+			return err
+		}
+		return f.Close()
+	case len(args) >= 3 && args[0] == "image":
+		return pushImage(args[1], args[2], args[3:])
+	}
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...]")
+}
+
+func pushImage(refStr, binary string, cmd []string) error {
+	data, err := os.ReadFile(binary)
+	if err != nil {
+		return err
+	}
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, f := range []struct {
+		name string
+		mode int64
+		data []byte
+	}{
+		{"bin/app", 0o755, data},
+		{"etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/bin/sh\n")},
+	} {
+		if err := tw.WriteHeader(&tar.Header{Name: f.name, Mode: f.mode, Size: int64(len(f.data)), Typeflag: tar.TypeReg}); err != nil {
+			return err
+		}
+		if _, err := tw.Write(f.data); err != nil {
+			return err
+		}
+	}
+	if err := tw.Close(); err != nil {
+		return err
+	}
+	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf.Bytes())), nil })
+	if err != nil {
+		return err
+	}
+	img, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		return err
+	}
+	img, err = mutate.Config(img, v1.Config{Entrypoint: []string{"/bin/app"}, Cmd: cmd, Env: []string{"PATH=/bin"}})
+	if err != nil {
+		return err
+	}
+	ref, err := name.ParseReference(refStr, name.Insecure)
+	if err != nil {
+		return err
+	}
+	if err := remote.Write(ref, img); err != nil {
+		return fmt.Errorf("pushing %s: %w", ref, err)
+	}
+	d, _ := img.Digest()
+	fmt.Printf("%s@%s\n", ref.Context(), d)
+	return nil
+}
