@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk
 
 all: build
 
@@ -45,3 +45,6 @@ M ?= 100
 bench-placement: ## Place N VMs over M nodes; print latency, throughput, API writes/VM, operator RSS.
 	go build -o bin/ ./cmd/imp-operator
 	go run ./test/bench/placement -n $(N) -m $(M)
+
+bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
+	go run ./test/bench/disk -mb 64 -runs 3
