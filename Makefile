@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent
 
 all: build
 
@@ -48,3 +48,7 @@ bench-placement: ## Place N VMs over M nodes; print latency, throughput, API wri
 
 bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 	go run ./test/bench/disk -mb 64 -runs 3
+
+bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, agent RSS with 0 and 10 VMs.
+	go build -o bin/ ./cmd/imp-agent
+	go run ./test/bench/agent -n 10

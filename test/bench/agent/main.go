@@ -1,0 +1,256 @@
+// Command agent benchmarks the node agent with real guests under QEMU: placement → VMM exec
+// (warm image) P50, create → guest ready P50, and the agent's RSS with 0 and N VMs. The agent
+// runs as a process (bin/imp-agent); the operator runs in-process.
+//
+//	go run ./test/bench/agent -n 10      (make bench-agent)
+package main
+
+import (
+	"bufio"
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zapcore"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/testcluster"
+	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+func main() {
+	n := flag.Int("n", 10, "VMs")
+	agentBin := flag.String("agent", "bin/imp-agent", "imp-agent binary")
+	flag.Parse()
+	ctrl.SetLogger(zap.New(zap.Level(zapcore.ErrorLevel)))
+	// testguest and testregistry take a testing.TB: run the benchmark inside one.
+	res := testing.Benchmark(func(b *testing.B) {
+		if err := run(b, *n, *agentBin); err != nil {
+			b.Fatal(err)
+		}
+	})
+	if res.N == 0 {
+		os.Exit(1)
+	}
+}
+
+func run(b *testing.B, n int, agentBin string) error {
+	ctx := context.Background()
+	cl, err := testcluster.Start()
+	if err != nil {
+		return err
+	}
+	defer cl.Stop()
+	c := cl.Client
+	tmp := b.TempDir()
+	kernel, initrd := testguest.Artifacts(b, tmp)
+	host := testregistry.Start(b, "", "")
+	testguest.Image(b, host, "hello")
+
+	const nodeName = "bench-node"
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Labels: map[string]string{impv1.NodeEnabledLabel: "true"}}}
+	if err := c.Create(ctx, node); err != nil {
+		return err
+	}
+	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
+	if err := c.Status().Update(ctx, node); err != nil {
+		return err
+	}
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench"}}); err != nil {
+		return err
+	}
+	mgr, err := ctrl.NewManager(cl.Config, ctrl.Options{Scheme: cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0"})
+	if err != nil {
+		return err
+	}
+	opCtx, stopOp := context.WithCancel(ctx)
+	defer stopOp()
+	if err := operator.Setup(opCtx, mgr, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 4}); err != nil {
+		return err
+	}
+	go func() { _ = mgr.Start(opCtx) }()
+
+	user, err := cl.Env.AddUser(envtest.User{Name: "imp-agent", Groups: []string{"system:masters"}}, nil)
+	if err != nil {
+		return err
+	}
+	kc, _ := user.KubeConfig()
+	kubeconfig := filepath.Join(tmp, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, kc, 0o600); err != nil {
+		return err
+	}
+	stateDir := filepath.Join(tmp, "state")
+	agent := exec.Command(agentBin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir,
+		"--kernel", kernel, "--initramfs", initrd, "--reserve-vcpus", "0", "--vcpu-overcommit", "8",
+		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
+	agent.Stderr = os.Stderr
+	if err := agent.Start(); err != nil {
+		return fmt.Errorf("starting %s: %w", agentBin, err)
+	}
+	defer func() { _ = agent.Process.Kill(); _ = agent.Wait() }()
+	defer killVMMs(stateDir)
+
+	// Observe placement, VMM exec (runtime Running reported) and guest readiness.
+	var mu sync.Mutex
+	type times struct{ created, placed, exec, ready time.Time }
+	seen := map[string]*times{}
+	informers, err := cache.New(cl.Config, cache.Options{Scheme: cl.Scheme, DefaultNamespaces: map[string]cache.Config{"bench": {}}})
+	if err != nil {
+		return err
+	}
+	inf, err := informers.GetInformer(ctx, &impv1.ImpVM{})
+	if err != nil {
+		return err
+	}
+	observe := func(obj any) {
+		vm, ok := obj.(*impv1.ImpVM)
+		if !ok {
+			return
+		}
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		t := seen[vm.Name]
+		if t == nil {
+			return
+		}
+		if vm.Status.NodeName != "" && t.placed.IsZero() {
+			t.placed = now
+		}
+		if rt := vm.Status.Runtime; rt != nil && rt.State == impv1.RuntimeRunning {
+			if t.exec.IsZero() {
+				t.exec = now
+			}
+			if rt.GuestReady && t.ready.IsZero() {
+				t.ready = now
+			}
+		}
+	}
+	_, _ = inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{AddFunc: observe, UpdateFunc: func(_, o any) { observe(o) }})
+	go func() { _ = informers.Start(opCtx) }()
+	informers.WaitForCacheSync(ctx)
+
+	time.Sleep(3 * time.Second) // the agent settles: its node report is written
+	rss0 := rss(agent.Process.Pid)
+	create := func(name string) error {
+		mu.Lock()
+		seen[name] = &times{created: time.Now()}
+		mu.Unlock()
+		return c.Create(ctx, &impv1.ImpVM{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "bench", Name: name},
+			Spec: impv1.ImpVMSpec{Image: host + "/hello:v1", Args: []string{"serve"},
+				Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
+				DiskSize:  ptr.To(resource.MustParse("64Mi"))},
+		})
+	}
+	waitReady := func(names ...string) error {
+		deadline := time.Now().Add(10 * time.Minute)
+		for time.Now().Before(deadline) {
+			mu.Lock()
+			done := 0
+			for _, nm := range names {
+				if !seen[nm].ready.IsZero() {
+					done++
+				}
+			}
+			mu.Unlock()
+			if done == len(names) {
+				return nil
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return fmt.Errorf("VMs not ready after 10 minutes")
+	}
+	// Warm the image: one VM first.
+	if err := create("warm"); err != nil {
+		return err
+	}
+	if err := waitReady("warm"); err != nil {
+		return err
+	}
+	var names []string
+	for i := 0; i < n; i++ {
+		names = append(names, fmt.Sprintf("vm-%02d", i))
+		if err := create(names[i]); err != nil {
+			return err
+		}
+	}
+	if err := waitReady(names...); err != nil {
+		return err
+	}
+	rssN := rss(agent.Process.Pid)
+
+	var exec, ready []time.Duration
+	mu.Lock()
+	for _, nm := range names {
+		t := seen[nm]
+		exec = append(exec, t.exec.Sub(t.placed))
+		ready = append(ready, t.ready.Sub(t.created))
+	}
+	mu.Unlock()
+	p50 := func(ds []time.Duration) time.Duration {
+		sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+		return ds[len(ds)/2]
+	}
+	fmt.Printf("agent benchmark: %d VMs of 128Mi created at once on one node (QEMU, %s), image warm\n", n, accelOf())
+	fmt.Printf("  placement → VMM exec     P50 %v  max %v  (observed through the API)\n", p50(exec).Round(time.Millisecond), exec[len(exec)-1].Round(time.Millisecond))
+	fmt.Printf("  create → guest ready     P50 %v  max %v\n", p50(ready).Round(time.Millisecond), ready[len(ready)-1].Round(time.Millisecond))
+	fmt.Printf("  agent RSS                %d MiB with 0 VMs, %d MiB with %d VMs\n", rss0>>10, rssN>>10, n+1)
+	return nil
+}
+
+func accelOf() string {
+	out, _ := exec.Command("sh", "-c", "ps -o args= -C qemu-system-x86_64 | grep -o 'accel [a-z]*' | head -1").Output()
+	return strings.TrimSpace(string(out))
+}
+
+func killVMMs(stateDir string) {
+	out, _ := exec.Command("sh", "-c", "pgrep -f 'qemu-system-x86_64 -name' ").Output()
+	for _, f := range strings.Fields(string(out)) {
+		pid, _ := strconv.Atoi(f)
+		cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if strings.Contains(string(cmd), stateDir) {
+			p, _ := os.FindProcess(pid)
+			_ = p.Kill()
+		}
+	}
+}
+
+// rss returns a process's resident memory in KiB.
+func rss(pid int) int64 {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+			n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			return n
+		}
+	}
+	return 0
+}
