@@ -18,6 +18,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/logging"
 )
 
@@ -41,6 +42,7 @@ func run() error {
 	fs.StringVar(&opts.StateDir, "state-dir", "/var/lib/imp", "host directory holding per-VM state, disks and images")
 	fs.StringVar(&opts.Kernel, "kernel", "/var/lib/imp/boot/vmlinuz", "guest kernel")
 	fs.StringVar(&opts.Initramfs, "initramfs", "/var/lib/imp/boot/initramfs.cpio.gz", "IMP's guest initramfs (imp-init and modules)")
+	fs.StringVar(&opts.CgroupRoot, "cgroup-root", cgroup.Root, "the host's cgroup mount, where each VMM gets cgroups of its own outside the agent's (empty: none)")
 	fs.StringVar(&opts.Accel, "qemu-accel", "", "QEMU accelerator: kvm or tcg (default: kvm when it works)")
 	fs.IntVar(&reserveVCPUs, "reserve-vcpus", 1, "vCPUs kept for the host, not offered to VMs")
 	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")

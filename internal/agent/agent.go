@@ -36,6 +36,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
@@ -72,6 +73,9 @@ type Options struct {
 	MaxImageBytes int64
 	// ReportInterval is how often the ImpNode report is refreshed.
 	ReportInterval time.Duration
+	// CgroupRoot is the host's cgroup mount (cgroup.Root) where VMMs get cgroups of their own;
+	// empty leaves them in the agent's (development only: they then end with the agent's pod).
+	CgroupRoot string
 }
 
 // Agent runs the VMs of one node.
@@ -277,7 +281,8 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("StartFailed", err)
 	}
 	spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
-		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz()}
+		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
+		CgroupRoot: a.Opts.CgroupRoot}
 	rec, err := qemu.Start(spec, digest.DigestStr())
 	if err != nil {
 		return fail("StartFailed", err)
@@ -399,6 +404,7 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
 		a.stopVMM(ctx, vm, rec)
 	}
 	a.stopMonitor(vm.UID)
+	a.removeCgroup(vm.UID)
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("removing the state of %s: %w", vm.Name, err)
 	}
@@ -425,10 +431,17 @@ func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, v
 			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 		}
 		a.stopMonitor(m.UID)
+		a.removeCgroup(m.UID)
 		if err := os.RemoveAll(dir); err != nil {
 			return err
 		}
 		ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", key, "uid", m.UID)
 	}
 	return nil
+}
+
+func (a *Agent) removeCgroup(uid types.UID) {
+	if a.Opts.CgroupRoot != "" {
+		cgroup.Remove(a.Opts.CgroupRoot, string(uid))
+	}
 }

@@ -26,6 +26,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
@@ -129,7 +130,7 @@ func newWorld(t *testing.T) *world {
 	}
 	ag := &agent.Agent{
 		Client: agMgr.GetClient(), APIReader: agMgr.GetAPIReader(), Recorder: agMgr.GetEventRecorder("imp-agent"),
-		Opts: agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd, Accel: "tcg", ReportInterval: time.Second, VCPUOvercommit: 4},
+		Opts: agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd, Accel: "tcg", ReportInterval: time.Second, VCPUOvercommit: 4, CgroupRoot: cgroup.Root},
 	}
 	if err := ag.SetupWithManager(agMgr); err != nil {
 		t.Fatal(err)

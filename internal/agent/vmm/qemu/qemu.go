@@ -14,6 +14,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -35,6 +36,9 @@ type Spec struct {
 	Tap, MAC string
 	// Binary is the QEMU to run (default qemu-system-x86_64).
 	Binary string
+	// CgroupRoot, when set (cgroup.Root on a node), is where the VMM gets cgroups of its own,
+	// named for the state directory, outside the agent's.
+	CgroupRoot string
 }
 
 // Files of a VM's state directory.
@@ -96,8 +100,9 @@ type Record struct {
 	ConfigHash string `json:"configHash"`
 }
 
-// Start launches QEMU for s detached from the caller: its own session, its standard streams
-// on files, so that the caller exiting (the agent restarting) does not end the VM. It writes and
+// Start launches QEMU for s detached from the caller: its own session and cgroups, its standard
+// streams on files, so that the caller exiting (the agent restarting, its pod being replaced)
+// does not end the VM. It writes and
 // returns the VM's record.
 func Start(s Spec, configHash string) (*Record, error) {
 	bin := s.Binary
@@ -122,6 +127,12 @@ func Start(s Spec, configHash string) (*Record, error) {
 	// Reap it if it exits while this process lives; after a restart the new agent's parent
 	// (init or the container's subreaper) does.
 	go func() { _ = cmd.Wait() }()
+	if s.CgroupRoot != "" {
+		if _, err := cgroup.Place(s.CgroupRoot, filepath.Base(s.Dir), cmd.Process.Pid); err != nil {
+			_ = cmd.Process.Kill()
+			return nil, err
+		}
+	}
 	st, err := StartTime(cmd.Process.Pid)
 	if err != nil {
 		_ = cmd.Process.Kill()

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/guestinit"
 	"github.com/syscode-labs/imp/internal/testguest"
@@ -86,7 +87,10 @@ func TestBootUnderQEMU(t *testing.T) {
 	}
 
 	spec := Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
-		VCPUs: 1, MemoryMiB: 256, Token: "t0ken", Accel: "tcg", TSCkHz: TSCkHz()} // issue 4: proven under TCG
+		VCPUs: 1, MemoryMiB: 256, Token: "t0ken", Accel: "tcg", TSCkHz: TSCkHz(), // issue 4: proven under TCG
+		CgroupRoot: cgroup.Root}
+	name := filepath.Base(vmDir)
+	t.Cleanup(func() { cgroup.Remove(cgroup.Root, name) })
 	start := time.Now()
 	rec, err := Start(spec, "h1")
 	if err != nil {
@@ -95,6 +99,9 @@ func TestBootUnderQEMU(t *testing.T) {
 	t.Cleanup(func() { _ = syscallKill(rec.Pid) })
 	if got, err := ReadRecord(vmDir); err != nil || *got != *rec || !got.Alive() {
 		t.Fatalf("record %+v, %v; want %+v alive", got, err, rec)
+	}
+	if lines, _ := cgroup.Of(rec.Pid); !strings.Contains(strings.Join(lines, "\n"), "/"+cgroup.Parent+"/"+name) {
+		t.Errorf("the VMM is not in a cgroup of its own: %v", lines)
 	}
 
 	// The guest channel: hello with the token, ready, the exit code.
