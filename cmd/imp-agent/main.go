@@ -46,6 +46,7 @@ func run() error {
 	fs.StringVar(&opts.Accel, "qemu-accel", "", "QEMU accelerator: kvm or tcg (default: kvm when it works)")
 	fs.IntVar(&reserveVCPUs, "reserve-vcpus", 1, "vCPUs kept for the host, not offered to VMs")
 	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")
+	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each VM's console log; past it the log keeps its newest half")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")
 	fs.Func("insecure-registry", "registry host:port reachable over plain HTTP (repeatable; loopback always is)", func(s string) error {
 		opts.InsecureRegistries = append(opts.InsecureRegistries, s)

@@ -71,7 +71,10 @@ type Options struct {
 	InsecureRegistries []string
 	// MaxImageBytes bounds the files of one image.
 	MaxImageBytes int64
-	// ReportInterval is how often the ImpNode report is refreshed.
+	// ConsoleLogBytes caps each VM's console log (default 1 MiB).
+	ConsoleLogBytes int64
+	// ReportInterval is how often the ImpNode report is refreshed (and unused base disks are
+	// collected).
 	ReportInterval time.Duration
 	// CgroupRoot is the host's cgroup mount (cgroup.Root) where VMMs get cgroups of their own;
 	// empty leaves them in the agent's (development only: they then end with the agent's pod).
@@ -105,6 +108,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if a.Opts.MaxImageBytes == 0 {
 		a.Opts.MaxImageBytes = 64 << 30
 	}
+	if a.Opts.ConsoleLogBytes == 0 {
+		a.Opts.ConsoleLogBytes = 1 << 20
+	}
 	if a.Opts.ReportInterval == 0 {
 		a.Opts.ReportInterval = 30 * time.Second
 	}
@@ -132,6 +138,8 @@ type meta struct {
 	Instance  int64     `json:"instance"`
 	Run       int32     `json:"run"`
 	Started   time.Time `json:"started"`
+	// Digest is the image the VM's base disk was built from.
+	Digest string `json:"digest"`
 }
 
 func (a *Agent) vmDir(uid types.UID) string {
@@ -271,7 +279,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("StartFailed", err)
 	}
 
-	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now()}
+	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now(), Digest: digest.DigestStr()}
 	if old != nil && old.Token != "" {
 		m.Token = old.Token
 	} else {

@@ -130,6 +130,9 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 			}
 		case <-tick.C:
 			if rec.Alive() {
+				if err := qemu.CapConsole(dir, a.Opts.ConsoleLogBytes); err != nil {
+					log.Error(err, "capping the console log")
+				}
 				continue
 			}
 			// The guest's last words may still be in the channel: read it to its end.

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -42,6 +43,11 @@ func (r reporter) Start(ctx context.Context) error {
 	for {
 		if err := r.a.reportNode(ctx, vmms, kernel, initrd); err != nil {
 			ctrl.LoggerFrom(ctx).Error(err, "reporting the node")
+		}
+		if removed, err := r.a.collectImages(10 * time.Minute); err != nil {
+			ctrl.LoggerFrom(ctx).Error(err, "collecting unused base disks")
+		} else if len(removed) > 0 {
+			ctrl.LoggerFrom(ctx).Info("removed unused base disks", "disks", removed)
 		}
 		select {
 		case <-ctx.Done():
@@ -123,4 +129,23 @@ func qemuVersion() string {
 	}
 	first, _, _ := strings.Cut(string(out), "\n")
 	return strings.TrimPrefix(first, "QEMU emulator version ")
+}
+
+// collectImages removes the base disks no VM of this node uses, once older than minAge (a VM
+// being started has its disk before it records which one it uses).
+func (a *Agent) collectImages(minAge time.Duration) ([]string, error) {
+	keep := map[string]bool{}
+	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	for _, d := range dirs {
+		if m, err := readMeta(d); err == nil && m.Digest != "" {
+			keep[m.Digest] = true
+		}
+	}
+	disks, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "images", "sha256-*.ext4"))
+	for _, p := range disks {
+		if fi, err := os.Stat(p); err == nil && time.Since(fi.ModTime()) < minAge {
+			keep[strings.Replace(strings.TrimSuffix(filepath.Base(p), ".ext4"), "-", ":", 1)] = true
+		}
+	}
+	return a.images.GC(keep)
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -43,6 +44,30 @@ func TestArgs(t *testing.T) {
 	args = strings.Join(s.Args(), " ")
 	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {
 		t.Errorf("kvm args without a tap:\n%s", args)
+	}
+}
+
+func TestCapConsole(t *testing.T) {
+	dir := t.TempDir()
+	var b strings.Builder
+	for i := 0; i < 1000; i++ {
+		fmt.Fprintf(&b, "line %04d\n", i)
+	}
+	if err := os.WriteFile(filepath.Join(dir, ConsoleLog), []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := CapConsole(dir, 4000); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(filepath.Join(dir, ConsoleLog))
+	if len(got) > 4000 || !strings.HasSuffix(string(got), "line 0999\n") || strings.Contains(string(got), "line 0000") {
+		t.Errorf("capped log (%d bytes) does not end with the newest output:\n%.200s", len(got), got)
+	}
+	if err := CapConsole(dir, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := os.ReadFile(filepath.Join(dir, ConsoleLog)); string(again) != string(got) {
+		t.Error("a log under the cap changed")
 	}
 }
 

@@ -1,0 +1,43 @@
+package agent
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/disk"
+)
+
+func TestCollectImages(t *testing.T) {
+	state := t.TempDir()
+	images := filepath.Join(state, "images")
+	a := &Agent{Opts: Options{StateDir: state}, images: &disk.BaseStore{Dir: images}}
+	if err := os.MkdirAll(images, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	old := time.Now().Add(-time.Hour)
+	for name, mtime := range map[string]time.Time{"sha256-aaa.ext4": old, "sha256-bbb.ext4": old, "sha256-ccc.ext4": time.Now()} {
+		p := filepath.Join(images, name)
+		if err := os.WriteFile(p, nil, 0o444); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(p, mtime, mtime); err != nil {
+			t.Fatal(err)
+		}
+	}
+	vm := filepath.Join(state, "vms", "uid-1")
+	if err := os.MkdirAll(vm, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeMeta(vm, &meta{UID: "uid-1", Digest: "sha256:bbb"}); err != nil {
+		t.Fatal(err)
+	}
+	removed, err := a.collectImages(10 * time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(removed) != 1 || removed[0] != "sha256-aaa.ext4" {
+		t.Errorf("removed %v, want only the old unused sha256-aaa.ext4 (bbb is in use, ccc is new)", removed)
+	}
+}
