@@ -78,6 +78,31 @@ func managerOptions(c *testcluster.Cluster) ctrl.Options {
 	}
 }
 
+// nodeWithOperator registers a Ready Node standing for this machine (no kubelet here: the test
+// keeps it Ready) and runs the operator in-process until the test ends.
+func nodeWithOperator(t *testing.T, c *testcluster.Cluster, nodeName string) {
+	ctx := context.Background()
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": nodeName}}}
+	if err := c.Client.Create(ctx, node); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Client.Delete(context.Background(), node) })
+	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
+	if err := c.Client.Status().Update(ctx, node); err != nil {
+		t.Fatal(err)
+	}
+	opMgr, err := ctrl.NewManager(c.Config, managerOptions(c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	opCtx, opCancel := context.WithCancel(ctx)
+	t.Cleanup(opCancel)
+	if err := operator.Setup(opCtx, opMgr, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}); err != nil {
+		t.Fatal(err)
+	}
+	run(t, opMgr)
+}
+
 // world is a real control plane with the operator and an in-process agent for one Node that
 // stands for this machine, and a registry on 127.0.0.1 holding the test image as hello:v1.
 type world struct {
@@ -90,7 +115,6 @@ type world struct {
 
 func newWorld(t *testing.T) *world {
 	c := testcluster.Require(t, shared)
-	ctx := context.Background()
 	ns := c.Namespace(t)
 	w := &world{c: c, ns: ns, node: "imp-e2e-" + ns[len(ns)-5:]}
 	tmp := t.TempDir()
@@ -98,27 +122,7 @@ func newWorld(t *testing.T) *world {
 	w.host = testregistry.Start(t, "", "")
 	w.ref = testguest.Image(t, w.host, "hello")
 
-	// This machine as a Node (no kubelet here: the test keeps it Ready).
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w.node, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": w.node}}}
-	if err := c.Client.Create(ctx, node); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Client.Delete(context.Background(), node) })
-	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
-	if err := c.Client.Status().Update(ctx, node); err != nil {
-		t.Fatal(err)
-	}
-
-	opMgr, err := ctrl.NewManager(c.Config, managerOptions(c))
-	if err != nil {
-		t.Fatal(err)
-	}
-	opCtx, opCancel := context.WithCancel(ctx)
-	t.Cleanup(opCancel)
-	if err := operator.Setup(opCtx, opMgr, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}); err != nil {
-		t.Fatal(err)
-	}
-	run(t, opMgr)
+	nodeWithOperator(t, c, w.node)
 
 	w.stateDir = filepath.Join(tmp, "state")
 	killVMMs(t, w.stateDir)
@@ -239,25 +243,7 @@ func TestAgentRestart(t *testing.T) {
 	kernel, initrd := testguest.Artifacts(t, tmp)
 	host := testregistry.Start(t, "", "")
 	testguest.Image(t, host, "hello")
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": nodeName}}}
-	if err := c.Client.Create(ctx, node); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Client.Delete(context.Background(), node) })
-	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
-	if err := c.Client.Status().Update(ctx, node); err != nil {
-		t.Fatal(err)
-	}
-	opMgr, err := ctrl.NewManager(c.Config, managerOptions(c))
-	if err != nil {
-		t.Fatal(err)
-	}
-	opCtx, opCancel := context.WithCancel(ctx)
-	t.Cleanup(opCancel)
-	if err := operator.Setup(opCtx, opMgr, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}); err != nil {
-		t.Fatal(err)
-	}
-	run(t, opMgr)
+	nodeWithOperator(t, c, nodeName)
 
 	// The agent as a process.
 	bin := filepath.Join(tmp, "imp-agent")
