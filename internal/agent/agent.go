@@ -205,8 +205,22 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		a.ensureMonitor(vm, dir, m, rec) // re-attach after an agent restart
 		return ctrl.Result{}, nil
 	}
-	if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount && rt.State != impv1.RuntimeStarting {
-		return ctrl.Result{}, nil // this run ran and ended: the operator decides what comes next
+	if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount {
+		switch rt.State {
+		case impv1.RuntimeExited, impv1.RuntimeStopped, impv1.RuntimeGone:
+			return ctrl.Result{}, nil // this run ended: the operator decides what comes next
+		case impv1.RuntimeRunning:
+			// Reported running, yet no live VMM of this run: it died while no monitor watched
+			// (the agent was down). Say so; the runStrategy decides about a restart.
+			ended := *rt
+			now := metav1.Now()
+			ended.State, ended.FinishedAt, ended.GuestReady = impv1.RuntimeExited, &now, false
+			ended.Reason, ended.Message = "VMMExited", "the VMM exited while the agent was not watching"
+			if tail := qemu.LogTail(dir, 300); tail != "" {
+				ended.Message += ": " + tail
+			}
+			return ctrl.Result{}, a.report(ctx, vm, ended)
+		}
 	}
 	if alive { // a VMM of another run or instance: never two at once
 		a.stopVMM(ctx, vm, rec)
@@ -239,7 +253,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("StartFailed", err)
 	}
-	opts := a.remoteOptions()
+	var opts []remote.Option
 	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
 	if err != nil {
 		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
@@ -249,7 +263,6 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("ImagePullFailed", err)
 	}
 	digest, _ = name.NewDigest(digest.String(), a.nameOptions(vm.Spec.Image)...)
-	a.images.RemoteOptions = opts
 	baseDisk, err := a.images.Ensure(ctx, digest, kc)
 	if err != nil {
 		reason := "ImagePullFailed"
@@ -325,8 +338,6 @@ func (a *Agent) nameOptions(image string) []name.Option {
 	}
 	return nil
 }
-
-func (a *Agent) remoteOptions() []remote.Option { return nil }
 
 // keychain reads the VM's image pull secrets.
 func (a *Agent) keychain(ctx context.Context, vm *impv1.ImpVM) (authn.Keychain, error) {
