@@ -10,16 +10,14 @@ import (
 	"os"
 
 	"k8s.io/apimachinery/pkg/api/resource"
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
-	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/logging"
+	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
 
 func main() {
@@ -74,9 +72,9 @@ func run() error {
 	}
 	opts.ReserveVCPUs, opts.ReserveMemory = int32(reserveVCPUs), mem.Value()
 
-	scheme := runtime.NewScheme()
-	if err := errors.Join(clientgoscheme.AddToScheme(scheme), impv1.AddToScheme(scheme)); err != nil {
-		return fmt.Errorf("building the scheme: %w", err)
+	scheme, err := impscheme.New()
+	if err != nil {
+		return err
 	}
 	cfg, err := ctrl.GetConfig()
 	if err != nil {

@@ -8,16 +8,14 @@ import (
 	"fmt"
 	"os"
 
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
-	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/logging"
 	"github.com/syscode-labs/imp/internal/operator"
+	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
 
 func main() {
@@ -59,9 +57,9 @@ func run() error {
 	}
 	ctrl.SetLogger(log)
 
-	scheme := runtime.NewScheme()
-	if err := errors.Join(clientgoscheme.AddToScheme(scheme), impv1.AddToScheme(scheme)); err != nil {
-		return fmt.Errorf("building the scheme: %w", err)
+	scheme, err := impscheme.New()
+	if err != nil {
+		return err
 	}
 	cfg, err := ctrl.GetConfig()
 	if err != nil {

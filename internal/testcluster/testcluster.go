@@ -24,15 +24,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/rand"
-	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
 
 // Cluster is a running etcd + kube-apiserver with IMP's CRDs.
@@ -41,14 +39,6 @@ type Cluster struct {
 	Config *rest.Config
 	Scheme *runtime.Scheme
 	Client client.Client
-}
-
-// Scheme returns a scheme with the Kubernetes built-in kinds and IMP's.
-func Scheme() *runtime.Scheme {
-	s := runtime.NewScheme()
-	utilruntime.Must(clientgoscheme.AddToScheme(s))
-	utilruntime.Must(impv1.AddToScheme(s))
-	return s
 }
 
 // AssetsDir returns the directory holding etcd, kube-apiserver and kubectl.
@@ -128,7 +118,11 @@ func Start(opts ...Option) (*Cluster, error) {
 		return nil, fmt.Errorf("starting etcd and kube-apiserver from %s: %w", assets, err)
 	}
 	cfg.QPS, cfg.Burst = 500, 1000
-	s := Scheme()
+	s, err := impscheme.New()
+	if err != nil {
+		_ = env.Stop()
+		return nil, err
+	}
 	c, err := client.New(cfg, client.Options{Scheme: s})
 	if err != nil {
 		_ = env.Stop()
