@@ -102,8 +102,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if equality.Semantic.DeepEqual(orig.Status, net.Status) {
 		return ctrl.Result{}, nil
 	}
-	if err := r.Client.Status().Patch(ctx, net, client.MergeFrom(orig)); err != nil {
-		return ctrl.Result{}, fmt.Errorf("patching status: %w", client.IgnoreNotFound(err))
+	if err := r.Client.Status().Patch(ctx, net, client.MergeFrom(orig)); err != nil && !apierrors.IsNotFound(err) {
+		return ctrl.Result{}, fmt.Errorf("patching status: %w", err)
 	}
 	return ctrl.Result{}, nil
 }

@@ -24,6 +24,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
@@ -82,7 +83,7 @@ type Reconciler struct {
 
 	ledgerOnce  sync.Mutex
 	ledgerReady bool
-	freed       chan struct{} // capacity or addresses were released: retry unplaced VMs
+	freed       chan event.GenericEvent // capacity was released: retry unplaced VMs
 }
 
 // scope carries what one reconcile learned, for the status computation.
@@ -93,6 +94,7 @@ type scope struct {
 	schedReason    string // why the VM is not placed
 	schedMsg       string
 	nodeLost       bool
+	expired        bool // deleted by this reconcile: nothing else to do
 	requeue        time.Duration
 }
 
@@ -147,7 +149,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 		if err := phase(ctx, s); err != nil {
 			return ctrl.Result{}, err
 		}
-		if !vm.DeletionTimestamp.IsZero() {
+		if s.expired {
 			break
 		}
 	}
@@ -166,7 +168,10 @@ func (r *Reconciler) patchStatus(ctx context.Context, orig, vm *impv1.ImpVM) err
 			// the same decision.
 			return fmt.Errorf("committing placement on node %s: %w", vm.Status.NodeName, err)
 		}
-		return fmt.Errorf("patching status: %w", client.IgnoreNotFound(err))
+		if apierrors.IsNotFound(err) {
+			return nil // deleted meanwhile
+		}
+		return fmt.Errorf("patching status: %w", err)
 	}
 	return nil
 }
@@ -217,8 +222,7 @@ func (r *Reconciler) reconcileExpiry(ctx context.Context, s *scope) error {
 	if err := r.Client.Delete(ctx, vm); err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("deleting expired VM: %w", err)
 	}
-	now := r.metaNow()
-	vm.DeletionTimestamp = &now // stop the other phases; the next reconcile handles deletion
+	s.expired = true // the deletion's own reconcile takes it from here
 	return nil
 }
 
@@ -452,7 +456,7 @@ func (r *Reconciler) reconcileRuns(_ context.Context, s *scope) error {
 		at = rt.FinishedAt.Add(delay)
 	}
 	if left := at.Sub(r.Clock.Now()); left > 0 {
-		t := r.metaTime(at)
+		t := metav1.NewTime(at)
 		vm.Status.NextRestartAt = &t
 		s.requeueAfter(left)
 		return nil
@@ -522,8 +526,8 @@ func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl
 	r.Ledger.Release(vm.UID)
 	orig := vm.DeepCopy()
 	controllerutil.RemoveFinalizer(vm, impv1.VMFinalizer)
-	if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
-		return ctrl.Result{}, fmt.Errorf("removing finalizer: %w", client.IgnoreNotFound(err))
+	if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil && !apierrors.IsNotFound(err) {
+		return ctrl.Result{}, fmt.Errorf("removing finalizer: %w", err)
 	}
 	r.signalFreed()
 	return ctrl.Result{}, nil
@@ -536,10 +540,11 @@ func agentConfirmedGone(vm *impv1.ImpVM) bool {
 	return rt != nil && rt.Instance == vm.Status.Instance && rt.State == impv1.RuntimeGone
 }
 
-// signalFreed asks for the unplaced VMs to be tried again; signals coalesce.
+// signalFreed asks for the unplaced VMs to be tried again; signals coalesce (the channel holds
+// one).
 func (r *Reconciler) signalFreed() {
 	select {
-	case r.freed <- struct{}{}:
+	case r.freed <- event.GenericEvent{Object: &impv1.ImpVM{}}:
 	default:
 	}
 }

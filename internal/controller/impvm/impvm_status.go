@@ -130,7 +130,3 @@ func (r *Reconciler) recordTransition(s *scope) {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Failed", "Exit", "The VM failed and runStrategy %s does not restart it", vm.Spec.RunStrategy)
 	}
 }
-
-func (r *Reconciler) metaNow() metav1.Time { return metav1.NewTime(r.Clock.Now()) }
-
-func (r *Reconciler) metaTime(t time.Time) metav1.Time { return metav1.NewTime(t) }

@@ -56,22 +56,7 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 			return fmt.Errorf("indexing ImpVMs by %s: %w", name, err)
 		}
 	}
-	r.freed = make(chan struct{}, 1)
-	freedEvents := make(chan event.GenericEvent)
-	go func() {
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-r.freed:
-				select {
-				case freedEvents <- event.GenericEvent{Object: &impv1.ImpVM{}}:
-				case <-ctx.Done():
-					return
-				}
-			}
-		}
-	}()
+	r.freed = make(chan event.GenericEvent, 1)
 
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&impv1.ImpVM{}).
@@ -81,7 +66,7 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged())).
 		Watches(&impv1.ImpVMClass{}, handler.EnqueueRequestsFromMapFunc(r.forClass)).
 		Watches(&impv1.ImpNetwork{}, handler.EnqueueRequestsFromMapFunc(r.forNetwork)).
-		WatchesRawSource(source.Channel(freedEvents, handler.EnqueueRequestsFromMapFunc(r.unplaced))).
+		WatchesRawSource(source.Channel(r.freed, handler.EnqueueRequestsFromMapFunc(r.unplaced))).
 		Complete(r)
 }
 
@@ -94,30 +79,37 @@ func nonEmpty(s string) []string {
 
 // forNode: the VMs on the node (it may be lost) and every unplaced VM (it may fit now).
 func (r *Reconciler) forNode(ctx context.Context, o client.Object) []reconcile.Request {
-	return append(r.list(ctx, client.MatchingFields{indexNode: o.GetName()}), r.unplaced(ctx, o)...)
+	return append(r.list(ctx, false, client.MatchingFields{indexNode: o.GetName()}), r.unplaced(ctx, o)...)
 }
 
+// forClass and forNetwork: only VMs still waiting for a node can be affected (a placed VM
+// keeps the resources and address it was placed with). Network status changes with every
+// address allocated: enqueueing its placed VMs too would make allocations quadratic.
 func (r *Reconciler) forClass(ctx context.Context, o client.Object) []reconcile.Request {
-	return r.list(ctx, client.MatchingFields{indexClass: o.GetName()})
+	return r.list(ctx, true, client.MatchingFields{indexClass: o.GetName()})
 }
 
 func (r *Reconciler) forNetwork(ctx context.Context, o client.Object) []reconcile.Request {
-	return r.list(ctx, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexNetwork: o.GetName()})
+	return r.list(ctx, true, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexNetwork: o.GetName()})
 }
 
 func (r *Reconciler) unplaced(ctx context.Context, _ client.Object) []reconcile.Request {
-	return r.list(ctx, client.MatchingFields{indexUnplaced: "true"})
+	return r.list(ctx, false, client.MatchingFields{indexUnplaced: "true"})
 }
 
-func (r *Reconciler) list(ctx context.Context, opts ...client.ListOption) []reconcile.Request {
+// list returns requests for the VMs opts select; with onlyUnplaced, for those without a node.
+func (r *Reconciler) list(ctx context.Context, onlyUnplaced bool, opts ...client.ListOption) []reconcile.Request {
 	var list impv1.ImpVMList
 	if err := r.Client.List(ctx, &list, opts...); err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "listing VMs to reconcile")
 		return nil
 	}
-	out := make([]reconcile.Request, len(list.Items))
+	out := make([]reconcile.Request, 0, len(list.Items))
 	for i := range list.Items {
-		out[i] = reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])}
+		if onlyUnplaced && list.Items[i].Status.NodeName != "" {
+			continue
+		}
+		out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])})
 	}
 	return out
 }
