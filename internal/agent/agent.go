@@ -122,6 +122,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err := mgr.Add(reporter{a}); err != nil {
 		return err
 	}
+	if err := mgr.Add(sweeper{a}); err != nil {
+		return err
+	}
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&impv1.ImpVM{}).
 		Named("imp-agent").
@@ -433,12 +436,8 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
 // removeLeftovers removes the local VM that a request named when the API server says it is
 // gone (vm empty) or placed elsewhere.
 func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, vm *impv1.ImpVM) error {
-	entries, err := os.ReadDir(filepath.Join(a.Opts.StateDir, "vms"))
-	if err != nil {
-		return err
-	}
-	for _, e := range entries {
-		dir := filepath.Join(a.Opts.StateDir, "vms", e.Name())
+	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	for _, dir := range dirs {
 		m, err := readMeta(dir)
 		if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
 			continue
@@ -446,16 +445,49 @@ func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, v
 		if vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName {
 			continue
 		}
-		if rec, err := qemu.ReadRecord(dir); err == nil && rec.Alive() {
-			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
-		}
-		a.stopMonitor(m.UID)
-		a.removeCgroup(m.UID)
-		if err := os.RemoveAll(dir); err != nil {
+		if err := a.removeLocal(ctx, dir, m); err != nil {
 			return err
 		}
-		ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", key, "uid", m.UID)
 	}
+	return nil
+}
+
+// sweep checks every VM recorded on this node against the API server and removes those it says
+// are gone (by UID) or placed on another node. Watches cannot report a VM that disappeared
+// while the agent was down; this does, at start and then periodically.
+func (a *Agent) sweep(ctx context.Context) error {
+	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	for _, dir := range dirs {
+		m, err := readMeta(dir)
+		if err != nil {
+			continue // no record of which VM it is: left alone
+		}
+		vm := &impv1.ImpVM{}
+		err = a.APIReader.Get(ctx, types.NamespacedName{Namespace: m.Namespace, Name: m.Name}, vm)
+		switch {
+		case err != nil && !apierrors.IsNotFound(err):
+			return fmt.Errorf("looking up VM %s/%s: %w", m.Namespace, m.Name, err)
+		case err == nil && vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName:
+			continue
+		}
+		if err := a.removeLocal(ctx, dir, m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
+func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
+	if rec, err := qemu.ReadRecord(dir); err == nil && rec.Alive() {
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+	}
+	a.stopMonitor(m.UID)
+	a.removeCgroup(m.UID)
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("removing the state of %s/%s: %w", m.Namespace, m.Name, err)
+	}
+	ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", m.Namespace+"/"+m.Name, "uid", m.UID)
 	return nil
 }
 

@@ -27,6 +27,27 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
+// sweeper runs Agent.sweep when the agent starts and every five minutes.
+type sweeper struct{ a *Agent }
+
+// NeedLeaderElection: every agent sweeps its own node.
+func (sweeper) NeedLeaderElection() bool { return false }
+
+func (s sweeper) Start(ctx context.Context) error {
+	t := time.NewTicker(5 * time.Minute)
+	defer t.Stop()
+	for {
+		if err := s.a.sweep(ctx); err != nil {
+			ctrl.LoggerFrom(ctx).Error(err, "sweeping VMs no longer on this node")
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
 // reporter keeps the node's ImpNode report current: what the node offers VMs, which VMMs it
 // runs, and the artifacts it boots them with.
 type reporter struct{ a *Agent }
