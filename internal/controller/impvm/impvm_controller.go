@@ -83,7 +83,9 @@ type Reconciler struct {
 
 	ledgerOnce  sync.Mutex
 	ledgerReady bool
-	freed       chan event.GenericEvent // capacity was released: retry unplaced VMs
+	holders     sync.Map // types.NamespacedName → types.UID of the VM holding there
+
+	freed chan event.GenericEvent // capacity was released: retry unplaced VMs
 }
 
 // scope carries what one reconcile learned, for the status computation.
@@ -108,6 +110,14 @@ func (s *scope) requeueAfter(d time.Duration) {
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, reterr error) {
 	vm := &impv1.ImpVM{}
 	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
+		if apierrors.IsNotFound(err) {
+			// Gone without passing through reconcileDelete (its finalizer removed by hand):
+			// what it held is free.
+			if uid, ok := r.holders.LoadAndDelete(req.NamespacedName); ok {
+				r.Ledger.Release(uid.(types.UID))
+				r.signalFreed()
+			}
+		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	if err := r.loadLedger(ctx); err != nil {
@@ -204,6 +214,7 @@ func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
 	}
 	res := vm.Status.Resources
 	r.Ledger.Hold(vm.UID, vm.Status.NodeName, int64(res.VCPUs), res.Memory.Value())
+	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)
 }
 
 func isTerminal(p impv1.VMPhase) bool { return p == impv1.VMSucceeded || p == impv1.VMFailed }
@@ -315,6 +326,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	vm.Status.NodeName = node
 	vm.Status.Resources = &res
 	vm.Status.Instance++
+	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)
 	if addr.IsValid() {
 		vm.Status.IP = addr.String()
 		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "IPAllocated", "Allocate", "Allocated %s on ImpNetwork %s", addr, net.Name)

@@ -507,3 +507,25 @@ func TestExpireAfter(t *testing.T) {
 	eventually(t, func() *impv1.ImpVM { return e.get("short") }).Should(BeNil())
 	eventually(t, e.events).Should(HaveKey("Expired"))
 }
+
+// TestForcedDeletionFreesTheNode: a VM deleted with its finalizer stripped by hand never passes
+// through the operator's deletion; what it held on its node is freed all the same.
+func TestForcedDeletionFreesTheNode(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.node("n", 1, 1)
+	e.startOperator()
+	e.create(e.vm("a", 1, "1Gi"))
+	eventually(t, func() string { return scheduled(e.get("a")) }).Should(Equal("True"))
+	e.create(e.vm("b", 1, "1Gi"))
+	eventually(t, func() string { return scheduled(e.get("b")) }).Should(Equal(impv1.ReasonNoNodeAvailable))
+
+	if err := e.c.Delete(ctx, e.get("a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.c.Patch(ctx, e.get("a"), client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`))); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() *impv1.ImpVM { return e.get("a") }).Should(BeNil())
+	eventually(t, func() string { return scheduled(e.get("b")) }).Should(Equal("True"))
+}
