@@ -1,0 +1,126 @@
+// Package testnetns gives tests network namespaces of their own, so that host networking is
+// exercised for real without touching the machine's interfaces.
+package testnetns
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+)
+
+// New creates a named network namespace with its loopback up, removed when the test ends, and
+// returns its path. It skips the test when namespaces cannot be created (not root).
+func New(t testing.TB, name string) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("network namespaces need root")
+	}
+	_ = netns.DeleteNamed(name) // a leftover of an interrupted run
+	err := onThread(func() error {
+		ns, err := netns.NewNamed(name)
+		if err != nil {
+			return err
+		}
+		return ns.Close()
+	})
+	if err != nil {
+		t.Fatalf("creating network namespace %s: %v", name, err)
+	}
+	t.Cleanup(func() { _ = netns.DeleteNamed(name) })
+	path := filepath.Join("/var/run/netns", name)
+	h := Handle(t, path)
+	lo, err := h.LinkByName("lo")
+	if err == nil {
+		err = h.LinkSetUp(lo)
+	}
+	if err != nil {
+		t.Fatalf("bringing up lo in %s: %v", name, err)
+	}
+	return path
+}
+
+// Handle is a netlink handle in the namespace at path, closed when the test ends.
+func Handle(t testing.TB, path string) *netlink.Handle {
+	t.Helper()
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.Close)
+	return h
+}
+
+// Do runs f on a thread inside the namespace at path. Sockets f opens stay in it.
+func Do(path string, f func() error) error {
+	return onThread(func() error {
+		ns, err := netns.GetFromPath(path)
+		if err != nil {
+			return err
+		}
+		defer ns.Close()
+		if err := netns.Set(ns); err != nil {
+			return fmt.Errorf("entering %s: %w", path, err)
+		}
+		return f()
+	})
+}
+
+// onThread runs f on a locked thread that dies afterwards, so no goroutine inherits the
+// namespace f may have entered.
+func onThread(f func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		errc <- f()
+	}()
+	return <-errc
+}
+
+// Link joins namespaces a and b with a veth pair named nameA/nameB, addressed with the given
+// CIDRs (an empty CIDR leaves that end without an address), both ends up.
+func Link(t testing.TB, a, nameA, cidrA, b, nameB, cidrB string) {
+	t.Helper()
+	ha, hb := Handle(t, a), Handle(t, b)
+	nsB, err := netns.GetFromPath(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nsB.Close()
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: nameA}, PeerName: nameB, PeerNamespace: netlink.NsFd(nsB)}
+	if err := ha.LinkAdd(veth); err != nil {
+		t.Fatalf("creating veth %s/%s: %v", nameA, nameB, err)
+	}
+	for _, end := range []struct {
+		h          *netlink.Handle
+		name, cidr string
+	}{{ha, nameA, cidrA}, {hb, nameB, cidrB}} {
+		l, err := end.h.LinkByName(end.name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if end.cidr != "" {
+			ip, ipnet, err := net.ParseCIDR(end.cidr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ipnet.IP = ip
+			if err := end.h.AddrAdd(l, &netlink.Addr{IPNet: ipnet}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := end.h.LinkSetUp(l); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
