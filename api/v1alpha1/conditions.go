@@ -79,6 +79,13 @@ const (
 const (
 	// NetworkReadyCondition is True when the network's spec is usable and addresses remain.
 	NetworkReadyCondition = "Ready"
+	// NetworkNodesReadyCondition is True when every node that has VMs of the network reports
+	// it plumbed (ImpNode status.networks).
+	NetworkNodesReadyCondition = "NodesReady"
+	// ReasonNodesReady: every node with VMs of the network has plumbed it.
+	ReasonNodesReady = "NodesReady"
+	// ReasonNodeNetworkFailed: a node could not plumb the network; the message names it.
+	ReasonNodeNetworkFailed = "NodeNetworkFailed"
 	// ReasonNetworkValid: the network is usable.
 	ReasonNetworkValid = "Valid"
 	// ReasonInvalidGateway: the gateway is the broadcast address or otherwise unusable.

@@ -84,7 +84,15 @@ type ImpNetworkStatus struct {
 	// +optional
 	Free int32 `json:"free,omitempty"`
 
-	// conditions: Ready, and others; reasons are documented in conditions.go.
+	// vni is the VXLAN network identifier of the network's overlay between nodes, assigned
+	// once by the operator and unique in the cluster.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=16777215
+	VNI int32 `json:"vni,omitempty"`
+
+	// conditions: Ready (the spec is usable and addresses remain) and NodesReady (every node
+	// with VMs of the network has plumbed it); reasons are documented in conditions.go.
 	// +optional
 	// +listType=map
 	// +listMapKey=type
@@ -104,6 +112,7 @@ type ImpNetworkStatus struct {
 // +kubebuilder:printcolumn:name="NAT",type=boolean,JSONPath=`.spec.nat.enabled`
 // +kubebuilder:printcolumn:name="Allocated",type=integer,JSONPath=`.status.allocated`
 // +kubebuilder:printcolumn:name="Free",type=integer,JSONPath=`.status.free`
+// +kubebuilder:printcolumn:name="VNI",type=integer,JSONPath=`.status.vni`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImpNetwork struct {
 	metav1.TypeMeta   `json:",inline"`

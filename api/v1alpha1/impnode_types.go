@@ -54,6 +54,16 @@ type ImpNodeStatus struct {
 	// initramfs the node boots guests with.
 	// +optional
 	Initramfs *Artifact `json:"initramfs,omitempty"`
+	// overlayAddress is the node's underlay address: other nodes send VXLAN traffic for this
+	// node's VMs to it. Empty when the node takes no part in the overlay.
+	// +optional
+	// +kubebuilder:validation:MaxLength=15
+	OverlayAddress string `json:"overlayAddress,omitempty"`
+	// networks are the ImpNetworks plumbed on the node (bridge, overlay, rules), each with
+	// whether that worked.
+	// +optional
+	// +listType=atomic
+	Networks []NodeNetwork `json:"networks,omitempty"`
 	// agentVersion is the version of the node's agent.
 	// +optional
 	AgentVersion string `json:"agentVersion,omitempty"`
@@ -65,6 +75,19 @@ type ImpNodeStatus struct {
 	// +listType=map
 	// +listMapKey=type
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// NodeNetwork is one ImpNetwork as a node plumbs it.
+type NodeNetwork struct {
+	// namespace of the ImpNetwork.
+	Namespace string `json:"namespace"`
+	// name of the ImpNetwork.
+	Name string `json:"name"`
+	// ready is true when the node's bridge, overlay and rules for the network are in place.
+	Ready bool `json:"ready"`
+	// message says what failed when not ready.
+	// +optional
+	Message string `json:"message,omitempty"`
 }
 
 // ImpNode is a node's agent's report of what the node offers VMs. It has the node's name and

@@ -2,6 +2,7 @@ package impvm_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,6 +12,7 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -528,4 +530,64 @@ func TestForcedDeletionFreesTheNode(t *testing.T) {
 	}
 	eventually(t, func() *impv1.ImpVM { return e.get("a") }).Should(BeNil())
 	eventually(t, func() string { return scheduled(e.get("b")) }).Should(Equal("True"))
+}
+
+// TestNetworkVNIsAndNodeReports: every network gets its own overlay VNI, and a node's report of
+// a network it failed to plumb becomes the network's NodesReady condition, naming the node.
+func TestNetworkVNIsAndNodeReports(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.node("n", 8, 8)
+	e.startOperator()
+	const count = 12
+	for i := 0; i < count; i++ {
+		e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name("net", i)},
+			Spec: impv1.ImpNetworkSpec{CIDR: fmt.Sprintf("10.%d.0.0/24", 100+i)}})
+	}
+	eventually(t, func() error {
+		var nets impv1.ImpNetworkList
+		if err := e.c.List(ctx, &nets, client.InNamespace(e.ns)); err != nil {
+			return err
+		}
+		seen := map[int32]string{}
+		for _, n := range nets.Items {
+			if n.Status.VNI == 0 {
+				return fmt.Errorf("%s has no VNI", n.Name)
+			}
+			if other, ok := seen[n.Status.VNI]; ok {
+				t.Fatalf("%s and %s share VNI %d", n.Name, other, n.Status.VNI)
+			}
+			seen[n.Status.VNI] = n.Name
+		}
+		if len(seen) != count {
+			return fmt.Errorf("%d networks", len(seen))
+		}
+		return nil
+	}).Should(Succeed())
+
+	rep := &impv1.ImpNode{}
+	if err := e.c.Get(ctx, client.ObjectKey{Name: e.ns + "-n"}, rep); err != nil {
+		t.Fatal(err)
+	}
+	rep.Status.Networks = []impv1.NodeNetwork{{Namespace: e.ns, Name: name("net", 0), Message: "creating VXLAN device: address already in use"}}
+	if err := e.c.Status().Update(ctx, rep); err != nil {
+		t.Fatal(err)
+	}
+	nodesReady := func() string {
+		var n impv1.ImpNetwork
+		if err := e.c.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: name("net", 0)}, &n); err != nil {
+			return err.Error()
+		}
+		c := meta.FindStatusCondition(n.Status.Conditions, impv1.NetworkNodesReadyCondition)
+		if c == nil {
+			return "no condition"
+		}
+		return string(c.Status) + " " + c.Reason + " " + c.Message
+	}
+	eventually(t, nodesReady).Should(Equal("False NodeNetworkFailed 1 of 1 nodes failed: " + e.ns + "-n: creating VXLAN device: address already in use"))
+	rep.Status.Networks[0].Ready, rep.Status.Networks[0].Message = true, ""
+	if err := e.c.Status().Update(ctx, rep); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, nodesReady).Should(Equal("True NodesReady plumbed on 1 nodes"))
 }
