@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/netip"
 	"os"
 
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/logging"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
@@ -46,6 +48,17 @@ func run() error {
 	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")
 	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each VM's console log; past it the log keeps its newest half")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")
+	fs.StringVar(&opts.NetNS, "netns", "", "network namespace (path) holding the node's VM networking (default: the agent's own)")
+	fs.Func("overlay-address", "this node's underlay IPv4 address for the VXLAN overlay between nodes (the chart passes the host IP); empty keeps the node out of the overlay", func(s string) error {
+		a, err := netip.ParseAddr(s)
+		if err != nil || !a.Is4() {
+			return fmt.Errorf("not an IPv4 address: %q", s)
+		}
+		opts.OverlayAddress = a
+		return nil
+	})
+	fs.IntVar(&opts.VXLANPort, "vxlan-port", hostnet.DefaultVXLANPort, "UDP port of the VXLAN overlay (not 4789 or 8472, which CNIs use)")
+	fs.IntVar(&opts.MTU, "vm-mtu", hostnet.DefaultMTU, "MTU of VM interfaces, taps and overlay devices (underlay MTU minus 50)")
 	fs.Func("insecure-registry", "registry host:port reachable over plain HTTP (repeatable; loopback always is)", func(s string) error {
 		opts.InsecureRegistries = append(opts.InsecureRegistries, s)
 		return nil

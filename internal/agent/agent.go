@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -38,6 +39,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -79,6 +81,16 @@ type Options struct {
 	// CgroupRoot is the host's cgroup mount (cgroup.Root) where VMMs get cgroups of their own;
 	// empty leaves them in the agent's (development only: they then end with the agent's pod).
 	CgroupRoot string
+	// NetNS is the network namespace (a path) holding the node's VM networking; empty is the
+	// agent's own. Tests simulate several nodes on one machine this way.
+	NetNS string
+	// OverlayAddress is the node's underlay address for the VXLAN overlay between nodes;
+	// invalid leaves the node out of the overlay (its VMs reach only VMs on the same node).
+	OverlayAddress netip.Addr
+	// VXLANPort is the overlay's UDP port (hostnet.DefaultVXLANPort when 0).
+	VXLANPort int
+	// MTU of the VMs' interfaces (hostnet.DefaultMTU when 0).
+	MTU int
 }
 
 // Agent runs the VMs of one node.
@@ -88,9 +100,12 @@ type Agent struct {
 	Recorder  EventRecorder
 	Opts      Options
 
-	images   *disk.BaseStore
-	mu       sync.Mutex
-	monitors map[types.UID]*monitor
+	images    *disk.BaseStore
+	net       *hostnet.Host
+	networks  *networks
+	reportNow chan struct{}
+	mu        sync.Mutex
+	monitors  map[types.UID]*monitor
 }
 
 // CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
@@ -116,8 +131,21 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	}
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes}
 	a.monitors = map[types.UID]*monitor{}
-	if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, "vms"), 0o700); err != nil {
-		return fmt.Errorf("creating the state directory: %w", err)
+	a.reportNow = make(chan struct{}, 1)
+	for _, d := range []string{"vms", "net"} {
+		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
+			return fmt.Errorf("creating the state directory: %w", err)
+		}
+	}
+	var err error
+	a.net, err = hostnet.Open(hostnet.Options{NetNS: a.Opts.NetNS, VTEP: a.Opts.OverlayAddress, VXLANPort: a.Opts.VXLANPort,
+		MTU: a.Opts.MTU, StateDir: filepath.Join(a.Opts.StateDir, "net")})
+	if err != nil {
+		return err
+	}
+	a.networks = &networks{a: a}
+	if err := a.networks.setup(mgr); err != nil {
+		return err
 	}
 	if err := mgr.Add(reporter{a}); err != nil {
 		return err
@@ -304,9 +332,16 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err := writeMeta(dir, m); err != nil {
 		return fail("StartFailed", err)
 	}
+	tap, gnet, err := a.attach(ctx, vm)
+	if err != nil {
+		return fail("NetworkFailed", err)
+	}
+	if tap != nil {
+		defer tap.Close() // QEMU holds its own copy
+	}
 	spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-		CgroupRoot: a.Opts.CgroupRoot}
+		CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet}
 	rec, err := qemu.Start(spec, digest.DigestStr())
 	if err != nil {
 		return fail("StartFailed", err)
@@ -427,6 +462,9 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
 	}
 	a.stopMonitor(vm.UID)
 	a.removeCgroup(vm.UID)
+	if err := a.net.Detach(string(vm.UID)); err != nil {
+		return fmt.Errorf("removing the network attachment of %s: %w", vm.Name, err)
+	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("removing the state of %s: %w", vm.Name, err)
 	}
@@ -474,7 +512,19 @@ func (a *Agent) sweep(ctx context.Context) error {
 			return err
 		}
 	}
-	return nil
+	// Taps of VMs without a state directory, and networks left without taps.
+	return a.net.Prune(func(uid string) bool {
+		_, err := os.Stat(a.vmDir(types.UID(uid)))
+		return err == nil
+	})
+}
+
+// reportSoon asks the reporter for a report now rather than at its next tick.
+func (a *Agent) reportSoon() {
+	select {
+	case a.reportNow <- struct{}{}:
+	default:
+	}
 }
 
 // removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
@@ -484,6 +534,9 @@ func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
 	}
 	a.stopMonitor(m.UID)
 	a.removeCgroup(m.UID)
+	if err := a.net.Detach(string(m.UID)); err != nil {
+		return fmt.Errorf("removing the network attachment of %s/%s: %w", m.Namespace, m.Name, err)
+	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("removing the state of %s/%s: %w", m.Namespace, m.Name, err)
 	}

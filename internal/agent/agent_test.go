@@ -82,6 +82,12 @@ func managerOptions(c *testcluster.Cluster) ctrl.Options {
 // nodeWithOperator registers a Ready Node standing for this machine (no kubelet here: the test
 // keeps it Ready) and runs the operator in-process until the test ends.
 func nodeWithOperator(t *testing.T, c *testcluster.Cluster, nodeName string) {
+	readyNode(t, c, nodeName)
+	startOperator(t, c)
+}
+
+// readyNode registers a Ready Node labelled for IMP and with imp.test/node=nodeName.
+func readyNode(t *testing.T, c *testcluster.Cluster, nodeName string) {
 	ctx := context.Background()
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": nodeName}}}
 	if err := c.Client.Create(ctx, node); err != nil {
@@ -92,6 +98,11 @@ func nodeWithOperator(t *testing.T, c *testcluster.Cluster, nodeName string) {
 	if err := c.Client.Status().Update(ctx, node); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// startOperator runs the operator in-process until the test ends.
+func startOperator(t *testing.T, c *testcluster.Cluster) {
+	ctx := context.Background()
 	opMgr, err := ctrl.NewManager(c.Config, managerOptions(c))
 	if err != nil {
 		t.Fatal(err)
@@ -126,22 +137,26 @@ func newWorld(t *testing.T) *world {
 	nodeWithOperator(t, c, w.node)
 
 	w.stateDir = filepath.Join(tmp, "state")
-	killVMMs(t, w.stateDir)
-	opts := managerOptions(c)
-	opts.Cache = agent.CacheOptions(w.node)
-	agMgr, err := ctrl.NewManager(c.Config, opts)
+	startAgent(t, c, agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd})
+	return w
+}
+
+// startAgent runs an in-process agent with opts (TCG, a one-second report, vCPUs overcommitted
+// for this small machine) until the test ends, and kills its VMMs then.
+func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) {
+	killVMMs(t, opts.StateDir)
+	mo := managerOptions(c)
+	mo.Cache = agent.CacheOptions(opts.NodeName)
+	agMgr, err := ctrl.NewManager(c.Config, mo)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ag := &agent.Agent{
-		Client: agMgr.GetClient(), APIReader: agMgr.GetAPIReader(), Recorder: agMgr.GetEventRecorder("imp-agent"),
-		Opts: agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd, Accel: "tcg", ReportInterval: time.Second, VCPUOvercommit: 4, CgroupRoot: cgroup.Root},
-	}
+	opts.Accel, opts.ReportInterval, opts.VCPUOvercommit, opts.CgroupRoot = "tcg", time.Second, 4, cgroup.Root
+	ag := &agent.Agent{Client: agMgr.GetClient(), APIReader: agMgr.GetAPIReader(), Recorder: agMgr.GetEventRecorder("imp-agent"), Opts: opts}
 	if err := ag.SetupWithManager(agMgr); err != nil {
 		t.Fatal(err)
 	}
 	run(t, agMgr)
-	return w
 }
 
 // vm returns (does not create) a VM of the test image on the world's node.

@@ -74,6 +74,7 @@ func (r reporter) Start(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
+		case <-r.a.reportNow:
 		}
 	}
 }
@@ -106,6 +107,11 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	node.Status.VMMs = vmms
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
 	node.Status.HeartbeatTime = &now
+	node.Status.OverlayAddress = ""
+	if a.Opts.OverlayAddress.IsValid() {
+		node.Status.OverlayAddress = a.Opts.OverlayAddress.String()
+	}
+	node.Status.Networks = a.networks.report()
 	apimeta.SetStatusCondition(&node.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue,
 		Reason: impv1.ReasonAgentReady, Message: fmt.Sprintf("qemu (%s) available", a.Opts.Accel)})
 	if err := a.Client.Status().Patch(ctx, node, client.MergeFrom(orig)); err != nil {

@@ -10,6 +10,13 @@
 // code; then it syncs and powers the VM off.
 package guestinit
 
+import (
+	"fmt"
+	"net/netip"
+	"strconv"
+	"strings"
+)
+
 // Labels of the two disks the agent attaches.
 const (
 	BaseLabel     = "imp-base"
@@ -57,3 +64,77 @@ type Request struct {
 
 // TokenParam is the kernel command line parameter carrying the VM's channel token.
 const TokenParam = "imp.token"
+
+// Net is the guest's network as the agent passes it on the kernel command line:
+//
+//	imp.net=<address>/<bits>,<gateway>,<mtu>,<mac>  imp.dns=<server>,...[;<search>,...]
+type Net struct {
+	Address     netip.Prefix
+	Gateway     netip.Addr
+	MTU         int
+	MAC         string
+	Nameservers []string
+	Searches    []string
+}
+
+// Kernel command line parameters of Net.
+const (
+	NetParam = "imp.net"
+	DNSParam = "imp.dns"
+)
+
+// Params are n's kernel command line parameters.
+func (n Net) Params() []string {
+	p := []string{fmt.Sprintf("%s=%s,%s,%d,%s", NetParam, n.Address, n.Gateway, n.MTU, n.MAC)}
+	if len(n.Nameservers) > 0 || len(n.Searches) > 0 {
+		v := strings.Join(n.Nameservers, ",")
+		if len(n.Searches) > 0 {
+			v += ";" + strings.Join(n.Searches, ",")
+		}
+		p = append(p, DNSParam+"="+v)
+	}
+	return p
+}
+
+// ParseNet reads Net from kernel command line parameters; nil when there is none.
+func ParseNet(params []string) (*Net, error) {
+	var n *Net
+	for _, p := range params {
+		switch k, v, _ := strings.Cut(p, "="); k {
+		case NetParam:
+			f := strings.Split(v, ",")
+			if len(f) != 4 {
+				return nil, fmt.Errorf("%s=%q: want address/bits,gateway,mtu,mac", NetParam, v)
+			}
+			var err error
+			n = &Net{MAC: f[3]}
+			if n.Address, err = netip.ParsePrefix(f[0]); err != nil {
+				return nil, fmt.Errorf("%s address: %w", NetParam, err)
+			}
+			if n.Gateway, err = netip.ParseAddr(f[1]); err != nil {
+				return nil, fmt.Errorf("%s gateway: %w", NetParam, err)
+			}
+			if n.MTU, err = strconv.Atoi(f[2]); err != nil {
+				return nil, fmt.Errorf("%s mtu: %w", NetParam, err)
+			}
+		}
+	}
+	if n == nil {
+		return nil, nil
+	}
+	for _, p := range params {
+		if v, ok := strings.CutPrefix(p, DNSParam+"="); ok {
+			servers, searches, _ := strings.Cut(v, ";")
+			n.Nameservers, n.Searches = list(servers), list(searches)
+		}
+	}
+	return n, nil
+}
+
+// list splits a comma-separated list; nil when empty.
+func list(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return strings.Split(s, ",")
+}

@@ -87,11 +87,25 @@ func run() (int, error) {
 	if err := json.Unmarshal(data, &cfg); err != nil || len(cfg.Argv) == 0 {
 		return ch.fail(fmt.Errorf("bad workload configuration: %v %q", err, data))
 	}
+	gnet, err := ParseNet(params)
+	if err != nil {
+		return ch.fail(err)
+	}
+	if gnet != nil {
+		if err := configureNet(gnet, 10*time.Second); err != nil {
+			return ch.fail(fmt.Errorf("configuring the network: %w", err))
+		}
+	}
 	if err := switchRoot("/run/root"); err != nil {
 		return ch.fail(err)
 	}
 	if cfg.Hostname != "" {
 		_ = unix.Sethostname([]byte(cfg.Hostname))
+	}
+	if gnet != nil {
+		if err := writeNetFiles(gnet, cfg.Hostname); err != nil {
+			return ch.fail(err)
+		}
 	}
 	return runWorkload(cfg)
 }

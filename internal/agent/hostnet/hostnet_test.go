@@ -120,9 +120,9 @@ func TestNetworkLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The network's: 4 forward, 1 masquerade, 2 keeping the gateway off the overlay; the tap's: 5.
-	if len(rules) != 4+1+2+5 {
-		t.Errorf("rules after Attach = %d, want 12:\n%s", len(rules), strings.Join(rules, "\n"))
+	// The network's: 5 forward, 1 masquerade, 2 keeping the gateway off the overlay; the tap's: 5.
+	if len(rules) != 5+1+2+5 {
+		t.Errorf("rules after Attach = %d, want 13:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")
@@ -215,8 +215,8 @@ func TestPrune(t *testing.T) {
 			t.Errorf("rule of a pruned link left: %s", r)
 		}
 	}
-	if len(rules) != 3+5 {
-		t.Errorf("rules after Prune = %d, want 8:\n%s", len(rules), strings.Join(rules, "\n"))
+	if len(rules) != 4+5 {
+		t.Errorf("rules after Prune = %d, want 9:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if err := h.Prune(func(string) bool { return false }); err != nil {
 		t.Fatal(err)
@@ -249,6 +249,29 @@ func arpRequest(srcMAC net.HardwareAddr, senderMAC net.HardwareAddr, senderIP, t
 	return b.Bytes()
 }
 
+// udpPacket is an IPv4 UDP datagram in an Ethernet frame, behind a zero virtio-net header.
+func udpPacket(srcMAC, dstMAC net.HardwareAddr, src, dst netip.Addr) []byte {
+	var b bytes.Buffer
+	b.Write(make([]byte, 10))
+	b.Write(dstMAC)
+	b.Write(srcMAC)
+	_ = binary.Write(&b, binary.BigEndian, uint16(unix.ETH_P_IP))
+	ip := []byte{0x45, 0, 0, 20 + 8 + 4, 0, 1, 0, 0, 64, unix.IPPROTO_UDP, 0, 0}
+	s, d := src.As4(), dst.As4()
+	ip = append(append(ip, s[:]...), d[:]...)
+	var sum uint32
+	for i := 0; i < len(ip); i += 2 {
+		sum += uint32(ip[i])<<8 | uint32(ip[i+1])
+	}
+	for sum>>16 != 0 {
+		sum = sum&0xffff + sum>>16
+	}
+	binary.BigEndian.PutUint16(ip[10:], ^uint16(sum))
+	b.Write(ip)
+	b.Write([]byte{0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0, 'i', 'm', 'p', '!'}) // no UDP checksum
+	return b.Bytes()
+}
+
 // TestAntiSpoofing writes frames into one VM's tap as its guest would and reads what reaches
 // another VM's tap on the same bridge.
 func TestAntiSpoofing(t *testing.T) {
@@ -269,8 +292,9 @@ func TestAntiSpoofing(t *testing.T) {
 	macA, macB := hostnet.MAC(ipA), hostnet.MAC(ipB)
 	target := netip.MustParseAddr("10.80.0.9")
 
-	// received drains tapB for a while and says whether an ARP request for target arrived.
-	received := func() bool {
+	// received drains tapB for a while and says whether an ARP request for target, or a
+	// datagram to target, arrived.
+	received := func(target netip.Addr) bool {
 		buf := make([]byte, 2048)
 		deadline := time.Now().Add(700 * time.Millisecond)
 		for {
@@ -284,6 +308,9 @@ func TestAntiSpoofing(t *testing.T) {
 			if len(f) >= 42 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_ARP && bytes.Equal(f[38:42], tg[:]) {
 				return true
 			}
+			if len(f) >= 34 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_IP && bytes.Equal(f[30:34], tg[:]) {
+				return true
+			}
 		}
 	}
 	for _, tc := range []struct {
@@ -292,6 +319,9 @@ func TestAntiSpoofing(t *testing.T) {
 		want  bool
 	}{
 		{"its own MAC and IP", arpRequest(macA, macA, ipA, target), true},
+		// Bridged within the network, also where br_netfilter shows it to the IP hooks.
+		{"a datagram to the other VM", udpPacket(macA, macB, ipA, ipB), true},
+		{"a datagram from another VM's IP", udpPacket(macA, macB, target, ipB), false},
 		{"another VM's IP", arpRequest(macA, macA, ipB, target), false},
 		{"another VM's MAC", arpRequest(macB, macB, ipA, target), false},
 		{"its MAC outside, another inside the ARP", arpRequest(macA, macB, ipA, target), false},
@@ -300,7 +330,11 @@ func TestAntiSpoofing(t *testing.T) {
 			if _, err := tapA.Write(tc.frame); err != nil {
 				t.Fatal(err)
 			}
-			if got := received(); got != tc.want {
+			look := target
+			if binary.BigEndian.Uint16(tc.frame[10+12:]) == unix.ETH_P_IP {
+				look = ipB
+			}
+			if got := received(look); got != tc.want {
 				t.Errorf("frame reached the other VM: %v, want %v", got, tc.want)
 			}
 		})

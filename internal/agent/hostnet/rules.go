@@ -54,6 +54,11 @@ type rule struct {
 func networkRules(n Network, overlay bool) []rule {
 	br, vx := n.BridgeName(), n.VXLANName()
 	rs := []rule{
+		// Frames bridged within the network, locally or over the overlay, pass the forward
+		// hook too on hosts with br_netfilter (as Kubernetes nodes have it): in and out
+		// are the bridge itself.
+		{fwdChain, fmt.Sprintf("iifname %q oifname %q accept", br, br),
+			cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, br, true), verdict(expr.VerdictAccept))},
 		{fwdChain, fmt.Sprintf("oifname %q ct state established,related accept", br),
 			cat(ifname(expr.MetaKeyOIFNAME, br, true), ctEstablished(), verdict(expr.VerdictAccept))},
 		{fwdChain, fmt.Sprintf("oifname %q counter drop", br),

@@ -3,6 +3,9 @@
 //
 //	exit    leaves an orphan for PID 1 to reap and exits with code 3
 //	serve   prints a line a second until SIGTERM, then exits 0
+//	net     serves TCP on :7000 and probes the targets of $PROBE (comma-separated
+//	        icmp:A.B.C.D[-N] and tcp:HOST:PORT) twice a second, printing each change
+//	        "probe <target> ok|fail", until SIGTERM
 package main
 
 import (
@@ -43,6 +46,14 @@ func main() {
 				fmt.Printf("hello: tick %d\n", i)
 			}
 		}
+	case "net":
+		term := make(chan os.Signal, 1)
+		signal.Notify(term, syscall.SIGTERM)
+		go serveTCP(host)
+		go probeLoop(os.Getenv("PROBE"))
+		<-term
+		fmt.Println("hello: terminating")
+		os.Exit(0)
 	case "child":
 		return
 	default:

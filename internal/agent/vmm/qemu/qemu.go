@@ -32,8 +32,11 @@ type Spec struct {
 	Accel string
 	// TSCkHz is the host's TSC rate; microvm under TCG needs it on the kernel command line.
 	TSCkHz int
-	// Tap and MAC attach a virtio-net device on a host tap, when Tap is set.
-	Tap, MAC string
+	// Tap, when set, is an open tap the VM's virtio-net device uses, with Net.MAC; QEMU gets
+	// it as file descriptor 3, so the tap may live in another network namespace.
+	Tap *os.File
+	// Net is the guest's network configuration, put on the kernel command line.
+	Net *guestinit.Net
 	// Binary is the QEMU to run (default qemu-system-x86_64).
 	Binary string
 	// CgroupRoot, when set (cgroup.Root on a node), is where the VMM gets cgroups of its own,
@@ -61,6 +64,9 @@ func (s Spec) Args() []string {
 		// microvm has no PIT/HPET to calibrate the TSC against under TCG.
 		cmdline = append(cmdline, fmt.Sprintf("tsc_early_khz=%d", s.TSCkHz), "tsc=reliable")
 	}
+	if s.Net != nil {
+		cmdline = append(cmdline, s.Net.Params()...)
+	}
 	dir := s.Dir
 	args := []string{
 		"-name", filepath.Base(dir),
@@ -81,10 +87,10 @@ func (s Spec) Args() []string {
 		"-device", "virtserialport,chardev=channel,name=" + guestinit.ChannelName,
 		"-qmp", "unix:" + QMPSock + ",server=on,wait=off",
 	}
-	if s.Tap != "" {
+	if s.Tap != nil && s.Net != nil {
 		args = append(args,
-			"-netdev", "tap,id=net0,ifname="+s.Tap+",script=no,downscript=no,vhost=off",
-			"-device", "virtio-net-device,netdev=net0,mac="+s.MAC)
+			"-netdev", "tap,id=net0,fd=3,vhost=off",
+			"-device", "virtio-net-device,netdev=net0,mac="+s.Net.MAC)
 	}
 	return args
 }
@@ -120,6 +126,9 @@ func Start(s Spec, configHash string) (*Record, error) {
 	cmd := exec.Command(bin, s.Args()...)
 	cmd.Dir = s.Dir
 	cmd.Stdout, cmd.Stderr = logf, logf
+	if s.Tap != nil {
+		cmd.ExtraFiles = []*os.File{s.Tap} // fd 3
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", bin, err)

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,7 +23,8 @@ import (
 
 func TestArgs(t *testing.T) {
 	s := Spec{Dir: "/var/lib/imp/vms/u1", Kernel: "/k", Initramfs: "/i", BaseDisk: "/b", WritableDisk: "/w",
-		VCPUs: 2, MemoryMiB: 256, Token: "tok", Accel: "tcg", TSCkHz: 2000000, Tap: "imp-t1", MAC: "02:00:00:00:00:01"}
+		VCPUs: 2, MemoryMiB: 256, Token: "tok", Accel: "tcg", TSCkHz: 2000000, Tap: os.Stdin,
+		Net: &guestinit.Net{Address: netip.MustParsePrefix("10.1.0.5/24"), Gateway: netip.MustParseAddr("10.1.0.1"), MTU: 1450, MAC: "0a:58:0a:01:00:05"}}
 	args := strings.Join(s.Args(), " ")
 	for _, want := range []string{
 		"-M microvm -accel tcg -cpu max -smp 2 -m 256M",
@@ -32,15 +34,16 @@ func TestArgs(t *testing.T) {
 		"path=/var/lib/imp/vms/u1/console.log,append=on",
 		"socket,id=channel,path=channel.sock,server=on,wait=off",
 		"virtserialport,chardev=channel,name=imp.channel",
-		"tap,id=net0,ifname=imp-t1,script=no,downscript=no,vhost=off",
-		"virtio-net-device,netdev=net0,mac=02:00:00:00:00:01",
+		"tsc=reliable imp.net=10.1.0.5/24,10.1.0.1,1450,0a:58:0a:01:00:05 -drive",
+		"tap,id=net0,fd=3,vhost=off",
+		"virtio-net-device,netdev=net0,mac=0a:58:0a:01:00:05",
 		"-no-reboot",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)
 		}
 	}
-	s.Accel, s.Tap = "kvm", ""
+	s.Accel, s.Tap, s.Net = "kvm", nil, nil
 	args = strings.Join(s.Args(), " ")
 	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {
 		t.Errorf("kvm args without a tap:\n%s", args)

@@ -1,0 +1,249 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"sort"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impnetworks,verbs=get;list;watch
+
+// networkIndex indexes the fleet's VMs by the name of their ImpNetwork.
+const networkIndex = "spec.networkRef.name"
+
+// networks is the agent's network controller: for each ImpNetwork with VMs on this node it
+// keeps the node's bridge, rules and overlay device current, the overlay's forwarding entries
+// pointing at the network's VMs on other nodes; when the last local VM leaves, it removes them.
+// It reads the other nodes' VMs from fleet, a cache of every ImpVM stripped to what the
+// overlay needs.
+type networks struct {
+	a     *Agent
+	fleet cache.Cache
+
+	mu    sync.Mutex
+	known map[types.NamespacedName]hostnet.Network // plumbed here, for removal after deletion
+	state map[types.NamespacedName]impv1.NodeNetwork
+}
+
+// stripVM keeps of an ImpVM only what the overlay needs.
+func stripVM(o any) (any, error) {
+	vm, ok := o.(*impv1.ImpVM)
+	if !ok {
+		return o, nil
+	}
+	return &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, ResourceVersion: vm.ResourceVersion},
+		Spec:       impv1.ImpVMSpec{NetworkRef: vm.Spec.NetworkRef},
+		Status:     impv1.ImpVMStatus{NodeName: vm.Status.NodeName, IP: vm.Status.IP},
+	}, nil
+}
+
+func (n *networks) setup(mgr ctrl.Manager) error {
+	var err error
+	n.fleet, err = cache.New(mgr.GetConfig(), cache.Options{Scheme: mgr.GetScheme(), Mapper: mgr.GetRESTMapper(),
+		ByObject: map[client.Object]cache.ByObject{&impv1.ImpVM{}: {Transform: stripVM}}})
+	if err != nil {
+		return fmt.Errorf("creating the fleet cache: %w", err)
+	}
+	if err := n.fleet.IndexField(context.Background(), &impv1.ImpVM{}, networkIndex, func(o client.Object) []string {
+		if ref := o.(*impv1.ImpVM).Spec.NetworkRef; ref != nil {
+			return []string{ref.Name}
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	if err := mgr.Add(n.fleet); err != nil {
+		return err
+	}
+	n.known = map[types.NamespacedName]hostnet.Network{}
+	n.state = map[types.NamespacedName]impv1.NodeNetwork{}
+	vmToNetwork := handler.TypedEnqueueRequestsFromMapFunc(func(_ context.Context, vm *impv1.ImpVM) []reconcile.Request {
+		if vm.Spec.NetworkRef == nil {
+			return nil
+		}
+		return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.NetworkRef.Name}}}
+	})
+	return ctrl.NewControllerManagedBy(mgr).
+		Named("imp-agent-network").
+		For(&impv1.ImpNetwork{}).
+		WatchesRawSource(source.Kind(n.fleet, &impv1.ImpVM{}, vmToNetwork)).
+		// Another node's overlay address changing moves its VMs' forwarding entries.
+		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
+			return n.all()
+		})).
+		Complete(n)
+}
+
+func (n *networks) all() []reconcile.Request {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var reqs []reconcile.Request
+	for key := range n.known {
+		reqs = append(reqs, reconcile.Request{NamespacedName: key})
+	}
+	return reqs
+}
+
+// hostNetwork is net as hostnet plumbs it.
+func hostNetwork(net *impv1.ImpNetwork) (hostnet.Network, error) {
+	p, err := net.Spec.Prefix()
+	if err != nil {
+		return hostnet.Network{}, err
+	}
+	gw, err := net.Spec.GatewayAddr()
+	if err != nil {
+		return hostnet.Network{}, err
+	}
+	return hostnet.Network{Namespace: net.Namespace, Name: net.Name, UID: string(net.UID), VNI: uint32(net.Status.VNI),
+		Prefix: p, Gateway: gw, NAT: net.Spec.NAT.Enabled}, nil
+}
+
+// Reconcile plumbs one network on this node, or removes it when no local VM uses it.
+func (n *networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	a := n.a
+	net := &impv1.ImpNetwork{}
+	var hn hostnet.Network
+	err := a.Client.Get(ctx, req.NamespacedName, net)
+	switch {
+	case apierrors.IsNotFound(err):
+		n.mu.Lock()
+		known, ok := n.known[req.NamespacedName]
+		n.mu.Unlock()
+		if !ok {
+			return ctrl.Result{}, nil
+		}
+		hn = known // deleted while VMs still use it: kept until they go
+	case err != nil:
+		return ctrl.Result{}, err
+	default:
+		if hn, err = hostNetwork(net); err != nil {
+			return ctrl.Result{}, nil // the operator reports an unusable spec
+		}
+	}
+	peers, err := n.peers(ctx, req.NamespacedName)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	present, err := a.net.Sync(hn, peers)
+	n.record(req.NamespacedName, hn, present, err)
+	if err != nil {
+		if net.UID != "" {
+			a.Recorder.Eventf(net, nil, corev1.EventTypeWarning, "NetworkFailed", "Plumb", "node %s: %v", a.Opts.NodeName, err)
+		}
+		return ctrl.Result{}, fmt.Errorf("plumbing network %s: %w", req.NamespacedName, err)
+	}
+	return ctrl.Result{}, nil
+}
+
+// peers are the network's VMs on other nodes that have an overlay address.
+func (n *networks) peers(ctx context.Context, key types.NamespacedName) ([]hostnet.Peer, error) {
+	var vms impv1.ImpVMList
+	if err := n.fleet.List(ctx, &vms, client.InNamespace(key.Namespace), client.MatchingFields{networkIndex: key.Name}); err != nil {
+		return nil, fmt.Errorf("listing the network's VMs: %w", err)
+	}
+	vteps := map[string]netip.Addr{}
+	var peers []hostnet.Peer
+	for _, vm := range vms.Items {
+		node := vm.Status.NodeName
+		ip, err := netip.ParseAddr(vm.Status.IP)
+		if node == "" || node == n.a.Opts.NodeName || err != nil {
+			continue
+		}
+		vtep, ok := vteps[node]
+		if !ok {
+			var rep impv1.ImpNode
+			if err := n.a.Client.Get(ctx, types.NamespacedName{Name: node}, &rep); err == nil {
+				vtep, _ = netip.ParseAddr(rep.Status.OverlayAddress)
+			}
+			vteps[node] = vtep
+		}
+		if vtep.IsValid() {
+			peers = append(peers, hostnet.Peer{IP: ip, VTEP: vtep})
+		}
+	}
+	return peers, nil
+}
+
+func (n *networks) record(key types.NamespacedName, hn hostnet.Network, present bool, err error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	before, had := n.state[key]
+	if !present && err == nil {
+		delete(n.known, key)
+		delete(n.state, key)
+	} else {
+		n.known[key] = hn
+		st := impv1.NodeNetwork{Namespace: key.Namespace, Name: key.Name, Ready: err == nil}
+		if err != nil {
+			st.Message = err.Error()
+		}
+		n.state[key] = st
+	}
+	if after, has := n.state[key]; had != has || before != after {
+		n.a.reportSoon()
+	}
+}
+
+// report lists the networks plumbed on the node for its ImpNode report.
+func (n *networks) report() []impv1.NodeNetwork {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	out := make([]impv1.NodeNetwork, 0, len(n.state))
+	for _, st := range n.state {
+		out = append(out, st)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		return out[i].Namespace+"/"+out[i].Name < out[j].Namespace+"/"+out[j].Name
+	})
+	return out
+}
+
+// attach gives vm a tap on its network and returns it with the guest's network configuration;
+// none for a VM without a network.
+func (a *Agent) attach(ctx context.Context, vm *impv1.ImpVM) (*os.File, *guestinit.Net, error) {
+	ref := vm.Spec.NetworkRef
+	if ref == nil {
+		return nil, nil, nil
+	}
+	ip, err := netip.ParseAddr(vm.Status.IP)
+	if err != nil {
+		return nil, nil, errors.New("the VM has a network but no address recorded by its placement")
+	}
+	net := &impv1.ImpNetwork{}
+	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, net); err != nil {
+		return nil, nil, fmt.Errorf("reading ImpNetwork %s: %w", ref.Name, err)
+	}
+	hn, err := hostNetwork(net)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ImpNetwork %s: %w", ref.Name, err)
+	}
+	tap, err := a.net.Attach(hn, string(vm.UID), ip)
+	if err != nil {
+		return nil, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
+	}
+	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: a.net.MTU(), MAC: hostnet.MAC(ip).String()}
+	if dns := net.Spec.DNS; dns != nil {
+		gn.Nameservers, gn.Searches = dns.Nameservers, dns.Searches
+	}
+	return tap, gn, nil
+}

@@ -1,0 +1,228 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/nftables"
+	. "github.com/onsi/gomega"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/testcluster"
+	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testnetns"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+// TestNetworksAcrossNodes simulates two nodes, each a network namespace with its own agent,
+// joined by a veth underlay; node A also has an uplink to an "outside" namespace. Three guests
+// boot under QEMU/TCG: a1 (node A) and b1 (node B) on ImpNetwork blue, which has NAT; a2
+// (node A) on red, which has none. Each guest pings the addresses of both networks and
+// connects to a server outside.
+//
+//   - a1 and b1 reach each other across the VXLAN overlay; neither reaches a2, nor a2 them;
+//   - a1 reaches the outside server, which sees node A's address; a2 does not reach it,
+//     although the outside has a route back to both networks;
+//   - after the VMs are deleted, neither node namespace holds an IMP link, address or rule.
+func TestNetworksAcrossNodes(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+
+	nsA, nsB, out := testnetns.New(t, "imp-a-"+sfx), testnetns.New(t, "imp-b-"+sfx), testnetns.New(t, "imp-out-"+sfx)
+	testnetns.Link(t, nsA, "under0", "192.168.77.1/24", nsB, "under0", "192.168.77.2/24")
+	testnetns.Link(t, nsA, "uplink0", "203.0.113.1/24", out, "uplink0", "203.0.113.2/24")
+	ho := testnetns.Handle(t, out)
+	up, _ := ho.LinkByName("uplink0")
+	for _, dst := range []string{"10.90.0.0/24", "10.91.0.0/24"} {
+		_, d, _ := net.ParseCIDR(dst)
+		if err := ho.RouteAdd(&netlink.Route{LinkIndex: up.Attrs().Index, Dst: d, Gw: net.ParseIP("203.0.113.1")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := serveOutside(t, out, "203.0.113.2:9000")
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, n := range []string{nsA, nsB} {
+				dump, _ := exec.Command("sh", "-c", "ip -n $0 -d link; ip -n $0 addr; ip netns exec $0 bridge fdb; ip netns exec $0 nft list ruleset", filepath.Base(n)).CombinedOutput()
+				t.Logf("%s:\n%s", n, dump)
+			}
+		}
+	})
+
+	nodeA, nodeB := "imp-net-a-"+sfx, "imp-net-b-"+sfx
+	readyNode(t, c, nodeA)
+	readyNode(t, c, nodeB)
+	startOperator(t, c)
+	for _, n := range []struct{ node, netns, vtep string }{{nodeA, nsA, "192.168.77.1"}, {nodeB, nsB, "192.168.77.2"}} {
+		startAgent(t, c, agent.Options{NodeName: n.node, StateDir: filepath.Join(tmp, n.node), Kernel: kernel, Initramfs: initrd,
+			NetNS: n.netns, OverlayAddress: netip.MustParseAddr(n.vtep)})
+	}
+	for _, n := range []impv1.ImpNetwork{
+		{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "blue"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.90.0.0/24", NAT: impv1.NATSpec{Enabled: true}}},
+		{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "red"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.91.0.0/24"}},
+	} {
+		if err := c.Client.Create(ctx, &n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w := &world{c: c, ns: ns, host: host}
+	probe := "icmp:10.90.0.2-3,icmp:10.91.0.2,tcp:203.0.113.2:9000"
+	vms := map[string]*impv1.ImpVM{}
+	for _, v := range []struct{ name, node, network string }{{"a1", nodeA, "blue"}, {"a2", nodeA, "red"}, {"b1", nodeB, "blue"}} {
+		w.node = v.node
+		vm := w.vm(v.name, "net")
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: v.network}
+		vm.Spec.Env = []impv1.EnvVar{{Name: "PROBE", Value: probe}}
+		if err := c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		vms[v.name] = vm
+	}
+	g := NewWithT(t)
+	ips := map[string]string{}
+	// latest is the last state a guest printed for a probe target.
+
+	for name := range vms {
+		g.Eventually(func() string {
+			v := w.get(name)
+			if v == nil || v.Status.Phase != impv1.VMRunning {
+				return ""
+			}
+			vms[name] = v
+			return v.Status.IP
+		}).WithTimeout(3*time.Minute).WithPolling(200*time.Millisecond).ShouldNot(BeEmpty(), "VM %s", name)
+		ips[name] = vms[name].Status.IP
+	}
+	t.Logf("addresses: %v", ips)
+	console := func(name string) string {
+		vm := vms[name]
+		w.stateDir = filepath.Join(tmp, vm.Status.NodeName)
+		return w.console(vm)
+	}
+	latest := func(from, target string) func() string {
+		return func() string {
+			state := ""
+			for _, l := range strings.Split(console(from), "\n") {
+				if s, ok := strings.CutPrefix(strings.TrimSpace(l), "probe "+target+" "); ok {
+					state = s
+				}
+			}
+			return state
+		}
+	}
+	outside := "tcp:203.0.113.2:9000"
+	// Connectivity first, waited for: the guests boot slowly under TCG.
+	g.Eventually(latest("a1", "icmp:"+ips["b1"])).WithTimeout(2*time.Minute).Should(Equal("ok"), func() string { return "a1 → b1 across nodes:\n" + console("a1") })
+	g.Eventually(latest("b1", "icmp:"+ips["a1"])).WithTimeout(time.Minute).Should(Equal("ok"), func() string { return "b1 → a1 across nodes:\n" + console("b1") })
+	g.Eventually(latest("a1", outside)).WithTimeout(time.Minute).Should(Equal("ok"), func() string { return "a1 → outside with NAT:\n" + console("a1") })
+	// Then what must not work has had every chance to.
+	g.Eventually(latest("a2", "icmp:"+ips["a2"])).WithTimeout(time.Minute).Should(Equal("ok"), func() string { return "a2 pings itself:\n" + console("a2") })
+	time.Sleep(3 * time.Second)
+	for _, bad := range []struct{ from, target string }{
+		{"a2", "icmp:" + ips["a1"]}, {"a2", "icmp:" + ips["b1"]}, {"a1", "icmp:" + ips["a2"]}, {"b1", "icmp:" + ips["a2"]}, {"a2", outside},
+	} {
+		if strings.Contains(console(bad.from), "probe "+bad.target+" ok") || latest(bad.from, bad.target)() != "fail" {
+			t.Errorf("%s reached %s, or never tried:\n%s", bad.from, bad.target, console(bad.from))
+		}
+	}
+	if got := seen(); len(got) == 0 || len(got) != strings.Count(strings.Join(got, ","), "203.0.113.1") {
+		t.Errorf("the outside server saw %v; want only node A's address 203.0.113.1", got)
+	}
+
+	// Delete everything: nothing of IMP stays in either node's namespace.
+	for _, vm := range vms {
+		if err := c.Client.Delete(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range []string{nsA, nsB} {
+		g.Eventually(func() []string { return impLeftovers(t, n) }).WithTimeout(2*time.Minute).WithPolling(250*time.Millisecond).Should(BeEmpty(), "in %s", n)
+	}
+}
+
+// serveOutside accepts TCP connections on addr inside netns and returns a function listing
+// the remote addresses it saw.
+func serveOutside(t *testing.T, netnsPath, addr string) func() []string {
+	var l net.Listener
+	if err := testnetns.Do(netnsPath, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	var mu sync.Mutex
+	var seen []string
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			host, _, _ := net.SplitHostPort(c.RemoteAddr().String())
+			mu.Lock()
+			seen = append(seen, host)
+			mu.Unlock()
+			_, _ = c.Write([]byte("hi\n"))
+			c.Close()
+		}
+	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), seen...)
+	}
+}
+
+// impLeftovers lists IMP links, addresses on them and nftables tables in the namespace.
+func impLeftovers(t *testing.T, path string) []string {
+	h := testnetns.Handle(t, path)
+	links, err := h.LinkList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Name, "imp") {
+			left = append(left, "link "+l.Attrs().Name)
+		}
+		addrs, _ := h.AddrList(l, netlink.FAMILY_V4)
+		for _, a := range addrs {
+			if strings.HasPrefix(a.IPNet.String(), "10.9") {
+				left = append(left, fmt.Sprintf("address %s on %s", a.IPNet, l.Attrs().Name))
+			}
+		}
+	}
+	nsh, err := netns.GetFromPath(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nsh.Close()
+	conn, err := nftables.New(nftables.WithNetNSFd(int(nsh)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tables, err := conn.ListTables()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tb := range tables {
+		left = append(left, "nftables table "+tb.Name)
+	}
+	return left
+}
