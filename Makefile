@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent bench-net
 
 all: build
 
@@ -52,3 +52,6 @@ bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, agent RSS with 0 and 10 VMs.
 	go build -o bin/ ./cmd/imp-agent
 	go run ./test/bench/agent -n 10
+
+bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).
+	go run ./test/bench/net -n 100

@@ -265,8 +265,10 @@ func (h *Host) Prune(keep func(vmUID string) bool) error {
 	for _, l := range links {
 		a := l.Attrs()
 		if uid, ok := strings.CutPrefix(a.Alias, vmAlias); ok && strings.HasPrefix(a.Name, tapPrefix) && !keep(uid) {
-			errs = append(errs, h.removeTap(a.Name))
-			continue
+			if err := h.nl.LinkDel(l); err != nil {
+				errs = append(errs, fmt.Errorf("removing tap %s: %w", a.Name, err))
+			}
+			continue // its rules go with pruneRules, in one batch
 		}
 		live[a.Name] = true
 	}
@@ -282,11 +284,17 @@ func (h *Host) Prune(keep func(vmUID string) bool) error {
 		}
 		if len(taps) == 0 {
 			vx := vxlanPrefix + strings.TrimPrefix(a.Name, bridgePrefix)
-			errs = append(errs, h.removeNetwork(a.Name, vx))
+			for _, name := range []string{vx, a.Name} {
+				if l, err := h.nl.LinkByName(name); err == nil {
+					if err := h.nl.LinkDel(l); err != nil {
+						errs = append(errs, fmt.Errorf("removing %s: %w", name, err))
+					}
+				}
+			}
 			delete(live, a.Name)
 		}
 	}
-	errs = append(errs, h.pruneRules(live))
+	errs = append(errs, h.pruneRules(live), h.syncForwarding())
 	return errors.Join(errs...)
 }
 

@@ -284,7 +284,13 @@ func (h *Host) pruneRules(live map[string]bool) error {
 				if err := h.nft.DelRule(r); err != nil {
 					return err
 				}
-				n++
+				// Flush in batches: the kernel acknowledges each message, and a socket
+				// buffer holds a few hundred acknowledgements.
+				if n++; n%100 == 0 {
+					if err := h.nft.Flush(); err != nil {
+						return fmt.Errorf("removing stale rules: %w", err)
+					}
+				}
 			}
 		}
 	}
