@@ -428,7 +428,8 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	return nil
 }
 
-// stopVMM asks the guest to stop, waits the VM's grace period, then kills the VMM.
+// stopVMM asks the guest to stop, waits the VM's grace period, then has QEMU quit (QMP), and
+// kills the VMM if even that does not end it.
 func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *qemu.Record) {
 	grace := 30 * time.Second
 	if g := vm.Spec.TerminationGracePeriodSeconds; g != nil {
@@ -443,6 +444,14 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *qemu.Record) 
 	deadline := time.Now().Add(grace)
 	for rec.Alive() && time.Now().Before(deadline) && ctx.Err() == nil {
 		time.Sleep(100 * time.Millisecond)
+	}
+	if rec.Alive() {
+		if err := qemu.Quit(a.vmDir(vm.UID)); err != nil {
+			ctrl.LoggerFrom(ctx).Info("QMP quit failed; killing the VMM", "error", err.Error())
+		}
+		for i := 0; i < 20 && rec.Alive(); i++ {
+			time.Sleep(100 * time.Millisecond)
+		}
 	}
 	if rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)

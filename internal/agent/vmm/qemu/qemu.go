@@ -167,10 +167,13 @@ func writeRecord(dir string, r *Record) error {
 	return os.Rename(tmp, filepath.Join(dir, RecordFile))
 }
 
-// DialChannel connects to the guest channel of the VM in dir. A path too long for a unix
-// socket address is reached through /proc/self/fd.
-func DialChannel(dir string) (net.Conn, error) {
-	p := filepath.Join(dir, ChannelSock)
+// DialChannel connects to the guest channel of the VM in dir.
+func DialChannel(dir string) (net.Conn, error) { return dialState(dir, ChannelSock) }
+
+// dialState connects to the unix socket sock of the state directory dir. A path too long for
+// a unix socket address is reached through /proc/self/fd.
+func dialState(dir, sock string) (net.Conn, error) {
+	p := filepath.Join(dir, sock)
 	if len(p) < 100 {
 		return net.Dial("unix", p)
 	}
@@ -179,7 +182,7 @@ func DialChannel(dir string) (net.Conn, error) {
 		return nil, err
 	}
 	defer d.Close()
-	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), ChannelSock))
+	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), sock))
 }
 
 // CapConsole keeps the VM's console log under max bytes: past it, the log keeps its newest

@@ -195,3 +195,45 @@ func TestBootUnderQEMU(t *testing.T) {
 		t.Errorf("the guest's write reached the shared base disk:\n%s", out)
 	}
 }
+
+// TestQMPQuit: the VMM answers QMP (status running) and exits on quit, whatever the guest is
+// doing (here: still booting, its disks blank).
+func TestQMPQuit(t *testing.T) {
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	for _, f := range []string{"base", "rw"} {
+		if err := os.WriteFile(filepath.Join(tmp, f), make([]byte, 1<<20), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	spec := Spec{Dir: tmp, Kernel: kernel, Initramfs: initrd, BaseDisk: filepath.Join(tmp, "base"), WritableDisk: filepath.Join(tmp, "rw"),
+		VCPUs: 1, MemoryMiB: 128, Token: "t", Accel: "tcg", TSCkHz: TSCkHz()}
+	rec, err := Start(spec, "h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscallKill(rec.Pid) })
+	var q *QMP
+	for deadline := time.Now().Add(20 * time.Second); q == nil; {
+		if q, err = DialQMP(tmp, 2*time.Second); err != nil && time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	st, err := q.Execute("query-status", nil)
+	if err != nil || !strings.Contains(string(st), `"running"`) {
+		t.Fatalf("query-status = %s, %v", st, err)
+	}
+	if _, err := q.Execute("no-such-command", nil); err == nil || !strings.Contains(err.Error(), "CommandNotFound") {
+		t.Errorf("an unknown command: %v, want CommandNotFound", err)
+	}
+	q.Close()
+	if err := Quit(tmp); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); rec.Alive(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("QEMU still runs after QMP quit")
+		}
+	}
+}
