@@ -23,6 +23,10 @@ generate: ## Regenerate deepcopy, CRDs and RBAC from the Go types and markers.
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
 	$(CONTROLLER_GEN) rbac:roleName=imp-operator paths=./internal/controller/... output:rbac:artifacts:config=config/rbac/operator
 	$(CONTROLLER_GEN) rbac:roleName=imp-agent paths=./internal/agent/... output:rbac:artifacts:config=config/rbac/agent
+	rm -f charts/imp/files/crds/*.yaml
+	cp config/crd/bases/*.yaml charts/imp/files/crds/
+	cp config/rbac/operator/role.yaml charts/imp/files/operator-role.yaml
+	cp config/rbac/agent/role.yaml charts/imp/files/agent-role.yaml
 
 verify-generated: ## Fail when the checked-in generated code differs from what the sources generate.
 	hack/verify-generated.sh

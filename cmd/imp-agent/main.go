@@ -4,6 +4,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -18,6 +19,8 @@ import (
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/kvm"
+	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/logging"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
@@ -29,6 +32,22 @@ func main() {
 	}
 }
 
+// runPreflightMode prints the checks and fails with their reason, which it also writes where
+// Kubernetes reads a container's termination message.
+func runPreflightMode(cfg preflight.Config) error {
+	checks, err := preflight.Run(context.Background(), cfg)
+	preflight.Report(os.Stdout, checks)
+	if err != nil {
+		if f, ferr := os.OpenFile("/dev/termination-log", os.O_WRONLY|os.O_TRUNC, 0); ferr == nil { // only in a container
+			_, _ = f.WriteString(err.Error())
+			f.Close()
+		}
+		return err
+	}
+	fmt.Println("preflight passed")
+	return nil
+}
+
 func run() error {
 	var (
 		opts                   agent.Options
@@ -36,6 +55,9 @@ func run() error {
 		reserveMemory          string
 		reserveVCPUs           int
 		logOpts                logging.Options
+		pre                    preflight.Config
+		runPreflight           bool
+		pins                   = map[string]*string{"kernel": new(string), "initramfs": new(string), "firecracker": new(string), "jailer": new(string)}
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&opts.NodeName, "node-name", os.Getenv("NODE_NAME"), "name of the node this agent runs on (default $NODE_NAME)")
@@ -65,12 +87,36 @@ func run() error {
 	})
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint (0 disables it)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", ":8091", "address of the /healthz and /readyz endpoints")
+	fs.BoolVar(&runPreflight, "preflight", false, "check this node (KVM, VMM binaries, pinned hashes), print the result and exit: non-zero with the reason when it cannot run IMP's VMs")
+	fs.BoolVar(&pre.RequireKVM, "require-kvm", true, "with --preflight: fail when /dev/kvm cannot run guests")
+	fs.StringVar(&pre.KVMDevice, "kvm-device", kvm.Device, "the KVM device")
+	fs.StringVar(&pre.Firecracker, "firecracker", "/usr/local/bin/firecracker", "the firecracker binary")
+	fs.StringVar(&pre.Jailer, "jailer", "/usr/local/bin/jailer", "the jailer binary")
+	for _, name := range []string{"kernel", "initramfs", "firecracker", "jailer"} {
+		fs.StringVar(pins[name], "pin-"+name, "", "sha256 the "+name+" must have (empty: not pinned); the agent refuses to start on a mismatch")
+	}
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-agent [flags]\n\nRuns the ImpVMs placed on this node.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	flag.Parse()
+	paths := map[string]string{"kernel": opts.Kernel, "initramfs": opts.Initramfs, "firecracker": pre.Firecracker, "jailer": pre.Jailer}
+	for _, name := range []string{"kernel", "initramfs", "firecracker", "jailer"} {
+		if sum := *pins[name]; sum != "" {
+			pre.Pins = append(pre.Pins, preflight.Pin{Name: name, Path: paths[name], SHA256: sum})
+		}
+	}
+	if runPreflight {
+		pre.QEMU = "qemu-system-x86_64"
+		return runPreflightMode(pre)
+	}
+	if len(pre.Pins) > 0 {
+		// Only the pins at start: the full preflight is the chart's hook.
+		if _, err := preflight.Run(context.Background(), preflight.Config{KVMDevice: pre.KVMDevice, Pins: pre.Pins}); err != nil {
+			return err
+		}
+	}
 	log, err := logOpts.Logger()
 	if err != nil {
 		return err

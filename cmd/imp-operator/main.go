@@ -33,6 +33,7 @@ func run() error {
 		logOpts                logging.Options
 		concurrency            int
 		vmOpts                 = impvm.DefaultOptions()
+		pressureLifecycle      bool
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -44,12 +45,17 @@ func run() error {
 	fs.DurationVar(&vmOpts.RestartBackoffBase, "restart-backoff-base", vmOpts.RestartBackoffBase, "first delay before restarting a VM that exited; doubles per restart")
 	fs.DurationVar(&vmOpts.RestartBackoffMax, "restart-backoff-max", vmOpts.RestartBackoffMax, "longest delay before restarting a VM that exited")
 	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")
+	fs.BoolVar(&pressureLifecycle, "pressure-lifecycle", false, "suspend resident ImpVMs, largest memory first, on nodes reporting MemoryPressure (chart value pressureLifecycle.enabled)")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-operator [flags]\n\nPlaces ImpVMs on nodes, allocates their addresses and drives their lifecycle.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	flag.Parse()
+	if pressureLifecycle {
+		// Refused rather than ignored: an operator who enabled it must not believe it is on.
+		return errors.New("--pressure-lifecycle: not available in this version of the operator; leave pressureLifecycle.enabled false")
+	}
 
 	log, err := logOpts.Logger()
 	if err != nil {

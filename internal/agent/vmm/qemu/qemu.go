@@ -15,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -267,32 +268,12 @@ func StartTime(pid int) (uint64, error) {
 	return strconv.ParseUint(fields[19], 10, 64)
 }
 
-// Accel returns "kvm" when this host's KVM can run QEMU guests, else "tcg".
-//
-// /dev/kvm opening is not enough: it must answer KVM_GET_API_VERSION with 12 and create a VM,
-// and the host must not be running kvm-pvm (pagetable-based nested virtualization), whose
-// /dev/kvm passes both checks but fails microvm guests ("kvm-pvm: INTERNAL_ERROR in batch emul",
-// seen on IMP's CI machines).
+// Accel returns "kvm" when this host's KVM can run QEMU guests (kvm.Check), else "tcg".
 func Accel() string {
-	if _, err := os.Stat("/sys/module/kvm_pvm"); err == nil {
-		return "tcg"
+	if kvm.Check(kvm.Device) == nil {
+		return "kvm"
 	}
-	f, err := os.OpenFile("/dev/kvm", os.O_RDWR|syscall.O_CLOEXEC, 0)
-	if err != nil {
-		return "tcg"
-	}
-	defer f.Close()
-	const kvmGetAPIVersion, kvmCreateVM = 0xAE00, 0xAE01
-	v, _, errno := syscall.Syscall(syscall.SYS_IOCTL, f.Fd(), kvmGetAPIVersion, 0)
-	if errno != 0 || v != 12 {
-		return "tcg"
-	}
-	vm, _, errno := syscall.Syscall(syscall.SYS_IOCTL, f.Fd(), kvmCreateVM, 0)
-	if errno != 0 {
-		return "tcg"
-	}
-	syscall.Close(int(vm))
-	return "kvm"
+	return "tcg"
 }
 
 // TSCkHz reads the host CPU's rate from /proc/cpuinfo, in kHz (0 when unknown).

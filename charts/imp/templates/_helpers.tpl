@@ -1,0 +1,68 @@
+{{/* Labels every object of the release carries. */}}
+{{- define "imp.labels" -}}
+app.kubernetes.io/part-of: imp
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/* An image reference: repository@digest when a digest is set, else repository:tag (tag
+defaulting to the chart's appVersion). Call with (dict "image" .Values.x.image "root" $). */}}
+{{- define "imp.image" -}}
+{{- $img := .image -}}
+{{- if $img.digest -}}
+{{- if not (regexMatch "^sha256:[a-f0-9]{64}$" $img.digest) -}}
+{{- fail (printf "image digest %q must be sha256: and 64 hex digits" $img.digest) -}}
+{{- end -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end }}
+
+{{/* A node selector that always requires imp/enabled=true: the user's selector merged over
+the chart's, the opt-in label put back whatever the user gave. */}}
+{{- define "imp.nodeSelector" -}}
+{{- $sel := deepCopy (default (dict) .) -}}
+{{- $_ := set $sel "imp/enabled" "true" -}}
+{{- toYaml $sel -}}
+{{- end }}
+
+{{/* The agent's guest initramfs: the configured host path or the one in the agent image. */}}
+{{- define "imp.initramfs" -}}
+{{- default "/usr/share/imp/initramfs.cpio.gz" .Values.guest.initramfs.hostPath -}}
+{{- end }}
+
+{{/* Host paths imp-runtime and the preflight mount read-only, by directory: the guest kernel's,
+the initramfs' (when on the host), firecracker's and the jailer's. */}}
+{{- define "imp.hostDirs" -}}
+{{- $dirs := list (dir .Values.guest.kernel.hostPath) (dir .Values.firecracker.binary.hostPath) (dir .Values.firecracker.jailer.hostPath) -}}
+{{- if .Values.guest.initramfs.hostPath -}}
+{{- $dirs = append $dirs (dir .Values.guest.initramfs.hostPath) -}}
+{{- end -}}
+{{- toJson ($dirs | uniq | sortAlpha) -}}
+{{- end }}
+
+{{- define "imp.pins" -}}
+{{- with .Values.guest.kernel.sha256 }}
+- --pin-kernel={{ . }}
+{{- end }}
+{{- with .Values.guest.initramfs.sha256 }}
+- --pin-initramfs={{ . }}
+{{- end }}
+{{- with .Values.firecracker.binary.sha256 }}
+- --pin-firecracker={{ . }}
+{{- end }}
+{{- with .Values.firecracker.jailer.sha256 }}
+- --pin-jailer={{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "imp.artifactArgs" -}}
+- --kernel={{ .Values.guest.kernel.hostPath }}
+- --initramfs={{ include "imp.initramfs" . }}
+- --firecracker={{ .Values.firecracker.binary.hostPath }}
+- --jailer={{ .Values.firecracker.jailer.hostPath }}
+{{- include "imp.pins" . }}
+{{- end }}
