@@ -1,0 +1,283 @@
+// Package chart_test renders the imp chart with Helm's own packages and checks each rule the
+// chart promises: names, OnDelete, the imp/enabled selector that cannot be dropped, digests
+// winning over tags, the schema refusing bad values, monitoring only where its API exists.
+package chart_test
+
+import (
+	"sort"
+	"strings"
+	"testing"
+
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/engine"
+	"helm.sh/helm/v3/pkg/releaseutil"
+	"helm.sh/helm/v3/pkg/strvals"
+	appsv1 "k8s.io/api/apps/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"sigs.k8s.io/yaml"
+)
+
+const chartDir = "../../charts/imp"
+
+func load(t *testing.T) *chart.Chart {
+	t.Helper()
+	c, err := loader.Load(chartDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// render renders the chart with --set style values and returns its manifests by "Kind/name".
+func render(t *testing.T, caps *chartutil.Capabilities, sets ...string) (map[string]string, error) {
+	t.Helper()
+	c := load(t)
+	vals := map[string]any{}
+	for _, s := range sets {
+		if err := strvals.ParseInto(s, vals); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if caps == nil {
+		caps = chartutil.DefaultCapabilities
+	}
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: "imp", Namespace: "imp-system", IsInstall: true}, caps)
+	if err != nil {
+		return nil, err
+	}
+	files, err := engine.Render(c, rv)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for name, content := range files {
+		if strings.HasSuffix(name, "NOTES.txt") {
+			out["NOTES"] = content
+			continue
+		}
+		for _, doc := range releaseutil.SplitManifests(content) {
+			var head struct {
+				Kind     string
+				Metadata struct{ Name string }
+			}
+			if err := yaml.Unmarshal([]byte(doc), &head); err != nil {
+				t.Fatalf("%s: %v\n%s", name, err, doc)
+			}
+			if head.Kind != "" {
+				out[head.Kind+"/"+head.Metadata.Name] = doc
+			}
+		}
+	}
+	return out, nil
+}
+
+func mustRender(t *testing.T, sets ...string) map[string]string {
+	t.Helper()
+	m, err := render(t, nil, sets...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func decode[T any](t *testing.T, doc string) *T {
+	t.Helper()
+	var v T
+	if err := yaml.UnmarshalStrict([]byte(doc), &v); err != nil {
+		t.Fatalf("%v\n%s", err, doc)
+	}
+	return &v
+}
+
+func TestLint(t *testing.T) {
+	lint := action.NewLint()
+	lint.Strict = true
+	res := lint.Run([]string{chartDir}, map[string]any{})
+	for _, m := range res.Messages {
+		if m.Severity > 1 { // above INFO
+			t.Errorf("lint: %s", m)
+		}
+	}
+	for _, err := range res.Errors {
+		t.Errorf("lint: %v", err)
+	}
+}
+
+func TestDefaults(t *testing.T) {
+	m := mustRender(t)
+	var kinds []string
+	for k := range m {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	t.Logf("objects: %v", kinds)
+
+	ds := decode[appsv1.DaemonSet](t, m["DaemonSet/imp-runtime"])
+	if ds.Namespace != "imp-system" || ds.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
+		t.Errorf("DaemonSet imp-runtime in %q with updateStrategy %q, want imp-system and OnDelete", ds.Namespace, ds.Spec.UpdateStrategy.Type)
+	}
+	pod := ds.Spec.Template
+	if pod.Labels["app.kubernetes.io/name"] != "imp-runtime" {
+		t.Errorf("imp-runtime pods labelled %v", pod.Labels)
+	}
+	if got := pod.Spec.NodeSelector; len(got) != 1 || got["imp/enabled"] != "true" {
+		t.Errorf("agent nodeSelector %v, want imp/enabled=true", got)
+	}
+	agent := pod.Spec.Containers[0]
+	if agent.Image != "ghcr.io/syscode-labs/imp-agent:0.9.0" || !*agent.SecurityContext.Privileged || !pod.Spec.HostPID || !pod.Spec.HostNetwork {
+		t.Errorf("agent image %s, privileged %v, hostPID %v, hostNetwork %v", agent.Image, *agent.SecurityContext.Privileged, pod.Spec.HostPID, pod.Spec.HostNetwork)
+	}
+	mounts := map[string]string{}
+	for _, v := range agent.VolumeMounts {
+		mounts[v.MountPath] = v.Name
+	}
+	for _, p := range []string{"/var/lib/imp", "/dev/kvm", "/dev/net/tun", "/sys/fs/cgroup", "/usr/local/bin"} {
+		if mounts[p] == "" {
+			t.Errorf("the agent does not mount %s (mounts %v)", p, mounts)
+		}
+	}
+	args := strings.Join(agent.Args, " ")
+	for _, want := range []string{"--overlay-address=$(HOST_IP)", "--kernel=/var/lib/imp/boot/vmlinuz", "--initramfs=/usr/share/imp/initramfs.cpio.gz"} {
+		if !strings.Contains(args, want) {
+			t.Errorf("agent args lack %s: %s", want, args)
+		}
+	}
+
+	dep := decode[appsv1.Deployment](t, m["Deployment/imp-operator"])
+	op := dep.Spec.Template.Spec
+	c := op.Containers[0]
+	if c.Image != "ghcr.io/syscode-labs/imp-operator:0.9.0" || !*op.SecurityContext.RunAsNonRoot || *c.SecurityContext.AllowPrivilegeEscalation ||
+		!*c.SecurityContext.ReadOnlyRootFilesystem || c.SecurityContext.Capabilities.Drop[0] != "ALL" || op.SecurityContext.SeccompProfile.Type != "RuntimeDefault" {
+		t.Errorf("operator image %s or security context not restricted: %+v %+v", c.Image, op.SecurityContext, c.SecurityContext)
+	}
+	if strings.Contains(strings.Join(c.Args, " "), "pressure") {
+		t.Errorf("pressure lifecycle on by default: %v", c.Args)
+	}
+	if c.LivenessProbe == nil || c.ReadinessProbe == nil || !strings.Contains(strings.Join(c.Args, " "), "--leader-elect=true") {
+		t.Errorf("operator probes %v %v, args %v", c.LivenessProbe, c.ReadinessProbe, c.Args)
+	}
+
+	crds := 0
+	for k, doc := range m {
+		if strings.HasPrefix(k, "CustomResourceDefinition/") {
+			crd := decode[apiextensionsv1.CustomResourceDefinition](t, doc)
+			if crd.Annotations["helm.sh/resource-policy"] != "keep" {
+				t.Errorf("%s is not kept on uninstall", k)
+			}
+			crds++
+		}
+	}
+	if crds != 5 {
+		t.Errorf("%d CRDs, want 5", crds)
+	}
+	for _, k := range []string{"ServiceMonitor/imp-operator", "PrometheusRule/imp", "ConfigMap/imp-grafana-dashboard"} {
+		if _, ok := m[k]; ok {
+			t.Errorf("%s rendered although not enabled", k)
+		}
+	}
+	role := decode[rbacv1.ClusterRole](t, m["ClusterRole/imp-view"])
+	if role.Labels["rbac.authorization.k8s.io/aggregate-to-view"] != "true" || role.Rules[0].Verbs[0] != "get" {
+		t.Errorf("imp-view %+v", role)
+	}
+	edit := decode[rbacv1.ClusterRole](t, m["ClusterRole/imp-edit"])
+	if edit.Labels["rbac.authorization.k8s.io/aggregate-to-view"] != "" {
+		t.Error("the view role would aggregate write access")
+	}
+}
+
+// TestNodeSelectorsKeepTheOptIn: a user's selector is added to imp/enabled=true, never replaces it.
+func TestNodeSelectorsKeepTheOptIn(t *testing.T) {
+	for _, sets := range [][]string{
+		{"agent.nodeSelector.pool=a"},
+		{"agent.nodeSelector.pool=a", "agent.nodeSelector.imp/enabled=no"},
+		{"agent.nodeSelector=null"},
+	} {
+		m := mustRender(t, sets...)
+		ds := decode[appsv1.DaemonSet](t, m["DaemonSet/imp-runtime"])
+		sel := ds.Spec.Template.Spec.NodeSelector
+		if sel["imp/enabled"] != "true" {
+			t.Errorf("%v: nodeSelector %v lost imp/enabled=true", sets, sel)
+		}
+		if strings.Contains(sets[0], "pool") && sel["pool"] != "a" {
+			t.Errorf("%v: nodeSelector %v lost pool=a", sets, sel)
+		}
+	}
+}
+
+func TestDigestsPinImages(t *testing.T) {
+	const op, ag = "sha256:1111111111111111111111111111111111111111111111111111111111111111", "sha256:2222222222222222222222222222222222222222222222222222222222222222"
+	m := mustRender(t, "operator.image.digest="+op, "agent.image.digest="+ag, "agent.image.tag=ignored")
+	dep := decode[appsv1.Deployment](t, m["Deployment/imp-operator"])
+	ds := decode[appsv1.DaemonSet](t, m["DaemonSet/imp-runtime"])
+	if got := dep.Spec.Template.Spec.Containers[0].Image; got != "ghcr.io/syscode-labs/imp-operator@"+op {
+		t.Errorf("operator image %s", got)
+	}
+	if got := ds.Spec.Template.Spec.Containers[0].Image; got != "ghcr.io/syscode-labs/imp-agent@"+ag {
+		t.Errorf("agent image %s", got)
+	}
+}
+
+func TestSchemaRefusesBadValues(t *testing.T) {
+	for _, tc := range []struct{ set, want string }{
+		{"agent.bogus=1", "additional properties 'bogus' not allowed"},
+		{"operator.replicas=two", "/operator/replicas"},
+		{"agent.image.digest=sha256:abc", "/agent/image/digest"},
+		{"logging.level=loud", "/logging/level"},
+		{"pressureLifecycle.enabled=maybe", "/pressureLifecycle/enabled"},
+		{"guest.kernel.sha256=xyz", "/guest/kernel/sha256"},
+		{"agent.overlay.vxlanPort=70000", "/agent/overlay/vxlanPort"},
+	} {
+		if _, err := render(t, nil, tc.set); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("--set %s: %v, want an error naming %s", tc.set, err, tc.want)
+		}
+	}
+}
+
+func TestPressureLifecycleAndPins(t *testing.T) {
+	const sum = "3333333333333333333333333333333333333333333333333333333333333333"
+	m := mustRender(t, "pressureLifecycle.enabled=true", "guest.kernel.sha256="+sum, "firecracker.jailer.sha256="+sum)
+	dep := decode[appsv1.Deployment](t, m["Deployment/imp-operator"])
+	if args := strings.Join(dep.Spec.Template.Spec.Containers[0].Args, " "); !strings.Contains(args, "--pressure-lifecycle") {
+		t.Errorf("operator args %s", args)
+	}
+	ds := decode[appsv1.DaemonSet](t, m["DaemonSet/imp-runtime"])
+	args := strings.Join(ds.Spec.Template.Spec.Containers[0].Args, " ")
+	if !strings.Contains(args, "--pin-kernel="+sum) || !strings.Contains(args, "--pin-jailer="+sum) || strings.Contains(args, "--pin-initramfs") {
+		t.Errorf("agent args %s", args)
+	}
+}
+
+func TestMonitoringOnlyWhereItsAPIExists(t *testing.T) {
+	sets := []string{"metrics.serviceMonitor.enabled=true", "metrics.prometheusRule.enabled=true", "metrics.grafanaDashboard.enabled=true"}
+	m := mustRender(t, sets...)
+	if _, ok := m["ServiceMonitor/imp-operator"]; ok {
+		t.Error("ServiceMonitor rendered without the monitoring.coreos.com API")
+	}
+	if _, ok := m["ConfigMap/imp-grafana-dashboard"]; !ok {
+		t.Error("no dashboard ConfigMap")
+	}
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.APIVersions = append(caps.APIVersions, "monitoring.coreos.com/v1")
+	m, err := render(t, caps, sets...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"ServiceMonitor/imp-operator", "ServiceMonitor/imp-runtime", "PrometheusRule/imp"} {
+		if _, ok := m[k]; !ok {
+			t.Errorf("%s not rendered with the API present", k)
+		}
+	}
+	m, err = render(t, caps, append(sets, "metrics.enabled=false")...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"Service/imp-operator-metrics", "Service/imp-runtime-metrics", "ServiceMonitor/imp-operator", "PrometheusRule/imp", "ConfigMap/imp-grafana-dashboard"} {
+		if _, ok := m[k]; ok {
+			t.Errorf("%s rendered with metrics disabled", k)
+		}
+	}
+}
