@@ -17,6 +17,7 @@
 #                      oci://127.0.0.1:15000/charts --plain-http`)
 #   SERVICE_CIDR [10.0.0.0/24]  POD_CIDR [10.244.0.0/16] (kwok's fake pod IPs)
 #   START_TIMEOUT [120] seconds per component
+#   KWOK_EXTRA_STAGES  a file of further kwok Stage objects (tests add failure stages)
 #   APISERVER_EXTRA_ARGS, KCM_EXTRA_ARGS, SCHEDULER_EXTRA_ARGS, ETCD_EXTRA_ARGS (word-split)
 # Fake nodes for kwok: create Nodes with annotation kwok.x-k8s.io/node=fake
 # (see STATE_DIR/kwok-example-node.yaml).
@@ -249,6 +250,7 @@ options:
   podsOnNodeSyncParallelism: 1
 ---
 $(cat "$BIN/kwok-stages.yaml")
+$(if [[ -n ${KWOK_EXTRA_STAGES:-} ]]; then printf -- '---\n'; cat "$KWOK_EXTRA_STAGES"; fi)
 EOF
   cat >"$STATE/kwok-example-node.yaml" <<'EOF'
 apiVersion: v1

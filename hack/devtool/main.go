@@ -1,7 +1,10 @@
-// Command devtool does the two build steps of the local environment that need Go:
+// Command devtool does the build steps of the local environment and of IMP's images that need
+// Go (no Docker engine anywhere):
 //
 //	devtool initramfs OUT IMP_INIT MODULES_DIR     write IMP's guest initramfs
 //	devtool image REGISTRY/REPO:TAG BINARY ARGS...  push an image holding BINARY as /bin/app
+//	devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS
+//	                                               push imp-operator and imp-agent, print digests
 package main
 
 import (
@@ -41,8 +44,10 @@ func run(args []string) error {
 		return f.Close()
 	case len(args) >= 3 && args[0] == "image":
 		return pushImage(args[1], args[2], args[3:])
+	case len(args) == 7 && args[0] == "images":
+		return pushIMPImages(args[1], args[2], args[3], args[4], args[5], args[6])
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...]")
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {
