@@ -6,6 +6,7 @@ packages=(
   git make curl openssl ca-certificates   # scripts, PKI of the local control plane
   e2fsprogs                              # mkfs.ext4 -d builds base disks; debugfs reads them in tests
   qemu-system-x86                        # the qemu VMM driver (TCG without KVM)
+  debootstrap                            # the agent image's Debian base (hack/agent-rootfs.sh)
 )
 missing=()
 for p in "${packages[@]}"; do
