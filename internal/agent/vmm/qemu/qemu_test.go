@@ -187,6 +187,9 @@ func TestBootUnderQEMU(t *testing.T) {
 			t.Errorf("console lacks %q:\n%s", want, console)
 		}
 	}
+	if strings.Contains(string(console), "freezing the writable disk") {
+		t.Errorf("imp-init could not freeze the writable disk before powering off:\n%s", console)
+	}
 	// The guest wrote to its overlay's upper layer, on its own disk; the base disk is untouched.
 	if out, err := exec.Command("debugfs", "-R", "cat /upper/home/app/written-by-guest", rw).CombinedOutput(); err != nil || !strings.Contains(string(out), "upper layer of vm-one") {
 		t.Errorf("the guest's write is not on its writable disk: %v\n%s", err, out)
