@@ -40,6 +40,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -222,7 +223,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	}
 	dir := a.vmDir(vm.UID)
 	m, _ := readMeta(dir)
-	rec, _ := qemu.ReadRecord(dir)
+	rec, _ := vmm.ReadRecord(dir)
 	alive := rec != nil && rec.Alive()
 	current := m != nil && m.Instance == st.Instance && m.Run == st.RestartCount
 
@@ -430,7 +431,7 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 
 // stopVMM asks the guest to stop, waits the VM's grace period, then has QEMU quit (QMP), and
 // kills the VMM if even that does not end it.
-func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *qemu.Record) {
+func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) {
 	grace := 30 * time.Second
 	if g := vm.Spec.TerminationGracePeriodSeconds; g != nil {
 		grace = time.Duration(*g) * time.Second
@@ -466,7 +467,7 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *qemu.Record) 
 // for the operator to release the VM.
 func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
 	dir := a.vmDir(vm.UID)
-	if rec, err := qemu.ReadRecord(dir); err == nil && rec.Alive() {
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		a.stopVMM(ctx, vm, rec)
 	}
 	a.stopMonitor(vm.UID)
@@ -538,7 +539,7 @@ func (a *Agent) reportSoon() {
 
 // removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
 func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
-	if rec, err := qemu.ReadRecord(dir); err == nil && rec.Alive() {
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 	}
 	a.stopMonitor(m.UID)

@@ -29,6 +29,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/operator"
@@ -61,9 +62,9 @@ func run(t *testing.T, mgr ctrl.Manager) func() {
 // not leave guests running.
 func killVMMs(t *testing.T, stateDir string) {
 	t.Cleanup(func() {
-		recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", qemu.RecordFile))
+		recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", vmm.RecordFile))
 		for _, p := range recs {
-			if rec, err := qemu.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
+			if rec, err := vmm.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
 				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 			}
 		}
@@ -212,7 +213,7 @@ func TestVMLifecycle(t *testing.T) {
 		b, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog))
 		return string(b)
 	}).WithTimeout(30 * time.Second).Should(ContainSubstring("hello from imp: GREETING=from-the-api host=hello"))
-	rec, err := qemu.ReadRecord(dir)
+	rec, err := vmm.ReadRecord(dir)
 	if err != nil || !rec.Alive() {
 		t.Fatalf("VMM record %+v, %v", rec, err)
 	}
@@ -305,13 +306,13 @@ func TestAgentRestart(t *testing.T) {
 		return v
 	}
 	g := NewWithT(t)
-	records := map[string]*qemu.Record{}
+	records := map[string]*vmm.Record{}
 	for _, n := range names {
 		g.Eventually(func() bool {
 			v := get(n)
 			return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
 		}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "VM %s", n)
-		rec, err := qemu.ReadRecord(filepath.Join(stateDir, "vms", string(get(n).UID)))
+		rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", string(get(n).UID)))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -354,7 +355,7 @@ func TestAgentRestart(t *testing.T) {
 		v := get("a")
 		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
 	}).WithTimeout(5 * time.Second).Should(BeTrue())
-	if now, err := qemu.ReadRecord(filepath.Join(stateDir, "vms", string(get("a").UID))); err != nil || *now != *records["a"] || !now.Alive() {
+	if now, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", string(get("a").UID))); err != nil || *now != *records["a"] || !now.Alive() {
 		t.Errorf("VM a's VMM changed across the agent restart: %+v → %+v (%v)", records["a"], now, err)
 	}
 	// b: its VMM died unwatched; the returning agent reports it and runStrategy Always restarts it.

@@ -13,6 +13,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
@@ -49,7 +50,7 @@ func (a *Agent) stopMonitor(uid types.UID) {
 }
 
 // ensureMonitor starts following the VM's current run unless it is followed already.
-func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *qemu.Record) {
+func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.Record) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if _, ok := a.monitors[vm.UID]; ok {
@@ -65,7 +66,7 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *qemu
 	}()
 }
 
-func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName, dir string, meta *meta, rec *qemu.Record) {
+func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName, dir string, meta *meta, rec *vmm.Record) {
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
 	base := impv1.RuntimeStatus{Instance: meta.Instance, Run: meta.Run}
 	started := metav1.NewTime(meta.Started)

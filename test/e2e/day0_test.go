@@ -13,7 +13,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
-	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
 )
@@ -382,9 +382,9 @@ kvm:
 // killVMMs kills every VMM recorded under an agent's state directory: a failed test must not
 // leave guests running.
 func killVMMs(stateDir string) {
-	recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", qemu.RecordFile))
+	recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", vmm.RecordFile))
 	for _, p := range recs {
-		if rec, err := qemu.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
+		if rec, err := vmm.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
 			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 		}
 	}

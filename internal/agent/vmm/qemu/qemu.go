@@ -4,7 +4,6 @@
 package qemu
 
 import (
-	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -50,7 +50,6 @@ const (
 	ConsoleLog  = "console.log"
 	ChannelSock = "channel.sock"
 	QMPSock     = "qmp.sock"
-	RecordFile  = "vmm.json"
 	qemuLog     = "qemu.log"
 )
 
@@ -96,22 +95,11 @@ func (s Spec) Args() []string {
 	return args
 }
 
-// Record is what the agent keeps of a running VMM in its state directory, so that a restarted
-// agent can find it again. A pid alone is not enough: pids are reused, so the process's start
-// time must match too.
-type Record struct {
-	Kind      string `json:"kind"`
-	Pid       int    `json:"pid"`
-	StartTime uint64 `json:"startTime"` // clock ticks after boot, /proc/<pid>/stat field 22
-	// ConfigHash identifies the configuration the VMM was started with.
-	ConfigHash string `json:"configHash"`
-}
-
 // Start launches QEMU for s detached from the caller: its own session and cgroups, its standard
 // streams on files, so that the caller exiting (the agent restarting, its pod being replaced)
 // does not end the VM. It writes and
 // returns the VM's record.
-func Start(s Spec, configHash string) (*Record, error) {
+func Start(s Spec, configHash string) (*vmm.Record, error) {
 	bin := s.Binary
 	if bin == "" {
 		bin = "qemu-system-x86_64"
@@ -143,29 +131,17 @@ func Start(s Spec, configHash string) (*Record, error) {
 			return nil, err
 		}
 	}
-	st, err := StartTime(cmd.Process.Pid)
+	st, err := vmm.StartTime(cmd.Process.Pid)
 	if err != nil {
 		_ = cmd.Process.Kill()
 		return nil, err
 	}
-	rec := &Record{Kind: "qemu", Pid: cmd.Process.Pid, StartTime: st, ConfigHash: configHash}
-	if err := writeRecord(s.Dir, rec); err != nil {
+	rec := &vmm.Record{Kind: "qemu", Pid: cmd.Process.Pid, StartTime: st, ConfigHash: configHash}
+	if err := vmm.WriteRecord(s.Dir, rec); err != nil {
 		_ = cmd.Process.Kill()
 		return nil, err
 	}
 	return rec, nil
-}
-
-func writeRecord(dir string, r *Record) error {
-	data, err := json.Marshal(r)
-	if err != nil {
-		return err
-	}
-	tmp := filepath.Join(dir, RecordFile+".tmp")
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return fmt.Errorf("writing the VMM record: %w", err)
-	}
-	return os.Rename(tmp, filepath.Join(dir, RecordFile))
 }
 
 // DialChannel connects to the guest channel of the VM in dir.
@@ -227,45 +203,6 @@ func LogTail(dir string, n int64) string {
 		return ""
 	}
 	return strings.Join(strings.Fields(string(buf)), " ")
-}
-
-// ReadRecord reads the record in a VM's state directory.
-func ReadRecord(dir string) (*Record, error) {
-	data, err := os.ReadFile(filepath.Join(dir, RecordFile))
-	if err != nil {
-		return nil, err
-	}
-	var r Record
-	if err := json.Unmarshal(data, &r); err != nil {
-		return nil, fmt.Errorf("parsing the VMM record in %s: %w", dir, err)
-	}
-	return &r, nil
-}
-
-// Alive reports whether the recorded process still runs: same pid, same start time.
-func (r *Record) Alive() bool {
-	st, err := StartTime(r.Pid)
-	return err == nil && st == r.StartTime
-}
-
-// StartTime returns a process's start time in clock ticks after boot.
-func StartTime(pid int) (uint64, error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// The command name (field 2) may hold spaces and parentheses: count from its last ')'.
-	s := string(data)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
-	}
-	fields := strings.Fields(s[i+1:])
-	if len(fields) < 20 {
-		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
-	}
-	// fields[0] is field 3 (state); field 22 (starttime) is fields[19].
-	return strconv.ParseUint(fields[19], 10, 64)
 }
 
 // Accel returns "kvm" when this host's KVM can run QEMU guests (kvm.Check), else "tcg".

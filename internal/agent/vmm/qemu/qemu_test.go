@@ -16,6 +16,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/guestinit"
 	"github.com/syscode-labs/imp/internal/testguest"
 	"github.com/syscode-labs/imp/internal/testregistry"
@@ -74,19 +75,6 @@ func TestCapConsole(t *testing.T) {
 	}
 }
 
-func TestStartTimeDistinguishesProcesses(t *testing.T) {
-	self, err := StartTime(os.Getpid())
-	if err != nil || self == 0 {
-		t.Fatalf("StartTime(self) = %d, %v", self, err)
-	}
-	if !(&Record{Pid: os.Getpid(), StartTime: self}).Alive() {
-		t.Error("this process is not alive by its record")
-	}
-	if (&Record{Pid: os.Getpid(), StartTime: self + 1}).Alive() {
-		t.Error("a record with another start time matched this process (a reused pid would too)")
-	}
-}
-
 // TestBootUnderQEMU boots a real guest: an OCI image from a registry on 127.0.0.1 becomes a
 // base disk, imp-init mounts it under an overlay on the VM's writable disk, runs the workload,
 // reaps its orphan, reports ready and the exit code over the guest channel and powers off.
@@ -125,7 +113,7 @@ func TestBootUnderQEMU(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = syscallKill(rec.Pid) })
-	if got, err := ReadRecord(vmDir); err != nil || *got != *rec || !got.Alive() {
+	if got, err := vmm.ReadRecord(vmDir); err != nil || *got != *rec || !got.Alive() {
 		t.Fatalf("record %+v, %v; want %+v alive", got, err, rec)
 	}
 	if lines, _ := cgroup.Of(rec.Pid); !strings.Contains(strings.Join(lines, "\n"), "/"+cgroup.Parent+"/"+name) {

@@ -1,0 +1,78 @@
+// Package vmm holds what every VMM driver shares: the record a driver keeps of a running VMM in
+// the VM's state directory, so that a restarted agent finds it again.
+package vmm
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// RecordFile is the record's file in a VM's state directory.
+const RecordFile = "vmm.json"
+
+// Record is what the agent keeps of a running VMM in its state directory, so that a restarted
+// agent can find it again. A pid alone is not enough: pids are reused, so the process's start
+// time must match too.
+type Record struct {
+	Kind      string `json:"kind"`
+	Pid       int    `json:"pid"`
+	StartTime uint64 `json:"startTime"` // clock ticks after boot, /proc/<pid>/stat field 22
+	// ConfigHash identifies the configuration the VMM was started with.
+	ConfigHash string `json:"configHash"`
+}
+
+// WriteRecord writes r into dir atomically.
+func WriteRecord(dir string, r *Record) error {
+	data, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, RecordFile+".tmp")
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return fmt.Errorf("writing the VMM record: %w", err)
+	}
+	return os.Rename(tmp, filepath.Join(dir, RecordFile))
+}
+
+// ReadRecord reads the record in a VM's state directory.
+func ReadRecord(dir string) (*Record, error) {
+	data, err := os.ReadFile(filepath.Join(dir, RecordFile))
+	if err != nil {
+		return nil, err
+	}
+	var r Record
+	if err := json.Unmarshal(data, &r); err != nil {
+		return nil, fmt.Errorf("parsing the VMM record in %s: %w", dir, err)
+	}
+	return &r, nil
+}
+
+// Alive reports whether the recorded process still runs: same pid, same start time.
+func (r *Record) Alive() bool {
+	st, err := StartTime(r.Pid)
+	return err == nil && st == r.StartTime
+}
+
+// StartTime returns a process's start time in clock ticks after boot.
+func StartTime(pid int) (uint64, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) may hold spaces and parentheses: count from its last ')'.
+	s := string(data)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
+	}
+	fields := strings.Fields(s[i+1:])
+	if len(fields) < 20 {
+		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
+	}
+	// fields[0] is field 3 (state); field 22 (starttime) is fields[19].
+	return strconv.ParseUint(fields[19], 10, 64)
+}
