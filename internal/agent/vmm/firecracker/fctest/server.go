@@ -1,0 +1,279 @@
+package fctest
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+)
+
+// Config is the VM configuration the double has accepted: what a real Firecracker would run.
+type Config struct {
+	MachineConfig map[string]any            `json:"machine-config,omitempty"`
+	BootSource    map[string]any            `json:"boot-source,omitempty"`
+	Drives        map[string]map[string]any `json:"drives,omitempty"`
+	NetIfaces     map[string]map[string]any `json:"network-interfaces,omitempty"`
+	Vsock         map[string]any            `json:"vsock,omitempty"`
+	Logger        map[string]any            `json:"logger,omitempty"`
+	Metrics       map[string]any            `json:"metrics,omitempty"`
+}
+
+// Server is the double. Its exported state is read under Lock.
+type Server struct {
+	api *API
+	sync.Mutex
+	Config  Config
+	Started bool
+	Paused  bool
+	// CtrlAltDel counts SendCtrlAltDel actions; OnCtrlAltDel runs on each (a fake VMM exits).
+	CtrlAltDel   int
+	OnCtrlAltDel func()
+	// Refused records each refused request and why.
+	Refused []string
+	ln      net.Listener
+}
+
+// Serve starts a double listening on the unix socket path.
+func Serve(path string) (*Server, error) {
+	api, err := Extract()
+	if err != nil {
+		return nil, err
+	}
+	_ = os.Remove(path)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{api: api, ln: ln}
+	go func() { _ = http.Serve(ln, s) }()
+	return s, nil
+}
+
+// Close stops the double.
+func (s *Server) Close() error { return s.ln.Close() }
+
+type fault struct {
+	code int
+	msg  string
+}
+
+func (f *fault) Error() string { return f.msg }
+
+func badRequest(format string, args ...any) error {
+	return &fault{http.StatusBadRequest, fmt.Sprintf(format, args...)}
+}
+
+// route finds the definition path of a request path ("/drives/rw" → "/drives/{drive_id}").
+func (s *Server) route(p string) (pattern, id string) {
+	for pat := range s.api.Paths {
+		if i := strings.Index(pat, "{"); i > 0 {
+			if rest, ok := strings.CutPrefix(p, pat[:i]); ok && rest != "" && !strings.Contains(rest, "/") {
+				return pat, rest
+			}
+		} else if pat == p {
+			return pat, ""
+		}
+	}
+	return "", ""
+}
+
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	s.Lock()
+	defer s.Unlock()
+	out, err := s.handle(r.Method, r.URL.Path, body)
+	if err != nil {
+		var f *fault
+		code := http.StatusInternalServerError
+		if errors.As(err, &f) {
+			code = f.code
+		}
+		s.Refused = append(s.Refused, fmt.Sprintf("%s %s: %v", r.Method, r.URL.Path, err))
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(code)
+		_ = json.NewEncoder(w).Encode(map[string]string{"fault_message": err.Error()})
+		return
+	}
+	if out == nil {
+		w.WriteHeader(http.StatusNoContent)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(out)
+}
+
+func (s *Server) handle(method, path string, body []byte) (any, error) {
+	pattern, id := s.route(path)
+	methods, ok := s.api.Paths[pattern]
+	if !ok {
+		return nil, &fault{http.StatusNotFound, "Invalid request method and/or path: " + method + " " + path}
+	}
+	def, ok := methods[strings.ToLower(method)]
+	if !ok {
+		return nil, &fault{http.StatusBadRequest, "Invalid request method and/or path: " + method + " " + path}
+	}
+	var obj map[string]any
+	if def != "" {
+		if err := s.api.Validate(def, body); err != nil {
+			return nil, badRequest("An error occurred when deserializing the json body of a request: %v", err)
+		}
+		_ = json.Unmarshal(body, &obj)
+	}
+	preBoot := func() error {
+		if s.Started {
+			return badRequest("The requested operation is not supported after starting the microVM.")
+		}
+		return nil
+	}
+	postBoot := func() error {
+		if !s.Started {
+			return badRequest("The requested operation is not supported before starting the microVM.")
+		}
+		return nil
+	}
+	c := &s.Config
+	switch method + " " + pattern {
+	case "GET /":
+		state := "Not started"
+		switch {
+		case s.Started && s.Paused:
+			state = "Paused"
+		case s.Started:
+			state = "Running"
+		}
+		return map[string]any{"id": "anonymous-instance", "state": state, "vmm_version": s.api.Version, "app_name": "Firecracker"}, nil
+	case "GET /version":
+		return map[string]any{"firecracker_version": s.api.Version}, nil
+	case "GET /vm/config":
+		return s.Config, nil
+	case "GET /machine-config":
+		return c.MachineConfig, nil
+	case "PUT /machine-config":
+		if err := preBoot(); err != nil {
+			return nil, err
+		}
+		if n := obj["vcpu_count"].(float64); n != 1 && int(n)%2 != 0 {
+			return nil, badRequest("Invalid machine configuration: the vCPU number is invalid! The vCPU number can only be 1 or an even number when SMT is enabled.")
+		}
+		c.MachineConfig = obj
+	case "PUT /boot-source":
+		if err := preBoot(); err != nil {
+			return nil, err
+		}
+		c.BootSource = obj
+	case "PUT /drives/{drive_id}":
+		if err := preBoot(); err != nil {
+			return nil, err
+		}
+		if obj["drive_id"] != id {
+			return nil, badRequest("The id from the path [%s] does not match the id from the body [%v]!", id, obj["drive_id"])
+		}
+		if c.Drives == nil {
+			c.Drives = map[string]map[string]any{}
+		}
+		c.Drives[id] = obj
+	case "PATCH /drives/{drive_id}":
+		if err := postBoot(); err != nil {
+			return nil, err
+		}
+		d, ok := c.Drives[id]
+		if !ok {
+			return nil, badRequest("Drive %s not found", id)
+		}
+		for k, v := range obj {
+			d[k] = v
+		}
+	case "PUT /network-interfaces/{iface_id}":
+		if err := preBoot(); err != nil {
+			return nil, err
+		}
+		if obj["iface_id"] != id {
+			return nil, badRequest("The id from the path [%s] does not match the id from the body [%v]!", id, obj["iface_id"])
+		}
+		if c.NetIfaces == nil {
+			c.NetIfaces = map[string]map[string]any{}
+		}
+		c.NetIfaces[id] = obj
+	case "PUT /vsock":
+		if err := preBoot(); err != nil {
+			return nil, err
+		}
+		c.Vsock = obj
+	case "PUT /logger":
+		c.Logger = obj
+	case "PUT /metrics":
+		if c.Metrics != nil {
+			return nil, badRequest("Reinitialization of metrics not allowed.")
+		}
+		c.Metrics = obj
+	case "PUT /actions":
+		switch obj["action_type"] {
+		case "InstanceStart":
+			if err := preBoot(); err != nil {
+				return nil, err
+			}
+			if c.BootSource == nil {
+				return nil, badRequest("Cannot start microvm without kernel configuration.")
+			}
+			if c.MachineConfig == nil {
+				c.MachineConfig = map[string]any{"vcpu_count": 1.0, "mem_size_mib": 128.0}
+			}
+			s.Started = true
+		case "SendCtrlAltDel":
+			if err := postBoot(); err != nil {
+				return nil, err
+			}
+			s.CtrlAltDel++
+			if s.OnCtrlAltDel != nil {
+				go s.OnCtrlAltDel()
+			}
+		}
+	case "PATCH /vm":
+		if err := postBoot(); err != nil {
+			return nil, err
+		}
+		s.Paused = obj["state"] == "Paused"
+	case "PUT /snapshot/create":
+		if err := postBoot(); err != nil {
+			return nil, err
+		}
+		if !s.Paused {
+			return nil, badRequest("Cannot create a snapshot of a running microVM: pause it first.")
+		}
+		state, _ := json.Marshal(s.Config)
+		if err := os.WriteFile(obj["snapshot_path"].(string), state, 0o600); err != nil {
+			return nil, badRequest("Cannot write the snapshot: %v", err)
+		}
+		if err := os.WriteFile(obj["mem_file_path"].(string), []byte("guest memory"), 0o600); err != nil {
+			return nil, badRequest("Cannot write the memory file: %v", err)
+		}
+	case "PUT /snapshot/load":
+		if s.Started || c.MachineConfig != nil || c.BootSource != nil || len(c.Drives) > 0 || len(c.NetIfaces) > 0 || c.Vsock != nil {
+			return nil, badRequest("Loading a microVM snapshot not allowed after configuring boot-specific resources.")
+		}
+		_, hasFile := obj["mem_file_path"]
+		_, hasBackend := obj["mem_backend"]
+		if hasFile == hasBackend {
+			return nil, badRequest("Exactly one of mem_file_path and mem_backend must be given.")
+		}
+		state, err := os.ReadFile(obj["snapshot_path"].(string))
+		if err != nil {
+			return nil, badRequest("Cannot open the snapshot file: %v", err)
+		}
+		logger, metrics := c.Logger, c.Metrics
+		if err := json.Unmarshal(state, c); err != nil {
+			return nil, badRequest("Cannot deserialize the microVM state: %v", err)
+		}
+		c.Logger, c.Metrics = logger, metrics
+		s.Started = true
+		s.Paused = obj["resume_vm"] != true
+	default:
+		return nil, badRequest("the double does not serve %s %s", method, pattern)
+	}
+	return nil, nil
+}
