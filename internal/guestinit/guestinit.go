@@ -65,6 +65,11 @@ type Request struct {
 // TokenParam is the kernel command line parameter carrying the VM's channel token.
 const TokenParam = "imp.token"
 
+// ChannelParam selects the guest channel's transport: absent, the virtio-serial port named
+// ChannelName (QEMU); "vsock:<port>", a vsock connection to the host (CID 2) on that port
+// (Firecracker, which forwards it to the host socket <uds_path>_<port>).
+const ChannelParam = "imp.channel"
+
 // Net is the guest's network as the agent passes it on the kernel command line:
 //
 //	imp.net=<address>/<bits>,<gateway>,<mtu>,<mac>  imp.dns=<server>,...[;<search>,...]

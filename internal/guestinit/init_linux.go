@@ -62,6 +62,8 @@ func run() (int, error) {
 			return -1, fmt.Errorf("mounting %s: %w", m.dst, err)
 		}
 	}
+	// Ctrl-Alt-Del sends PID 1 SIGINT instead of rebooting at once.
+	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_CAD_OFF)
 	cmdline, _ := os.ReadFile("/proc/cmdline")
 	params := strings.Fields(string(cmdline))
 	if err := loadModules(params); err != nil {
@@ -69,7 +71,7 @@ func run() (int, error) {
 	}
 
 	var err error
-	ch, err = openChannel(param(params, TokenParam))
+	ch, err = openChannel(param(params, TokenParam), param(params, ChannelParam))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init: no guest channel:", err)
 	}
@@ -257,6 +259,11 @@ func runWorkload(cfg Config) (int, error) {
 	pid := cmd.Process.Pid
 	go func() {
 		for s := range sigs {
+			if s == unix.SIGINT {
+				// Ctrl-Alt-Del (Firecracker's SendCtrlAltDel; see run) asks the VM to stop:
+				// the workload gets what a container's gets, SIGTERM.
+				s = unix.SIGTERM
+			}
 			_ = unix.Kill(pid, s.(unix.Signal))
 		}
 	}()
@@ -373,7 +380,10 @@ type channel struct {
 }
 
 // openChannel opens the virtio-serial port named ChannelName.
-func openChannel(token string) (*channel, error) {
+func openChannel(token, transport string) (*channel, error) {
+	if port, ok := strings.CutPrefix(transport, "vsock:"); ok {
+		return openVsockChannel(token, port)
+	}
 	var names []string
 	for i := 0; i < 50; i++ {
 		names, _ = filepath.Glob("/sys/class/virtio-ports/*/name")
@@ -436,4 +446,29 @@ func (c *channel) serve(pid int) {
 			}
 		}
 	}()
+}
+
+// openVsockChannel connects to the host (CID 2) on port over vsock, retrying while the
+// transport comes up.
+func openVsockChannel(token, port string) (*channel, error) {
+	p, err := strconv.ParseUint(port, 10, 32)
+	if err != nil {
+		return nil, fmt.Errorf("%s=vsock:%q: %w", ChannelParam, port, err)
+	}
+	var last error
+	for i := 0; i < 250; i++ {
+		fd, err := unix.Socket(unix.AF_VSOCK, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			last = err
+		} else if err = unix.Connect(fd, &unix.SockaddrVM{CID: unix.VMADDR_CID_HOST, Port: uint32(p)}); err != nil {
+			unix.Close(fd)
+			last = err
+		} else {
+			c := &channel{f: os.NewFile(uintptr(fd), "vsock"), token: token}
+			c.send(Message{Event: "hello", Token: token})
+			return c, nil
+		}
+		time.Sleep(40 * time.Millisecond)
+	}
+	return nil, fmt.Errorf("connecting to the host over vsock port %d: %w", p, last)
 }

@@ -24,6 +24,9 @@ var Modules = []string{
 	"kernel/drivers/net/net_failover.ko",
 	"kernel/drivers/net/virtio_net.ko",
 	"kernel/fs/overlayfs/overlay.ko",
+	"kernel/net/vmw_vsock/vsock.ko", // the guest channel under Firecracker
+	"kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko",
+	"kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko",
 }
 
 // ModuleDir is where the initramfs holds the modules; imp-init loads them in the order of

@@ -5,6 +5,7 @@ package vmm
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -75,4 +76,18 @@ func StartTime(pid int) (uint64, error) {
 	}
 	// fields[0] is field 3 (state); field 22 (starttime) is fields[19].
 	return strconv.ParseUint(fields[19], 10, 64)
+}
+
+// DialUnix connects to the unix socket at path. A path too long for a socket address (108
+// bytes) is reached through its directory's descriptor in /proc/self/fd.
+func DialUnix(path string) (net.Conn, error) {
+	if len(path) < 100 {
+		return net.Dial("unix", path)
+	}
+	d, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path)))
 }

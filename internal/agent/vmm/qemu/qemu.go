@@ -145,22 +145,7 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 }
 
 // DialChannel connects to the guest channel of the VM in dir.
-func DialChannel(dir string) (net.Conn, error) { return dialState(dir, ChannelSock) }
-
-// dialState connects to the unix socket sock of the state directory dir. A path too long for
-// a unix socket address is reached through /proc/self/fd.
-func dialState(dir, sock string) (net.Conn, error) {
-	p := filepath.Join(dir, sock)
-	if len(p) < 100 {
-		return net.Dial("unix", p)
-	}
-	d, err := os.Open(dir)
-	if err != nil {
-		return nil, err
-	}
-	defer d.Close()
-	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), sock))
-}
+func DialChannel(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, ChannelSock)) }
 
 // CapConsole keeps the VM's console log under max bytes: past it, the log keeps its newest
 // half. QEMU appends (append=on), so its writes land after the cut.

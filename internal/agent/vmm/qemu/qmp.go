@@ -5,7 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
+	"path/filepath"
 	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 )
 
 // QMP is a connection to a VM's QEMU Machine Protocol socket.
@@ -16,7 +19,7 @@ type QMP struct {
 
 // DialQMP connects to the QMP socket of the VM in dir and negotiates capabilities.
 func DialQMP(dir string, timeout time.Duration) (*QMP, error) {
-	conn, err := dialState(dir, QMPSock)
+	conn, err := vmm.DialUnix(filepath.Join(dir, QMPSock))
 	if err != nil {
 		return nil, fmt.Errorf("connecting to QMP: %w", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 )
@@ -38,14 +39,24 @@ type Server struct {
 	ln      net.Listener
 }
 
-// Serve starts a double listening on the unix socket path.
+// Serve starts a double listening on the unix socket path (a long path is bound relative to
+// its directory, as a jailed Firecracker binds its short one).
 func Serve(path string) (*Server, error) {
 	api, err := Extract()
 	if err != nil {
 		return nil, err
 	}
 	_ = os.Remove(path)
-	ln, err := net.Listen("unix", path)
+	addr := path
+	if len(path) >= 100 {
+		d, err := os.Open(filepath.Dir(path))
+		if err != nil {
+			return nil, err
+		}
+		defer d.Close()
+		addr = fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path))
+	}
+	ln, err := net.Listen("unix", addr)
 	if err != nil {
 		return nil, err
 	}

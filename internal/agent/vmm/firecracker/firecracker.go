@@ -1,0 +1,336 @@
+// Package firecracker is IMP's Firecracker driver: the VMM runs under Firecracker's jailer
+// (own uid and gid, a chroot holding only the VM's kernel, initramfs and disks, cgroup limits,
+// the node's or a given network namespace, daemonized so it outlives the agent) and is
+// configured over its API socket. Disks, initramfs, imp-init, network and records are the same
+// as the qemu driver's; the guest channel is vsock instead of virtio-serial.
+package firecracker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// Paths inside the jail, as the jailed Firecracker sees them.
+const (
+	jailKernel    = "/boot/vmlinuz"
+	jailInitramfs = "/boot/initramfs.cpio.gz"
+	jailBaseDisk  = "/disks/base.ext4"
+	jailRWDisk    = "/disks/rw.ext4"
+	jailAPISock   = "/run/firecracker.socket"
+	jailVsock     = "/run/vsock.sock"
+	jailLog       = "/logs/firecracker.log"
+	jailMetrics   = "/logs/metrics.json"
+	// GuestCID is the guest's vsock context id (every VM has its own vsock device).
+	GuestCID = 3
+	// ChannelPort is the vsock port imp-init connects to; Firecracker forwards the guest's
+	// connections to the host socket <uds_path>_<port> in the jail.
+	ChannelPort = 1024
+)
+
+// Spec is one VM as Firecracker runs it.
+type Spec struct {
+	// ID names the jail (jailer --id): the VM's UID.
+	ID string
+	// Dir is the VM's state directory on the host (record, jailer output).
+	Dir string
+	// Firecracker and Jailer are the binaries.
+	Firecracker, Jailer string
+	// UID and GID the VMM runs as, one pair per VM from the node's range.
+	UID, GID int
+	// ChrootBase is where jails are built (jailer --chroot-base-dir).
+	ChrootBase string
+	// NetNS, when set, is the network namespace (a path) the VMM joins.
+	NetNS string
+	// CgroupVersion is the host's cgroup version (1 or 2) for the VM's limits.
+	CgroupVersion int
+	// Host paths of what the VM boots.
+	Kernel, Initramfs, BaseDisk, WritableDisk string
+	VCPUs                                     int
+	MemoryMiB                                 int64
+	// Token authenticates the guest channel.
+	Token string
+	// Tap is the VM's tap (host_dev_name) and Net the guest's network, when it has one.
+	Tap string
+	Net *guestinit.Net
+	// DiskRate limits the writable disk, when set.
+	DiskRate *RateLimiter
+}
+
+// ChrootDir is the jail's root: <chroot base>/<firecracker binary name>/<id>/root.
+func (s Spec) ChrootDir() string {
+	return filepath.Join(s.ChrootBase, filepath.Base(s.Firecracker), s.ID, "root")
+}
+
+// APISocket is the API socket's host path.
+func (s Spec) APISocket() string { return filepath.Join(s.ChrootDir(), jailAPISock) }
+
+// MemoryLimit is the VMM's cgroup memory limit: the guest's memory and 64 MiB for the VMM.
+func (s Spec) MemoryLimit() int64 { return (s.MemoryMiB + 64) << 20 }
+
+// JailerArgs is the jailer's command line for s.
+func (s Spec) JailerArgs() []string {
+	args := []string{
+		"--id", s.ID,
+		"--exec-file", s.Firecracker,
+		"--uid", strconv.Itoa(s.UID), "--gid", strconv.Itoa(s.GID),
+		"--chroot-base-dir", s.ChrootBase,
+	}
+	period := 100000
+	quota := s.VCPUs * period
+	if s.CgroupVersion == 1 {
+		args = append(args, "--cgroup-version", "1",
+			"--cgroup", fmt.Sprintf("cpu.cfs_period_us=%d", period),
+			"--cgroup", fmt.Sprintf("cpu.cfs_quota_us=%d", quota),
+			"--cgroup", fmt.Sprintf("memory.limit_in_bytes=%d", s.MemoryLimit()))
+	} else {
+		args = append(args, "--cgroup-version", "2",
+			"--cgroup", fmt.Sprintf("cpu.max=%d %d", quota, period),
+			"--cgroup", fmt.Sprintf("memory.max=%d", s.MemoryLimit()))
+	}
+	args = append(args, "--parent-cgroup", "imp")
+	if s.NetNS != "" {
+		args = append(args, "--netns", s.NetNS)
+	}
+	return append(args, "--daemonize", "--", "--api-sock", jailAPISock)
+}
+
+// BootArgs is the guest kernel's command line.
+func (s Spec) BootArgs() string {
+	p := []string{"console=ttyS0", "reboot=k", "panic=1", "pci=off", "quiet",
+		guestinit.TokenParam + "=" + s.Token, guestinit.ChannelParam + "=vsock:" + strconv.Itoa(ChannelPort)}
+	if s.Net != nil {
+		p = append(p, s.Net.Params()...)
+	}
+	return strings.Join(p, " ")
+}
+
+// PrepareChroot builds the jail: the kernel and initramfs under /boot, the disks under
+// /disks, an empty /run for the sockets and /logs for the VMM's log and metrics — hard links
+// where the file system allows, copies otherwise. The root, /run, /logs and the writable disk
+// belong to the VM's uid; the shared kernel, initramfs and base disk stay root's and
+// read-only. Nothing else of the host is in the jail.
+func PrepareChroot(s Spec) error {
+	root := s.ChrootDir()
+	if err := os.MkdirAll(root, 0o750); err != nil {
+		return fmt.Errorf("creating the jail: %w", err)
+	}
+	for _, d := range []string{"boot", "disks", "run", "logs"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o750); err != nil {
+			return err
+		}
+	}
+	for _, f := range []struct {
+		src, dst string
+		owned    bool // the VM's own file: chowned to its uid
+	}{
+		{s.Kernel, jailKernel, false}, {s.Initramfs, jailInitramfs, false},
+		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true},
+	} {
+		dst := filepath.Join(root, f.dst)
+		if _, err := os.Stat(dst); err != nil {
+			if err := linkOrCopy(f.src, dst); err != nil {
+				return fmt.Errorf("putting %s in the jail: %w", f.src, err)
+			}
+		}
+		if f.owned {
+			if err := os.Chown(dst, s.UID, s.GID); err != nil {
+				return err
+			}
+		}
+	}
+	for _, f := range []string{jailLog, jailMetrics} {
+		p := filepath.Join(root, f)
+		if err := os.WriteFile(p, nil, 0o640); err != nil {
+			return err
+		}
+		if err := os.Chown(p, s.UID, s.GID); err != nil {
+			return err
+		}
+	}
+	for _, d := range []string{"", "boot", "disks", "run", "logs"} {
+		if err := os.Chown(filepath.Join(root, d), s.UID, s.GID); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func linkOrCopy(src, dst string) error {
+	if err := os.Link(src, dst); err == nil {
+		return nil
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	fi, err := in.Stat()
+	if err != nil {
+		return err
+	}
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, fi.Mode().Perm())
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
+}
+
+// Start builds the jail, launches the jailer detached from the caller (own session; the
+// jailer daemonizes and execs Firecracker in the same process), configures the VM over the
+// API and starts it. It writes and returns the VM's record.
+func Start(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) {
+	if err := PrepareChroot(s); err != nil {
+		return nil, err
+	}
+	_ = os.Remove(s.APISocket())
+	logf, err := os.OpenFile(filepath.Join(s.Dir, "jailer.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	cmd := exec.Command(s.Jailer, s.JailerArgs()...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting the jailer: %w", err)
+	}
+	go func() { _ = cmd.Wait() }()
+	st, err := vmm.StartTime(cmd.Process.Pid)
+	if err != nil {
+		_ = cmd.Process.Kill()
+		return nil, err
+	}
+	rec := &vmm.Record{Kind: "firecracker", Pid: cmd.Process.Pid, StartTime: st, ConfigHash: configHash}
+	fail := func(err error) (*vmm.Record, error) {
+		_ = cmd.Process.Kill()
+		return nil, err
+	}
+	if err := waitForSocket(ctx, s.APISocket(), rec, 10*time.Second); err != nil {
+		return fail(err)
+	}
+	if err := Configure(ctx, NewClient(s.APISocket()), s); err != nil {
+		return fail(err)
+	}
+	if err := vmm.WriteRecord(s.Dir, rec); err != nil {
+		return fail(err)
+	}
+	return rec, nil
+}
+
+func waitForSocket(ctx context.Context, path string, rec *vmm.Record, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return nil
+		}
+		if !rec.Alive() {
+			return errors.New("the jailer exited before Firecracker's API socket appeared (see jailer.log)")
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("no API socket at %s after %v", path, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Configure configures a fresh Firecracker for s and starts the VM: logger and metrics,
+// machine, boot source, drives, network interface, vsock, InstanceStart.
+func Configure(ctx context.Context, c *Client, s Spec) error {
+	steps := []struct {
+		method, path string
+		body         any
+	}{
+		{"PUT", "/logger", Logger{LogPath: jailLog, Level: "Info"}},
+		{"PUT", "/metrics", Metrics{MetricsPath: jailMetrics}},
+		{"PUT", "/machine-config", MachineConfig{VCPUCount: s.VCPUs, MemSizeMiB: s.MemoryMiB}},
+		{"PUT", "/boot-source", BootSource{KernelImagePath: jailKernel, InitrdPath: jailInitramfs, BootArgs: s.BootArgs()}},
+		{"PUT", "/drives/base", Drive{DriveID: "base", PathOnHost: jailBaseDisk, IsReadOnly: true}},
+		{"PUT", "/drives/rw", Drive{DriveID: "rw", PathOnHost: jailRWDisk, RateLimiter: s.DiskRate}},
+	}
+	if s.Tap != "" && s.Net != nil {
+		steps = append(steps, struct {
+			method, path string
+			body         any
+		}{"PUT", "/network-interfaces/eth0", NetworkInterface{IfaceID: "eth0", HostDevName: s.Tap, GuestMAC: s.Net.MAC, MTU: s.Net.MTU}})
+	}
+	steps = append(steps,
+		struct {
+			method, path string
+			body         any
+		}{"PUT", "/vsock", Vsock{GuestCID: GuestCID, UDSPath: jailVsock}},
+		struct {
+			method, path string
+			body         any
+		}{"PUT", "/actions", Action{ActionType: "InstanceStart"}},
+	)
+	for _, st := range steps {
+		if err := c.Do(ctx, st.method, st.path, st.body, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Stop asks the guest to stop (Ctrl-Alt-Del: imp-init sends the workload SIGTERM), waits
+// grace, then kills the VMM.
+func Stop(ctx context.Context, c *Client, rec *vmm.Record, grace time.Duration) error {
+	if err := c.Do(ctx, "PUT", "/actions", Action{ActionType: "SendCtrlAltDel"}, nil); err != nil && rec.Alive() {
+		err = fmt.Errorf("asking the guest to stop: %w", err)
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		return err
+	}
+	for deadline := time.Now().Add(grace); rec.Alive() && time.Now().Before(deadline); {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if rec.Alive() {
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		for i := 0; i < 50 && rec.Alive(); i++ {
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+// Pause pauses the VM's vCPUs.
+func Pause(ctx context.Context, c *Client) error {
+	return c.Do(ctx, "PATCH", "/vm", VMState{State: "Paused"}, nil)
+}
+
+// Resume resumes a paused VM.
+func Resume(ctx context.Context, c *Client) error {
+	return c.Do(ctx, "PATCH", "/vm", VMState{State: "Resumed"}, nil)
+}
+
+// CreateSnapshot writes a paused VM's state and memory to files (jail paths).
+func CreateSnapshot(ctx context.Context, c *Client, statePath, memPath string) error {
+	return c.Do(ctx, "PUT", "/snapshot/create", SnapshotCreate{SnapshotType: "Full", SnapshotPath: statePath, MemFilePath: memPath}, nil)
+}
+
+// LoadSnapshot restores a VM into a fresh Firecracker from its state and memory files (jail
+// paths), resuming it when resume is set.
+func LoadSnapshot(ctx context.Context, c *Client, statePath, memPath string, resume bool) error {
+	return c.Do(ctx, "PUT", "/snapshot/load", SnapshotLoad{SnapshotPath: statePath,
+		MemBackend: &MemoryBackend{BackendType: "File", BackendPath: memPath}, ResumeVM: resume}, nil)
+}
+
+// Info returns the instance's state ("Not started", "Running", "Paused").
+func Info(ctx context.Context, c *Client) (*InstanceInfo, error) {
+	var info InstanceInfo
+	return &info, c.Do(ctx, "GET", "/", nil, &info)
+}

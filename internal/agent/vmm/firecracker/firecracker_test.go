@@ -1,0 +1,377 @@
+package firecracker_test
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// TestMain lets the test binary stand in for the jailer (IMP_FAKE_JAILER=1): like the real
+// one it checks its arguments, finds the jail, and — as the Firecracker it would exec —
+// serves the strict API double on the jail's API socket, exiting on Ctrl-Alt-Del unless
+// IMP_FAKE_JAILER_IGNORE_CAD is set.
+func TestMain(m *testing.M) {
+	if os.Getenv("IMP_FAKE_JAILER") == "1" {
+		os.Exit(fakeJailer(os.Args[1:]))
+	}
+	os.Exit(m.Run())
+}
+
+func fakeJailer(args []string) int {
+	fs := flag.NewFlagSet("jailer", flag.ContinueOnError)
+	id := fs.String("id", "", "")
+	exec := fs.String("exec-file", "", "")
+	base := fs.String("chroot-base-dir", "/srv/jailer", "")
+	fs.Int("uid", -1, "")
+	fs.Int("gid", -1, "")
+	fs.String("cgroup-version", "1", "")
+	fs.String("parent-cgroup", "", "")
+	fs.String("netns", "", "")
+	fs.Bool("daemonize", false, "")
+	fs.Func("cgroup", "", func(string) error { return nil })
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	rest := fs.Args()
+	if *id == "" || *exec == "" || len(rest) != 2 || rest[0] != "--api-sock" {
+		fmt.Fprintln(os.Stderr, "fake jailer: bad arguments", args)
+		return 2
+	}
+	root := filepath.Join(*base, filepath.Base(*exec), *id, "root")
+	srv, err := fctest.Serve(filepath.Join(root, rest[1]))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fake jailer:", err)
+		return 1
+	}
+	done := make(chan struct{})
+	if os.Getenv("IMP_FAKE_JAILER_IGNORE_CAD") == "" {
+		srv.OnCtrlAltDel = func() { close(done) }
+	}
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM)
+	select {
+	case <-done:
+	case <-sigs:
+	}
+	return 0
+}
+
+func spec(t *testing.T) firecracker.Spec {
+	t.Helper()
+	dir := t.TempDir()
+	for _, f := range []string{"vmlinuz", "initramfs.cpio.gz", "base.ext4", "rw.ext4"} {
+		if err := os.WriteFile(filepath.Join(dir, f), []byte(f), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = os.Chmod(filepath.Join(dir, "base.ext4"), 0o444)
+	vmDir := filepath.Join(dir, "vm")
+	_ = os.Mkdir(vmDir, 0o700)
+	return firecracker.Spec{
+		ID: "5f1c0a44-0d7e-4d3e-9a8e-2f6b1c9d0e11", Dir: vmDir,
+		Firecracker: "/usr/local/bin/firecracker", Jailer: "/usr/local/bin/jailer",
+		UID: 31001, GID: 31001, ChrootBase: filepath.Join(dir, "jail"), CgroupVersion: 2,
+		Kernel: filepath.Join(dir, "vmlinuz"), Initramfs: filepath.Join(dir, "initramfs.cpio.gz"),
+		BaseDisk: filepath.Join(dir, "base.ext4"), WritableDisk: filepath.Join(dir, "rw.ext4"),
+		VCPUs: 2, MemoryMiB: 256, Token: "t0k", Tap: "impt0123456789",
+		Net: &guestinit.Net{Address: netip.MustParsePrefix("10.1.0.5/24"), Gateway: netip.MustParseAddr("10.1.0.1"), MTU: 1450, MAC: "0a:58:0a:01:00:05"},
+	}
+}
+
+func TestJailerArgs(t *testing.T) {
+	s := spec(t)
+	s.NetNS = "/var/run/netns/node"
+	want := []string{
+		"--id", s.ID, "--exec-file", "/usr/local/bin/firecracker", "--uid", "31001", "--gid", "31001",
+		"--chroot-base-dir", s.ChrootBase, "--cgroup-version", "2",
+		"--cgroup", "cpu.max=200000 100000", "--cgroup", fmt.Sprintf("memory.max=%d", (256+64)<<20),
+		"--parent-cgroup", "imp", "--netns", "/var/run/netns/node", "--daemonize", "--", "--api-sock", "/run/firecracker.socket",
+	}
+	if got := s.JailerArgs(); !slices.Equal(got, want) {
+		t.Errorf("jailer args\n got %q\nwant %q", got, want)
+	}
+	s.CgroupVersion, s.NetNS = 1, ""
+	got := strings.Join(s.JailerArgs(), " ")
+	for _, w := range []string{"--cgroup-version 1", "--cgroup cpu.cfs_quota_us=200000", "--cgroup memory.limit_in_bytes=335544320"} {
+		if !strings.Contains(got, w) || strings.Contains(got, "--netns") {
+			t.Errorf("cgroup v1 args lack %q or keep --netns: %s", w, got)
+		}
+	}
+	if root := s.ChrootDir(); root != filepath.Join(s.ChrootBase, "firecracker", s.ID, "root") {
+		t.Errorf("chroot %s", root)
+	}
+}
+
+// TestChrootLayout: the jail holds exactly the VM's kernel, initramfs, disks, /run and /logs;
+// the VM's own files belong to its uid, the shared ones stay root's and read-only.
+func TestChrootLayout(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("chown needs root")
+	}
+	s := spec(t)
+	if err := firecracker.PrepareChroot(s); err != nil {
+		t.Fatal(err)
+	}
+	root := s.ChrootDir()
+	owner := map[string]string{}
+	err := filepath.Walk(root, func(p string, fi os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		st := fi.Sys().(*syscall.Stat_t)
+		owner[rel] = fmt.Sprintf("%d %v", st.Uid, fi.Mode().Perm())
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for n := range owner {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/rw.ext4", "logs", "logs/firecracker.log", "logs/metrics.json", "run"}
+	if !slices.Equal(names, want) {
+		t.Fatalf("jail holds %q, want %q", names, want)
+	}
+	for n, o := range map[string]string{".": "31001 -rwxr-x---", "disks/rw.ext4": "31001 -rw-r--r--", "run": "31001 -rwxr-x---",
+		"disks/base.ext4": "0 -r--r--r--", "boot/vmlinuz": "0 -rw-r--r--", "logs/firecracker.log": "31001 -rw-r-----"} {
+		if owner[n] != o {
+			t.Errorf("%s: %s, want %s", n, owner[n], o)
+		}
+	}
+	// The base disk in the jail is the shared file itself (a hard link), not a copy.
+	a, _ := os.Stat(s.BaseDisk)
+	b, _ := os.Stat(filepath.Join(root, "disks/base.ext4"))
+	if !os.SameFile(a, b) {
+		t.Error("the base disk was copied into the jail")
+	}
+	if err := firecracker.PrepareChroot(s); err != nil {
+		t.Errorf("preparing the jail again: %v", err)
+	}
+}
+
+// serve starts the double for a test on a socket of its own.
+func serve(t *testing.T) (*fctest.Server, *firecracker.Client) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "fc.sock")
+	srv, err := fctest.Serve(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return srv, firecracker.NewClient(sock)
+}
+
+// TestConfigure asserts the VM the double ends up with, not the calls that made it.
+func TestConfigure(t *testing.T) {
+	srv, c := serve(t)
+	s := spec(t)
+	s.DiskRate = &firecracker.RateLimiter{Bandwidth: &firecracker.TokenBucket{Size: 50 << 20, RefillTime: 1000}}
+	ctx := context.Background()
+	if err := firecracker.Configure(ctx, c, s); err != nil {
+		t.Fatal(err)
+	}
+	srv.Lock()
+	defer srv.Unlock()
+	cfg := srv.Config
+	if !srv.Started || srv.Paused {
+		t.Errorf("started %v paused %v", srv.Started, srv.Paused)
+	}
+	check := func(what string, got, want any) {
+		t.Helper()
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("%s = %v, want %v", what, got, want)
+		}
+	}
+	check("vcpus", cfg.MachineConfig["vcpu_count"], 2)
+	check("memory", cfg.MachineConfig["mem_size_mib"], 256)
+	check("kernel", cfg.BootSource["kernel_image_path"], "/boot/vmlinuz")
+	check("initrd", cfg.BootSource["initrd_path"], "/boot/initramfs.cpio.gz")
+	args := cfg.BootSource["boot_args"].(string)
+	for _, w := range []string{"imp.token=t0k", "imp.channel=vsock:1024", "imp.net=10.1.0.5/24,10.1.0.1,1450,0a:58:0a:01:00:05", "console=ttyS0"} {
+		if !strings.Contains(args, w) {
+			t.Errorf("boot args lack %q: %s", w, args)
+		}
+	}
+	check("base disk", fmt.Sprint(cfg.Drives["base"]["path_on_host"], " ro=", cfg.Drives["base"]["is_read_only"], " root=", cfg.Drives["base"]["is_root_device"]), "/disks/base.ext4 ro=true root=false")
+	check("rw disk", fmt.Sprint(cfg.Drives["rw"]["path_on_host"], " ro=", cfg.Drives["rw"]["is_read_only"]), "/disks/rw.ext4 ro=false")
+	check("rw disk rate", cfg.Drives["rw"]["rate_limiter"], map[string]any{"bandwidth": map[string]any{"size": 52428800.0, "refill_time": 1000.0}})
+	check("nic", fmt.Sprint(cfg.NetIfaces["eth0"]["host_dev_name"], " ", cfg.NetIfaces["eth0"]["guest_mac"], " ", cfg.NetIfaces["eth0"]["mtu"]), "impt0123456789 0a:58:0a:01:00:05 1450")
+	check("vsock", fmt.Sprint(cfg.Vsock["guest_cid"], " ", cfg.Vsock["uds_path"]), "3 /run/vsock.sock")
+	check("logger", cfg.Logger["log_path"], "/logs/firecracker.log")
+	check("metrics", cfg.Metrics["metrics_path"], "/logs/metrics.json")
+	if len(srv.Refused) > 0 {
+		t.Errorf("refused: %v", srv.Refused)
+	}
+}
+
+// TestRefusals: the double refuses what Firecracker refuses, and the driver reports the fault.
+func TestRefusals(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name  string
+		setup func(c *firecracker.Client) error
+		call  func(c *firecracker.Client) error
+		want  string
+	}{
+		{"configuration after InstanceStart", func(c *firecracker.Client) error { return firecracker.Configure(ctx, c, spec(t)) },
+			func(c *firecracker.Client) error {
+				return c.Do(ctx, "PUT", "/machine-config", firecracker.MachineConfig{VCPUCount: 4, MemSizeMiB: 512}, nil)
+			}, "not supported after starting the microVM"},
+		{"snapshot without pause", func(c *firecracker.Client) error { return firecracker.Configure(ctx, c, spec(t)) },
+			func(c *firecracker.Client) error { return firecracker.CreateSnapshot(ctx, c, "/s", "/m") }, "pause it first"},
+		{"pause before start", nil, func(c *firecracker.Client) error { return firecracker.Pause(ctx, c) }, "not supported before starting"},
+		{"snapshot load after configuration", func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/machine-config", firecracker.MachineConfig{VCPUCount: 1, MemSizeMiB: 128}, nil)
+		}, func(c *firecracker.Client) error { return firecracker.LoadSnapshot(ctx, c, "/s", "/m", true) }, "not allowed after configuring"},
+		{"unknown field", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/machine-config", map[string]any{"vcpu_count": 1, "mem_size_mib": 128, "ht_enabled": true}, nil)
+		}, `unknown field "ht_enabled"`},
+		{"missing required field", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/drives/rw", map[string]any{"drive_id": "rw", "path_on_host": "/d"}, nil)
+		}, `missing required field "is_root_device"`},
+		{"wrong type", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/machine-config", map[string]any{"vcpu_count": "2", "mem_size_mib": 128}, nil)
+		}, `field "vcpu_count": string, want integer`},
+		{"bad enum", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PATCH", "/vm", map[string]any{"state": "Sleeping"}, nil)
+		}, `"Sleeping" is not one of`},
+		{"start without a kernel", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/actions", firecracker.Action{ActionType: "InstanceStart"}, nil)
+		}, "without kernel configuration"},
+		{"odd vCPUs", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/machine-config", firecracker.MachineConfig{VCPUCount: 3, MemSizeMiB: 128}, nil)
+		}, "vCPU number is invalid"},
+		{"drive id differs from the path", nil, func(c *firecracker.Client) error {
+			return c.Do(ctx, "PUT", "/drives/rw", firecracker.Drive{DriveID: "base", PathOnHost: "/d"}, nil)
+		}, "does not match the id from the body"},
+		{"unknown path", nil, func(c *firecracker.Client) error { return c.Do(ctx, "PUT", "/balloon", map[string]any{}, nil) }, "Invalid request"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, c := serve(t)
+			if tc.setup != nil {
+				if err := tc.setup(c); err != nil {
+					t.Fatal(err)
+				}
+			}
+			err := tc.call(c)
+			var apiErr *firecracker.APIError
+			if !errors.As(err, &apiErr) || apiErr.Status != 400 && apiErr.Status != 404 || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("got %v, want a refusal containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestPauseSnapshotLoad: a paused VM's snapshot restores the same VM into a fresh Firecracker.
+func TestPauseSnapshotLoad(t *testing.T) {
+	ctx := context.Background()
+	srv, c := serve(t)
+	if err := firecracker.Configure(ctx, c, spec(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := firecracker.Pause(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	if info, err := firecracker.Info(ctx, c); err != nil || info.State != "Paused" {
+		t.Fatalf("info %+v, %v", info, err)
+	}
+	dir := t.TempDir()
+	state, mem := filepath.Join(dir, "state"), filepath.Join(dir, "mem")
+	if err := firecracker.CreateSnapshot(ctx, c, state, mem); err != nil {
+		t.Fatal(err)
+	}
+	if err := firecracker.Resume(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	if info, _ := firecracker.Info(ctx, c); info.State != "Running" {
+		t.Errorf("after resume: %s", info.State)
+	}
+
+	fresh, c2 := serve(t)
+	if err := firecracker.LoadSnapshot(ctx, c2, state, mem, true); err != nil {
+		t.Fatal(err)
+	}
+	srv.Lock()
+	fresh.Lock()
+	defer srv.Unlock()
+	defer fresh.Unlock()
+	if fmt.Sprint(fresh.Config.Drives, fresh.Config.NetIfaces, fresh.Config.MachineConfig) != fmt.Sprint(srv.Config.Drives, srv.Config.NetIfaces, srv.Config.MachineConfig) {
+		t.Errorf("restored VM differs:\n%v\n%v", fresh.Config, srv.Config)
+	}
+	if !fresh.Started || fresh.Paused {
+		t.Errorf("restored started %v paused %v, want running", fresh.Started, fresh.Paused)
+	}
+}
+
+// TestStartStopReattach runs the driver against the fake jailer process: the VMM is detached
+// and recorded; a "restarted agent" finds it by its record and talks to it; a graceful stop
+// ends it; a VMM ignoring Ctrl-Alt-Del is killed after the grace period.
+func TestStartStopReattach(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the jail is chowned to the VM's uid")
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("IMP_FAKE_JAILER", "1")
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name      string
+		ignoreCAD bool
+	}{{"graceful", false}, {"forced", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.ignoreCAD {
+				t.Setenv("IMP_FAKE_JAILER_IGNORE_CAD", "1")
+			}
+			s := spec(t)
+			s.Jailer = self
+			rec, err := firecracker.Start(ctx, s, "cfg1")
+			if err != nil {
+				log, _ := os.ReadFile(filepath.Join(s.Dir, "jailer.log"))
+				t.Fatalf("%v\n%s", err, log)
+			}
+			t.Cleanup(func() { _ = syscall.Kill(rec.Pid, syscall.SIGKILL) })
+
+			// A restarted agent: the record, then the API.
+			again, err := vmm.ReadRecord(s.Dir)
+			if err != nil || *again != *rec || !again.Alive() || again.Kind != "firecracker" {
+				t.Fatalf("record %+v, %v; want %+v alive", again, err, rec)
+			}
+			c := firecracker.NewClient(s.APISocket())
+			if info, err := firecracker.Info(ctx, c); err != nil || info.State != "Running" {
+				t.Fatalf("re-attached: %+v, %v", info, err)
+			}
+			start := time.Now()
+			if err := firecracker.Stop(ctx, c, again, 2*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			took := time.Since(start)
+			if again.Alive() {
+				t.Fatal("the VMM still runs after Stop")
+			}
+			if tc.ignoreCAD && took < 2*time.Second || !tc.ignoreCAD && took > time.Second {
+				t.Errorf("stop took %v (ignoring Ctrl-Alt-Del: %v)", took, tc.ignoreCAD)
+			}
+		})
+	}
+}
