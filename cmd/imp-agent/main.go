@@ -93,7 +93,7 @@ func run() error {
 	fs.StringVar(&pre.Firecracker, "firecracker", "/usr/local/bin/firecracker", "the firecracker binary")
 	fs.StringVar(&pre.Jailer, "jailer", "/usr/local/bin/jailer", "the jailer binary")
 	for _, name := range []string{"kernel", "initramfs", "firecracker", "jailer"} {
-		fs.StringVar(pins[name], "pin-"+name, "", "sha256 the "+name+" must have (empty: not pinned); the agent refuses to start on a mismatch")
+		fs.StringVar(pins[name], "pin-"+name, "", "sha256 the "+name+" must have (empty: not pinned); a VM does not start on a mismatch")
 	}
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
@@ -111,12 +111,7 @@ func run() error {
 		pre.QEMU = "qemu-system-x86_64"
 		return runPreflightMode(pre)
 	}
-	if len(pre.Pins) > 0 {
-		// Only the pins at start: the full preflight is the chart's hook.
-		if _, err := preflight.Run(context.Background(), preflight.Config{KVMDevice: pre.KVMDevice, Pins: pre.Pins}); err != nil {
-			return err
-		}
-	}
+	opts.Pins, opts.KVMDevice, opts.Firecracker, opts.Jailer = pre.Pins, pre.KVMDevice, pre.Firecracker, pre.Jailer
 	log, err := logOpts.Logger()
 	if err != nil {
 		return err

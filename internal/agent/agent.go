@@ -40,6 +40,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
@@ -92,6 +93,11 @@ type Options struct {
 	VXLANPort int
 	// MTU of the VMs' interfaces (hostnet.DefaultMTU when 0).
 	MTU int
+	// Pins are files (kernel, initramfs, firecracker, jailer) and the sha256 each must have; a
+	// VM does not start while one differs.
+	Pins []preflight.Pin
+	// KVMDevice, Firecracker and Jailer are probed for the node's VMM capabilities.
+	KVMDevice, Firecracker, Jailer string
 }
 
 // Agent runs the VMs of one node.
@@ -277,6 +283,12 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		now := metav1.Now()
 		failed.State, failed.Reason, failed.Message, failed.FinishedAt = impv1.RuntimeExited, reason, err.Error(), &now
 		return a.report(ctx, vm, failed)
+	}
+	// Provenance first: nothing of the VM is made while a pinned artifact differs.
+	for _, p := range a.Opts.Pins {
+		if err := p.Verify(); err != nil {
+			return fail("PinMismatch", fmt.Errorf("pinned %s: %w", p.Name, err))
+		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fail("StartFailed", fmt.Errorf("creating %s: %w", dir, err))

@@ -29,6 +29,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
@@ -126,7 +127,7 @@ type world struct {
 	stateDir string
 }
 
-func newWorld(t *testing.T) *world {
+func newWorld(t *testing.T, opts ...func(*agent.Options)) *world {
 	c := testcluster.Require(t, shared)
 	ns := c.Namespace(t)
 	w := &world{c: c, ns: ns, node: "imp-e2e-" + ns[len(ns)-5:]}
@@ -138,7 +139,11 @@ func newWorld(t *testing.T) *world {
 	nodeWithOperator(t, c, w.node)
 
 	w.stateDir = filepath.Join(tmp, "state")
-	startAgent(t, c, agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd})
+	o := agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd}
+	for _, f := range opts {
+		f(&o)
+	}
+	startAgent(t, c, o)
 	return w
 }
 
@@ -434,4 +439,45 @@ func TestSharedBaseDiskAndRefusedImage(t *testing.T) {
 	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
 		t.Errorf("the image wrote outside its root: %v", entries)
 	}
+}
+
+// TestPinMismatchBlocksTheVM: a pinned artifact that differs stops the VM before anything of it
+// is made, with the reason in its status and an Event.
+func TestPinMismatchBlocksTheVM(t *testing.T) {
+	const pinned = "0000000000000000000000000000000000000000000000000000000000000000"
+	var kernel string
+	w := newWorld(t, func(o *agent.Options) {
+		kernel = o.Kernel
+		o.Pins = []preflight.Pin{{Name: "kernel", Path: o.Kernel, SHA256: pinned}}
+	})
+	ctx := context.Background()
+	vm := w.vm("pinned", "exit")
+	if err := w.c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	g.Eventually(func() string {
+		v := w.get("pinned")
+		if v == nil || v.Status.Runtime == nil {
+			return ""
+		}
+		return v.Status.Runtime.Reason + ": " + v.Status.Runtime.Message
+	}).WithTimeout(time.Minute).Should(And(HavePrefix("PinMismatch: pinned kernel: "+kernel+" has sha256 "), HaveSuffix(", pinned "+pinned)))
+	v := w.get("pinned")
+	if _, err := os.Stat(filepath.Join(w.stateDir, "vms", string(v.UID), "rw.ext4")); !os.IsNotExist(err) {
+		t.Errorf("the VM's disk was made despite the mismatch: %v", err)
+	}
+	if recs, _ := filepath.Glob(filepath.Join(w.stateDir, "vms", "*", vmm.RecordFile)); len(recs) > 0 {
+		t.Errorf("a VMM was started: %v", recs)
+	}
+	g.Eventually(func() bool {
+		var events corev1.EventList
+		_ = w.c.Client.List(ctx, &events, client.InNamespace(w.ns))
+		for _, e := range events.Items {
+			if e.Reason == "PinMismatch" && e.InvolvedObject.Name == "pinned" {
+				return true
+			}
+		}
+		return false
+	}).WithTimeout(30 * time.Second).Should(BeTrue())
 }

@@ -45,6 +45,18 @@ type Pin struct {
 	Name, Path, SHA256 string
 }
 
+// Verify returns nil when the file has the pinned sha256, else why not.
+func (p Pin) Verify() error {
+	sum, err := fileSHA256(p.Path)
+	if err != nil {
+		return err
+	}
+	if !strings.EqualFold(sum, strings.TrimPrefix(p.SHA256, "sha256:")) {
+		return fmt.Errorf("%s has sha256 %s, pinned %s", p.Path, sum, p.SHA256)
+	}
+	return nil
+}
+
 // Check is the outcome of one check.
 type Check struct {
 	Name   string
@@ -71,7 +83,7 @@ func Run(ctx context.Context, cfg Config) ([]Check, error) {
 		if b.path == "" {
 			continue
 		}
-		v, err := firecrackerVersion(ctx, b.path)
+		v, err := FirecrackerVersion(ctx, b.path)
 		switch {
 		case errors.Is(err, os.ErrNotExist):
 			add(Check{Name: b.name, Fatal: pinned[b.path], Detail: b.path + " is not installed (VMs use QEMU on this node)"})
@@ -91,13 +103,9 @@ func Run(ctx context.Context, cfg Config) ([]Check, error) {
 		}
 	}
 	for _, p := range cfg.Pins {
-		sum, err := fileSHA256(p.Path)
-		switch {
-		case err != nil:
+		if err := p.Verify(); err != nil {
 			add(Check{Name: "pin " + p.Name, Fatal: true, Detail: err.Error()})
-		case !strings.EqualFold(sum, strings.TrimPrefix(p.SHA256, "sha256:")):
-			add(Check{Name: "pin " + p.Name, Fatal: true, Detail: fmt.Sprintf("%s has sha256 %s, pinned %s", p.Path, sum, p.SHA256)})
-		default:
+		} else {
 			add(Check{Name: "pin " + p.Name, OK: true, Detail: fmt.Sprintf("%s matches its pin", p.Path)})
 		}
 	}
@@ -129,9 +137,9 @@ func Report(w io.Writer, checks []Check) {
 
 var versionRE = regexp.MustCompile(`v?(\d+)\.(\d+)\.(\d+)`)
 
-// firecrackerVersion runs a Firecracker or jailer binary with --version and parses what it
+// FirecrackerVersion runs a Firecracker or jailer binary with --version and parses what it
 // prints ("Firecracker v1.16.1", "Jailer v1.16.1").
-func firecrackerVersion(ctx context.Context, path string) (string, error) {
+func FirecrackerVersion(ctx context.Context, path string) (string, error) {
 	if _, err := os.Stat(path); err != nil {
 		return "", err
 	}
