@@ -38,6 +38,10 @@ func Run() {
 		}
 	}
 	fmt.Fprintf(os.Stderr, "imp-init: workload exited with code %d; powering off\n", code)
+	if ch != nil && ch.vsock {
+		// Firecracker has no power-off: it exits on the reset of a reboot (reboot=k).
+		_ = unix.Reboot(unix.LINUX_REBOOT_CMD_RESTART)
+	}
 	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
 	select {} // the kernel takes it from here
 }
@@ -375,8 +379,13 @@ func lookup(file, name string, id int) []string {
 // channel is the guest end of the guest channel.
 type channel struct {
 	mu    sync.Mutex
-	f     *os.File
+	f     io.ReadWriter // the virtio-serial port, or the newest vsock connection (nil before one)
 	token string
+	// vsock: the host connects (and reconnects, after an agent restart); every message sent
+	// is replayed to each new connection.
+	vsock   bool
+	history [][]byte
+	pid     int // the workload, once serving
 }
 
 // openChannel opens the virtio-serial port named ChannelName.
@@ -409,9 +418,15 @@ func (c *channel) send(m Message) {
 		return
 	}
 	line, _ := json.Marshal(m)
+	line = append(line, '\n')
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	_, _ = c.f.Write(append(line, '\n'))
+	if c.vsock {
+		c.history = append(c.history, line)
+	}
+	if c.f != nil {
+		_, _ = c.f.Write(line)
+	}
 }
 
 // fail reports a start failure and returns the exit code the VM ends with.
@@ -420,55 +435,93 @@ func (c *channel) fail(err error) (int, error) {
 	return 127, err
 }
 
-// serve answers the agent's requests.
+// serve answers the agent's requests for the workload pid.
 func (c *channel) serve(pid int) {
 	if c == nil {
 		return
 	}
-	go func() {
-		r := bufio.NewReader(c.f)
-		for {
-			line, err := r.ReadBytes('\n')
-			if len(line) > 0 {
-				var req Request
-				if json.Unmarshal(line, &req) == nil && req.Token == c.token && c.token != "" {
-					if req.Op == "stop" {
-						_ = unix.Kill(pid, unix.SIGTERM)
-					}
-				}
-			}
-			if err != nil {
-				if errors.Is(err, io.EOF) {
-					time.Sleep(100 * time.Millisecond) // no host end yet
-					continue
-				}
-				return
-			}
-		}
-	}()
+	c.mu.Lock()
+	c.pid = pid
+	f := c.f
+	c.mu.Unlock()
+	if !c.vsock {
+		go c.read(f, true)
+	} // vsock: each connection is read from its accept
 }
 
-// openVsockChannel connects to the host (CID 2) on port over vsock, retrying while the
-// transport comes up.
+// read answers the requests arriving on r. waitEOF: the port has no host end yet; retry.
+func (c *channel) read(r io.Reader, waitEOF bool) {
+	br := bufio.NewReader(r)
+	for {
+		line, err := br.ReadBytes('\n')
+		if len(line) > 0 {
+			var req Request
+			if json.Unmarshal(line, &req) == nil && req.Token == c.token && c.token != "" && req.Op == "stop" {
+				c.mu.Lock()
+				pid := c.pid
+				c.mu.Unlock()
+				if pid > 0 {
+					_ = unix.Kill(pid, unix.SIGTERM)
+				}
+			}
+		}
+		if err != nil {
+			if waitEOF && errors.Is(err, io.EOF) {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			return
+		}
+	}
+}
+
+// openVsockChannel listens on vsock port for the host: Firecracker forwards a host connection
+// to its vsock socket ("CONNECT <port>") here. Each connection, first or after an agent
+// restart, gets every message sent so far, then the new ones.
 func openVsockChannel(token, port string) (*channel, error) {
 	p, err := strconv.ParseUint(port, 10, 32)
 	if err != nil {
 		return nil, fmt.Errorf("%s=vsock:%q: %w", ChannelParam, port, err)
 	}
-	var last error
-	for i := 0; i < 250; i++ {
-		fd, err := unix.Socket(unix.AF_VSOCK, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			last = err
-		} else if err = unix.Connect(fd, &unix.SockaddrVM{CID: unix.VMADDR_CID_HOST, Port: uint32(p)}); err != nil {
+	var fd int
+	for i := 0; ; i++ { // the transport module may still be binding
+		if fd, err = unix.Socket(unix.AF_VSOCK, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0); err == nil {
+			if err = unix.Bind(fd, &unix.SockaddrVM{CID: unix.VMADDR_CID_ANY, Port: uint32(p)}); err == nil {
+				err = unix.Listen(fd, 4)
+			}
+			if err == nil {
+				break
+			}
 			unix.Close(fd)
-			last = err
-		} else {
-			c := &channel{f: os.NewFile(uintptr(fd), "vsock"), token: token}
-			c.send(Message{Event: "hello", Token: token})
-			return c, nil
 		}
-		time.Sleep(40 * time.Millisecond)
+		if i == 100 {
+			return nil, fmt.Errorf("listening on vsock port %d: %w", p, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
-	return nil, fmt.Errorf("connecting to the host over vsock port %d: %w", p, last)
+	c := &channel{token: token, vsock: true}
+	go func() {
+		for {
+			nfd, _, err := unix.Accept(fd)
+			if err != nil {
+				if errors.Is(err, unix.EINTR) {
+					continue
+				}
+				return
+			}
+			conn := os.NewFile(uintptr(nfd), "vsock")
+			c.mu.Lock()
+			if old, ok := c.f.(io.Closer); ok {
+				old.Close()
+			}
+			c.f = conn
+			for _, line := range c.history {
+				_, _ = conn.Write(line)
+			}
+			c.mu.Unlock()
+			go c.read(conn, false)
+		}
+	}()
+	c.send(Message{Event: "hello", Token: token})
+	return c, nil
 }

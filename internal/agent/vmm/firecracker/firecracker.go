@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -70,7 +71,7 @@ type Spec struct {
 
 // ChrootDir is the jail's root: <chroot base>/<firecracker binary name>/<id>/root.
 func (s Spec) ChrootDir() string {
-	return filepath.Join(s.ChrootBase, filepath.Base(s.Firecracker), s.ID, "root")
+	return filepath.Join(JailDir(s.ChrootBase, s.Firecracker, s.ID), "root")
 }
 
 // APISocket is the API socket's host path.
@@ -109,6 +110,7 @@ func (s Spec) JailerArgs() []string {
 // BootArgs is the guest kernel's command line.
 func (s Spec) BootArgs() string {
 	p := []string{"console=ttyS0", "reboot=k", "panic=1", "pci=off", "quiet",
+		"i8042.noaux", "i8042.nomux", "i8042.nopnp", "i8042.dumbkbd", // Ctrl-Alt-Del without probing delays
 		guestinit.TokenParam + "=" + s.Token, guestinit.ChannelParam + "=vsock:" + strconv.Itoa(ChannelPort)}
 	if s.Net != nil {
 		p = append(p, s.Net.Params()...)
@@ -333,4 +335,43 @@ func LoadSnapshot(ctx context.Context, c *Client, statePath, memPath string, res
 func Info(ctx context.Context, c *Client) (*InstanceInfo, error) {
 	var info InstanceInfo
 	return &info, c.Do(ctx, "GET", "/", nil, &info)
+}
+
+// DialChannel connects to the guest channel of the VM jailed at root: a host-initiated vsock
+// connection through Firecracker's vsock socket ("CONNECT <port>", answered "OK <port>").
+func DialChannel(root string) (net.Conn, error) {
+	conn, err := vmm.DialUnix(filepath.Join(root, jailVsock))
+	if err != nil {
+		return nil, err
+	}
+	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := fmt.Fprintf(conn, "CONNECT %d\n", ChannelPort); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	// The acknowledgement, byte by byte: what follows it is the guest's.
+	var line []byte
+	b := make([]byte, 1)
+	for len(line) < 64 {
+		if _, err := conn.Read(b); err != nil {
+			conn.Close()
+			return nil, fmt.Errorf("vsock CONNECT %d: %w", ChannelPort, err)
+		}
+		if b[0] == '\n' {
+			break
+		}
+		line = append(line, b[0])
+	}
+	if !strings.HasPrefix(string(line), "OK ") {
+		conn.Close()
+		return nil, fmt.Errorf("vsock CONNECT %d: %q", ChannelPort, line)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	return conn, nil
+}
+
+// JailDir is the directory the jailer makes for the VM id under base (its root's parent),
+// which the agent removes with the VM.
+func JailDir(base, firecrackerBin, id string) string {
+	return filepath.Join(base, filepath.Base(firecrackerBin), id)
 }

@@ -2,12 +2,11 @@ package firecracker_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"net/netip"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -22,54 +21,13 @@ import (
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
-// TestMain lets the test binary stand in for the jailer (IMP_FAKE_JAILER=1): like the real
-// one it checks its arguments, finds the jail, and — as the Firecracker it would exec —
-// serves the strict API double on the jail's API socket, exiting on Ctrl-Alt-Del unless
-// IMP_FAKE_JAILER_IGNORE_CAD is set.
+// TestMain lets the test binary stand in for the jailer (IMP_FAKE_JAILER=1): see
+// fctest.FakeJailer.
 func TestMain(m *testing.M) {
 	if os.Getenv("IMP_FAKE_JAILER") == "1" {
-		os.Exit(fakeJailer(os.Args[1:]))
+		os.Exit(fctest.FakeJailer(os.Args[1:]))
 	}
 	os.Exit(m.Run())
-}
-
-func fakeJailer(args []string) int {
-	fs := flag.NewFlagSet("jailer", flag.ContinueOnError)
-	id := fs.String("id", "", "")
-	exec := fs.String("exec-file", "", "")
-	base := fs.String("chroot-base-dir", "/srv/jailer", "")
-	fs.Int("uid", -1, "")
-	fs.Int("gid", -1, "")
-	fs.String("cgroup-version", "1", "")
-	fs.String("parent-cgroup", "", "")
-	fs.String("netns", "", "")
-	fs.Bool("daemonize", false, "")
-	fs.Func("cgroup", "", func(string) error { return nil })
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	rest := fs.Args()
-	if *id == "" || *exec == "" || len(rest) != 2 || rest[0] != "--api-sock" {
-		fmt.Fprintln(os.Stderr, "fake jailer: bad arguments", args)
-		return 2
-	}
-	root := filepath.Join(*base, filepath.Base(*exec), *id, "root")
-	srv, err := fctest.Serve(filepath.Join(root, rest[1]))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "fake jailer:", err)
-		return 1
-	}
-	done := make(chan struct{})
-	if os.Getenv("IMP_FAKE_JAILER_IGNORE_CAD") == "" {
-		srv.OnCtrlAltDel = func() { close(done) }
-	}
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM)
-	select {
-	case <-done:
-	case <-sigs:
-	}
-	return 0
 }
 
 func spec(t *testing.T) firecracker.Spec {
@@ -361,6 +319,17 @@ func TestStartStopReattach(t *testing.T) {
 			if info, err := firecracker.Info(ctx, c); err != nil || info.State != "Running" {
 				t.Fatalf("re-attached: %+v, %v", info, err)
 			}
+			// The guest channel over vsock, host-initiated: what imp-init sent so far.
+			conn, err := firecracker.DialChannel(s.ChrootDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			var hello, ready guestinit.Message
+			dec := json.NewDecoder(conn)
+			if err := errors.Join(dec.Decode(&hello), dec.Decode(&ready)); err != nil || hello.Event != "hello" || hello.Token != s.Token || ready.Event != "ready" {
+				t.Fatalf("guest channel: %+v %+v %v", hello, ready, err)
+			}
+			conn.Close()
 			start := time.Now()
 			if err := firecracker.Stop(ctx, c, again, 2*time.Second); err != nil {
 				t.Fatal(err)

@@ -34,6 +34,8 @@ type Server struct {
 	// CtrlAltDel counts SendCtrlAltDel actions; OnCtrlAltDel runs on each (a fake VMM exits).
 	CtrlAltDel   int
 	OnCtrlAltDel func()
+	// OnStart runs when the VM starts (InstanceStart), with its configuration.
+	OnStart func(Config)
 	// Refused records each refused request and why.
 	Refused []string
 	ln      net.Listener
@@ -46,17 +48,7 @@ func Serve(path string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	_ = os.Remove(path)
-	addr := path
-	if len(path) >= 100 {
-		d, err := os.Open(filepath.Dir(path))
-		if err != nil {
-			return nil, err
-		}
-		defer d.Close()
-		addr = fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path))
-	}
-	ln, err := net.Listen("unix", addr)
+	ln, err := listenLong(path)
 	if err != nil {
 		return nil, err
 	}
@@ -235,6 +227,9 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 				c.MachineConfig = map[string]any{"vcpu_count": 1.0, "mem_size_mib": 128.0}
 			}
 			s.Started = true
+			if s.OnStart != nil {
+				go s.OnStart(s.Config)
+			}
 		case "SendCtrlAltDel":
 			if err := postBoot(); err != nil {
 				return nil, err
@@ -287,4 +282,19 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		return nil, badRequest("the double does not serve %s %s", method, pattern)
 	}
 	return nil, nil
+}
+
+// listenLong listens on a unix socket path, binding a long one (over 100 bytes) relative to
+// its directory, as a jailed Firecracker binds its short one.
+func listenLong(path string) (net.Listener, error) {
+	_ = os.Remove(path)
+	if len(path) < 100 {
+		return net.Listen("unix", path)
+	}
+	d, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	return net.Listen("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path)))
 }
