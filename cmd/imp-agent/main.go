@@ -10,12 +10,14 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/api/resource"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -87,6 +89,18 @@ func run() error {
 	})
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint (0 disables it)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", ":8091", "address of the /healthz and /readyz endpoints")
+	fs.Func("vmms", "VMMs this node offers, best first, comma-separated (firecracker, qemu); default: what probing finds", func(v string) error {
+		for _, k := range strings.Split(v, ",") {
+			switch kind := impv1.VMMKind(strings.TrimSpace(k)); kind {
+			case impv1.VMMFirecracker, impv1.VMMQEMU:
+				opts.VMMs = append(opts.VMMs, kind)
+			default:
+				return fmt.Errorf("unknown VMM %q", k)
+			}
+		}
+		return nil
+	})
+	fs.IntVar(&opts.JailUIDBase, "jail-uid-base", 300000, "first of the 65536 uids (and gids) Firecracker VMs run as under the jailer, one per VM")
 	fs.BoolVar(&runPreflight, "preflight", false, "check this node (KVM, VMM binaries, pinned hashes), print the result and exit: non-zero with the reason when it cannot run IMP's VMs")
 	fs.BoolVar(&pre.RequireKVM, "require-kvm", true, "with --preflight: fail when /dev/kvm cannot run guests")
 	fs.StringVar(&pre.KVMDevice, "kvm-device", kvm.Device, "the KVM device")

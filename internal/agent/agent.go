@@ -40,6 +40,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
@@ -98,6 +99,10 @@ type Options struct {
 	Pins []preflight.Pin
 	// KVMDevice, Firecracker and Jailer are probed for the node's VMM capabilities.
 	KVMDevice, Firecracker, Jailer string
+	// VMMs, when set, are the VMMs the node offers, best first, instead of what probing finds.
+	VMMs []impv1.VMMKind
+	// JailUIDBase is the first of the 65536 uids Firecracker VMs run as (default 300000).
+	JailUIDBase int
 }
 
 // Agent runs the VMs of one node.
@@ -108,6 +113,7 @@ type Agent struct {
 	Opts      Options
 
 	images    *disk.BaseStore
+	vmms      []impv1.VMMCapability // what the node runs, best first
 	net       *hostnet.Host
 	networks  *networks
 	reportNow chan struct{}
@@ -136,6 +142,10 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if a.Opts.ReportInterval == 0 {
 		a.Opts.ReportInterval = 30 * time.Second
 	}
+	if a.Opts.KVMDevice == "" {
+		a.Opts.KVMDevice = kvm.Device
+	}
+	a.vmms = a.probeVMMs(context.Background())
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes}
 	a.monitors = map[types.UID]*monitor{}
 	a.reportNow = make(chan struct{}, 1)
@@ -178,6 +188,9 @@ type meta struct {
 	Started   time.Time `json:"started"`
 	// Digest is the image the VM's base disk was built from.
 	Digest string `json:"digest"`
+	// VMM runs the VM; JailUID is its uid under Firecracker's jailer.
+	VMM     impv1.VMMKind `json:"vmm,omitempty"`
+	JailUID int           `json:"jailUID,omitempty"`
 }
 
 func (a *Agent) vmDir(uid types.UID) string {
@@ -254,7 +267,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			now := metav1.Now()
 			ended.State, ended.FinishedAt, ended.GuestReady = impv1.RuntimeExited, &now, false
 			ended.Reason, ended.Message = "VMMExited", "the VMM exited while the agent was not watching"
-			if tail := qemu.LogTail(dir, 300); tail != "" {
+			if tail := a.logTail(dir, rec); tail != "" {
 				ended.Message += ": " + tail
 			}
 			return ctrl.Result{}, a.report(ctx, vm, ended)
@@ -336,13 +349,26 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("StartFailed", err)
 	}
 
-	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now(), Digest: digest.DigestStr()}
+	kind, err := a.chooseVMM(vm)
+	if err != nil {
+		return fail("VMMUnavailable", err)
+	}
+	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now(),
+		Digest: digest.DigestStr(), VMM: kind}
 	if old != nil && old.Token != "" {
 		m.Token = old.Token
 	} else {
 		m.Token = randomToken()
 	}
-	if err := writeMeta(dir, m); err != nil {
+	a.mu.Lock() // the jail uid is allocated and recorded at once
+	if kind == impv1.VMMFirecracker {
+		m.JailUID, err = a.allocJailUID(vm.UID)
+	}
+	if err == nil {
+		err = writeMeta(dir, m)
+	}
+	a.mu.Unlock()
+	if err != nil {
 		return fail("StartFailed", err)
 	}
 	tap, gnet, err := a.attach(ctx, vm)
@@ -352,10 +378,15 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if tap != nil {
 		defer tap.Close() // QEMU holds its own copy
 	}
-	spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
-		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-		CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet}
-	rec, err := qemu.Start(spec, digest.DigestStr())
+	var rec *vmm.Record
+	if kind == impv1.VMMFirecracker {
+		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, rw, res, tap, gnet, digest.DigestStr())
+	} else {
+		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
+			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
+			CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet}
+		rec, err = qemu.Start(spec, digest.DigestStr())
+	}
 	if err != nil {
 		return fail("StartFailed", err)
 	}
@@ -459,12 +490,10 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	if rec.Alive() {
-		if err := qemu.Quit(a.vmDir(vm.UID)); err != nil {
-			ctrl.LoggerFrom(ctx).Info("QMP quit failed; killing the VMM", "error", err.Error())
+		if err := a.quitVMM(ctx, vm.UID, rec); err != nil {
+			ctrl.LoggerFrom(ctx).Info("quitting the VMM failed; killing it", "error", err.Error())
 		}
-		for i := 0; i < 20 && rec.Alive(); i++ {
-			time.Sleep(100 * time.Millisecond)
-		}
+		waitGone(rec, 2*time.Second)
 	}
 	if rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
@@ -486,6 +515,9 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
 	a.removeCgroup(vm.UID)
 	if err := a.net.Detach(string(vm.UID)); err != nil {
 		return fmt.Errorf("removing the network attachment of %s: %w", vm.Name, err)
+	}
+	if err := a.removeJail(vm.UID); err != nil {
+		return fmt.Errorf("removing the jail of %s: %w", vm.Name, err)
 	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("removing the state of %s: %w", vm.Name, err)
@@ -558,6 +590,9 @@ func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
 	a.removeCgroup(m.UID)
 	if err := a.net.Detach(string(m.UID)); err != nil {
 		return fmt.Errorf("removing the network attachment of %s/%s: %w", m.Namespace, m.Name, err)
+	}
+	if err := a.removeJail(m.UID); err != nil {
+		return fmt.Errorf("removing the jail of %s/%s: %w", m.Namespace, m.Name, err)
 	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("removing the state of %s/%s: %w", m.Namespace, m.Name, err)

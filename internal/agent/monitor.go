@@ -83,7 +83,7 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 	go func() {
 		defer close(msgs)
 		for ctx.Err() == nil && rec.Alive() {
-			conn, err := qemu.DialChannel(dir)
+			conn, err := a.dialChannel(dir, rec)
 			if err != nil {
 				time.Sleep(100 * time.Millisecond)
 				continue
@@ -163,7 +163,7 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 				rt.Reason, rt.Message = "GuestError", exit.Message
 			default:
 				rt.Reason, rt.Message = "VMMExited", "the VMM exited without the guest reporting an exit"
-				if tail := qemu.LogTail(dir, 300); tail != "" {
+				if tail := a.logTail(dir, rec); tail != "" {
 					rt.Message += ": " + tail
 				}
 			}

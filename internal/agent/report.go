@@ -58,7 +58,7 @@ func (reporter) NeedLeaderElection() bool { return false }
 func (r reporter) Start(ctx context.Context) error {
 	kernel := artifact(r.a.Opts.Kernel)
 	initrd := artifact(r.a.Opts.Initramfs)
-	vmms := []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: r.a.Opts.Accel, Version: qemuVersion()}}
+	vmms := r.a.vmms
 	t := time.NewTicker(r.a.Opts.ReportInterval)
 	defer t.Stop()
 	for {

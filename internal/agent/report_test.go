@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"testing"
@@ -39,5 +40,23 @@ func TestCollectImages(t *testing.T) {
 	}
 	if len(removed) != 1 || removed[0] != "sha256-aaa.ext4" {
 		t.Errorf("removed %v, want only the old unused sha256-aaa.ext4 (bbb is in use, ccc is new)", removed)
+	}
+}
+
+// TestNoFirecrackerWithoutKVM: firecracker and its jailer installed at a supported version,
+// but no usable /dev/kvm: the node offers QEMU only.
+func TestNoFirecrackerWithoutKVM(t *testing.T) {
+	dir := t.TempDir()
+	for name, out := range map[string]string{"firecracker": "Firecracker v1.16.1", "jailer": "Jailer v1.16.1"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\necho '"+out+"'\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, dev := range []string{filepath.Join(dir, "kvm"), "/dev/null"} {
+		a := &Agent{Opts: Options{KVMDevice: dev, Firecracker: filepath.Join(dir, "firecracker"), Jailer: filepath.Join(dir, "jailer"), Accel: "tcg"}}
+		caps := a.probeVMMs(context.Background())
+		if len(caps) != 1 || caps[0].Kind != "qemu" || caps[0].Acceleration != "tcg" {
+			t.Errorf("KVM device %s: capabilities %+v, want qemu (tcg) only", dev, caps)
+		}
 	}
 }

@@ -81,3 +81,15 @@ func Of(pid int) ([]string, error) {
 	}
 	return strings.Split(strings.TrimSpace(string(data)), "\n"), nil
 }
+
+// Version is the cgroup version of the hierarchy mounted at root: 2 for the unified
+// hierarchy, else 1.
+func Version(root string) int {
+	if root == "" {
+		root = Root
+	}
+	if _, err := os.Stat(filepath.Join(root, "cgroup.controllers")); err == nil {
+		return 2
+	}
+	return 1
+}

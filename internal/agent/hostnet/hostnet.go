@@ -592,3 +592,20 @@ func (h *Host) syncForwarding() error {
 		return nil
 	})
 }
+
+// SetOwner lets uid open the tap that f is attached to (TUNSETOWNER): an unprivileged VMM,
+// such as a jailed Firecracker, opens the persistent tap by name.
+func SetOwner(f *os.File, uid int) error {
+	raw, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var ioErr error
+	if err := raw.Control(func(fd uintptr) { ioErr = unix.IoctlSetInt(int(fd), unix.TUNSETOWNER, uid) }); err != nil {
+		return err
+	}
+	if ioErr != nil {
+		return fmt.Errorf("giving the tap to uid %d: %w", uid, ioErr)
+	}
+	return nil
+}

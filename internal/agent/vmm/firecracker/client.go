@@ -123,6 +123,9 @@ type (
 	Metrics struct {
 		MetricsPath string `json:"metrics_path"`
 	}
+	Serial struct {
+		SerialOutPath string `json:"serial_out_path"`
+	}
 	Action struct {
 		ActionType string `json:"action_type"`
 	}

@@ -33,6 +33,7 @@ const (
 	jailVsock     = "/run/vsock.sock"
 	jailLog       = "/logs/firecracker.log"
 	jailMetrics   = "/logs/metrics.json"
+	jailConsole   = "/logs/console.log"
 	// GuestCID is the guest's vsock context id (every VM has its own vsock device).
 	GuestCID = 3
 	// ChannelPort is the vsock port imp-init connects to; Firecracker forwards the guest's
@@ -73,6 +74,9 @@ type Spec struct {
 func (s Spec) ChrootDir() string {
 	return filepath.Join(JailDir(s.ChrootBase, s.Firecracker, s.ID), "root")
 }
+
+// ConsoleLog is the host path of the VM's serial console output.
+func (s Spec) ConsoleLog() string { return filepath.Join(s.ChrootDir(), jailConsole) }
 
 // APISocket is the API socket's host path.
 func (s Spec) APISocket() string { return filepath.Join(s.ChrootDir(), jailAPISock) }
@@ -152,8 +156,11 @@ func PrepareChroot(s Spec) error {
 			}
 		}
 	}
-	for _, f := range []string{jailLog, jailMetrics} {
+	for _, f := range []string{jailLog, jailMetrics, jailConsole} {
 		p := filepath.Join(root, f)
+		if _, err := os.Stat(p); err == nil {
+			continue // kept across restarts of the VM: the console log above all
+		}
 		if err := os.WriteFile(p, nil, 0o640); err != nil {
 			return err
 		}
@@ -260,6 +267,7 @@ func Configure(ctx context.Context, c *Client, s Spec) error {
 	}{
 		{"PUT", "/logger", Logger{LogPath: jailLog, Level: "Info"}},
 		{"PUT", "/metrics", Metrics{MetricsPath: jailMetrics}},
+		{"PUT", "/serial", Serial{SerialOutPath: jailConsole}},
 		{"PUT", "/machine-config", MachineConfig{VCPUCount: s.VCPUs, MemSizeMiB: s.MemoryMiB}},
 		{"PUT", "/boot-source", BootSource{KernelImagePath: jailKernel, InitrdPath: jailInitramfs, BootArgs: s.BootArgs()}},
 		{"PUT", "/drives/base", Drive{DriveID: "base", PathOnHost: jailBaseDisk, IsReadOnly: true}},

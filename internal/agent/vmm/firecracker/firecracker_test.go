@@ -105,7 +105,7 @@ func TestChrootLayout(t *testing.T) {
 		names = append(names, n)
 	}
 	sort.Strings(names)
-	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/rw.ext4", "logs", "logs/firecracker.log", "logs/metrics.json", "run"}
+	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/rw.ext4", "logs", "logs/console.log", "logs/firecracker.log", "logs/metrics.json", "run"}
 	if !slices.Equal(names, want) {
 		t.Fatalf("jail holds %q, want %q", names, want)
 	}
@@ -176,6 +176,7 @@ func TestConfigure(t *testing.T) {
 	check("vsock", fmt.Sprint(cfg.Vsock["guest_cid"], " ", cfg.Vsock["uds_path"]), "3 /run/vsock.sock")
 	check("logger", cfg.Logger["log_path"], "/logs/firecracker.log")
 	check("metrics", cfg.Metrics["metrics_path"], "/logs/metrics.json")
+	check("console", cfg.Serial["serial_out_path"], "/logs/console.log")
 	if len(srv.Refused) > 0 {
 		t.Errorf("refused: %v", srv.Refused)
 	}

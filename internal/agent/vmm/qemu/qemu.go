@@ -172,23 +172,7 @@ func CapConsole(dir string, max int64) error {
 }
 
 // LogTail returns up to n bytes of the end of the VMM's own log, on one line.
-func LogTail(dir string, n int64) string {
-	f, err := os.Open(filepath.Join(dir, qemuLog))
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return ""
-	}
-	off := max(fi.Size()-n, 0)
-	buf := make([]byte, fi.Size()-off)
-	if _, err := f.ReadAt(buf, off); err != nil {
-		return ""
-	}
-	return strings.Join(strings.Fields(string(buf)), " ")
-}
+func LogTail(dir string, n int64) string { return vmm.Tail(filepath.Join(dir, qemuLog), n) }
 
 // Accel returns "kvm" when this host's KVM can run QEMU guests (kvm.Check), else "tcg".
 func Accel() string {

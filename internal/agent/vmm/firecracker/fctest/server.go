@@ -22,6 +22,7 @@ type Config struct {
 	Vsock         map[string]any            `json:"vsock,omitempty"`
 	Logger        map[string]any            `json:"logger,omitempty"`
 	Metrics       map[string]any            `json:"metrics,omitempty"`
+	Serial        map[string]any            `json:"serial,omitempty"`
 }
 
 // Server is the double. Its exported state is read under Lock.
@@ -207,6 +208,11 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			return nil, err
 		}
 		c.Vsock = obj
+	case "PUT /serial":
+		if err := preBoot(); err != nil {
+			return nil, err
+		}
+		c.Serial = obj
 	case "PUT /logger":
 		c.Logger = obj
 	case "PUT /metrics":

@@ -1,0 +1,102 @@
+package agent_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+)
+
+// TestFirecrackerVM runs a VM that asks for Firecracker on a node offering it, with a fake
+// jailer standing in for the jailer and Firecracker (this machine has no usable KVM; see
+// fctest.FakeJailer): the agent builds the jail, launches the jailer with the VM's uid and
+// limits, configures the VM over the API (the strict double), follows the guest channel over
+// vsock to Ready, and on deletion stops the VMM and removes the jail.
+func TestFirecrackerVM(t *testing.T) {
+	tmp := t.TempDir()
+	jailer := filepath.Join(tmp, "jailer")
+	if out, err := exec.Command("go", "build", "-o", jailer, "github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest/fakejailer").CombinedOutput(); err != nil {
+		t.Fatalf("building the fake jailer: %v\n%s", err, out)
+	}
+	w := newWorld(t, func(o *agent.Options) {
+		o.VMMs = []impv1.VMMKind{impv1.VMMFirecracker, impv1.VMMQEMU}
+		o.Firecracker, o.Jailer = "/usr/local/bin/firecracker", jailer
+	})
+	ctx := context.Background()
+	g := NewWithT(t)
+	// The node's report offers firecracker first.
+	g.Eventually(func() string {
+		var n impv1.ImpNode
+		if err := w.c.Client.Get(ctx, types.NamespacedName{Name: w.node}, &n); err != nil || len(n.Status.VMMs) == 0 {
+			return ""
+		}
+		return string(n.Status.VMMs[0].Kind)
+	}).WithTimeout(30 * time.Second).Should(Equal("firecracker"))
+
+	vm := w.vm("fc", "serve")
+	vm.Spec.VMM = impv1.VMMFirecracker
+	vm.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+	if err := w.c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("fc")
+		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(2*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string { return fmt.Sprintf("%+v", w.get("fc").Status) })
+
+	v := w.get("fc")
+	dir := filepath.Join(w.stateDir, "vms", string(v.UID))
+	rec, err := vmm.ReadRecord(dir)
+	if err != nil || rec.Kind != "firecracker" || !rec.Alive() {
+		t.Fatalf("record %+v, %v", rec, err)
+	}
+	var m struct {
+		VMM     string `json:"vmm"`
+		JailUID int    `json:"jailUID"`
+	}
+	data, _ := os.ReadFile(filepath.Join(dir, "meta.json"))
+	_ = json.Unmarshal(data, &m)
+	if m.VMM != "firecracker" || m.JailUID != 300000 {
+		t.Errorf("meta %s", data)
+	}
+	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(rec.Pid) + "/cmdline")
+	args := strings.ReplaceAll(string(cmdline), "\x00", " ")
+	for _, want := range []string{"--id " + string(v.UID), "--uid 300000 --gid 300000", "--chroot-base-dir " + filepath.Join(w.stateDir, "jail"), "--daemonize -- --api-sock /run/firecracker.socket"} {
+		if !strings.Contains(args, want) {
+			t.Errorf("jailer command line lacks %q: %s", want, args)
+		}
+	}
+	jail := filepath.Join(w.stateDir, "jail", "firecracker", string(v.UID))
+	st, err := os.Stat(filepath.Join(jail, "root", "disks", "rw.ext4"))
+	if err != nil || st.Sys().(*syscall.Stat_t).Uid != 300000 {
+		t.Errorf("the VM's disk in the jail: %v", err)
+	}
+
+	if err := w.c.Client.Delete(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() *impv1.ImpVM { return w.get("fc") }).WithTimeout(time.Minute).Should(BeNil())
+	if rec.Alive() {
+		t.Error("the VMM runs on after deletion")
+	}
+	if _, err := os.Stat(jail); !os.IsNotExist(err) {
+		t.Errorf("the jail remains: %v", err)
+	}
+}
+
