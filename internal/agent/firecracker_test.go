@@ -99,4 +99,3 @@ func TestFirecrackerVM(t *testing.T) {
 		t.Errorf("the jail remains: %v", err)
 	}
 }
-
