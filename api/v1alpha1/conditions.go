@@ -23,6 +23,13 @@ const (
 	ScheduledCondition = "Scheduled"
 	// ReadyCondition is True while the VM runs and its guest reports ready.
 	ReadyCondition = "Ready"
+	// SuspendedCondition is True while the VM is suspended; its reason says why
+	// (PressureLifecycle or User) and its message by whom or what.
+	SuspendedCondition = "Suspended"
+	// ReasonNotSuspended: the VM is not suspended.
+	ReasonNotSuspended = "NotSuspended"
+	// ReasonSuspending: the VM's state is being saved.
+	ReasonSuspending = "Suspending"
 )
 
 // Reasons of ScheduledCondition.

@@ -265,11 +265,12 @@ type ResolvedResources struct {
 	VMM VMMKind `json:"vmm,omitempty"`
 }
 
-// SuspensionStatus says why and since when a VM is suspended.
+// SuspensionStatus says that a VM is to be suspended (an ImpVMSuspension of its name exists),
+// why, and since when it is.
 type SuspensionStatus struct {
 	// reason is why the VM was suspended: PressureLifecycle or User.
 	Reason string `json:"reason"`
-	// since is when the VM was suspended.
+	// since is when the VM was suspended (its VMM gone); unset while suspending.
 	// +optional
 	Since *metav1.Time `json:"since,omitempty"`
 	// memoryReleased is the memory the node got back.
@@ -281,7 +282,7 @@ type SuspensionStatus struct {
 }
 
 // RuntimeState is what a node's agent observed of a VM's current run.
-// +kubebuilder:validation:Enum=Starting;Running;Exited;Stopped;Gone
+// +kubebuilder:validation:Enum=Starting;Running;Exited;Stopped;Gone;Suspending;Suspended
 type RuntimeState string
 
 const (
@@ -295,6 +296,14 @@ const (
 	RuntimeStopped RuntimeState = "Stopped"
 	// RuntimeGone: the VM is being deleted and the agent removed its VMM, disks and state.
 	RuntimeGone RuntimeState = "Gone"
+	// RuntimeResumedMessage is the message of the Running report of a run resumed from a
+	// suspension.
+	RuntimeResumedMessage = "resumed from suspension"
+	// RuntimeSuspending: the agent is saving the VM's memory and device state.
+	RuntimeSuspending RuntimeState = "Suspending"
+	// RuntimeSuspended: the VM's state is saved on the node and its VMM is gone; the run
+	// continues when it is resumed.
+	RuntimeSuspended RuntimeState = "Suspended"
 )
 
 // RuntimeStatus is what the agent of the VM's node observed. Only the agent writes it; the

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"time"
 
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
@@ -34,6 +35,8 @@ func run() error {
 		concurrency            int
 		vmOpts                 = impvm.DefaultOptions()
 		pressureLifecycle      bool
+		pressureSettle         time.Duration
+		pressureTimeout        time.Duration
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -45,6 +48,8 @@ func run() error {
 	fs.DurationVar(&vmOpts.RestartBackoffBase, "restart-backoff-base", vmOpts.RestartBackoffBase, "first delay before restarting a VM that exited; doubles per restart")
 	fs.DurationVar(&vmOpts.RestartBackoffMax, "restart-backoff-max", vmOpts.RestartBackoffMax, "longest delay before restarting a VM that exited")
 	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")
+	fs.DurationVar(&pressureSettle, "pressure-settle", 15*time.Second, "with --pressure-lifecycle: how long after a VM's memory is freed before the node's MemoryPressure is trusted again")
+	fs.DurationVar(&pressureTimeout, "pressure-timeout", 2*time.Minute, "with --pressure-lifecycle: how long a suspension may take before the next VM is considered")
 	fs.BoolVar(&pressureLifecycle, "pressure-lifecycle", false, "suspend resident ImpVMs, largest memory first, on nodes reporting MemoryPressure (chart value pressureLifecycle.enabled)")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
@@ -52,10 +57,6 @@ func run() error {
 		fs.PrintDefaults()
 	}
 	flag.Parse()
-	if pressureLifecycle {
-		// Refused rather than ignored: an operator who enabled it must not believe it is on.
-		return errors.New("--pressure-lifecycle: not available in this version of the operator; leave pressureLifecycle.enabled false")
-	}
 
 	log, err := logOpts.Logger()
 	if err != nil {
@@ -90,7 +91,8 @@ func run() error {
 		return fmt.Errorf("adding health checks: %w", err)
 	}
 	ctx := ctrl.SetupSignalHandler()
-	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency}); err != nil {
+	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency,
+		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout}); err != nil {
 		return err
 	}
 	log.Info("starting imp-operator")

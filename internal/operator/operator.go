@@ -1,11 +1,13 @@
 // Package operator assembles imp-operator's reconcilers on a controller-runtime manager: the
-// shared placement ledger and address allocator, and the ImpVM and ImpNetwork reconcilers.
+// shared placement ledger and address allocator, the ImpVM and ImpNetwork reconcilers, and the
+// pressure lifecycle when enabled.
 package operator
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -15,6 +17,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/pressure"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/placement"
 )
@@ -26,6 +29,10 @@ type Options struct {
 	Concurrency int
 	// Clock defaults to the real clock.
 	Clock clock.PassiveClock
+	// PressureLifecycle turns the pressure lifecycle on (chart value pressureLifecycle.enabled).
+	PressureLifecycle bool
+	// PressureSettle and PressureTimeout tune it (see pressure.Reconciler).
+	PressureSettle, PressureTimeout time.Duration
 }
 
 // Setup adds the operator's reconcilers to mgr.
@@ -59,6 +66,18 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := nets.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpNetwork reconciler: %w", err)
+	}
+	if o.PressureLifecycle {
+		if o.PressureSettle == 0 {
+			o.PressureSettle = 15 * time.Second
+		}
+		if o.PressureTimeout == 0 {
+			o.PressureTimeout = 2 * time.Minute
+		}
+		p := &pressure.Reconciler{Client: mgr.GetClient(), Recorder: recorder, Clock: o.Clock, Settle: o.PressureSettle, Timeout: o.PressureTimeout}
+		if err := p.SetupWithManager(mgr); err != nil {
+			return fmt.Errorf("setting up the pressure lifecycle: %w", err)
+		}
 	}
 	for _, c := range []prometheus.Collector{impvm.Collector(mgr.GetCache()), impnetwork.Collector(mgr.GetCache())} {
 		register(c)

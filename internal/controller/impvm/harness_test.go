@@ -267,6 +267,12 @@ func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
 		return
 	case !current:
 		next.State, next.StartedAt, next.GuestReady = impv1.RuntimeRunning, &now, true
+	case st.Suspension != nil && rt.State == impv1.RuntimeRunning:
+		next = *rt
+		next.State, next.GuestReady, next.Message = impv1.RuntimeSuspended, false, "memory saved"
+	case st.Suspension == nil && rt.State == impv1.RuntimeSuspended:
+		next = *rt
+		next.State, next.GuestReady, next.Message = impv1.RuntimeRunning, true, impv1.RuntimeResumedMessage
 	case rt.State == impv1.RuntimeRunning && a.exit != nil:
 		code := a.exit(vm)
 		if code == nil {

@@ -154,6 +154,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 	for _, phase := range []func(context.Context, *scope) error{
 		r.reconcileExpiry,
 		r.reconcilePlacement,
+		r.reconcileSuspension,
 		r.reconcileRuns,
 	} {
 		if err := phase(ctx, s); err != nil {

@@ -37,6 +37,17 @@ func computeStatus(s *scope, now time.Time) {
 	st.Phase = phase
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: ready,
 		Reason: reason, Message: msg, ObservedGeneration: gen})
+	suspended := metav1.Condition{Type: impv1.SuspendedCondition, Status: metav1.ConditionFalse, Reason: impv1.ReasonNotSuspended,
+		Message: "the VM is not suspended", ObservedGeneration: gen}
+	switch sp := st.Suspension; {
+	case sp != nil && phase == impv1.VMSuspended:
+		suspended.Status, suspended.Reason, suspended.Message = metav1.ConditionTrue, sp.Reason, sp.Message
+	case sp != nil:
+		suspended.Reason, suspended.Message = impv1.ReasonSuspending, "suspending ("+sp.Reason+"): "+sp.Message
+	}
+	if sp := st.Suspension; sp != nil || meta.FindStatusCondition(st.Conditions, impv1.SuspendedCondition) != nil {
+		meta.SetStatusCondition(&st.Conditions, suspended)
+	}
 	if rt := currentRun(vm); rt != nil && rt.StartedAt != nil {
 		st.StartedAt = rt.StartedAt
 	}
@@ -68,6 +79,15 @@ func phaseOf(vm *impv1.ImpVM, now time.Time) (impv1.VMPhase, metav1.ConditionSta
 		return impv1.VMPending, f, impv1.ReasonNotScheduled, "waiting for a node"
 	}
 	rt := currentRun(vm)
+	if sp := st.Suspension; sp != nil && !halted {
+		if rt != nil && rt.State == impv1.RuntimeSuspended {
+			return impv1.VMSuspended, f, impv1.ReasonSuspended, fmt.Sprintf("suspended (%s): %s", sp.Reason, sp.Message)
+		}
+		return impv1.VMSuspending, f, impv1.ReasonSuspended, "suspending: " + rt.Message
+	}
+	if rt != nil && rt.State == impv1.RuntimeSuspended && !halted {
+		return impv1.VMStarting, f, impv1.ReasonStarting, "resuming"
+	}
 	if halted {
 		if rt == nil || rt.State == impv1.RuntimeStopped || rt.State == impv1.RuntimeExited {
 			return impv1.VMStopped, f, impv1.ReasonHalted, "runStrategy is Halted"
@@ -116,6 +136,9 @@ func (r *Reconciler) recordTransition(s *scope) {
 	case impv1.VMStarting:
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Starting", "Start", "Node %s is starting the VM", vm.Status.NodeName)
 	case impv1.VMRunning:
+		if rt := currentRun(vm); rt != nil && rt.Message == impv1.RuntimeResumedMessage {
+			return // the agent records Resumed, with how long it took
+		}
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Started", "Start", "The VM runs on node %s", vm.Status.NodeName)
 		if vm.Status.Instance == 1 && vm.Status.RestartCount == 0 {
 			createToRunning.Observe(r.Clock.Since(vm.CreationTimestamp.Time).Seconds())

@@ -20,9 +20,10 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
-// Field indexes of the operator's ImpVM cache.
+// Field indexes of the operator's ImpVM cache. NodeIndex is shared with the operator's other
+// reconcilers.
 const (
-	indexNode     = "status.nodeName"
+	NodeIndex     = "status.nodeName"
 	indexClass    = "spec.classRef.name"
 	indexNetwork  = "spec.networkRef.name"
 	indexUnplaced = "imp.dev/unplaced"
@@ -32,7 +33,7 @@ const (
 func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, concurrency int) error {
 	idx := mgr.GetFieldIndexer()
 	for name, fn := range map[string]func(*impv1.ImpVM) []string{
-		indexNode: func(vm *impv1.ImpVM) []string { return nonEmpty(vm.Status.NodeName) },
+		NodeIndex: func(vm *impv1.ImpVM) []string { return nonEmpty(vm.Status.NodeName) },
 		indexClass: func(vm *impv1.ImpVM) []string {
 			if vm.Spec.ClassRef == nil {
 				return nil
@@ -65,6 +66,8 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(nodeChanged())).
 		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged())).
 		Watches(&impv1.ImpVMClass{}, handler.EnqueueRequestsFromMapFunc(r.forClass)).
+		// A suspension has its VM's name: the request is the VM's.
+		Watches(&impv1.ImpVMSuspension{}, &handler.EnqueueRequestForObject{}).
 		Watches(&impv1.ImpNetwork{}, handler.EnqueueRequestsFromMapFunc(r.forNetwork)).
 		WatchesRawSource(source.Channel(r.freed, handler.EnqueueRequestsFromMapFunc(r.unplaced))).
 		Complete(r)
@@ -79,7 +82,7 @@ func nonEmpty(s string) []string {
 
 // forNode: the VMs on the node (it may be lost) and every unplaced VM (it may fit now).
 func (r *Reconciler) forNode(ctx context.Context, o client.Object) []reconcile.Request {
-	return append(r.list(ctx, false, client.MatchingFields{indexNode: o.GetName()}), r.unplaced(ctx, o)...)
+	return append(r.list(ctx, false, client.MatchingFields{NodeIndex: o.GetName()}), r.unplaced(ctx, o)...)
 }
 
 // forClass and forNetwork: only VMs still waiting for a node can be affected (a placed VM

@@ -43,6 +43,8 @@ type Spec struct {
 	// CgroupRoot, when set (cgroup.Root on a node), is where the VMM gets cgroups of its own,
 	// named for the state directory, outside the agent's.
 	CgroupRoot string
+	// Incoming, when set, starts the VM from the state a Suspend saved in this file.
+	Incoming string
 }
 
 // Files of a VM's state directory.
@@ -86,6 +88,9 @@ func (s Spec) Args() []string {
 		"-chardev", "socket,id=channel,path=" + ChannelSock + ",server=on,wait=off",
 		"-device", "virtserialport,chardev=channel,name=" + guestinit.ChannelName,
 		"-qmp", "unix:" + QMPSock + ",server=on,wait=off",
+	}
+	if s.Incoming != "" {
+		args = append(args, "-incoming", "exec:cat "+shellQuote(s.Incoming))
 	}
 	if s.Tap != nil && s.Net != nil {
 		args = append(args,

@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -96,3 +98,91 @@ func Quit(dir string) error {
 	_, err = q.Execute("quit", nil)
 	return err
 }
+
+// StateFile is where a suspended VM's memory and device state live in its state directory.
+const StateFile = "suspend.state"
+
+// Suspend stops the guest's vCPUs, writes its memory and device state to StateFile in dir
+// (QEMU's migration to a file) and quits QEMU. When saving fails the guest is resumed and
+// QEMU keeps running: a failed suspend never leaves the VM half-dead.
+func Suspend(dir string, timeout time.Duration) error {
+	q, err := DialQMP(dir, 10*time.Second)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	_ = q.conn.SetDeadline(time.Now().Add(timeout))
+	if _, err := q.Execute("stop", nil); err != nil {
+		return err
+	}
+	fail := func(err error) error {
+		_, _ = q.Execute("migrate_cancel", nil)
+		if _, cerr := q.Execute("cont", nil); cerr != nil {
+			return fmt.Errorf("%w; and resuming the guest failed: %v", err, cerr)
+		}
+		return err
+	}
+	state := filepath.Join(dir, StateFile)
+	_ = os.Remove(state)
+	if _, err := q.Execute("migrate", map[string]any{"uri": "exec:cat > " + shellQuote(state)}); err != nil {
+		return fail(err)
+	}
+	for {
+		raw, err := q.Execute("query-migrate", nil)
+		if err != nil {
+			return fail(err)
+		}
+		var st struct {
+			Status    string `json:"status"`
+			ErrorDesc string `json:"error-desc"`
+		}
+		_ = json.Unmarshal(raw, &st)
+		switch st.Status {
+		case "completed":
+			_, _ = q.Execute("quit", nil)
+			return nil
+		case "failed", "cancelled":
+			return fail(fmt.Errorf("saving the VM's state: %s %s", st.Status, st.ErrorDesc))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// ResumeIncoming waits for a VMM started with Spec.Incoming to load its state, then runs the
+// guest again.
+func ResumeIncoming(dir string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	var q *QMP
+	var err error
+	for q == nil {
+		if q, err = DialQMP(dir, 5*time.Second); err != nil {
+			if time.Now().After(deadline) {
+				return err
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	defer q.Close()
+	_ = q.conn.SetDeadline(deadline)
+	for {
+		raw, err := q.Execute("query-status", nil)
+		if err != nil {
+			return err
+		}
+		var st struct {
+			Status string `json:"status"`
+		}
+		_ = json.Unmarshal(raw, &st)
+		switch st.Status {
+		case "inmigrate":
+			time.Sleep(20 * time.Millisecond)
+			continue
+		case "running":
+			return nil
+		}
+		_, err = q.Execute("cont", nil)
+		return err
+	}
+}
+
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
