@@ -2,10 +2,10 @@ package qemu
 
 import (
 	"bufio"
-	"io"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
