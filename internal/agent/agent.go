@@ -236,14 +236,24 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if !vm.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, a.teardown(ctx, vm)
 	}
-	st := vm.Status
-	if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
-		return ctrl.Result{}, nil
-	}
 	dir := a.vmDir(vm.UID)
 	m, _ := readMeta(dir)
 	rec, _ := vmm.ReadRecord(dir)
 	alive := rec != nil && rec.Alive()
+	if !alive {
+		// About to start, resume or report an end: decide on what the API server says now,
+		// not on a cache that may not have seen this agent's last report yet.
+		if err := a.APIReader.Get(ctx, req.NamespacedName, vm); err != nil {
+			return ctrl.Result{}, client.IgnoreNotFound(err)
+		}
+		if !vm.DeletionTimestamp.IsZero() {
+			return ctrl.Result{}, a.teardown(ctx, vm)
+		}
+	}
+	st := vm.Status
+	if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
+		return ctrl.Result{}, nil
+	}
 	current := m != nil && m.Instance == st.Instance && m.Run == st.RestartCount
 
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
@@ -253,6 +263,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
+		if st.Suspension != nil && !suspendFailed(st.Runtime) {
+			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
+		}
 		a.ensureMonitor(vm, dir, m, rec) // re-attach after an agent restart
 		return ctrl.Result{}, nil
 	}
@@ -260,6 +273,14 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		switch rt.State {
 		case impv1.RuntimeExited, impv1.RuntimeStopped, impv1.RuntimeGone:
 			return ctrl.Result{}, nil // this run ended: the operator decides what comes next
+		case impv1.RuntimeSuspended:
+			if st.Suspension != nil {
+				return ctrl.Result{}, nil
+			}
+			return ctrl.Result{}, a.resume(ctx, vm, dir, m)
+		case impv1.RuntimeSuspending:
+			// The agent stopped while suspending: finish the report from what it left.
+			return ctrl.Result{}, a.finishSuspend(ctx, vm, dir)
 		case impv1.RuntimeRunning:
 			// Reported running, yet no live VMM of this run: it died while no monitor watched
 			// (the agent was down). Say so; the runStrategy decides about a restart.
@@ -371,24 +392,9 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("StartFailed", err)
 	}
-	tap, gnet, err := a.attach(ctx, vm)
+	rec, reason, err := a.launch(ctx, vm, dir, m, baseDisk, "")
 	if err != nil {
-		return fail("NetworkFailed", err)
-	}
-	if tap != nil {
-		defer tap.Close() // QEMU holds its own copy
-	}
-	var rec *vmm.Record
-	if kind == impv1.VMMFirecracker {
-		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, rw, res, tap, gnet, digest.DigestStr())
-	} else {
-		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
-			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-			CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet}
-		rec, err = qemu.Start(spec, digest.DigestStr())
-	}
-	if err != nil {
-		return fail("StartFailed", err)
+		return fail(reason, err)
 	}
 	started := base
 	t := metav1.NewTime(m.Started)
@@ -398,6 +404,36 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	}
 	a.ensureMonitor(vm, dir, m, rec)
 	return nil
+}
+
+// launch attaches the VM to its network and starts its VMM (from a suspension's state file when
+// incoming is set). On failure it returns the reason to report.
+func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, baseDisk, incoming string) (*vmm.Record, string, error) {
+	res := vm.Status.Resources
+	rw := filepath.Join(dir, "rw.ext4")
+	tap, gnet, err := a.attach(ctx, vm)
+	if err != nil {
+		return nil, "NetworkFailed", err
+	}
+	if tap != nil {
+		defer tap.Close() // the VMM holds its own copy
+	}
+	var rec *vmm.Record
+	if m.VMM == impv1.VMMFirecracker {
+		if incoming != "" {
+			return nil, "ResumeFailed", errors.New("resuming a Firecracker VM is not supported yet")
+		}
+		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, rw, res, tap, gnet, m.Digest)
+	} else {
+		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
+			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
+			CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet, Incoming: incoming}
+		rec, err = qemu.Start(spec, m.Digest)
+	}
+	if err != nil {
+		return nil, "StartFailed", err
+	}
+	return rec, "", nil
 }
 
 func randomToken() string {

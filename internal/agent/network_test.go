@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -16,10 +18,14 @@ import (
 	. "github.com/onsi/gomega"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
 	"github.com/syscode-labs/imp/internal/testnetns"
@@ -225,4 +231,110 @@ func impLeftovers(t *testing.T, path string) []string {
 		left = append(left, "nftables table "+tb.Name)
 	}
 	return left
+}
+
+// TestSuspendResume suspends a real guest (QEMU/TCG) counting ticks on an ImpNetwork, through
+// an ImpVMSuspension: its VMM is gone while suspended; after the suspension is deleted it
+// runs again with the same address, answers on it, and its count goes on from where it was.
+func TestSuspendResume(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	node := testnetns.New(t, "imp-s-"+sfx)
+	nodeName := "imp-susp-" + sfx
+	readyNode(t, c, nodeName)
+	startOperator(t, c)
+	stateDir := filepath.Join(tmp, "state")
+	startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node})
+	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.92.0.0/24"}}); err != nil {
+		t.Fatal(err)
+	}
+	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}
+	vm := w.vm("counter", "net")
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	running := func() bool {
+		v := w.get("counter")
+		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}
+	g.Eventually(running).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	v := w.get("counter")
+	ip, uid := v.Status.IP, v.UID
+	ticks := func() int { return strings.Count(w.console(v), "hello: tick ") }
+	g.Eventually(ticks).WithTimeout(time.Minute).Should(BeNumerically(">=", 3))
+	answer := func() string {
+		var out string
+		_ = testnetns.Do(node, func() error {
+			c, err := net.DialTimeout("tcp", ip+":7000", time.Second)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+			b := make([]byte, 64)
+			n, _ := c.Read(b)
+			out = strings.TrimSpace(string(b[:n]))
+			return nil
+		})
+		return out
+	}
+	g.Eventually(answer).WithTimeout(30 * time.Second).Should(Equal("hello from counter"))
+	rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", string(uid)))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	susp := &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "counter"},
+		Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser, Message: "by the test"}}
+	if err := c.Client.Create(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("counter").Status.Phase }).WithTimeout(time.Minute).Should(Equal(impv1.VMSuspended))
+	v = w.get("counter")
+	cond := meta.FindStatusCondition(v.Status.Conditions, impv1.SuspendedCondition)
+	if cond == nil || cond.Status != metav1.ConditionTrue || cond.Reason != impv1.SuspendReasonUser || v.Status.Suspension.Since == nil {
+		t.Errorf("suspended VM: condition %+v, suspension %+v", cond, v.Status.Suspension)
+	}
+	if rec.Alive() {
+		t.Fatal("the VMM still runs while the VM is suspended")
+	}
+	before := ticks()
+	time.Sleep(2 * time.Second)
+	if ticks() != before {
+		t.Error("the guest ticked while suspended")
+	}
+
+	if err := c.Client.Delete(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(running).WithTimeout(time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	v = w.get("counter")
+	if v.Status.IP != ip || v.Status.Instance != 1 || v.Status.RestartCount != 0 {
+		t.Errorf("after resume: ip %s (was %s), instance %d, restarts %d", v.Status.IP, ip, v.Status.Instance, v.Status.RestartCount)
+	}
+	g.Eventually(ticks).WithTimeout(30 * time.Second).Should(BeNumerically(">", before+1))
+	after := w.console(v)
+	if strings.Count(after, "hello from imp") != 1 || strings.Contains(after[strings.LastIndex(after, "hello: tick "+strconv.Itoa(before-1)):], "hello: tick 0\r") {
+		qlog, _ := os.ReadFile(filepath.Join(stateDir, "vms", string(uid), "qemu.log"))
+		var events corev1.EventList
+		_ = c.Client.List(ctx, &events, client.InNamespace(ns))
+		var evs []string
+		for _, e := range events.Items {
+			evs = append(evs, e.Reason+": "+e.Message)
+		}
+		t.Errorf("the workload started again instead of continuing:\n%s\nqemu.log:\n%s\nevents:\n%s", after, qlog, strings.Join(evs, "\n"))
+	}
+	g.Eventually(answer).WithTimeout(30 * time.Second).Should(Equal("hello from counter"))
+	if err := c.Client.Delete(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() *impv1.ImpVM { return w.get("counter") }).WithTimeout(time.Minute).Should(BeNil())
 }

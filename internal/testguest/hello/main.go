@@ -5,7 +5,7 @@
 //	serve   prints a line a second until SIGTERM, then exits 0
 //	net     serves TCP on :7000 and probes the targets of $PROBE (comma-separated
 //	        icmp:A.B.C.D[-N] and tcp:HOST:PORT) twice a second, printing each change
-//	        "probe <target> ok|fail", until SIGTERM
+//	        "probe <target> ok|fail", and a tick a second, until SIGTERM
 package main
 
 import (
@@ -51,6 +51,12 @@ func main() {
 		signal.Notify(term, syscall.SIGTERM)
 		go serveTCP(host)
 		go probeLoop(os.Getenv("PROBE"))
+		go func() {
+			for i := 0; ; i++ {
+				time.Sleep(time.Second)
+				fmt.Printf("hello: tick %d\n", i)
+			}
+		}()
 		<-term
 		fmt.Println("hello: terminating")
 		os.Exit(0)

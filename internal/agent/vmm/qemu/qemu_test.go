@@ -252,7 +252,7 @@ func TestSuspendResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	spec := Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
-		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz()}
+		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root}
 	rec, err := Start(spec, "h")
 	if err != nil {
 		t.Fatal(err)
