@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent bench-net images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent bench-net bench-suspend images chart-push
 
 all: build
 
@@ -59,6 +59,9 @@ bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, a
 
 bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).
 	go run ./test/bench/net -n 100
+
+bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 of each.
+	go run ./test/bench/suspend -rounds 5 -memory 256
 
 images: ## Build imp-operator and imp-agent without Docker, push to REGISTRY (host:port), print digests.
 	hack/images.sh $(REGISTRY)

@@ -10,6 +10,9 @@ const (
 
 	// NetworkLabel is set on an ImpIPAddress to the name of its ImpNetwork.
 	NetworkLabel = "imp.dev/network"
+	// RestartRequestedAnnotation on an ImpVM asks for a new run (kubectl imp restart): its value
+	// is the time of the request (RFC 3339); a run started before it is ended and restarted.
+	RestartRequestedAnnotation = "imp.dev/restart-requested-at"
 	// VMUIDLabel is set on an ImpIPAddress to the UID of the ImpVM holding it.
 	VMUIDLabel = "imp.dev/vm-uid"
 

@@ -1,23 +1,15 @@
-// Command kubectl-imp is the kubectl plugin for ImpVMs: `kubectl imp VERB`.
+// Command kubectl-imp is the kubectl plugin for ImpVMs: `kubectl imp VERB` (see
+// internal/kubectlimp).
 package main
 
 import (
-	"fmt"
 	"os"
 
-	"github.com/spf13/cobra"
+	"github.com/syscode-labs/imp/internal/kubectlimp"
 )
 
 func main() {
-	root := &cobra.Command{
-		Use:   "kubectl imp",
-		Short: "Act on IMP microVMs",
-		Long: `kubectl imp acts on ImpVMs the way a VM user expects: console, logs, stop, start,
-restart, suspend, resume and status. Until the verbs land, use kubectl get/describe impvm.`,
-		SilenceUsage: true,
-	}
-	if err := root.Execute(); err != nil {
-		fmt.Fprintln(os.Stderr, err)
+	if err := kubectlimp.NewCommand(os.Stdout, os.Stderr).Execute(); err != nil {
 		os.Exit(1)
 	}
 }

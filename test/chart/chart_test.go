@@ -171,8 +171,8 @@ func TestDefaults(t *testing.T) {
 			crds++
 		}
 	}
-	if crds != 5 {
-		t.Errorf("%d CRDs, want 5", crds)
+	if crds != 6 {
+		t.Errorf("%d CRDs, want 6", crds)
 	}
 	for _, k := range []string{"ServiceMonitor/imp-operator", "PrometheusRule/imp", "ConfigMap/imp-grafana-dashboard"} {
 		if _, ok := m[k]; ok {

@@ -440,6 +440,21 @@ func currentRun(vm *impv1.ImpVM) *impv1.RuntimeStatus {
 func (r *Reconciler) reconcileRuns(_ context.Context, s *scope) error {
 	vm := s.vm
 	rt := currentRun(vm)
+	if at, err := time.Parse(time.RFC3339Nano, vm.Annotations[impv1.RestartRequestedAnnotation]); err == nil &&
+		rt != nil && rt.State == impv1.RuntimeRunning && rt.StartedAt != nil && at.Truncate(time.Second).After(rt.StartedAt.Time) && vm.Status.Suspension == nil {
+		// A restart asked for after this run began (second precision: a request in the very
+		// second the run began is too early): the next run; the agent stops this one.
+		vm.Status.RestartCount++
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Restarting", "Restart", "Restarting (restart %d) as asked at %s", vm.Status.RestartCount, at.Format(time.RFC3339))
+		return nil
+	}
+	if vm.Status.NodeName != "" && !isTerminal(vm.Status.Phase) && rt != nil && rt.State == impv1.RuntimeStopped &&
+		vm.Spec.RunStrategy != impv1.RunStrategyHalted && vm.DeletionTimestamp.IsZero() {
+		// Stopped on purpose and asked to run again (kubectl imp start): a new run.
+		vm.Status.RestartCount++
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Starting", "Start", "Starting the stopped VM again (runStrategy %s)", vm.Spec.RunStrategy)
+		return nil
+	}
 	if vm.Status.NodeName == "" || isTerminal(vm.Status.Phase) || rt == nil || rt.State != impv1.RuntimeExited {
 		return nil
 	}
