@@ -76,7 +76,10 @@ func run(b *testing.B, rounds int, mem int64) error {
 			time.Sleep(50 * time.Millisecond)
 		}
 	}()
-	ticks := func() int { s, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog)); return strings.Count(string(s), "hello: tick ") }
+	ticks := func() int {
+		s, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog))
+		return strings.Count(string(s), "hello: tick ")
+	}
 	for deadline := time.Now().Add(3 * time.Minute); ticks() < 2; time.Sleep(100 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("the guest did not boot")
