@@ -33,6 +33,9 @@ const (
 	ReasonNotSuspended = "NotSuspended"
 	// ReasonSuspending: the VM's state is being saved.
 	ReasonSuspending = "Suspending"
+	// ReasonSuspendFailed: saving the VM's state failed; the VM keeps running (also the
+	// reason of its status.runtime).
+	ReasonSuspendFailed = "SuspendFailed"
 )
 
 // Reasons of ScheduledCondition.

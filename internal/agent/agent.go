@@ -406,8 +406,9 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	return nil
 }
 
-// launch attaches the VM to its network and starts its VMM (from a suspension's state file when
-// incoming is set). On failure it returns the reason to report.
+// launch attaches the VM to its network and starts its VMM, resuming it from a suspension's
+// saved state when incoming is set (QEMU: the state file; Firecracker: the jail's snapshot).
+// On failure it returns the reason to report.
 func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, baseDisk, incoming string) (*vmm.Record, string, error) {
 	res := vm.Status.Resources
 	rw := filepath.Join(dir, "rw.ext4")
@@ -420,10 +421,7 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	}
 	var rec *vmm.Record
 	if m.VMM == impv1.VMMFirecracker {
-		if incoming != "" {
-			return nil, "ResumeFailed", errors.New("resuming a Firecracker VM is not supported yet")
-		}
-		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, rw, res, tap, gnet, m.Digest)
+		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, tap, gnet, incoming != "")
 	} else {
 		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
 			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),

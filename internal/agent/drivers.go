@@ -99,19 +99,29 @@ func (a *Agent) allocJailUID(uid types.UID) (int, error) {
 	return 0, fmt.Errorf("all %d jail uids from %d are in use", jailUIDCount, base)
 }
 
-// startFirecracker runs the VM under Firecracker's jailer.
-func (a *Agent) startFirecracker(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, base, rw string, res *impv1.ResolvedResources,
-	tap *os.File, gnet *guestinit.Net, configHash string) (*vmm.Record, error) {
+// firecrackerSpec is the VM as the Firecracker driver runs it.
+func (a *Agent) firecrackerSpec(vm *impv1.ImpVM, dir string, m *meta, base string, gnet *guestinit.Net) firecracker.Spec {
+	res := vm.Status.Resources
 	s := firecracker.Spec{ID: string(vm.UID), Dir: dir, Firecracker: a.Opts.Firecracker, Jailer: a.Opts.Jailer,
 		UID: m.JailUID, GID: m.JailUID, ChrootBase: a.jailBase(), NetNS: a.Opts.NetNS, CgroupVersion: cgroup.Version(a.Opts.CgroupRoot),
-		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: rw,
+		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"),
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token}
+	if gnet != nil {
+		s.Tap, s.Net = hostnet.TapName(string(vm.UID)), gnet
+	}
+	return s
+}
+
+// startFirecracker runs the VM under Firecracker's jailer: booted, or resumed from its
+// snapshot.
+func (a *Agent) startFirecracker(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, base string,
+	tap *os.File, gnet *guestinit.Net, resume bool) (*vmm.Record, error) {
+	s := a.firecrackerSpec(vm, dir, m, base, gnet)
 	if tap != nil {
 		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name.
 		if err := hostnet.SetOwner(tap, m.JailUID); err != nil {
 			return nil, err
 		}
-		s.Tap, s.Net = hostnet.TapName(string(vm.UID)), gnet
 	}
 	// The console where every driver's is, for kubectl imp logs and the console cap.
 	console := filepath.Join(dir, qemu.ConsoleLog)
@@ -121,7 +131,10 @@ func (a *Agent) startFirecracker(ctx context.Context, vm *impv1.ImpVM, dir strin
 	if err := os.Symlink(s.ConsoleLog(), console); err != nil {
 		return nil, err
 	}
-	return firecracker.Start(ctx, s, configHash)
+	if resume {
+		return firecracker.ResumeSnapshot(ctx, s, m.Digest)
+	}
+	return firecracker.Start(ctx, s, m.Digest)
 }
 
 // quitVMM ends a VMM that outlived the grace period: QMP quit for QEMU, Ctrl-Alt-Del for

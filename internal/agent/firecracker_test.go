@@ -15,6 +15,7 @@ import (
 
 	. "github.com/onsi/gomega"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 
@@ -88,6 +89,38 @@ func TestFirecrackerVM(t *testing.T) {
 		t.Errorf("the VM's disk in the jail: %v", err)
 	}
 
+	// Suspend: a snapshot in the jail, the VMM gone; resume: a new VMM from the snapshot.
+	susp := &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "fc"},
+		Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser}}
+	if err := w.c.Client.Create(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(time.Minute).Should(Equal(impv1.VMSuspended))
+	if rec.Alive() {
+		t.Error("the VMM runs while the VM is suspended")
+	}
+	for _, f := range []string{"vm.state", "vm.mem"} {
+		if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", f)); err != nil {
+			t.Errorf("snapshot %s: %v", f, err)
+		}
+	}
+	if err := w.c.Client.Delete(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("fc")
+		return v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(time.Minute).Should(BeTrue())
+	resumed, err := vmm.ReadRecord(dir)
+	if err != nil || !resumed.Alive() || resumed.Pid == rec.Pid {
+		t.Fatalf("resumed record %+v, %v (was pid %d)", resumed, err, rec.Pid)
+	}
+	if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", "vm.state")); !os.IsNotExist(err) {
+		t.Errorf("the snapshot stays after resume: %v", err)
+	}
+	rec = resumed
+
+	v = w.get("fc")
 	if err := w.c.Client.Delete(ctx, v); err != nil {
 		t.Fatal(err)
 	}

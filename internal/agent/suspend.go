@@ -16,6 +16,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -39,15 +40,12 @@ func init() {
 // suspendFailed says whether the run's last suspension failed: the agent does not try again
 // until the suspension is withdrawn and asked for anew.
 func suspendFailed(rt *impv1.RuntimeStatus) bool {
-	return rt != nil && rt.State == impv1.RuntimeRunning && rt.Reason == "SuspendFailed"
+	return rt != nil && rt.State == impv1.RuntimeRunning && rt.Reason == impv1.ReasonSuspendFailed
 }
 
 // suspend saves a running VM's memory and device state in its state directory and stops its
 // VMM; disks, tap and address stay. On failure the VM keeps running and says why.
 func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error {
-	if m.VMM == impv1.VMMFirecracker {
-		return a.suspendFailure(ctx, vm, dir, m, rec, errors.New("suspending a Firecracker VM is not supported yet"))
-	}
 	cur := *vm.Status.Runtime
 	suspending := cur
 	suspending.State, suspending.Message = impv1.RuntimeSuspending, "saving the VM's memory and device state"
@@ -56,7 +54,13 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	}
 	a.stopMonitor(vm.UID) // the VMM exits on purpose
 	start := time.Now()
-	if err := qemu.Suspend(dir, 5*time.Minute); err != nil {
+	var err error
+	if m.VMM == impv1.VMMFirecracker {
+		err = firecracker.Suspend(ctx, a.firecrackerSpec(vm, dir, m, "", nil), rec)
+	} else {
+		err = qemu.Suspend(dir, 5*time.Minute)
+	}
+	if err != nil {
 		return a.suspendFailure(ctx, vm, dir, m, rec, err)
 	}
 	waitGone(rec, 30*time.Second)
@@ -81,15 +85,15 @@ func (a *Agent) finishSuspend(ctx context.Context, vm *impv1.ImpVM, dir string) 
 		return a.report(ctx, vm, rt)
 	}
 	now := metav1.Now()
-	rt.State, rt.FinishedAt, rt.GuestReady, rt.Reason, rt.Message = impv1.RuntimeExited, &now, false, "SuspendFailed", "the VMM ended while suspending, without a saved state"
+	rt.State, rt.FinishedAt, rt.GuestReady, rt.Reason, rt.Message = impv1.RuntimeExited, &now, false, impv1.ReasonSuspendFailed, "the VMM ended while suspending, without a saved state"
 	return a.report(ctx, vm, rt)
 }
 
 func (a *Agent) suspendFailure(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record, err error) error {
 	suspendFailures.Inc()
-	a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "SuspendFailed", "Suspend", "The VM keeps running: %v", err)
+	a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonSuspendFailed, "Suspend", "The VM keeps running: %v", err)
 	running := *vm.Status.Runtime
-	running.State, running.Reason, running.Message = impv1.RuntimeRunning, "SuspendFailed", "suspending failed: "+err.Error()
+	running.State, running.Reason, running.Message = impv1.RuntimeRunning, impv1.ReasonSuspendFailed, "suspending failed: "+err.Error()
 	if rerr := a.report(ctx, vm, running); rerr != nil {
 		return rerr
 	}
@@ -110,11 +114,15 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 		ended.State, ended.FinishedAt, ended.GuestReady, ended.Reason, ended.Message = impv1.RuntimeExited, &now, false, reason, err.Error()
 		return a.report(ctx, vm, ended)
 	}
-	state := filepath.Join(dir, qemu.StateFile)
 	if m == nil {
 		return end("ResumeFailed", errors.New("no record of the suspended VM on its node"))
 	}
-	if _, err := os.Stat(state); err != nil {
+	state := filepath.Join(dir, qemu.StateFile)
+	if m.VMM == impv1.VMMFirecracker {
+		if !firecracker.Snapshotted(a.firecrackerSpec(vm, dir, m, "", nil)) {
+			return end("ResumeFailed", errors.New("no snapshot in the VM's jail"))
+		}
+	} else if _, err := os.Stat(state); err != nil {
 		return end("ResumeFailed", fmt.Errorf("no saved state: %w", err))
 	}
 	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
@@ -130,15 +138,17 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 		}
 		return end(reason, err)
 	}
-	if err := qemu.ResumeIncoming(dir, 5*time.Minute); err != nil {
-		if rec.Alive() {
-			_ = qemu.Quit(dir)
+	if m.VMM != impv1.VMMFirecracker { // Firecracker resumed with the snapshot's load
+		if err := qemu.ResumeIncoming(dir, 5*time.Minute); err != nil {
+			if rec.Alive() {
+				_ = qemu.Quit(dir)
+			}
+			return end("ResumeFailed", err)
 		}
-		return end("ResumeFailed", err)
+		_ = os.Remove(state)
 	}
 	took := time.Since(start)
 	resumeSeconds.Observe(took.Seconds())
-	_ = os.Remove(state)
 	running := cur
 	running.State, running.GuestReady, running.Reason, running.Message = impv1.RuntimeRunning, true, "", impv1.RuntimeResumedMessage
 	if err := a.report(ctx, vm, running); err != nil {

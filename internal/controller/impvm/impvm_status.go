@@ -42,6 +42,8 @@ func computeStatus(s *scope, now time.Time) {
 	switch sp := st.Suspension; {
 	case sp != nil && phase == impv1.VMSuspended:
 		suspended.Status, suspended.Reason, suspended.Message = metav1.ConditionTrue, sp.Reason, sp.Message
+	case sp != nil && st.Runtime != nil && st.Runtime.Reason == impv1.ReasonSuspendFailed:
+		suspended.Reason, suspended.Message = impv1.ReasonSuspendFailed, st.Runtime.Message
 	case sp != nil:
 		suspended.Reason, suspended.Message = impv1.ReasonSuspending, "suspending ("+sp.Reason+"): "+sp.Message
 	}
@@ -79,7 +81,7 @@ func phaseOf(vm *impv1.ImpVM, now time.Time) (impv1.VMPhase, metav1.ConditionSta
 		return impv1.VMPending, f, impv1.ReasonNotScheduled, "waiting for a node"
 	}
 	rt := currentRun(vm)
-	if sp := st.Suspension; sp != nil && !halted {
+	if sp := st.Suspension; sp != nil && !halted && (rt == nil || rt.Reason != impv1.ReasonSuspendFailed) {
 		if rt != nil && rt.State == impv1.RuntimeSuspended {
 			return impv1.VMSuspended, f, impv1.ReasonSuspended, fmt.Sprintf("suspended (%s): %s", sp.Reason, sp.Message)
 		}

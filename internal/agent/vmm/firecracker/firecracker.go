@@ -34,6 +34,9 @@ const (
 	jailLog       = "/logs/firecracker.log"
 	jailMetrics   = "/logs/metrics.json"
 	jailConsole   = "/logs/console.log"
+	// A suspended VM's snapshot, in the jail.
+	jailSnapshotState = "/snapshot/vm.state"
+	jailSnapshotMem   = "/snapshot/vm.mem"
 	// GuestCID is the guest's vsock context id (every VM has its own vsock device).
 	GuestCID = 3
 	// ChannelPort is the vsock port imp-init connects to; Firecracker forwards the guest's
@@ -132,7 +135,7 @@ func PrepareChroot(s Spec) error {
 	if err := os.MkdirAll(root, 0o750); err != nil {
 		return fmt.Errorf("creating the jail: %w", err)
 	}
-	for _, d := range []string{"boot", "disks", "run", "logs"} {
+	for _, d := range []string{"boot", "disks", "run", "logs", "snapshot"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o750); err != nil {
 			return err
 		}
@@ -168,7 +171,7 @@ func PrepareChroot(s Spec) error {
 			return err
 		}
 	}
-	for _, d := range []string{"", "boot", "disks", "run", "logs"} {
+	for _, d := range []string{"", "boot", "disks", "run", "logs", "snapshot"} {
 		if err := os.Chown(filepath.Join(root, d), s.UID, s.GID); err != nil {
 			return err
 		}
@@ -204,6 +207,51 @@ func linkOrCopy(src, dst string) error {
 // jailer daemonizes and execs Firecracker in the same process), configures the VM over the
 // API and starts it. It writes and returns the VM's record.
 func Start(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) {
+	return launch(ctx, s, configHash, func(c *Client) error { return Configure(ctx, c, s) })
+}
+
+// Suspend pauses the VM, writes its snapshot (state and memory) into the jail and kills the
+// VMM, whose memory goes back to the node. When the snapshot fails the VM is resumed.
+func Suspend(ctx context.Context, s Spec, rec *vmm.Record) error {
+	c := NewClient(s.APISocket())
+	if err := Pause(ctx, c); err != nil {
+		return err
+	}
+	if err := CreateSnapshot(ctx, c, jailSnapshotState, jailSnapshotMem); err != nil {
+		if rerr := Resume(ctx, c); rerr != nil {
+			return fmt.Errorf("%w; and resuming the VM failed: %v", err, rerr)
+		}
+		return err
+	}
+	_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+	for i := 0; i < 100 && rec.Alive(); i++ {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if rec.Alive() {
+		return errors.New("the VMM did not exit after its snapshot")
+	}
+	return nil
+}
+
+// Snapshotted says whether the VM jailed for s has a snapshot to resume from.
+func Snapshotted(s Spec) bool {
+	_, err := os.Stat(filepath.Join(s.ChrootDir(), jailSnapshotState))
+	return err == nil
+}
+
+// ResumeSnapshot starts a fresh VMM in the VM's jail and loads its snapshot, resuming the VM
+// where it stopped; the snapshot files are removed once loaded.
+func ResumeSnapshot(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) {
+	rec, err := launch(ctx, s, configHash, func(c *Client) error { return LoadSnapshot(ctx, c, jailSnapshotState, jailSnapshotMem, true) })
+	if err == nil {
+		for _, f := range []string{jailSnapshotState, jailSnapshotMem} {
+			_ = os.Remove(filepath.Join(s.ChrootDir(), f))
+		}
+	}
+	return rec, err
+}
+
+func launch(ctx context.Context, s Spec, configHash string, configure func(*Client) error) (*vmm.Record, error) {
 	if err := PrepareChroot(s); err != nil {
 		return nil, err
 	}
@@ -233,7 +281,7 @@ func Start(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) 
 	if err := waitForSocket(ctx, s.APISocket(), rec, 10*time.Second); err != nil {
 		return fail(err)
 	}
-	if err := Configure(ctx, NewClient(s.APISocket()), s); err != nil {
+	if err := configure(NewClient(s.APISocket())); err != nil {
 		return fail(err)
 	}
 	if err := vmm.WriteRecord(s.Dir, rec); err != nil {

@@ -105,7 +105,7 @@ func TestChrootLayout(t *testing.T) {
 		names = append(names, n)
 	}
 	sort.Strings(names)
-	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/rw.ext4", "logs", "logs/console.log", "logs/firecracker.log", "logs/metrics.json", "run"}
+	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/rw.ext4", "logs", "logs/console.log", "logs/firecracker.log", "logs/metrics.json", "run", "snapshot"}
 	if !slices.Equal(names, want) {
 		t.Fatalf("jail holds %q, want %q", names, want)
 	}

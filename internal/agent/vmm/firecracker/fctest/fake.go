@@ -50,6 +50,7 @@ func FakeJailer(args []string) int {
 		fmt.Fprintln(os.Stderr, "fake jailer:", err)
 		return 1
 	}
+	srv.Root = root
 	done := make(chan struct{})
 	guest := &fakeGuest{}
 	srv.OnStart = func(cfg Config) {

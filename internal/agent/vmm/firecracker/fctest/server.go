@@ -35,8 +35,11 @@ type Server struct {
 	// CtrlAltDel counts SendCtrlAltDel actions; OnCtrlAltDel runs on each (a fake VMM exits).
 	CtrlAltDel   int
 	OnCtrlAltDel func()
-	// OnStart runs when the VM starts (InstanceStart), with its configuration.
+	// OnStart runs when the VM starts (InstanceStart or a resuming snapshot load), with its
+	// configuration.
 	OnStart func(Config)
+	// Root resolves the paths of snapshot files, as a jailed Firecracker's root does.
+	Root string
 	// Refused records each refused request and why.
 	Refused []string
 	ln      net.Listener
@@ -258,10 +261,10 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			return nil, badRequest("Cannot create a snapshot of a running microVM: pause it first.")
 		}
 		state, _ := json.Marshal(s.Config)
-		if err := os.WriteFile(obj["snapshot_path"].(string), state, 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(s.Root, obj["snapshot_path"].(string)), state, 0o600); err != nil {
 			return nil, badRequest("Cannot write the snapshot: %v", err)
 		}
-		if err := os.WriteFile(obj["mem_file_path"].(string), []byte("guest memory"), 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(s.Root, obj["mem_file_path"].(string)), []byte("guest memory"), 0o600); err != nil {
 			return nil, badRequest("Cannot write the memory file: %v", err)
 		}
 	case "PUT /snapshot/load":
@@ -273,7 +276,7 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		if hasFile == hasBackend {
 			return nil, badRequest("Exactly one of mem_file_path and mem_backend must be given.")
 		}
-		state, err := os.ReadFile(obj["snapshot_path"].(string))
+		state, err := os.ReadFile(filepath.Join(s.Root, obj["snapshot_path"].(string)))
 		if err != nil {
 			return nil, badRequest("Cannot open the snapshot file: %v", err)
 		}
@@ -284,6 +287,9 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		c.Logger, c.Metrics = logger, metrics
 		s.Started = true
 		s.Paused = obj["resume_vm"] != true
+		if s.OnStart != nil && !s.Paused {
+			go s.OnStart(s.Config)
+		}
 	default:
 		return nil, badRequest("the double does not serve %s %s", method, pattern)
 	}
