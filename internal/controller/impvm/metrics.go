@@ -26,13 +26,14 @@ var (
 		Name: "imp_vm_placement_failures_total",
 		Help: "Placement attempts that did not place an ImpVM, by reason (the Scheduled condition's reason).",
 	}, []string{"reason"})
-	vmsDesc = prometheus.NewDesc("imp_vms", "ImpVMs by phase and node (empty node: not placed).", []string{"phase", "node"}, nil)
+	vmsDesc       = prometheus.NewDesc("imp_vms", "ImpVMs by phase and node (empty node: not placed).", []string{"phase", "node"}, nil)
+	suspendedDesc = prometheus.NewDesc("imp_vms_suspended", "ImpVMs suspended (or being suspended), by reason (PressureLifecycle, User) and node.", []string{"reason", "node"}, nil)
 )
 
 // vmCollector counts VMs by phase and node from the operator's cache at scrape time.
 type vmCollector struct{ reader client.Reader }
 
-func (c vmCollector) Describe(ch chan<- *prometheus.Desc) { ch <- vmsDesc }
+func (c vmCollector) Describe(ch chan<- *prometheus.Desc) { ch <- vmsDesc; ch <- suspendedDesc }
 
 func (c vmCollector) Collect(ch chan<- prometheus.Metric) {
 	var list impv1.ImpVMList
@@ -42,7 +43,11 @@ func (c vmCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	type key struct{ phase, node string }
 	counts := map[key]float64{}
+	suspended := map[key]float64{} // phase holds the reason
 	for _, vm := range list.Items {
+		if sp := vm.Status.Suspension; sp != nil {
+			suspended[key{sp.Reason, vm.Status.NodeName}]++
+		}
 		phase := string(vm.Status.Phase)
 		if phase == "" {
 			phase = string(impv1.VMPending)
@@ -51,6 +56,9 @@ func (c vmCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	for k, n := range counts {
 		ch <- prometheus.MustNewConstMetric(vmsDesc, prometheus.GaugeValue, n, k.phase, k.node)
+	}
+	for k, n := range suspended {
+		ch <- prometheus.MustNewConstMetric(suspendedDesc, prometheus.GaugeValue, n, k.phase, k.node)
 	}
 }
 
