@@ -8,17 +8,23 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/cli-runtime/pkg/genericclioptions"
+	"k8s.io/client-go/kubernetes"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/remotecommand"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
@@ -33,7 +39,10 @@ const (
 )
 
 type options struct {
-	flags   *genericclioptions.ConfigFlags
+	flags    *genericclioptions.ConfigFlags
+	agentNS  string
+	stateDir string
+	bytes    int64
 	out     io.Writer
 	output  string
 	allNS   bool
@@ -48,8 +57,8 @@ func NewCommand(out, errOut io.Writer) *cobra.Command {
 	root := &cobra.Command{
 		Use:   "kubectl-imp",
 		Short: "Act on IMP microVMs",
-		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, suspend, resume,
-stop, start and restart. Suspending creates an ImpVMSuspension of the VM's name (RBAC grants
+		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, suspend,
+resume, stop, start and restart. Suspending creates an ImpVMSuspension of the VM's name (RBAC grants
 it apart from editing VMs; the audit log says who); resuming deletes it.`,
 		SilenceUsage: true,
 	}
@@ -66,7 +75,11 @@ it apart from editing VMs; the audit log says who); resuming deletes it.`,
 		Args: cobra.MaximumNArgs(1), RunE: o.run(o.resume)}
 	resume.Flags().StringVar(&o.node, "node", "", "with --all: the node whose VMs to resume")
 	resume.Flags().BoolVar(&o.all, "all", false, "with --node: resume every VM the pressure lifecycle suspended there")
-	root.AddCommand(list,
+	logs := &cobra.Command{Use: "logs NAME", Short: "Print a VM's console log (its newest part)", Args: cobra.ExactArgs(1), RunE: o.run(o.logs)}
+	logs.Flags().StringVar(&o.agentNS, "agent-namespace", "imp-system", "namespace of the imp-runtime pods")
+	logs.Flags().StringVar(&o.stateDir, "state-dir", "", "read the console from this agent state directory on this machine instead (an agent running here, as in make dev)")
+	logs.Flags().Int64Var(&o.bytes, "limit-bytes", 256<<10, "print at most this many bytes, the newest")
+	root.AddCommand(list, logs,
 		&cobra.Command{Use: "status NAME", Short: "Show a VM's state", Args: cobra.ExactArgs(1), RunE: o.run(o.status)},
 		suspend, resume,
 		&cobra.Command{Use: "stop NAME", Short: "Stop a VM (runStrategy Halted); it keeps its disks", Args: cobra.ExactArgs(1), RunE: o.run(o.stop)},
@@ -334,5 +347,67 @@ func (o *options) restart(ctx context.Context, c client.Client, ns string, args 
 		return err
 	}
 	fmt.Fprintf(o.out, "impvm/%s restarting\n", vm.Name)
+	return nil
+}
+
+// logs prints the VM's console log. It lives on the VM's node, in the agent's state directory:
+// the plugin reads it through the API server by exec in that node's imp-runtime pod (so the
+// API server authenticates, authorizes — pods/exec in the agent's namespace — and audits
+// it), or from --state-dir when the agent runs on this machine.
+func (o *options) logs(ctx context.Context, c client.Client, ns string, args []string) error {
+	vm, err := o.get(ctx, c, ns, args[0])
+	if err != nil {
+		return err
+	}
+	rel := filepath.Join("vms", string(vm.UID), "console.log")
+	if o.stateDir != "" {
+		f, err := os.Open(filepath.Join(o.stateDir, rel))
+		if err != nil {
+			return fmt.Errorf("reading the console of %s: %w", vm.Name, err)
+		}
+		defer f.Close()
+		if fi, err := f.Stat(); err == nil && fi.Size() > o.bytes {
+			_, _ = f.Seek(fi.Size()-o.bytes, io.SeekStart)
+		}
+		_, err = io.Copy(o.out, f)
+		return err
+	}
+	if vm.Status.NodeName == "" {
+		return fmt.Errorf("ImpVM %s is not placed on a node: it has no console yet", vm.Name)
+	}
+	var pods corev1.PodList
+	if err := c.List(ctx, &pods, client.InNamespace(o.agentNS), client.MatchingLabels{"app.kubernetes.io/name": "imp-runtime"},
+		client.MatchingFields{"spec.nodeName": vm.Status.NodeName}); err != nil {
+		return fmt.Errorf("finding the agent of node %s: %w", vm.Status.NodeName, err)
+	}
+	if len(pods.Items) == 0 {
+		return fmt.Errorf("no imp-runtime pod on node %s in namespace %s", vm.Status.NodeName, o.agentNS)
+	}
+	pod := pods.Items[0]
+	stateDir := "/var/lib/imp"
+	for _, a := range pod.Spec.Containers[0].Args {
+		if v, ok := strings.CutPrefix(a, "--state-dir="); ok {
+			stateDir = v
+		}
+	}
+	cfg, err := o.flags.ToRESTConfig()
+	if err != nil {
+		return err
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	req := cs.CoreV1().RESTClient().Post().Resource("pods").Namespace(pod.Namespace).Name(pod.Name).SubResource("exec").
+		VersionedParams(&corev1.PodExecOptions{Container: pod.Spec.Containers[0].Name, Stdout: true, Stderr: true,
+			Command: []string{"tail", "-c", fmt.Sprint(o.bytes), filepath.Join(stateDir, rel)}}, clientgoscheme.ParameterCodec)
+	exec, err := remotecommand.NewSPDYExecutor(cfg, "POST", req.URL())
+	if err != nil {
+		return err
+	}
+	var stderr strings.Builder
+	if err := exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: o.out, Stderr: &stderr}); err != nil {
+		return fmt.Errorf("reading the console on node %s: %w: %s", vm.Status.NodeName, err, stderr.String())
+	}
 	return nil
 }

@@ -2,6 +2,7 @@ package impvm_test
 
 import (
 	"context"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -181,6 +182,24 @@ func TestKubectlImpVerbs(t *testing.T) {
 	}
 	if out, err := imp("status", "nope"); err == nil || !strings.Contains(out, "ImpVM nope not found") {
 		t.Errorf("status of a missing VM: %v\n%s", err, out)
+	}
+	// logs from an agent state directory on this machine (the exec path needs a kubelet).
+	state := t.TempDir()
+	consoleDir := filepath.Join(state, "vms", string(e.get("web").UID))
+	if err := os.MkdirAll(consoleDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(consoleDir, "console.log"), []byte("boot\nhello from the console\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out := run("logs", "web", "--state-dir", state); out != "boot\nhello from the console\n" {
+		t.Errorf("logs = %q", out)
+	}
+	if out := run("logs", "web", "--state-dir", state, "--limit-bytes", "8"); out != "console\n" {
+		t.Errorf("logs --limit-bytes 8 = %q", out)
+	}
+	if out, err := imp("logs", "web"); err == nil || !strings.Contains(out, "no imp-runtime pod on node") {
+		t.Errorf("logs without an agent pod: %v\n%s", err, out)
 	}
 	run("stop", "web")
 	eventually(t, func() string { return e.phases("web") }).Should(Equal("web=Stopped"))
