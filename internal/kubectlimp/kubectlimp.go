@@ -43,12 +43,12 @@ type options struct {
 	agentNS  string
 	stateDir string
 	bytes    int64
-	out     io.Writer
-	output  string
-	allNS   bool
-	node    string
-	all     bool
-	message string
+	out      io.Writer
+	output   string
+	allNS    bool
+	node     string
+	all      bool
+	message  string
 }
 
 // NewCommand is `kubectl imp` writing to out.
