@@ -85,5 +85,7 @@ tail -n 5 "$STATE/node/vms/$uid/console.log"
 cat <<MSG
 
 IMP is up with a VM running (export KUBECONFIG=$KUBECONFIG; kubectl get imp -A).
+The plugin: go build -o bin/ ./cmd/kubectl-imp; then, with bin/ on PATH,
+  kubectl imp list; kubectl imp logs hello --state-dir $STATE/node; kubectl imp suspend hello; kubectl imp resume hello
 Tear down with: hack/dev-down.sh
 MSG
