@@ -29,6 +29,7 @@ func Run() {
 			code = 127
 		}
 	}
+	ch.flush(5 * time.Second)
 	unix.Sync()
 	if rwDir >= 0 {
 		// Freezing the writable disk's ext4 checkpoints its journal: the disk is consistent
@@ -385,7 +386,24 @@ type channel struct {
 	// is replayed to each new connection.
 	vsock   bool
 	history [][]byte
-	pid     int // the workload, once serving
+	pid     int           // the workload, once serving
+	out     chan []byte   // virtio-serial: lines for the writer goroutine
+	flushed chan struct{} // closed when the writer has written every line
+}
+
+// flush waits, up to timeout, for the lines sent so far to be written (before power-off).
+func (c *channel) flush(timeout time.Duration) {
+	if c == nil || c.out == nil {
+		return
+	}
+	c.mu.Lock()
+	close(c.out)
+	c.out = nil
+	c.mu.Unlock()
+	select {
+	case <-c.flushed:
+	case <-time.After(timeout):
+	}
 }
 
 // openChannel opens the virtio-serial port named ChannelName.
@@ -403,7 +421,13 @@ func openChannel(token, transport string) (*channel, error) {
 				if err != nil {
 					return nil, err
 				}
-				c := &channel{f: f, token: token}
+				c := &channel{f: f, token: token, out: make(chan []byte, 64), flushed: make(chan struct{})}
+				go func(out chan []byte) {
+					defer close(c.flushed)
+					for line := range out {
+						_, _ = f.Write(line)
+					}
+				}(c.out)
 				c.send(Message{Event: "hello", Token: token})
 				return c, nil
 			}
@@ -424,8 +448,20 @@ func (c *channel) send(m Message) {
 	if c.vsock {
 		c.history = append(c.history, line)
 	}
-	if c.f != nil {
-		_, _ = c.f.Write(line)
+	if c.vsock {
+		if c.f != nil {
+			_, _ = c.f.Write(line)
+		}
+		return
+	}
+	// The virtio-serial port blocks writes until the host end connects (an agent restarting):
+	// a writer goroutine waits for it, never init.
+	if c.out == nil {
+		return // flushed: shutting down
+	}
+	select {
+	case c.out <- line:
+	default: // a host away for 64 messages misses the newest news, not the VM its boot
 	}
 }
 
