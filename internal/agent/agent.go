@@ -249,6 +249,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		if !vm.DeletionTimestamp.IsZero() {
 			return ctrl.Result{}, a.teardown(ctx, vm)
 		}
+		if vm.Status.NodeName != a.Opts.NodeName {
+			return ctrl.Result{}, nil // placed elsewhere meanwhile: the watch brings the removal
+		}
 	}
 	st := vm.Status
 	if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
@@ -327,6 +330,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fail("StartFailed", fmt.Errorf("creating %s: %w", dir, err))
 	}
+	_ = os.Remove(filepath.Join(dir, qemu.StateFile)) // a new run boots: an old suspension's state is void
 	kc, err := a.keychain(ctx, vm)
 	if err != nil {
 		return fail("StartFailed", err)
