@@ -136,6 +136,9 @@ func (r *Reconciler) recordTransition(s *scope) {
 	}
 	switch vm.Status.Phase {
 	case impv1.VMStarting:
+		if rt := currentRun(vm); rt != nil && rt.State == impv1.RuntimeSuspended {
+			return // resuming: Resuming and Resumed tell it
+		}
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Starting", "Start", "Node %s is starting the VM", vm.Status.NodeName)
 	case impv1.VMRunning:
 		if rt := currentRun(vm); rt != nil && rt.Message == impv1.RuntimeResumedMessage {
