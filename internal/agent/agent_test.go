@@ -209,7 +209,10 @@ func TestVMLifecycle(t *testing.T) {
 	g.Eventually(func() bool {
 		v := get()
 		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), "VM status: %+v", func() any { return get().Status })
+	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string {
+		st := get().Status
+		return fmt.Sprintf("VM status: %+v; runtime: %+v", st, ptr.Deref(st.Runtime, impv1.RuntimeStatus{}))
+	})
 	v := get()
 	t.Logf("create→Running+Ready %v (boot %dms under TCG); runtime %+v", time.Since(created).Round(time.Millisecond), ptr.Deref(v.Status.Runtime.BootMilliseconds, -1), *v.Status.Runtime)
 
