@@ -335,16 +335,15 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("StartFailed", err)
 	}
-	var opts []remote.Option
 	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
 	if err != nil {
 		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
 	}
-	digest, err := disk.Resolve(ctx, ref.String(), kc, append(opts, remote.WithContext(ctx))...)
+	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
+	digest, err := disk.Resolve(ctx, ref, kc)
 	if err != nil {
 		return fail("ImagePullFailed", err)
 	}
-	digest, _ = name.NewDigest(digest.String(), a.nameOptions(vm.Spec.Image)...)
 	baseDisk, err := a.images.Ensure(ctx, digest, kc)
 	if err != nil {
 		reason := "ImagePullFailed"
@@ -353,7 +352,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		}
 		return fail(reason, err)
 	}
-	img, err := remote.Image(digest, append(opts, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
+	img, err := remote.Image(digest, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))
 	if err != nil {
 		return fail("ImagePullFailed", err)
 	}

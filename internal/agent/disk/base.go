@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
@@ -31,21 +32,19 @@ type BaseStore struct {
 	RemoteOptions []remote.Option
 
 	builds singleflight.Group
+	mu     sync.Mutex
+	active map[string]bool // build directories in use, which GC leaves alone
 }
 
-// Resolve returns the digest reference an image reference names now: itself when it already
-// carries a digest, else what its tag points to.
-func Resolve(ctx context.Context, ref string, kc authn.Keychain, opts ...remote.Option) (name.Digest, error) {
-	r, err := name.ParseReference(ref)
-	if err != nil {
-		return name.Digest{}, fmt.Errorf("parsing image reference %q: %w", ref, err)
-	}
+// Resolve returns the digest r names (r itself when it is one), asking the registry for a tag.
+// The digest keeps r's registry, and with it whether the registry is reached over plain HTTP.
+func Resolve(ctx context.Context, r name.Reference, kc authn.Keychain, opts ...remote.Option) (name.Digest, error) {
 	if d, ok := r.(name.Digest); ok {
 		return d, nil
 	}
 	desc, err := remote.Head(r, append(opts, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
 	if err != nil {
-		return name.Digest{}, fmt.Errorf("resolving %s: %w", ref, err)
+		return name.Digest{}, fmt.Errorf("resolving %s: %w", r, err)
 	}
 	return r.Context().Digest(desc.Digest.String()), nil
 }
@@ -82,11 +81,25 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 		return fmt.Errorf("creating %s: %w", s.Dir, err)
 	}
+	// Registered under the lock GC takes, so GC never sees it unregistered.
+	s.mu.Lock()
 	work, err := os.MkdirTemp(s.Dir, ".build-")
+	if err == nil {
+		if s.active == nil {
+			s.active = map[string]bool{}
+		}
+		s.active[filepath.Base(work)] = true
+	}
+	s.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("creating a build directory: %w", err)
 	}
-	defer os.RemoveAll(work)
+	defer func() {
+		_ = os.RemoveAll(work)
+		s.mu.Lock()
+		delete(s.active, filepath.Base(work))
+		s.mu.Unlock()
+	}()
 	root := filepath.Join(work, "root")
 	if err := os.Mkdir(root, 0o755); err != nil {
 		return err
@@ -162,8 +175,11 @@ func syncFile(p string) error {
 	return nil
 }
 
-// GC removes the base disks of digests not in keep, and builds left over by a crash.
+// GC removes the base disks of digests not in keep, and builds left over by a crash — never a
+// build in progress.
 func (s *BaseStore) GC(keep map[string]bool) (removed []string, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	entries, err := os.ReadDir(s.Dir)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
@@ -174,7 +190,7 @@ func (s *BaseStore) GC(keep map[string]bool) (removed []string, err error) {
 	for _, e := range entries {
 		n := e.Name()
 		switch {
-		case strings.HasPrefix(n, ".build-"):
+		case strings.HasPrefix(n, ".build-") && !s.active[n]:
 		case strings.HasSuffix(n, ".ext4") && !keep[strings.Replace(strings.TrimSuffix(n, ".ext4"), "-", ":", 1)]:
 		default:
 			continue

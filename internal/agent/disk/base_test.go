@@ -13,6 +13,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
@@ -169,7 +170,10 @@ func TestPullSecrets(t *testing.T) {
 	d := testregistry.Push(t, host, "private", good, layer(t, file("f", "private\n")))
 	ctx := context.Background()
 
-	tag := host + "/private:v1"
+	tag, err := name.ParseReference(host + "/private:v1")
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := Resolve(ctx, tag, anonymous, remote.WithTransport(http.DefaultTransport)); err == nil {
 		t.Error("resolved a private image anonymously")
 	}
@@ -203,3 +207,43 @@ func TestRegistryHost(t *testing.T) {
 
 // anonymous is a keychain with no credentials.
 var anonymous = PullSecretKeychain{}
+
+// TestGCSparesBuildsInProgress: collecting base disks while one is being built removes a
+// build a crash left behind, never the one in progress.
+func TestGCSparesBuildsInProgress(t *testing.T) {
+	requireTools(t)
+	host := testregistry.Start(t, "", "")
+	d := testregistry.Push(t, host, "slow", nil, layer(t, file("f", "data\n")))
+	dir := t.TempDir()
+	slowMkfs := filepath.Join(dir, "mkfs")
+	if err := os.WriteFile(slowMkfs, []byte("#!/bin/sh\nsleep 1\nexec mkfs.ext4 \"$@\"\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	store := &BaseStore{Dir: filepath.Join(dir, "images"), MaxBytes: 1 << 30, Mkfs: slowMkfs}
+	if err := os.MkdirAll(filepath.Join(store.Dir, ".build-crashed"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	done, stopped := make(chan struct{}), make(chan struct{})
+	var removed []string
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-done:
+				return
+			case <-time.After(50 * time.Millisecond):
+				r, _ := store.GC(map[string]bool{})
+				removed = append(removed, r...)
+			}
+		}
+	}()
+	_, err := store.Ensure(context.Background(), d, anonymous)
+	close(done)
+	<-stopped
+	if err != nil {
+		t.Fatalf("a base disk build failed while GC ran: %v", err)
+	}
+	if len(removed) != 1 || removed[0] != ".build-crashed" {
+		t.Errorf("GC removed %v, want only the crashed build", removed)
+	}
+}
