@@ -319,7 +319,13 @@ func TestAgentRestart(t *testing.T) {
 		g.Eventually(func() bool {
 			v := get(n)
 			return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-		}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "VM %s", n)
+		}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+			v := get(n)
+			if v == nil {
+				return "VM " + n + " is gone"
+			}
+			return fmt.Sprintf("VM %s: %+v; runtime: %+v", n, v.Status, ptr.Deref(v.Status.Runtime, impv1.RuntimeStatus{}))
+		})
 		rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", string(get(n).UID)))
 		if err != nil {
 			t.Fatal(err)
