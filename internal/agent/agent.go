@@ -236,6 +236,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if !vm.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, a.teardown(ctx, vm)
 	}
+	if vm.Status.Phase == impv1.VMSucceeded || vm.Status.Phase == impv1.VMFailed {
+		return ctrl.Result{}, nil // final: no fresh read needed
+	}
 	dir := a.vmDir(vm.UID)
 	m, _ := readMeta(dir)
 	rec, _ := vmm.ReadRecord(dir)

@@ -61,20 +61,26 @@ func (r reporter) Start(ctx context.Context) error {
 	vmms := r.a.vmms
 	t := time.NewTicker(r.a.Opts.ReportInterval)
 	defer t.Stop()
+	collect := true
 	for {
 		if err := r.a.reportNode(ctx, vmms, kernel, initrd); err != nil {
 			ctrl.LoggerFrom(ctx).Error(err, "reporting the node")
 		}
-		if removed, err := r.a.collectImages(10 * time.Minute); err != nil {
-			ctrl.LoggerFrom(ctx).Error(err, "collecting unused base disks")
-		} else if len(removed) > 0 {
-			ctrl.LoggerFrom(ctx).Info("removed unused base disks", "disks", removed)
+		// Unused base disks on the interval only, not on every report a change asks for.
+		if collect {
+			if removed, err := r.a.collectImages(10 * time.Minute); err != nil {
+				ctrl.LoggerFrom(ctx).Error(err, "collecting unused base disks")
+			} else if len(removed) > 0 {
+				ctrl.LoggerFrom(ctx).Info("removed unused base disks", "disks", removed)
+			}
 		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
+			collect = true
 		case <-r.a.reportNow:
+			collect = false
 		}
 	}
 }
