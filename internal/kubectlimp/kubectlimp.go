@@ -269,13 +269,23 @@ func (o *options) resumeNode(ctx context.Context, c client.Client) error {
 	if err := c.List(ctx, &vms, client.MatchingFields{"status.nodeName": o.node}); err != nil {
 		return fmt.Errorf("listing the VMs of node %s: %w", o.node, err)
 	}
+	var susps impv1.ImpVMSuspensionList
+	if err := c.List(ctx, &susps); err != nil {
+		return fmt.Errorf("listing suspensions: %w", err)
+	}
+	pressure := map[types.NamespacedName]*impv1.ImpVMSuspension{}
+	for i := range susps.Items {
+		if s := &susps.Items[i]; s.Spec.Reason == impv1.SuspendReasonPressure {
+			pressure[client.ObjectKeyFromObject(s)] = s
+		}
+	}
 	n := 0
 	for _, vm := range vms.Items {
-		var s impv1.ImpVMSuspension
-		if err := c.Get(ctx, client.ObjectKeyFromObject(&vm), &s); err != nil || s.Spec.Reason != impv1.SuspendReasonPressure {
+		s, ok := pressure[client.ObjectKeyFromObject(&vm)]
+		if !ok {
 			continue
 		}
-		if err := c.Delete(ctx, &s, client.Preconditions{UID: &s.UID}); err != nil && !apierrors.IsNotFound(err) {
+		if err := c.Delete(ctx, s, client.Preconditions{UID: &s.UID}); err != nil && !apierrors.IsNotFound(err) {
 			return err
 		}
 		fmt.Fprintf(o.out, "impvm/%s resuming (namespace %s)\n", vm.Name, vm.Namespace)
