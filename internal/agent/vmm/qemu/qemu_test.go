@@ -83,29 +83,9 @@ func TestBootUnderQEMU(t *testing.T) {
 	if testing.Short() {
 		t.Skip("boots a guest under QEMU")
 	}
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	ref := testguest.Image(t, host, "hello")
-	store := &disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}
-	ctx := context.Background()
-	base, err := store.Ensure(ctx, ref, disk.PullSecretKeychain{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	vmDir := filepath.Join(tmp, "vm")
-	if err := os.Mkdir(vmDir, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	rw := filepath.Join(vmDir, "rw.ext4")
-	cfg := guestinit.Config{Argv: []string{"hello", "exit"}, Env: []string{"GREETING=hi"}, WorkingDir: "/home/app", User: "app", Hostname: "vm-one"}
-	if err := disk.EnsureWritable(rw, 64<<20, cfg, ""); err != nil {
-		t.Fatal(err)
-	}
-
-	spec := Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
-		VCPUs: 1, MemoryMiB: 256, Token: "t0ken", Accel: "tcg", TSCkHz: TSCkHz(), // issue 4: proven under TCG
-		CgroupRoot: cgroup.Root}
+	spec := guestSpec(t, guestinit.Config{Argv: []string{"hello", "exit"}, Env: []string{"GREETING=hi"}, WorkingDir: "/home/app", User: "app", Hostname: "vm-one"})
+	spec.Token = "t0ken"
+	vmDir, rw, base := spec.Dir, spec.WritableDisk, spec.BaseDisk
 	name := filepath.Base(vmDir)
 	t.Cleanup(func() { cgroup.Remove(cgroup.Root, name) })
 	start := time.Now()
@@ -236,23 +216,8 @@ func TestSuspendResume(t *testing.T) {
 	if testing.Short() {
 		t.Skip("boots a guest under QEMU")
 	}
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	ref := testguest.Image(t, host, "hello")
-	store := &disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}
-	base, err := store.Ensure(context.Background(), ref, disk.PullSecretKeychain{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	vmDir := filepath.Join(tmp, "vm")
-	_ = os.Mkdir(vmDir, 0o700)
-	rw := filepath.Join(vmDir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, 64<<20, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "counter"}, ""); err != nil {
-		t.Fatal(err)
-	}
-	spec := Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
-		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root}
+	spec := guestSpec(t, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "counter"})
+	vmDir := spec.Dir
 	rec, err := Start(spec, "h")
 	if err != nil {
 		t.Fatal(err)
@@ -326,4 +291,28 @@ func hasLine(text, line string) bool {
 		}
 	}
 	return false
+}
+
+// guestSpec is a 256 MiB, one-vCPU guest under TCG (issue 4: proven under TCG) of the test
+// image from a registry on 127.0.0.1, with its base disk and a writable disk holding cfg.
+func guestSpec(t *testing.T, cfg guestinit.Config) Spec {
+	t.Helper()
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	ref := testguest.Image(t, testregistry.Start(t, "", ""), "hello")
+	store := &disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}
+	base, err := store.Ensure(context.Background(), ref, disk.PullSecretKeychain{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vmDir := filepath.Join(tmp, "vm")
+	if err := os.Mkdir(vmDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rw := filepath.Join(vmDir, "rw.ext4")
+	if err := disk.EnsureWritable(rw, 64<<20, cfg, ""); err != nil {
+		t.Fatal(err)
+	}
+	return Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
+		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root}
 }
