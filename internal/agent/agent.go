@@ -347,7 +347,9 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("ImagePullFailed", err)
 	}
-	baseDisk, err := a.images.Ensure(ctx, digest, kc)
+	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
+	baseDisk, release, err := a.images.Ensure(ctx, digest, kc)
+	defer release()
 	if err != nil {
 		reason := "ImagePullFailed"
 		if errors.Is(err, disk.ErrUnsafeLayer) {

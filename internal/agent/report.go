@@ -68,7 +68,7 @@ func (r reporter) Start(ctx context.Context) error {
 		}
 		// Unused base disks on the interval only, not on every report a change asks for.
 		if collect {
-			if removed, err := r.a.collectImages(10 * time.Minute); err != nil {
+			if removed, err := r.a.collectImages(imageRetention); err != nil {
 				ctrl.LoggerFrom(ctx).Error(err, "collecting unused base disks")
 			} else if len(removed) > 0 {
 				ctrl.LoggerFrom(ctx).Info("removed unused base disks", "disks", removed)
@@ -164,21 +164,27 @@ func qemuVersion() string {
 	return strings.TrimPrefix(first, "QEMU emulator version ")
 }
 
-// collectImages removes the base disks no VM of this node uses, once older than minAge (a VM
-// being started has its disk before it records which one it uses).
+// imageRetention is how long an unused base disk is kept, for a VM that comes back soon.
+const imageRetention = 10 * time.Minute
+
+// collectImages removes the base disks no VM of this node uses and none uses within minAge.
+// A VM being started holds a lease on its disk (BaseStore.Ensure) until its meta records the
+// digest; the metas are read under the lock leases take, so no start falls between the two.
 func (a *Agent) collectImages(minAge time.Duration) ([]string, error) {
-	keep := map[string]bool{}
-	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
-	for _, d := range dirs {
-		if m, err := readMeta(d); err == nil && m.Digest != "" {
-			keep[m.Digest] = true
+	return a.images.GC(func() map[string]bool {
+		keep := map[string]bool{}
+		dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+		for _, d := range dirs {
+			if m, err := readMeta(d); err == nil && m.Digest != "" {
+				keep[m.Digest] = true
+			}
 		}
-	}
-	disks, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "images", "sha256-*.ext4"))
-	for _, p := range disks {
-		if fi, err := os.Stat(p); err == nil && time.Since(fi.ModTime()) < minAge {
-			keep[strings.Replace(strings.TrimSuffix(filepath.Base(p), ".ext4"), "-", ":", 1)] = true
+		disks, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "images", "sha256-*.ext4"))
+		for _, p := range disks {
+			if fi, err := os.Stat(p); err == nil && time.Since(fi.ModTime()) < minAge {
+				keep[strings.Replace(strings.TrimSuffix(filepath.Base(p), ".ext4"), "-", ":", 1)] = true
+			}
 		}
-	}
-	return a.images.GC(keep)
+		return keep
+	})
 }

@@ -22,6 +22,10 @@ import (
 // BaseStore keeps one read-only ext4 base disk per image digest in Dir, named
 // "sha256-<hex>.ext4". A disk appears only complete: it is built in a temporary directory of Dir
 // and renamed into place.
+//
+// Ensure hands out a lease on the disk it returns; GC never removes a disk under a lease, nor
+// one its caller says is in use. A VM start holds the lease from before the disk exists until
+// it has recorded the digest it uses, so there is no moment at which GC could take the disk.
 type BaseStore struct {
 	Dir string
 	// MaxBytes bounds the file bytes of one image.
@@ -34,6 +38,7 @@ type BaseStore struct {
 	builds singleflight.Group
 	mu     sync.Mutex
 	active map[string]bool // build directories in use, which GC leaves alone
+	leases map[string]int  // digest → leases held (Ensure until its release)
 }
 
 // Resolve returns the digest r names (r itself when it is one), asking the registry for a tag.
@@ -54,23 +59,46 @@ func (s *BaseStore) Path(d name.Digest) string {
 	return filepath.Join(s.Dir, strings.Replace(d.DigestStr(), ":", "-", 1)+".ext4")
 }
 
-// Ensure returns the base disk of image d, pulling and building it when it is not there yet.
-// Concurrent calls for one digest share one build.
-func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain) (string, error) {
+// Ensure returns the base disk of image d, pulling and building it when it is not there yet,
+// and a lease on it: GC leaves the disk alone until release is called (once; later calls do
+// nothing). Concurrent calls for one digest share one build.
+func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain) (path string, release func(), err error) {
+	release = s.lease(d.DigestStr())
 	target := s.Path(d)
 	if _, err := os.Stat(target); err == nil {
-		return target, nil
+		return target, release, nil
 	}
-	_, err, _ := s.builds.Do(target, func() (any, error) {
+	_, err, _ = s.builds.Do(target, func() (any, error) {
 		if _, err := os.Stat(target); err == nil {
 			return nil, nil
 		}
 		return nil, s.build(ctx, d, kc, target)
 	})
 	if err != nil {
-		return "", err
+		release()
+		return "", func() {}, err
 	}
-	return target, nil
+	return target, release, nil
+}
+
+// lease counts a lease on digest until the returned function is called.
+func (s *BaseStore) lease(digest string) func() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.leases == nil {
+		s.leases = map[string]int{}
+	}
+	s.leases[digest]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			if s.leases[digest]--; s.leases[digest] <= 0 {
+				delete(s.leases, digest)
+			}
+		})
+	}
 }
 
 func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain, target string) error {
@@ -175,9 +203,10 @@ func syncFile(p string) error {
 	return nil
 }
 
-// GC removes the base disks of digests not in keep, and builds left over by a crash — never a
-// build in progress.
-func (s *BaseStore) GC(keep map[string]bool) (removed []string, err error) {
+// GC removes the base disks of digests neither leased nor in inUse's answer, and builds left
+// over by a crash — never a build in progress. inUse is asked under the lock that Ensure's
+// leases take, so a disk whose lease was released after its user recorded it is seen as used.
+func (s *BaseStore) GC(inUse func() map[string]bool) (removed []string, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	entries, err := os.ReadDir(s.Dir)
@@ -187,11 +216,13 @@ func (s *BaseStore) GC(keep map[string]bool) (removed []string, err error) {
 	if err != nil {
 		return nil, err
 	}
+	keep := inUse()
 	for _, e := range entries {
 		n := e.Name()
+		digest := strings.Replace(strings.TrimSuffix(n, ".ext4"), "-", ":", 1)
 		switch {
 		case strings.HasPrefix(n, ".build-") && !s.active[n]:
-		case strings.HasSuffix(n, ".ext4") && !keep[strings.Replace(strings.TrimSuffix(n, ".ext4"), "-", ":", 1)]:
+		case strings.HasSuffix(n, ".ext4") && !keep[digest] && s.leases[digest] == 0:
 		default:
 			continue
 		}

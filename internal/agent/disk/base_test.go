@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -65,7 +66,7 @@ func TestBaseDiskFromRegistry(t *testing.T) {
 	errs := make([]error, 4)
 	for i := range paths {
 		wg.Add(1)
-		go func() { defer wg.Done(); paths[i], errs[i] = store.Ensure(ctx, d, anonymous) }()
+		go func() { defer wg.Done(); paths[i], _, errs[i] = store.Ensure(ctx, d, anonymous) }()
 	}
 	wg.Wait()
 	for i := range paths {
@@ -98,17 +99,28 @@ func TestBaseDiskFromRegistry(t *testing.T) {
 
 	// Present: not rebuilt.
 	before := fi.ModTime()
-	if _, err := store.Ensure(ctx, d, anonymous); err != nil {
+	_, release, err := store.Ensure(ctx, d, anonymous)
+	if err != nil {
 		t.Fatal(err)
 	}
+	release()
 	if fi, _ := os.Stat(disk); !fi.ModTime().Equal(before) {
 		t.Error("an existing base disk was rebuilt")
 	}
 
-	// GC keeps what is used and removes the rest.
-	removed, err := store.GC(map[string]bool{})
-	if err != nil || len(removed) != 1 {
-		t.Errorf("GC removed %v, %v", removed, err)
+	// GC keeps what is leased or used, and removes the rest. The four concurrent Ensures above
+	// leaked their leases on purpose: a fresh store stands for an agent restarted since.
+	store = &BaseStore{Dir: store.Dir}
+	_, release, _ = store.Ensure(ctx, d, anonymous)
+	if removed, err := store.GC(nothing); err != nil || len(removed) != 0 {
+		t.Errorf("GC removed %v, %v while the disk was leased", removed, err)
+	}
+	release()
+	if removed, err := store.GC(func() map[string]bool { return map[string]bool{d.DigestStr(): true} }); err != nil || len(removed) != 0 {
+		t.Errorf("GC removed %v, %v; the disk is in use", removed, err)
+	}
+	if removed, err := store.GC(nothing); err != nil || len(removed) != 1 {
+		t.Errorf("GC removed %v, %v; want the unused disk", removed, err)
 	}
 }
 
@@ -137,7 +149,7 @@ func TestBaseDiskRefusesUnsafeImages(t *testing.T) {
 			}
 			d := testregistry.Push(t, host, "evil", authn.DefaultKeychain, ls...)
 			store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
-			_, err := store.Ensure(context.Background(), d, anonymous)
+			_, _, err := store.Ensure(context.Background(), d, anonymous)
 			if !errors.Is(err, ErrUnsafeLayer) {
 				t.Fatalf("error = %v, want ErrUnsafeLayer", err)
 			}
@@ -184,10 +196,10 @@ func TestPullSecrets(t *testing.T) {
 
 	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
 	bad, _ := NewPullSecretKeychain(secret("puller", "wrong"))
-	if _, err := store.Ensure(ctx, d, bad); err == nil {
+	if _, _, err := store.Ensure(ctx, d, bad); err == nil {
 		t.Error("pulled with a wrong password")
 	}
-	if _, err := store.Ensure(ctx, d, good); err != nil {
+	if _, _, err := store.Ensure(ctx, d, good); err != nil {
 		t.Errorf("pulling with the pull secret: %v", err)
 	}
 }
@@ -208,15 +220,22 @@ func TestRegistryHost(t *testing.T) {
 // anonymous is a keychain with no credentials.
 var anonymous = PullSecretKeychain{}
 
+// nothing is a GC callback for a node where no VM records a base disk.
+func nothing() map[string]bool { return nil }
+
 // TestGCSparesBuildsInProgress: collecting base disks while one is being built removes a
-// build a crash left behind, never the one in progress.
+// build a crash left behind, never the one in progress, nor the disk it produces while its
+// lease is held.
 func TestGCSparesBuildsInProgress(t *testing.T) {
 	requireTools(t)
 	host := testregistry.Start(t, "", "")
 	d := testregistry.Push(t, host, "slow", nil, layer(t, file("f", "data\n")))
 	dir := t.TempDir()
+	// mkfs waits until GC has run at least once while the build is in progress.
+	building, gcRan := filepath.Join(dir, "building"), filepath.Join(dir, "gc-ran")
 	slowMkfs := filepath.Join(dir, "mkfs")
-	if err := os.WriteFile(slowMkfs, []byte("#!/bin/sh\nsleep 1\nexec mkfs.ext4 \"$@\"\n"), 0o755); err != nil {
+	script := "#!/bin/sh\ntouch " + building + "\nwhile [ ! -e " + gcRan + " ]; do sleep 0.01; done\nexec mkfs.ext4 \"$@\"\n"
+	if err := os.WriteFile(slowMkfs, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	store := &BaseStore{Dir: filepath.Join(dir, "images"), MaxBytes: 1 << 30, Mkfs: slowMkfs}
@@ -231,19 +250,78 @@ func TestGCSparesBuildsInProgress(t *testing.T) {
 			select {
 			case <-done:
 				return
-			case <-time.After(50 * time.Millisecond):
-				r, _ := store.GC(map[string]bool{})
-				removed = append(removed, r...)
+			default:
 			}
+			r, _ := store.GC(nothing)
+			removed = append(removed, r...)
+			if _, err := os.Stat(building); err == nil {
+				_ = os.WriteFile(gcRan, nil, 0o600)
+			}
+			time.Sleep(time.Millisecond)
 		}
 	}()
-	_, err := store.Ensure(context.Background(), d, anonymous)
+	path, release, err := store.Ensure(context.Background(), d, anonymous)
+	// GC keeps running after the build: the lease still protects the disk.
+	time.Sleep(20 * time.Millisecond)
+	_, statErr := os.Stat(path)
 	close(done)
 	<-stopped
+	release()
 	if err != nil {
 		t.Fatalf("a base disk build failed while GC ran: %v", err)
 	}
+	if statErr != nil {
+		t.Errorf("the leased base disk was removed: %v", statErr)
+	}
 	if len(removed) != 1 || removed[0] != ".build-crashed" {
 		t.Errorf("GC removed %v, want only the crashed build", removed)
+	}
+}
+
+// TestGCDuringManyStarts: GC runs without pause while 25 "VM starts" each ensure a disk,
+// record its digest and release the lease, as the agent does, then go; no start ever finds its
+// disk gone between Ensure and its record, and each start waits for GC to collect the unused
+// disk first, so that each builds it afresh under a running GC.
+func TestGCDuringManyStarts(t *testing.T) {
+	requireTools(t)
+	host := testregistry.Start(t, "", "")
+	d := testregistry.Push(t, host, "busy", nil, layer(t, file("f", "data\n")))
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+	var recorded atomic.Bool // a VM records the digest
+	inUse := func() map[string]bool { return map[string]bool{d.DigestStr(): recorded.Load()} }
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			_, _ = store.GC(inUse)
+		}
+	}()
+	defer func() { close(done); <-stopped }()
+	for i := range 25 {
+		path, release, err := store.Ensure(context.Background(), d, anonymous)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(path); err != nil {
+			t.Fatalf("start %d: the disk Ensure returned is gone before the VM recorded it: %v", i, err)
+		}
+		recorded.Store(true)
+		release()
+		if _, err := os.Stat(path); err != nil {
+			t.Fatalf("start %d: the recorded disk was collected: %v", i, err)
+		}
+		recorded.Store(false) // the VM goes
+		deadline := time.Now().Add(30 * time.Second)
+		for _, err := os.Stat(path); err == nil; _, err = os.Stat(path) {
+			if time.Now().After(deadline) {
+				t.Fatalf("start %d: GC did not collect the unused disk", i)
+			}
+			time.Sleep(time.Millisecond)
+		}
 	}
 }

@@ -98,6 +98,10 @@ type Options struct {
 	MTU int
 	// StateDir holds what the host remembers across restarts (whether it enabled forwarding).
 	StateDir string
+	// BootID identifies the running boot of the node (default: the kernel's
+	// /proc/sys/kernel/random/boot_id). What StateDir remembers of the node's kernel settings
+	// holds only within the boot that wrote it.
+	BootID string
 }
 
 // Host plumbs ImpNetworks into one network namespace. Its methods are safe for concurrent use.
@@ -116,6 +120,13 @@ func Open(opts Options) (*Host, error) {
 	}
 	if opts.MTU == 0 {
 		opts.MTU = DefaultMTU
+	}
+	if opts.BootID == "" {
+		id, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+		if err != nil {
+			return nil, fmt.Errorf("reading the boot id: %w", err)
+		}
+		opts.BootID = strings.TrimSpace(string(id))
 	}
 	h := &Host{opts: opts}
 	var err error
@@ -560,7 +571,9 @@ func (h *Host) inNetNS(f func() error) error {
 }
 
 // syncForwarding turns IPv4 forwarding on while a NAT network is present and back off when
-// none is, but only when it was IMP that turned it on.
+// none is, but only when it was IMP that turned it on in this boot: the marker holds the boot
+// id, so after a reboot, where the node's own configuration may have turned forwarding on, an
+// old marker means nothing.
 func (h *Host) syncForwarding() error {
 	need, err := h.natPresent()
 	if err != nil {
@@ -574,16 +587,22 @@ func (h *Host) syncForwarding() error {
 			return fmt.Errorf("reading %s: %w", knob, err)
 		}
 		on := strings.TrimSpace(string(cur)) == "1"
-		_, ours := os.Stat(marker)
+		mark, err := os.ReadFile(marker)
+		ours := err == nil && strings.TrimSpace(string(mark)) == h.opts.BootID
+		if err == nil && !ours {
+			if err := os.Remove(marker); err != nil {
+				return fmt.Errorf("removing the forwarding marker of an earlier boot: %w", err)
+			}
+		}
 		switch {
 		case need && !on:
-			if err := os.WriteFile(marker, nil, 0o600); err != nil {
+			if err := os.WriteFile(marker, []byte(h.opts.BootID+"\n"), 0o600); err != nil {
 				return err
 			}
 			if err := os.WriteFile(knob, []byte("1"), 0o644); err != nil {
 				return fmt.Errorf("enabling IPv4 forwarding: %w", err)
 			}
-		case !need && on && ours == nil:
+		case !need && on && ours:
 			if err := os.WriteFile(knob, []byte("0"), 0o644); err != nil {
 				return fmt.Errorf("disabling IPv4 forwarding: %w", err)
 			}

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -292,24 +293,34 @@ func TestAntiSpoofing(t *testing.T) {
 	macA, macB := hostnet.MAC(ipA), hostnet.MAC(ipB)
 	target := netip.MustParseAddr("10.80.0.9")
 
-	// received drains tapB for a while and says whether an ARP request for target, or a
-	// datagram to target, arrived.
+	// received reads tapB until a frame for sentinel arrives (an ARP request from A, sent after
+	// the frame under test: the bridge keeps their order) and says whether an ARP request for
+	// target, or a datagram to target, came before it. The bound only ends a broken run.
+	sentinel := netip.MustParseAddr("10.80.0.250")
 	received := func(target netip.Addr) bool {
+		if _, err := tapA.Write(arpRequest(macA, macA, ipA, sentinel)); err != nil {
+			t.Fatal(err)
+		}
 		buf := make([]byte, 2048)
-		deadline := time.Now().Add(700 * time.Millisecond)
+		deadline := time.Now().Add(30 * time.Second)
+		seen := false
 		for {
 			_ = tapB.SetReadDeadline(deadline)
 			n, err := tapB.Read(buf)
 			if err != nil {
-				return false
+				t.Fatalf("the sentinel frame never reached the other VM: %v", err)
 			}
 			f := buf[10:n]
-			tg := target.As4()
-			if len(f) >= 42 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_ARP && bytes.Equal(f[38:42], tg[:]) {
-				return true
-			}
-			if len(f) >= 34 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_IP && bytes.Equal(f[30:34], tg[:]) {
-				return true
+			for addr, hit := range map[netip.Addr]*bool{target: &seen, sentinel: nil} {
+				a4 := addr.As4()
+				arp := len(f) >= 42 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_ARP && bytes.Equal(f[38:42], a4[:])
+				ip := len(f) >= 34 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_IP && bytes.Equal(f[30:34], a4[:])
+				if arp || ip {
+					if hit == nil {
+						return seen
+					}
+					*hit = true
+				}
 			}
 		}
 	}
@@ -338,5 +349,81 @@ func TestAntiSpoofing(t *testing.T) {
 				t.Errorf("frame reached the other VM: %v, want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestForwardingMarkerOfAnEarlierBoot: forwarding that the node's own configuration turned on
+// stays on when the last NAT network leaves, although a marker from an earlier boot says IMP
+// had turned it on then; within one boot, IMP turns off what it turned on.
+func TestForwardingMarkerOfAnEarlierBoot(t *testing.T) {
+	for _, tt := range []struct {
+		name, marker string // marker left in the state directory; "" for none
+		wantAfter    string // ip_forward once the NAT network is gone
+	}{
+		{"marker of an earlier boot", "boot-1\n", "1"},
+		{"marker of the format before boot ids", "", "1"},
+		{"no marker", "-", "1"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ns := testnetns.New(t, "imp-hn-fwd")
+			if err := testnetns.Do(ns, func() error { return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644) }); err != nil {
+				t.Fatal(err)
+			}
+			state := t.TempDir()
+			if tt.marker != "-" {
+				if err := os.WriteFile(filepath.Join(state, "ip_forward-enabled-by-imp"), []byte(tt.marker), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			h, err := hostnet.Open(hostnet.Options{NetNS: ns, StateDir: state, BootID: "boot-2"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(h.Close)
+			attachAndLeave(t, h)
+			if got := forwarding(t, ns); got != tt.wantAfter {
+				t.Errorf("ip_forward = %s after the last NAT network left, want %s (the node turned it on)", got, tt.wantAfter)
+			}
+		})
+	}
+
+	// Within one boot, IMP turns off what it turned on.
+	ns := testnetns.New(t, "imp-hn-fwd")
+	if err := testnetns.Do(ns, func() error { return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("0"), 0o644) }); err != nil {
+		t.Fatal(err)
+	}
+	h, err := hostnet.Open(hostnet.Options{NetNS: ns, StateDir: t.TempDir(), BootID: "boot-2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.Close)
+	attachAndLeave(t, h, func() {
+		if got := forwarding(t, ns); got != "1" {
+			t.Fatalf("ip_forward = %s with a NAT network", got)
+		}
+	})
+	if got := forwarding(t, ns); got != "0" {
+		t.Errorf("ip_forward = %s after IMP's own NAT network left, want 0", got)
+	}
+}
+
+// attachAndLeave attaches a VM to a NAT network, runs while, then detaches it and syncs the
+// network away.
+func attachAndLeave(t *testing.T, h *hostnet.Host, while ...func()) {
+	t.Helper()
+	n := network("blue", "10.78.0.0/24", 0, true)
+	tap, err := h.Attach(n, "vm-1", netip.MustParseAddr("10.78.0.2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tap.Close()
+	for _, f := range while {
+		f()
+	}
+	if err := h.Detach("vm-1"); err != nil {
+		t.Fatal(err)
+	}
+	if present, err := h.Sync(n, nil); err != nil || present {
+		t.Fatalf("Sync without VMs = %v, %v", present, err)
 	}
 }

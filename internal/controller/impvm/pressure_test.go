@@ -177,7 +177,7 @@ func TestKubectlImpVerbs(t *testing.T) {
 	if out := run("status", "web"); !strings.Contains(out, "Phase:") || !strings.Contains(out, "Condition Ready:") {
 		t.Errorf("status:\n%s", out)
 	}
-	if out := run("status", "web", "-o", "json"); !strings.Contains(out, `"kind": "ImpVM"`) && !strings.Contains(out, `"name": "web"`) {
+	if out := run("status", "web", "-o", "json"); !strings.Contains(out, `"kind": "ImpVM"`) || !strings.Contains(out, `"name": "web"`) {
 		t.Errorf("status -o json:\n%s", out)
 	}
 	if out, err := imp("status", "nope"); err == nil || !strings.Contains(out, "ImpVM nope not found") {

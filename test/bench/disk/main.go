@@ -69,12 +69,12 @@ func run(mb, runs int) error {
 		store := &disk.BaseStore{Dir: filepath.Join(dir, "images"), MaxBytes: 1 << 40}
 		kc := disk.PullSecretKeychain{}
 		t0 := time.Now()
-		if _, err := store.Ensure(context.Background(), d, kc); err != nil {
+		if _, _, err := store.Ensure(context.Background(), d, kc); err != nil {
 			return err
 		}
 		cold = append(cold, time.Since(t0))
 		t1 := time.Now()
-		if _, err := store.Ensure(context.Background(), d, kc); err != nil {
+		if _, _, err := store.Ensure(context.Background(), d, kc); err != nil {
 			return err
 		}
 		if err := disk.EnsureWritable(filepath.Join(dir, "vm2.ext4"), 1<<30, guestinit.Config{Argv: []string{"/bin/app"}}, ""); err != nil {

@@ -50,7 +50,7 @@ func run(b *testing.B, rounds int, mem int64) error {
 	kernel, initrd := testguest.Artifacts(b, tmp)
 	host := testregistry.Start(b, "", "")
 	ref := testguest.Image(b, host, "hello")
-	base, err := (&disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}).Ensure(context.Background(), ref, disk.PullSecretKeychain{})
+	base, _, err := (&disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}).Ensure(context.Background(), ref, disk.PullSecretKeychain{})
 	if err != nil {
 		return err
 	}
