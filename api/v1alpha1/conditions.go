@@ -54,9 +54,15 @@ const (
 	// ReasonInvalidSpec: the spec passed the API's validation but cannot be acted on, such as a
 	// node selector with an invalid label value. Retrying cannot fix it; editing the VM can.
 	ReasonInvalidSpec = "InvalidSpec"
-	// ReasonNodeLost: the VM's node disappeared or stayed NotReady beyond the grace period.
+	// ReasonNodeLost: the VM's node was deleted or fenced (tainted out of service), so the VM
+	// no longer runs there.
 	ReasonNodeLost = "NodeLost"
 )
+
+// ReasonNodeUnreachable (ReadyCondition): neither the node's kubelet nor its IMP agent has
+// reported for the grace period. The VM may still run there, so it is not started elsewhere
+// until the node is fenced.
+const ReasonNodeUnreachable = "NodeUnreachable"
 
 // Reasons of ReadyCondition.
 const (

@@ -48,7 +48,8 @@ import (
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;patch
-// +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;create
+// +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups="",resources=secrets;configmaps,verbs=get
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch

@@ -105,7 +105,7 @@ func readyNode(t *testing.T, c *testcluster.Cluster, nodeName string) {
 // startOperator runs the operator in-process until the test ends.
 func startOperator(t *testing.T, c *testcluster.Cluster) {
 	ctx := context.Background()
-	opMgr, err := ctrl.NewManager(c.Config, managerOptions(c))
+	opMgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), managerOptions(c))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +153,7 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) {
 	killVMMs(t, opts.StateDir)
 	mo := managerOptions(c)
 	mo.Cache = agent.CacheOptions(opts.NodeName)
-	agMgr, err := ctrl.NewManager(c.Config, mo)
+	agMgr, err := ctrl.NewManager(c.As(t, testcluster.Agent), mo)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,6 +213,12 @@ func TestVMLifecycle(t *testing.T) {
 		st := get().Status
 		return fmt.Sprintf("VM status: %+v; runtime: %+v", st, ptr.Deref(st.Runtime, impv1.RuntimeStatus{}))
 	})
+	// The agent, with the chart's identity, reported its node and named the Node its owner.
+	var report impv1.ImpNode
+	if err := c.Client.Get(ctx, types.NamespacedName{Name: w.node}, &report); err != nil || len(report.OwnerReferences) != 1 ||
+		report.OwnerReferences[0].Kind != "Node" || report.OwnerReferences[0].Name != w.node {
+		t.Errorf("ImpNode %s: owners %+v, %v; want its Node", w.node, report.OwnerReferences, err)
+	}
 	v := get()
 	t.Logf("create→Running+Ready %v (boot %dms under TCG); runtime %+v", time.Since(created).Round(time.Millisecond), ptr.Deref(v.Status.Runtime.BootMilliseconds, -1), *v.Status.Runtime)
 
@@ -275,7 +281,7 @@ func TestAgentRestart(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
 		t.Fatalf("building imp-agent: %v\n%s", err, out)
 	}
-	kubeconfig := c.Kubeconfig(t)
+	kubeconfig := c.KubeconfigAs(t, testcluster.Agent)
 	stateDir := filepath.Join(tmp, "state")
 	killVMMs(t, stateDir)
 	startAgent := func() *exec.Cmd {

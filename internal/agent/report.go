@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -86,20 +87,30 @@ func (r reporter) Start(ctx context.Context) error {
 }
 
 func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kernel, initrd *impv1.Artifact) error {
+	// The report is garbage-collected with its Node: it names the Node as its owner.
+	var n corev1.Node
+	if err := a.APIReader.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, &n); err != nil {
+		return fmt.Errorf("reading Node %s: %w", a.Opts.NodeName, err)
+	}
+	owner := metav1.OwnerReference{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}
 	node := &impv1.ImpNode{}
 	err := a.Client.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, node)
-	if apierrors.IsNotFound(err) {
-		node = &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: a.Opts.NodeName}}
-		var n corev1.Node
-		if err := a.APIReader.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, &n); err == nil {
-			// Garbage-collected with its node.
-			node.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}}
-		}
+	switch {
+	case apierrors.IsNotFound(err):
+		node = &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: a.Opts.NodeName, OwnerReferences: []metav1.OwnerReference{owner}}}
 		if err := a.Client.Create(ctx, node); err != nil && !apierrors.IsAlreadyExists(err) {
 			return fmt.Errorf("creating ImpNode %s: %w", a.Opts.NodeName, err)
 		}
-	} else if err != nil {
-		return err
+	case err != nil:
+		return fmt.Errorf("reading ImpNode %s: %w", a.Opts.NodeName, err)
+	case !slices.ContainsFunc(node.OwnerReferences, func(o metav1.OwnerReference) bool { return o.UID == n.UID }):
+		// Made without its owner (by an agent whose reads of Nodes were refused), or its Node
+		// was made again under the same name.
+		orig := node.DeepCopy()
+		node.OwnerReferences = []metav1.OwnerReference{owner}
+		if err := a.Client.Patch(ctx, node, client.MergeFrom(orig)); err != nil {
+			return fmt.Errorf("setting the owner of ImpNode %s: %w", a.Opts.NodeName, err)
+		}
 	}
 	orig := node.DeepCopy()
 	cpus := int32(runtime.NumCPU())

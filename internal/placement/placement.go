@@ -4,7 +4,7 @@
 //
 // A node fits a VM when it carries every required label (imp/enabled=true always among them),
 // is Ready and schedulable, has no memory, disk or PID pressure, every NoSchedule/NoExecute
-// taint is tolerated, its agent reports Ready and offers the VMM the VM asks for, and its
+// taint is tolerated, its agent reports Ready, keeps reporting and offers the VMM the VM asks for, and its
 // allocatable vCPUs and memory minus what the ledger says placed VMs hold cover the VM.
 // Among fitting nodes the one with the most free memory wins, then the lexically first name,
 // so that decisions are deterministic.
@@ -35,10 +35,13 @@ type Request struct {
 }
 
 // Node is a node as placement sees it: the Node object and its agent's report (nil when the
-// node's agent never reported).
+// node's agent never reported), and whether that agent has stopped reporting.
 type Node struct {
 	Node   *corev1.Node
 	Report *impv1.ImpNode
+	// AgentSilent: the agent's heartbeat has not changed within the operator's bound; its
+	// report may describe a node that no longer runs anything.
+	AgentSilent bool
 }
 
 // Why a node does not fit, as counted in an Unschedulable message.
@@ -51,6 +54,7 @@ const (
 	whyPIDPressure = "have PIDPressure"
 	whyTaint       = "have a taint the VM does not tolerate"
 	whyNoAgent     = "have no ready IMP agent"
+	whyAgentSilent = "have an IMP agent that stopped reporting"
 	whyNoVMM       = "do not offer the VMM the VM asks for"
 	whyNoCPU       = "have too few free vCPUs"
 	whyNoMemory    = "have too little free memory"
@@ -77,6 +81,8 @@ func Fits(req Request, n Node) (bool, string) {
 	case n.Report == nil || n.Report.Status.Allocatable == nil ||
 		!meta.IsStatusConditionTrue(n.Report.Status.Conditions, impv1.ReadyCondition):
 		return false, whyNoAgent
+	case n.AgentSilent:
+		return false, whyAgentSilent
 	case !offers(n.Report, req.VMM):
 		return false, whyNoVMM
 	}

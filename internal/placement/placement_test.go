@@ -103,6 +103,7 @@ func TestFits(t *testing.T) {
 		},
 		{name: "no agent report", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Report = nil }), wantWhy: whyNoAgent},
 		{name: "agent not ready", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.Report.Status.Conditions[0].Status = metav1.ConditionFalse }), wantWhy: whyNoAgent},
+		{name: "agent stopped reporting", req: req(1, 1), node: node("n", 4, 8, func(n *Node) { n.AgentSilent = true }), wantWhy: whyAgentSilent},
 		{name: "VMM not offered", req: Request{VMM: impv1.VMMFirecracker, Labels: req(1, 1).Labels}, node: node("n", 4, 8), wantWhy: whyNoVMM},
 		{name: "VMM offered", req: Request{VMM: impv1.VMMQEMU, Labels: req(1, 1).Labels}, node: node("n", 4, 8)},
 	}

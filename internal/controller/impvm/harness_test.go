@@ -51,6 +51,7 @@ func newEnv(t *testing.T) *env {
 	opts.VM.RestartBackoffBase = 200 * time.Millisecond
 	opts.VM.RestartBackoffMax = time.Second
 	opts.VM.NodeLostGracePeriod = 2 * time.Second
+	opts.VM.AgentHeartbeatTimeout = time.Hour // the simulated reports beat only where a test says
 	opts.VM.DeletionTimeout = 30 * time.Second
 	return &env{t: t, c: c.Client, cl: c, ns: ns, pool: ns, opts: opts}
 }
@@ -59,7 +60,7 @@ func newEnv(t *testing.T) *env {
 // stops it.
 func (e *env) startOperator() (stop func()) {
 	e.t.Helper()
-	mgr, err := ctrl.NewManager(e.cl.Config, ctrl.Options{
+	mgr, err := ctrl.NewManager(e.cl.As(e.t, testcluster.Operator), ctrl.Options{
 		Scheme:                 e.cl.Scheme,
 		Metrics:                metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0",
@@ -296,3 +297,8 @@ func eventually(t *testing.T, f any, args ...any) AsyncAssertion {
 }
 
 func name(prefix string, i int) string { return fmt.Sprintf("%s-%03d", prefix, i) }
+
+// consistently is Gomega's Consistently for d.
+func consistently(t *testing.T, f any, d time.Duration) AsyncAssertion {
+	return NewWithT(t).Consistently(f).WithTimeout(d).WithPolling(100 * time.Millisecond)
+}

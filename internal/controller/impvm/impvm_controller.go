@@ -49,9 +49,13 @@ type EventRecorder interface {
 
 // Options tune the reconciler.
 type Options struct {
-	// NodeLostGracePeriod is how long a VM's node may be NotReady before the VM is considered
-	// lost and, if its runStrategy says so, placed again.
+	// NodeLostGracePeriod is how long a VM's node may be NotReady, with its agent silent too,
+	// before the VM is reported NodeUnreachable. It is placed again only once the node is
+	// fenced: the Node deleted, or tainted node.kubernetes.io/out-of-service.
 	NodeLostGracePeriod time.Duration
+	// AgentHeartbeatTimeout is how long a node's agent may go without a new heartbeat before
+	// the node takes no more VMs.
+	AgentHeartbeatTimeout time.Duration
 	// RestartBackoffBase and RestartBackoffMax bound the delay before a restart: base doubles
 	// with each restart, up to max; a run that lasted 10 minutes resets it to base.
 	RestartBackoffBase, RestartBackoffMax time.Duration
@@ -63,10 +67,11 @@ type Options struct {
 // DefaultOptions are the operator's defaults.
 func DefaultOptions() Options {
 	return Options{
-		NodeLostGracePeriod: 5 * time.Minute,
-		RestartBackoffBase:  10 * time.Second,
-		RestartBackoffMax:   5 * time.Minute,
-		DeletionTimeout:     5 * time.Minute,
+		NodeLostGracePeriod:   5 * time.Minute,
+		AgentHeartbeatTimeout: 2 * time.Minute,
+		RestartBackoffBase:    10 * time.Second,
+		RestartBackoffMax:     5 * time.Minute,
+		DeletionTimeout:       5 * time.Minute,
 	}
 }
 
@@ -84,6 +89,7 @@ type Reconciler struct {
 	ledgerOnce  sync.Mutex
 	ledgerReady bool
 	holders     sync.Map // types.NamespacedName → types.UID of the VM holding there
+	beats       heartbeats
 
 	freed chan event.GenericEvent // capacity was released: retry unplaced VMs
 }
@@ -96,6 +102,8 @@ type scope struct {
 	schedReason    string // why the VM is not placed
 	schedMsg       string
 	nodeLost       bool
+	unreachable    string // why the VM's node is unreachable (not fenced: the VM stays placed)
+	oldReadyReason string
 	expired        bool // deleted by this reconcile: nothing else to do
 	requeue        time.Duration
 }
@@ -138,6 +146,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 	s := &scope{vm: vm, oldPhase: vm.Status.Phase}
 	if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ScheduledCondition); c != nil && c.Status == metav1.ConditionFalse {
 		s.oldSchedReason = c.Reason
+	}
+	if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ReadyCondition); c != nil {
+		s.oldReadyReason = c.Reason
 	}
 	defer func() {
 		computeStatus(s, r.Clock.Now())
@@ -361,48 +372,61 @@ func (r *Reconciler) candidates(ctx context.Context) ([]placement.Node, error) {
 	for i := range reports.Items {
 		byName[reports.Items[i].Name] = &reports.Items[i]
 	}
+	now := r.Clock.Now()
 	out := make([]placement.Node, 0, len(nodes.Items))
 	for i := range nodes.Items {
-		out = append(out, placement.Node{Node: &nodes.Items[i], Report: byName[nodes.Items[i].Name]})
+		n := placement.Node{Node: &nodes.Items[i], Report: byName[nodes.Items[i].Name]}
+		if n.Report != nil {
+			n.AgentSilent = r.beats.silentFor(n.Node.Name, n.Report.Status.HeartbeatTime, now) > r.Options.AgentHeartbeatTimeout
+		}
+		out = append(out, n)
 	}
 	return out, nil
 }
 
-// checkNode handles a placed VM whose node is gone or NotReady beyond the grace period.
+// checkNode handles a placed VM whose node may be gone. A VM is taken off its node only when
+// the node is fenced, so that it never runs twice with one address and disk: the Node was
+// deleted, or tainted node.kubernetes.io/out-of-service (Kubernetes' own signal that a node is
+// shut down). A node whose kubelet is NotReady and whose agent is silent, both for the grace
+// period, is unreachable: the VM is reported so, and stays until the node is fenced or returns.
 func (r *Reconciler) checkNode(ctx context.Context, s *scope) error {
 	vm := s.vm
+	name := vm.Status.NodeName
 	node := &corev1.Node{}
-	err := r.Client.Get(ctx, types.NamespacedName{Name: vm.Status.NodeName}, node)
+	err := r.Client.Get(ctx, types.NamespacedName{Name: name}, node)
 	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("getting node %s: %w", vm.Status.NodeName, err)
+		return fmt.Errorf("getting node %s: %w", name, err)
 	}
 	var why string
-	if apierrors.IsNotFound(err) {
+	switch {
+	case apierrors.IsNotFound(err):
 		why = "was deleted"
-	} else {
-		ready := readyCondition(node)
-		if ready == nil || ready.Status != corev1.ConditionTrue {
-			since := node.CreationTimestamp.Time
-			if ready != nil {
-				since = ready.LastTransitionTime.Time
-			}
-			left := since.Add(r.Options.NodeLostGracePeriod).Sub(r.Clock.Now())
-			if left > 0 {
-				s.requeueAfter(left)
-				r.holdIfPlaced(vm)
-				return nil
-			}
-			why = fmt.Sprintf("has not been Ready for %s", r.Options.NodeLostGracePeriod)
-		}
-	}
-	if why == "" {
+	case outOfService(node):
+		why = "is out of service (taint " + corev1.TaintNodeOutOfService + ")"
+	default:
 		r.holdIfPlaced(vm)
+		grace := r.Options.NodeLostGracePeriod
+		notReady := r.notReadyFor(node)
+		silent := grace // no report at all: nothing says the agent lives
+		report := &impv1.ImpNode{}
+		if err := r.Client.Get(ctx, types.NamespacedName{Name: name}, report); err == nil {
+			silent = r.beats.silentFor(name, report.Status.HeartbeatTime, r.Clock.Now())
+		} else if !apierrors.IsNotFound(err) {
+			return fmt.Errorf("getting ImpNode %s: %w", name, err)
+		}
+		if notReady >= grace && silent >= grace {
+			s.unreachable = fmt.Sprintf("node %s: its kubelet is not Ready and its IMP agent has not reported for %s. The VM may still run there, "+
+				"so it is not started elsewhere until the node is fenced: delete the Node, or taint it %s:NoExecute once it is shut down",
+				name, grace, corev1.TaintNodeOutOfService)
+			s.requeueAfter(grace) // a heartbeat that resumes without any other change
+		} else if notReady > 0 {
+			s.requeueAfter(grace - min(notReady, silent))
+		}
 		return nil
 	}
 
 	// The VM leaves its node. The old node's agent must not run it again: an agent runs only
 	// VMs whose status.nodeName is its own node, and only their current instance.
-	old := vm.Status.NodeName
 	s.nodeLost = true
 	vm.Status.NodeName = ""
 	vm.Status.NextRestartAt = nil
@@ -410,12 +434,34 @@ func (r *Reconciler) checkNode(ctx context.Context, s *scope) error {
 	r.signalFreed()
 	if vm.Spec.RunStrategy == impv1.RunStrategyOnce {
 		vm.Status.Phase = impv1.VMFailed
-		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeLost", "Fail", "Node %s %s; runStrategy Once does not run the VM again", old, why)
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeLost", "Fail", "Node %s %s; runStrategy Once does not run the VM again", name, why)
 		return nil
 	}
 	// A new instance elsewhere (Always, RerunOnFailure), or none until asked (Halted).
-	r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeLost", "Reschedule", "Node %s %s; placing the VM again", old, why)
+	r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeLost", "Reschedule", "Node %s %s; placing the VM again", name, why)
 	return nil
+}
+
+// notReadyFor is how long node has not been Ready (0 when it is).
+func (r *Reconciler) notReadyFor(node *corev1.Node) time.Duration {
+	ready := readyCondition(node)
+	if ready != nil && ready.Status == corev1.ConditionTrue {
+		return 0
+	}
+	since := node.CreationTimestamp.Time
+	if ready != nil {
+		since = ready.LastTransitionTime.Time
+	}
+	return max(r.Clock.Since(since), time.Nanosecond)
+}
+
+func outOfService(node *corev1.Node) bool {
+	for _, t := range node.Spec.Taints {
+		if t.Key == corev1.TaintNodeOutOfService && t.Effect == corev1.TaintEffectNoExecute {
+			return true
+		}
+	}
+	return false
 }
 
 func readyCondition(n *corev1.Node) *corev1.NodeCondition {

@@ -432,12 +432,42 @@ func TestBackoffGrows(t *testing.T) {
 	eventually(t, func() int32 { return e.get("crash").Status.RestartCount }).Should(BeNumerically(">=", 4))
 }
 
-// TestNodeLost: a VM whose node disappears is placed again as a new instance (Always) or
-// fails (Once).
+// heartbeat keeps node's simulated agent reporting until the returned function is called.
+func (e *env) heartbeat(node string) (stop func()) {
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for {
+			rep := &impv1.ImpNode{}
+			if err := e.c.Get(context.Background(), types.NamespacedName{Name: node}, rep); err == nil {
+				orig := rep.DeepCopy()
+				now := metav1.Now()
+				rep.Status.HeartbeatTime = &now
+				_ = e.c.Status().Patch(context.Background(), rep, client.MergeFrom(orig))
+			}
+			select {
+			case <-done:
+				return
+			case <-time.After(200 * time.Millisecond):
+			}
+		}
+	}()
+	var once sync.Once
+	stop = func() { once.Do(func() { close(done); <-stopped }) }
+	e.t.Cleanup(stop)
+	return stop
+}
+
+// TestNodeLost: a VM stays on a node whose kubelet is NotReady while its agent reports; with
+// the agent silent too it is reported NodeUnreachable but still not started elsewhere (it may
+// run there); once the node is fenced (tainted out of service) it is placed again as a new
+// instance (Always) or fails (Once).
 func TestNodeLost(t *testing.T) {
 	e := newEnv(t)
+	e.opts.VM.AgentHeartbeatTimeout = 2 * time.Second
 	ctx := context.Background()
 	doomed := e.node("doomed", 4, 4)
+	stopBeats := e.heartbeat(doomed.Name)
 	e.startAgent(nil)
 	e.startOperator()
 	again, once := e.vm("again", 1, "256Mi"), e.vm("once", 1, "256Mi")
@@ -447,11 +477,35 @@ func TestNodeLost(t *testing.T) {
 		eventually(t, func() impv1.VMPhase { return e.get(n).Status.Phase }).Should(Equal(impv1.VMRunning))
 	}
 	spare := e.node("spare", 4, 4)
+	e.heartbeat(spare.Name)
 
-	// NotReady, then past the grace period.
+	// The kubelet NotReady, the agent still reporting: well past the grace period, nothing moves.
 	orig := doomed.DeepCopy()
 	doomed.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionFalse, Reason: "KubeletStopped", LastTransitionTime: metav1.Now()}}
 	if err := e.c.Status().Patch(ctx, doomed, client.MergeFrom(orig)); err != nil {
+		t.Fatal(err)
+	}
+	consistently(t, func() string {
+		v := e.get("again")
+		return v.Status.NodeName + " " + condition(v, impv1.ReadyCondition).Reason
+	}, 3*e.opts.VM.NodeLostGracePeriod).Should(Equal(doomed.Name + " " + impv1.ReasonGuestReady))
+
+	// The agent silent too: unreachable, reported, and still not started elsewhere.
+	stopBeats()
+	eventually(t, func() string { return condition(e.get("again"), impv1.ReadyCondition).Reason }).Should(Equal(impv1.ReasonNodeUnreachable))
+	eventually(t, e.events).Should(HaveKey(impv1.ReasonNodeUnreachable))
+	consistently(t, func() string { return e.get("again").Status.NodeName + " " + e.get("once").Status.NodeName }, 2*time.Second).
+		Should(Equal(doomed.Name + " " + doomed.Name))
+	if msg := condition(e.get("again"), impv1.ReadyCondition).Message; !strings.Contains(msg, corev1.TaintNodeOutOfService) {
+		t.Errorf("NodeUnreachable message %q does not say how to fence the node", msg)
+	}
+
+	// Fenced: the VMs leave it.
+	if err := e.c.Get(ctx, client.ObjectKeyFromObject(doomed), doomed); err != nil {
+		t.Fatal(err)
+	}
+	doomed.Spec.Taints = append(doomed.Spec.Taints, corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute})
+	if err := e.c.Update(ctx, doomed); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, func() string { return e.get("again").Status.NodeName }).Should(Equal(spare.Name))
@@ -465,6 +519,34 @@ func TestNodeLost(t *testing.T) {
 		t.Errorf("lost Once VM's Ready reason %q, want NodeLost", c.Reason)
 	}
 	eventually(t, e.events).Should(HaveKey("NodeLost"))
+}
+
+// TestSilentAgentTakesNoVMs: a node whose agent stopped reporting gets no VM, and the VM says
+// why; when the agent reports again, the VM is placed there.
+func TestSilentAgentTakesNoVMs(t *testing.T) {
+	e := newEnv(t)
+	e.opts.VM.AgentHeartbeatTimeout = 2 * time.Second
+	quiet := e.node("quiet", 4, 4)
+	rep := &impv1.ImpNode{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Name: quiet.Name}, rep); err != nil {
+		t.Fatal(err)
+	}
+	orig := rep.DeepCopy()
+	last := metav1.NewTime(time.Now().Add(-time.Minute))
+	rep.Status.HeartbeatTime = &last
+	if err := e.c.Status().Patch(context.Background(), rep, client.MergeFrom(orig)); err != nil {
+		t.Fatal(err)
+	}
+	e.startAgent(nil)
+	e.startOperator()
+	e.create(e.vm("waits", 1, "256Mi"))
+	eventually(t, func() string { return condition(e.get("waits"), impv1.ScheduledCondition).Message }).
+		Should(ContainSubstring("1 have an IMP agent that stopped reporting"))
+	if n := e.get("waits").Status.NodeName; n != "" {
+		t.Fatalf("placed on %s, whose agent is silent", n)
+	}
+	e.heartbeat(quiet.Name)
+	eventually(t, func() string { return e.get("waits").Status.NodeName }).Should(Equal(quiet.Name))
 }
 
 // TestDeletionWaitsForTheAgent: the finalizer holds the VM until the node's agent reports it

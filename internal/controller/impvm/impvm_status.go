@@ -34,6 +34,9 @@ func computeStatus(s *scope, now time.Time) {
 	}
 
 	phase, ready, reason, msg := phaseOf(vm, now)
+	if s.unreachable != "" {
+		ready, reason, msg = metav1.ConditionFalse, impv1.ReasonNodeUnreachable, s.unreachable
+	}
 	st.Phase = phase
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: ready,
 		Reason: reason, Message: msg, ObservedGeneration: gen})
@@ -130,6 +133,9 @@ func (r *Reconciler) recordTransition(s *scope) {
 		if s.schedReason != s.oldSchedReason {
 			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
 		}
+	}
+	if s.unreachable != "" && s.oldReadyReason != impv1.ReasonNodeUnreachable {
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonNodeUnreachable, "Wait", "%s", s.unreachable)
 	}
 	if s.oldPhase == vm.Status.Phase {
 		return

@@ -3,6 +3,7 @@ package impvm
 import (
 	"context"
 	"fmt"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
@@ -64,7 +65,7 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		Named("impvm").
 		WithOptions(controller.Options{MaxConcurrentReconciles: concurrency}).
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(nodeChanged())).
-		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged())).
+		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged(r.Options.AgentHeartbeatTimeout))).
 		Watches(&impv1.ImpVMClass{}, handler.EnqueueRequestsFromMapFunc(r.forClass)).
 		// A suspension has its VM's name: the request is the VM's.
 		Watches(&impv1.ImpVMSuspension{}, &handler.EnqueueRequestForObject{}).
@@ -137,10 +138,14 @@ func conditionStatuses(n *corev1.Node) map[corev1.NodeConditionType]corev1.Condi
 	return m
 }
 
-// reportChanged passes ImpNode updates other than heartbeats.
-func reportChanged() predicate.Predicate {
+// reportChanged passes ImpNode updates other than heartbeats, and the heartbeat of an agent
+// that had been silent for longer than silence: its node may take VMs again.
+func reportChanged(silence time.Duration) predicate.Predicate {
 	return predicate.Funcs{UpdateFunc: func(e event.UpdateEvent) bool {
 		o, n := e.ObjectOld.(*impv1.ImpNode).Status.DeepCopy(), e.ObjectNew.(*impv1.ImpNode).Status.DeepCopy()
+		if o.HeartbeatTime == nil || (n.HeartbeatTime != nil && n.HeartbeatTime.Sub(o.HeartbeatTime.Time) > silence) {
+			return true
+		}
 		o.HeartbeatTime, n.HeartbeatTime = nil, nil
 		for _, s := range []*impv1.ImpNodeStatus{o, n} {
 			for i := range s.Conditions {

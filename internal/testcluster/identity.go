@@ -1,0 +1,163 @@
+package testcluster
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/engine"
+	"helm.sh/helm/v3/pkg/releaseutil"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	"sigs.k8s.io/yaml"
+)
+
+// ChartNamespace is the namespace the chart's identities live in, in tests as in the runbook.
+const ChartNamespace = "imp-system"
+
+// The chart's components, by their ServiceAccount's name.
+const (
+	Operator = "imp-operator"
+	Agent    = "imp-agent"
+)
+
+// rbacKinds are the kinds of the chart's manifests that make up its components' authority.
+var rbacKinds = map[string]bool{"ServiceAccount": true, "ClusterRole": true, "ClusterRoleBinding": true, "Role": true, "RoleBinding": true}
+
+var rbacOnce sync.Map // *Cluster → *onceErr
+
+type onceErr struct {
+	once sync.Once
+	err  error
+}
+
+// As returns a client configuration that acts as component's ServiceAccount ("imp-operator",
+// "imp-agent") with exactly the authority the chart gives it: the chart's ServiceAccounts,
+// roles and bindings, rendered from charts/imp with default values by Helm's own engine, are
+// installed once per cluster, and the configuration impersonates the ServiceAccount with the
+// groups its token would carry. Components under test use it instead of the cluster admin.
+func (c *Cluster) As(t testing.TB, component string) *rest.Config {
+	t.Helper()
+	if err := c.installChartRBAC(); err != nil {
+		t.Fatalf("installing the chart's RBAC: %v", err)
+	}
+	cfg := rest.CopyConfig(c.Config)
+	cfg.Impersonate = impersonation(component)
+	return cfg
+}
+
+// KubeconfigAs writes a kubeconfig that acts as component's ServiceAccount (see As), for
+// components run as processes, and returns its path.
+func (c *Cluster) KubeconfigAs(t testing.TB, component string) string {
+	t.Helper()
+	if err := c.installChartRBAC(); err != nil {
+		t.Fatalf("installing the chart's RBAC: %v", err)
+	}
+	user, err := c.Env.AddUser(envtest.User{Name: "impersonator", Groups: []string{"system:masters"}}, nil)
+	if err != nil {
+		t.Fatalf("adding a user: %v", err)
+	}
+	raw, err := user.KubeConfig()
+	if err != nil {
+		t.Fatalf("rendering a kubeconfig: %v", err)
+	}
+	kc, err := clientcmd.Load(raw)
+	if err != nil {
+		t.Fatalf("reading the kubeconfig: %v", err)
+	}
+	imp := impersonation(component)
+	for _, a := range kc.AuthInfos {
+		a.Impersonate, a.ImpersonateGroups = imp.UserName, imp.Groups
+	}
+	path := filepath.Join(t.TempDir(), component+".kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, path); err != nil {
+		t.Fatalf("writing %s: %v", path, err)
+	}
+	return path
+}
+
+func impersonation(component string) rest.ImpersonationConfig {
+	return rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:" + ChartNamespace + ":" + component,
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + ChartNamespace, "system:authenticated"},
+	}
+}
+
+func (c *Cluster) installChartRBAC() error {
+	v, _ := rbacOnce.LoadOrStore(c, &onceErr{})
+	o := v.(*onceErr)
+	o.once.Do(func() { o.err = c.applyChartRBAC(context.Background()) })
+	return o.err
+}
+
+func (c *Cluster) applyChartRBAC(ctx context.Context) error {
+	root, err := RepoRoot()
+	if err != nil {
+		return err
+	}
+	docs, err := ChartManifests(filepath.Join(root, "charts", "imp"), nil)
+	if err != nil {
+		return err
+	}
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ChartNamespace}}
+	if err := c.Client.Create(ctx, ns); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("creating namespace %s: %w", ChartNamespace, err)
+	}
+	n := 0
+	for _, doc := range docs {
+		u := &unstructured.Unstructured{}
+		if err := yaml.Unmarshal([]byte(doc), &u.Object); err != nil {
+			return fmt.Errorf("parsing a chart manifest: %w", err)
+		}
+		if !rbacKinds[u.GetKind()] {
+			continue
+		}
+		if err := c.Client.Create(ctx, u); err != nil {
+			return fmt.Errorf("creating %s %s: %w", u.GetKind(), u.GetName(), err)
+		}
+		n++
+	}
+	if n == 0 {
+		return fmt.Errorf("the chart rendered no RBAC")
+	}
+	return nil
+}
+
+// ChartManifests renders the chart in dir with values (nil: its defaults) as an install into
+// ChartNamespace, with Helm's own engine, and returns its manifests.
+func ChartManifests(dir string, values map[string]any) ([]string, error) {
+	ch, err := loader.Load(dir)
+	if err != nil {
+		return nil, fmt.Errorf("loading the chart %s: %w", dir, err)
+	}
+	rv, err := chartutil.ToRenderValues(ch, values, chartutil.ReleaseOptions{Name: "imp", Namespace: ChartNamespace, IsInstall: true}, chartutil.DefaultCapabilities)
+	if err != nil {
+		return nil, fmt.Errorf("values of the chart: %w", err)
+	}
+	files, err := engine.Render(ch, rv)
+	if err != nil {
+		return nil, fmt.Errorf("rendering the chart: %w", err)
+	}
+	var out []string
+	for name, content := range files {
+		if !strings.HasSuffix(name, ".yaml") {
+			continue
+		}
+		for _, doc := range releaseutil.SplitManifests(content) {
+			if strings.TrimSpace(doc) != "" {
+				out = append(out, doc)
+			}
+		}
+	}
+	return out, nil
+}
