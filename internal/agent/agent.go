@@ -295,6 +295,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			now := metav1.Now()
 			ended.State, ended.FinishedAt, ended.GuestReady = impv1.RuntimeExited, &now, false
 			ended.Reason, ended.Message = "VMMExited", "the VMM exited while the agent was not watching"
+			a.endRun(vm.UID)
 			if tail := a.logTail(dir, rec); tail != "" {
 				ended.Message += ": " + tail
 			}
@@ -374,8 +375,12 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if res == nil {
 		return fail("StartFailed", errors.New("the VM has no resources recorded by its placement"))
 	}
+	// The run's workload, secrets and all, on a disk of its own that goes when the run ends.
+	if err := disk.WriteConfig(filepath.Join(dir, configDisk), cfg); err != nil {
+		return fail("StartFailed", err)
+	}
 	rw := filepath.Join(dir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, res.DiskSize.Value(), cfg, ""); err != nil {
+	if err := disk.EnsureWritable(rw, res.DiskSize.Value(), ""); err != nil {
 		return fail("StartFailed", err)
 	}
 
@@ -432,7 +437,7 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if m.VMM == impv1.VMMFirecracker {
 		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, tap, gnet, incoming != "")
 	} else {
-		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw,
+		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw, ConfigDisk: filepath.Join(dir, configDisk),
 			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
 			CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet, Incoming: incoming}
 		rec, err = qemu.Start(spec, m.Digest)
@@ -441,6 +446,23 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 		return nil, "StartFailed", err
 	}
 	return rec, "", nil
+}
+
+// configDisk is the file, in a VM's state directory, of its current run's configuration disk.
+const configDisk = "config.img"
+
+// endRun removes what only the VM's current run needed: its configuration disk (which holds
+// the workload's secret values), in the VM's directory and in its jail. The VMM is gone.
+func (a *Agent) endRun(uid types.UID) {
+	paths := []string{filepath.Join(a.vmDir(uid), configDisk)}
+	if a.Opts.Firecracker != "" {
+		paths = append(paths, filepath.Join(a.jailRoot(uid), "disks", configDisk))
+	}
+	for _, p := range paths {
+		if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
+			ctrl.Log.Error(err, "removing the configuration of an ended run", "vm", uid)
+		}
+	}
 }
 
 func randomToken() string {
@@ -545,6 +567,9 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) {
 		}
 	}
 	a.stopMonitor(vm.UID)
+	if !rec.Alive() {
+		a.endRun(vm.UID)
+	}
 }
 
 // teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone

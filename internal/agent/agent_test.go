@@ -496,3 +496,68 @@ func TestPinMismatchBlocksTheVM(t *testing.T) {
 		return false
 	}).WithTimeout(30 * time.Second).Should(BeTrue())
 }
+
+// TestWorkloadChangesReachTheGuest: each run of a VM gets the workload as it is at its start
+// (a rotated Secret, new arguments), and the values stay on the node no longer than the run:
+// once the VM is stopped no file of its state holds them.
+func TestWorkloadChangesReachTheGuest(t *testing.T) {
+	w := newWorld(t)
+	c, ctx := w.c, context.Background()
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "greeting"}, StringData: map[string]string{"value": "first-s3cret"}}
+	if err := c.Client.Create(ctx, secret); err != nil {
+		t.Fatal(err)
+	}
+	vm := w.vm("rotates", "serve")
+	vm.Spec.Env = []impv1.EnvVar{{Name: "GREETING", ValueFrom: &impv1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
+		LocalObjectReference: corev1.LocalObjectReference{Name: "greeting"}, Key: "value"}}}}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	console := func() string { v := w.get("rotates"); return w.console(v) }
+	g.Eventually(console).WithTimeout(3 * time.Minute).Should(ContainSubstring("GREETING=first-s3cret"))
+	uid := w.get("rotates").UID
+	dir := filepath.Join(w.stateDir, "vms", string(uid))
+	if _, err := os.Stat(filepath.Join(dir, "config.img")); err != nil {
+		t.Errorf("the running VM has no configuration disk: %v", err)
+	}
+
+	// Rotate the Secret, change the arguments, restart: the next run sees both.
+	secret.StringData = map[string]string{"value": "second-s3cret"}
+	if err := c.Client.Update(ctx, secret); err != nil {
+		t.Fatal(err)
+	}
+	v := w.get("rotates")
+	v.Spec.Env = append(v.Spec.Env, impv1.EnvVar{Name: "EXTRA", Value: "x"})
+	v.Spec.Args = []string{"serve", "again"}
+	if v.Annotations == nil {
+		v.Annotations = map[string]string{}
+	}
+	v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Add(2 * time.Second).Format(time.RFC3339Nano)
+	if err := c.Client.Update(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(console).WithTimeout(3 * time.Minute).Should(ContainSubstring("GREETING=second-s3cret"))
+	g.Eventually(func() int32 { return w.get("rotates").Status.RestartCount }).Should(BeNumerically(">=", 1))
+
+	// Stopped: the run's configuration is gone from the node; nothing of the VM keeps the values.
+	v = w.get("rotates")
+	v.Spec.RunStrategy = impv1.RunStrategyHalted
+	if err := c.Client.Update(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("rotates").Status.Phase }).WithTimeout(2 * time.Minute).Should(Equal(impv1.VMStopped))
+	g.Eventually(func() error { _, err := os.Stat(filepath.Join(dir, "config.img")); return err }).Should(MatchError(os.ErrNotExist))
+	files, _ := filepath.Glob(filepath.Join(dir, "*"))
+	for _, f := range files {
+		if filepath.Base(f) == qemu.ConsoleLog {
+			continue // the workload printed it
+		}
+		b, _ := os.ReadFile(f)
+		for _, s := range []string{"first-s3cret", "second-s3cret"} {
+			if strings.Contains(string(b), s) {
+				t.Errorf("%s holds the secret value %s after the VM stopped", filepath.Base(f), s)
+			}
+		}
+	}
+}

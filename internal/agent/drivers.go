@@ -104,7 +104,7 @@ func (a *Agent) firecrackerSpec(vm *impv1.ImpVM, dir string, m *meta, base strin
 	res := vm.Status.Resources
 	s := firecracker.Spec{ID: string(vm.UID), Dir: dir, Firecracker: a.Opts.Firecracker, Jailer: a.Opts.Jailer,
 		UID: m.JailUID, GID: m.JailUID, ChrootBase: a.jailBase(), NetNS: a.Opts.NetNS, CgroupVersion: cgroup.Version(a.Opts.CgroupRoot),
-		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"),
+		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, configDisk),
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token}
 	if gnet != nil {
 		s.Tap, s.Net = hostnet.TapName(string(vm.UID)), gnet

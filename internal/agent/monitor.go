@@ -152,6 +152,7 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 					break drained
 				}
 			}
+			a.endRun(meta.UID)
 			rt := base
 			now := metav1.Now()
 			rt.State, rt.FinishedAt = impv1.RuntimeExited, &now

@@ -1,6 +1,6 @@
 // Package guestinit is imp-init, PID 1 of every IMP guest, and the contract between it and the
-// node agent: the workload configuration the agent writes onto the VM's writable disk, the
-// disk labels, and the messages of the guest channel.
+// node agent: the workload configuration the agent hands each run on its configuration disk,
+// the disk labels, and the messages of the guest channel.
 //
 // At boot imp-init mounts /proc, /sys and /dev, loads the initramfs's kernel modules, mounts the
 // image's read-only base disk (label imp-base) under an overlay whose upper layer lives on the
@@ -22,10 +22,6 @@ const (
 	BaseLabel     = "imp-base"
 	WritableLabel = "imp-rw"
 )
-
-// ConfigPath is where, on the writable disk (outside the overlay's upper directory), the agent
-// writes the workload's Config as JSON.
-const ConfigPath = "imp/config.json"
 
 // ChannelName is the virtio-serial port name of the guest channel.
 const ChannelName = "imp.channel"

@@ -81,7 +81,7 @@ func run() (int, error) {
 		fmt.Fprintln(os.Stderr, "imp-init: no guest channel:", err)
 	}
 
-	base, rw, err := findDisks(10 * time.Second)
+	base, rw, cfg, err := findDisks(10 * time.Second)
 	if err != nil {
 		return ch.fail(err)
 	}
@@ -103,14 +103,9 @@ func run() (int, error) {
 	if err := unix.Mount("overlay", "/run/root", "overlay", 0, "lowerdir=/run/lower,upperdir=/run/rw/upper,workdir=/run/rw/work"); err != nil {
 		return ch.fail(fmt.Errorf("mounting the overlay root: %w", err))
 	}
-	data, err := os.ReadFile(filepath.Join("/run/rw", ConfigPath))
-	if err != nil {
-		return ch.fail(fmt.Errorf("reading the workload configuration: %w", err))
-	}
-	var cfg Config
-	if err := json.Unmarshal(data, &cfg); err != nil || len(cfg.Argv) == 0 {
-		return ch.fail(fmt.Errorf("bad workload configuration: %v %q", err, data))
-	}
+	// Agents before the configuration disk left the configuration, secrets and all, on the
+	// writable disk: it has no use any more.
+	_ = os.RemoveAll(filepath.Join("/run/rw", filepath.Dir(legacyConfigPath)))
 	gnet, err := ParseNet(params)
 	if err != nil {
 		return ch.fail(err)
@@ -175,9 +170,15 @@ func loadModules(params []string) error {
 	return nil
 }
 
-// findDisks returns the block devices labelled BaseLabel and WritableLabel.
-func findDisks(timeout time.Duration) (base, rw string, err error) {
+// legacyConfigPath is where, on the writable disk, agents before the configuration disk wrote
+// the workload's Config.
+const legacyConfigPath = "imp/config.json"
+
+// findDisks returns the block devices labelled BaseLabel and WritableLabel, and the
+// workload's Config from the configuration disk.
+func findDisks(timeout time.Duration) (base, rw string, cfg Config, err error) {
 	deadline := time.Now().Add(timeout)
+	found := false
 	for {
 		devs, _ := filepath.Glob("/dev/vd*")
 		for _, d := range devs {
@@ -186,16 +187,35 @@ func findDisks(timeout time.Duration) (base, rw string, err error) {
 				base = d
 			case WritableLabel:
 				rw = d
+			default:
+				if !found {
+					c, err := readConfigDisk(d)
+					switch {
+					case err == nil:
+						cfg, found = c, true
+					case !errors.Is(err, ErrNotConfigDisk):
+						return "", "", cfg, fmt.Errorf("configuration disk %s: %w", d, err)
+					}
+				}
 			}
 		}
-		if base != "" && rw != "" {
-			return base, rw, nil
+		if base != "" && rw != "" && found {
+			return base, rw, cfg, nil
 		}
 		if time.Now().After(deadline) {
-			return "", "", fmt.Errorf("disks labelled %s and %s not found among %v", BaseLabel, WritableLabel, devs)
+			return "", "", cfg, fmt.Errorf("disks labelled %s and %s and the configuration disk not all found among %v", BaseLabel, WritableLabel, devs)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+func readConfigDisk(dev string) (Config, error) {
+	f, err := os.Open(dev)
+	if err != nil {
+		return Config{}, fmt.Errorf("%w: %v", ErrNotConfigDisk, err)
+	}
+	defer f.Close()
+	return DecodeConfigDisk(f)
 }
 
 // ext4Label reads the volume name of an ext4 superblock (offset 1024, name at 0x78).

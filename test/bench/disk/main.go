@@ -77,7 +77,10 @@ func run(mb, runs int) error {
 		if _, _, err := store.Ensure(context.Background(), d, kc); err != nil {
 			return err
 		}
-		if err := disk.EnsureWritable(filepath.Join(dir, "vm2.ext4"), 1<<30, guestinit.Config{Argv: []string{"/bin/app"}}, ""); err != nil {
+		if err := disk.EnsureWritable(filepath.Join(dir, "vm2.ext4"), 1<<30, ""); err != nil {
+			return err
+		}
+		if err := disk.WriteConfig(filepath.Join(dir, "vm2.config"), guestinit.Config{Argv: []string{"/bin/app"}}); err != nil {
 			return err
 		}
 		second = append(second, time.Since(t1))

@@ -57,10 +57,14 @@ func run(b *testing.B, rounds int, mem int64) error {
 	dir := filepath.Join(tmp, "vm")
 	_ = os.Mkdir(dir, 0o700)
 	rw := filepath.Join(dir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, 64<<20, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "bench"}, ""); err != nil {
+	if err := disk.EnsureWritable(rw, 64<<20, ""); err != nil {
 		return err
 	}
-	spec := qemu.Spec{Dir: dir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, VCPUs: 1, MemoryMiB: mem,
+	config := filepath.Join(dir, "config.img")
+	if err := disk.WriteConfig(config, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "bench"}); err != nil {
+		return err
+	}
+	spec := qemu.Spec{Dir: dir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, ConfigDisk: config, VCPUs: 1, MemoryMiB: mem,
 		Token: "t", Accel: qemu.Accel(), TSCkHz: qemu.TSCkHz()}
 	rec, err := qemu.Start(spec, "bench")
 	if err != nil {

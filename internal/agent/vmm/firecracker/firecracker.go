@@ -29,6 +29,7 @@ const (
 	jailInitramfs = "/boot/initramfs.cpio.gz"
 	jailBaseDisk  = "/disks/base.ext4"
 	jailRWDisk    = "/disks/rw.ext4"
+	jailConfig    = "/disks/config.img"
 	jailAPISock   = "/run/firecracker.socket"
 	jailVsock     = "/run/vsock.sock"
 	jailLog       = "/logs/firecracker.log"
@@ -62,7 +63,10 @@ type Spec struct {
 	CgroupVersion int
 	// Host paths of what the VM boots.
 	Kernel, Initramfs, BaseDisk, WritableDisk string
-	VCPUs                                     int
+	// ConfigDisk is the run's configuration disk (guestinit.EncodeConfigDisk); the jail gets
+	// it anew for every run.
+	ConfigDisk string
+	VCPUs      int
 	MemoryMiB                                 int64
 	// Token authenticates the guest channel.
 	Token string
@@ -140,12 +144,16 @@ func PrepareChroot(s Spec) error {
 			return err
 		}
 	}
+	// The run's configuration replaces the previous run's.
+	if err := os.Remove(filepath.Join(root, jailConfig)); err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("removing the previous run's configuration: %w", err)
+	}
 	for _, f := range []struct {
 		src, dst string
 		owned    bool // the VM's own file: chowned to its uid
 	}{
 		{s.Kernel, jailKernel, false}, {s.Initramfs, jailInitramfs, false},
-		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true},
+		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true}, {s.ConfigDisk, jailConfig, true},
 	} {
 		dst := filepath.Join(root, f.dst)
 		if _, err := os.Stat(dst); err != nil {
@@ -320,6 +328,7 @@ func Configure(ctx context.Context, c *Client, s Spec) error {
 		{"PUT", "/boot-source", BootSource{KernelImagePath: jailKernel, InitrdPath: jailInitramfs, BootArgs: s.BootArgs()}},
 		{"PUT", "/drives/base", Drive{DriveID: "base", PathOnHost: jailBaseDisk, IsReadOnly: true}},
 		{"PUT", "/drives/rw", Drive{DriveID: "rw", PathOnHost: jailRWDisk, RateLimiter: s.DiskRate}},
+		{"PUT", "/drives/config", Drive{DriveID: "config", PathOnHost: jailConfig, IsReadOnly: true}},
 	}
 	if s.Tap != "" && s.Net != nil {
 		steps = append(steps, struct {

@@ -33,7 +33,7 @@ func TestMain(m *testing.M) {
 func spec(t *testing.T) firecracker.Spec {
 	t.Helper()
 	dir := t.TempDir()
-	for _, f := range []string{"vmlinuz", "initramfs.cpio.gz", "base.ext4", "rw.ext4"} {
+	for _, f := range []string{"vmlinuz", "initramfs.cpio.gz", "base.ext4", "rw.ext4", "config.img"} {
 		if err := os.WriteFile(filepath.Join(dir, f), []byte(f), 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -46,7 +46,7 @@ func spec(t *testing.T) firecracker.Spec {
 		Firecracker: "/usr/local/bin/firecracker", Jailer: "/usr/local/bin/jailer",
 		UID: 31001, GID: 31001, ChrootBase: filepath.Join(dir, "jail"), CgroupVersion: 2,
 		Kernel: filepath.Join(dir, "vmlinuz"), Initramfs: filepath.Join(dir, "initramfs.cpio.gz"),
-		BaseDisk: filepath.Join(dir, "base.ext4"), WritableDisk: filepath.Join(dir, "rw.ext4"),
+		BaseDisk: filepath.Join(dir, "base.ext4"), WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, "config.img"),
 		VCPUs: 2, MemoryMiB: 256, Token: "t0k", Tap: "impt0123456789",
 		Net: &guestinit.Net{Address: netip.MustParsePrefix("10.1.0.5/24"), Gateway: netip.MustParseAddr("10.1.0.1"), MTU: 1450, MAC: "0a:58:0a:01:00:05"},
 	}
@@ -105,7 +105,7 @@ func TestChrootLayout(t *testing.T) {
 		names = append(names, n)
 	}
 	sort.Strings(names)
-	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/rw.ext4", "logs", "logs/console.log", "logs/firecracker.log", "logs/metrics.json", "run", "snapshot"}
+	want := []string{".", "boot", "boot/initramfs.cpio.gz", "boot/vmlinuz", "disks", "disks/base.ext4", "disks/config.img", "disks/rw.ext4", "logs", "logs/console.log", "logs/firecracker.log", "logs/metrics.json", "run", "snapshot"}
 	if !slices.Equal(names, want) {
 		t.Fatalf("jail holds %q, want %q", names, want)
 	}
@@ -171,6 +171,7 @@ func TestConfigure(t *testing.T) {
 	}
 	check("base disk", fmt.Sprint(cfg.Drives["base"]["path_on_host"], " ro=", cfg.Drives["base"]["is_read_only"], " root=", cfg.Drives["base"]["is_root_device"]), "/disks/base.ext4 ro=true root=false")
 	check("rw disk", fmt.Sprint(cfg.Drives["rw"]["path_on_host"], " ro=", cfg.Drives["rw"]["is_read_only"]), "/disks/rw.ext4 ro=false")
+	check("config disk", fmt.Sprint(cfg.Drives["config"]["path_on_host"], " ro=", cfg.Drives["config"]["is_read_only"]), "/disks/config.img ro=true")
 	check("rw disk rate", cfg.Drives["rw"]["rate_limiter"], map[string]any{"bandwidth": map[string]any{"size": 52428800.0, "refill_time": 1000.0}})
 	check("nic", fmt.Sprint(cfg.NetIfaces["eth0"]["host_dev_name"], " ", cfg.NetIfaces["eth0"]["guest_mac"], " ", cfg.NetIfaces["eth0"]["mtu"]), "impt0123456789 0a:58:0a:01:00:05 1450")
 	check("vsock", fmt.Sprint(cfg.Vsock["guest_cid"], " ", cfg.Vsock["uds_path"]), "3 /run/vsock.sock")

@@ -25,6 +25,8 @@ type Spec struct {
 	Dir                    string
 	Kernel, Initramfs      string
 	BaseDisk, WritableDisk string
+	// ConfigDisk is the run's configuration disk (guestinit.EncodeConfigDisk), read-only.
+	ConfigDisk string
 	VCPUs                  int
 	MemoryMiB              int64
 	// Token authenticates the guest channel; it is passed on the kernel command line.
@@ -80,6 +82,8 @@ func (s Spec) Args() []string {
 		"-device", "virtio-blk-device,drive=base",
 		"-drive", "id=rw,file=" + s.WritableDisk + ",format=raw,if=none",
 		"-device", "virtio-blk-device,drive=rw",
+		"-drive", "id=config,file=" + s.ConfigDisk + ",format=raw,if=none,readonly=on",
+		"-device", "virtio-blk-device,drive=config",
 		"-chardev", "file,id=console,path=" + filepath.Join(dir, ConsoleLog) + ",append=on",
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device",

@@ -310,9 +310,13 @@ func guestSpec(t *testing.T, cfg guestinit.Config) Spec {
 		t.Fatal(err)
 	}
 	rw := filepath.Join(vmDir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, 64<<20, cfg, ""); err != nil {
+	if err := disk.EnsureWritable(rw, 64<<20, ""); err != nil {
 		t.Fatal(err)
 	}
-	return Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw,
+	config := filepath.Join(vmDir, "config.img")
+	if err := disk.WriteConfig(config, cfg); err != nil {
+		t.Fatal(err)
+	}
+	return Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, ConfigDisk: config,
 		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root}
 }
