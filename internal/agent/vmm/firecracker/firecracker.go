@@ -67,7 +67,7 @@ type Spec struct {
 	// it anew for every run.
 	ConfigDisk string
 	VCPUs      int
-	MemoryMiB                                 int64
+	MemoryMiB  int64
 	// Token authenticates the guest channel.
 	Token string
 	// Tap is the VM's tap (host_dev_name) and Net the guest's network, when it has one.

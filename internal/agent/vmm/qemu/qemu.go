@@ -27,8 +27,8 @@ type Spec struct {
 	BaseDisk, WritableDisk string
 	// ConfigDisk is the run's configuration disk (guestinit.EncodeConfigDisk), read-only.
 	ConfigDisk string
-	VCPUs                  int
-	MemoryMiB              int64
+	VCPUs      int
+	MemoryMiB  int64
 	// Token authenticates the guest channel; it is passed on the kernel command line.
 	Token string
 	// Accel is "kvm" or "tcg".
