@@ -44,6 +44,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/failpoint"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
@@ -426,6 +427,12 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, baseDisk, incoming string) (*vmm.Record, string, error) {
 	res := vm.Status.Resources
 	rw := filepath.Join(dir, "rw.ext4")
+	// An earlier start that crashed between starting a VMM and recording it left it running
+	// unrecorded, holding the VM's disks and tap: it goes first.
+	a.killUnrecorded(ctx, dir, vm.UID)
+	if err := vmm.WriteIntent(dir); err != nil {
+		return nil, "StartFailed", err
+	}
 	tap, gnet, err := a.attach(ctx, vm)
 	if err != nil {
 		return nil, "NetworkFailed", err
@@ -433,6 +440,7 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if tap != nil {
 		defer tap.Close() // the VMM holds its own copy
 	}
+	failpoint.Crash("network-attached")
 	var rec *vmm.Record
 	if m.VMM == impv1.VMMFirecracker {
 		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, tap, gnet, incoming != "")
@@ -445,7 +453,25 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if err != nil {
 		return nil, "StartFailed", err
 	}
+	if err := vmm.ClearIntent(dir); err != nil {
+		return nil, "StartFailed", err
+	}
+	failpoint.Crash("vmm-recorded")
 	return rec, "", nil
+}
+
+// killUnrecorded kills the VMMs of the VM in dir that a crash left running without a record.
+func (a *Agent) killUnrecorded(ctx context.Context, dir string, uid types.UID) {
+	if !vmm.HasIntent(dir) {
+		return
+	}
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
+		return // the start got as far as its record: the VMM is known
+	}
+	if pids := vmm.KillMarked(string(uid), 5*time.Second); len(pids) > 0 {
+		ctrl.LoggerFrom(ctx).Info("killed VMMs an interrupted start left unrecorded", "vm", uid, "pids", pids)
+	}
+	_ = vmm.ClearIntent(dir)
 }
 
 // configDisk is the file, in a VM's state directory, of its current run's configuration disk.
@@ -579,6 +605,7 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		a.stopVMM(ctx, vm, rec)
 	}
+	a.killUnrecorded(ctx, dir, vm.UID)
 	a.stopMonitor(vm.UID)
 	a.removeCgroup(vm.UID)
 	if err := a.net.Detach(string(vm.UID)); err != nil {
@@ -620,7 +647,10 @@ func (a *Agent) sweep(ctx context.Context) error {
 	for _, dir := range dirs {
 		m, err := readMeta(dir)
 		if err != nil {
-			continue // no record of which VM it is: left alone
+			if err := a.recoverState(ctx, dir, err); err != nil {
+				return err
+			}
+			continue
 		}
 		vm := &impv1.ImpVM{}
 		err = a.APIReader.Get(ctx, types.NamespacedName{Namespace: m.Namespace, Name: m.Name}, vm)
@@ -641,6 +671,69 @@ func (a *Agent) sweep(ctx context.Context) error {
 	})
 }
 
+// recoverState deals with a VM directory whose meta cannot be read (a crash while it was first
+// written, a damaged disk): the directory is named by the VM's UID, which the API server is
+// asked about. A VM of this node with that UID keeps its writable disk and console; its VMM is
+// stopped and what described it removed, so that the VM's runStrategy starts it afresh, and an
+// Event says so. Anything else is removed whole.
+func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error {
+	uid := types.UID(filepath.Base(dir))
+	var list impv1.ImpVMList
+	if err := a.APIReader.List(ctx, &list, client.MatchingFields{"status.nodeName": a.Opts.NodeName}); err != nil {
+		return fmt.Errorf("looking up the VM of %s: %w", dir, err)
+	}
+	var vm *impv1.ImpVM
+	for i := range list.Items {
+		if list.Items[i].UID == uid {
+			vm = &list.Items[i]
+		}
+	}
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		waitGone(rec, 5*time.Second)
+	}
+	vmm.KillMarked(string(uid), 5*time.Second)
+	a.stopMonitor(uid)
+	log := ctrl.LoggerFrom(ctx).WithValues("dir", dir, "cause", cause.Error())
+	if vm == nil {
+		a.removeCgroup(uid)
+		if err := a.net.Detach(string(uid)); err != nil {
+			return fmt.Errorf("removing the network attachment of %s: %w", dir, err)
+		}
+		if err := a.removeJail(uid); err != nil {
+			return fmt.Errorf("removing the jail of %s: %w", dir, err)
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			return fmt.Errorf("removing %s: %w", dir, err)
+		}
+		log.Info("removed the unreadable state of a VM that is not on this node")
+		return nil
+	}
+	for _, f := range []string{"meta.json", vmm.RecordFile, vmm.IntentFile, configDisk, qemu.StateFile} {
+		if err := os.Remove(filepath.Join(dir, f)); err != nil && !os.IsNotExist(err) {
+			return fmt.Errorf("removing %s of %s: %w", f, dir, err)
+		}
+	}
+	a.endRun(uid)
+	a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "StateRecovered", "Recover",
+		"The node's record of the VM was unreadable (%v); its VMM was stopped and it starts again with its writable disk", cause)
+	log.Info("recovered a VM whose state was unreadable", "vm", vm.Namespace+"/"+vm.Name)
+	// Its current run ended here: the operator's runStrategy decides about the next.
+	st := vm.Status
+	if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount {
+		switch rt.State {
+		case impv1.RuntimeExited, impv1.RuntimeStopped, impv1.RuntimeGone:
+			return nil
+		}
+		ended := *rt
+		now := metav1.Now()
+		ended.State, ended.FinishedAt, ended.GuestReady, ended.ExitCode = impv1.RuntimeExited, &now, false, nil
+		ended.Reason, ended.Message = "StateRecovered", "the node's record of the VM was unreadable; its VMM was stopped"
+		return a.report(ctx, vm, ended)
+	}
+	return nil
+}
+
 // reportSoon asks the reporter for a report now rather than at its next tick.
 func (a *Agent) reportSoon() {
 	select {
@@ -654,6 +747,7 @@ func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 	}
+	a.killUnrecorded(ctx, dir, m.UID)
 	a.stopMonitor(m.UID)
 	a.removeCgroup(m.UID)
 	if err := a.net.Detach(string(m.UID)); err != nil {

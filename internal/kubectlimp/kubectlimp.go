@@ -115,8 +115,20 @@ func (o *options) run(v verb) func(*cobra.Command, []string) error {
 	}
 }
 
-// print writes obj as JSON or YAML when -o asks for it, and reports whether it did.
+// print writes obj as JSON or YAML when -o asks for it, and reports whether it did. Objects
+// carry their kind and apiVersion, as kubectl prints them (a typed client's reads leave them
+// empty).
 func (o *options) print(obj any) (bool, error) {
+	gv := impv1.GroupVersion.String()
+	switch obj := obj.(type) {
+	case *impv1.ImpVM:
+		obj.APIVersion, obj.Kind = gv, "ImpVM"
+	case *impv1.ImpVMList:
+		obj.APIVersion, obj.Kind = gv, "ImpVMList"
+		for i := range obj.Items {
+			obj.Items[i].APIVersion, obj.Items[i].Kind = gv, "ImpVM"
+		}
+	}
 	switch o.output {
 	case "":
 		return false, nil

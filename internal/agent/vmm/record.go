@@ -3,13 +3,18 @@
 package vmm
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
+	"time"
 )
 
 // RecordFile is the record's file in a VM's state directory.
@@ -109,4 +114,81 @@ func Tail(path string, n int64) string {
 		return ""
 	}
 	return strings.Join(strings.Fields(string(buf)), " ")
+}
+
+// IntentFile marks, in a VM's state directory, a VMM being started whose record is not
+// written yet: a crash between the two leaves a VMM that only its marker (Marked) can find.
+const IntentFile = "vmm.intent"
+
+// WriteIntent records, before a VMM of the VM in dir is started, that one is being started.
+func WriteIntent(dir string) error {
+	if err := os.WriteFile(filepath.Join(dir, IntentFile), nil, 0o600); err != nil {
+		return fmt.Errorf("recording the intent to start a VMM: %w", err)
+	}
+	return nil
+}
+
+// ClearIntent removes the intent once the VMM is recorded (or known gone).
+func ClearIntent(dir string) error {
+	if err := os.Remove(filepath.Join(dir, IntentFile)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("clearing the intent to start a VMM: %w", err)
+	}
+	return nil
+}
+
+// HasIntent reports whether a VMM of the VM in dir was being started and not recorded.
+func HasIntent(dir string) bool {
+	_, err := os.Stat(filepath.Join(dir, IntentFile))
+	return err == nil
+}
+
+// Marked lists the processes that carry a VM's marker, its UID, on their command line, as
+// every driver's VMM does: QEMU as "-name <uid>", the jailer and the Firecracker it becomes as
+// "--id <uid>".
+func Marked(uid string) []int {
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	var pids []int
+	for _, p := range procs {
+		data, err := os.ReadFile(p)
+		if err != nil || !bytes.Contains(data, []byte(uid)) {
+			continue
+		}
+		args := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
+		for i := 1; i < len(args); i++ {
+			if args[i] == uid && (args[i-1] == "-name" || args[i-1] == "--id") {
+				if pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p))); err == nil && pid != os.Getpid() {
+					pids = append(pids, pid)
+				}
+				break
+			}
+		}
+	}
+	return pids
+}
+
+// KillMarked kills every process carrying the VM's marker (see Marked) and waits up to wait
+// for them to end; it returns those it killed.
+func KillMarked(uid string, wait time.Duration) []int {
+	pids := Marked(uid)
+	for _, pid := range pids {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
+	for deadline := time.Now().Add(wait); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		alive := false
+		for _, pid := range pids {
+			if st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); err == nil && !zombie(st) {
+				alive = true
+			}
+		}
+		if !alive {
+			break
+		}
+	}
+	return pids
+}
+
+// zombie reports whether /proc/<pid>/stat data is of a process that ended and awaits its reaper.
+func zombie(stat []byte) bool {
+	i := bytes.LastIndexByte(stat, ')')
+	return i >= 0 && i+2 < len(stat) && stat[i+2] == 'Z'
 }

@@ -492,7 +492,12 @@ func TestNodeLost(t *testing.T) {
 
 	// The agent silent too: unreachable, reported, and still not started elsewhere.
 	stopBeats()
-	eventually(t, func() string { return condition(e.get("again"), impv1.ReadyCondition).Reason }).Should(Equal(impv1.ReasonNodeUnreachable))
+	eventually(t, func() string {
+		if c := condition(e.get("again"), impv1.ReadyCondition); c != nil {
+			return c.Reason
+		}
+		return ""
+	}).Should(Equal(impv1.ReasonNodeUnreachable))
 	eventually(t, e.events).Should(HaveKey(impv1.ReasonNodeUnreachable))
 	consistently(t, func() string { return e.get("again").Status.NodeName + " " + e.get("once").Status.NodeName }, 2*time.Second).
 		Should(Equal(doomed.Name + " " + doomed.Name))
@@ -540,8 +545,12 @@ func TestSilentAgentTakesNoVMs(t *testing.T) {
 	e.startAgent(nil)
 	e.startOperator()
 	e.create(e.vm("waits", 1, "256Mi"))
-	eventually(t, func() string { return condition(e.get("waits"), impv1.ScheduledCondition).Message }).
-		Should(ContainSubstring("1 have an IMP agent that stopped reporting"))
+	eventually(t, func() string {
+		if c := condition(e.get("waits"), impv1.ScheduledCondition); c != nil {
+			return c.Message
+		}
+		return ""
+	}).Should(ContainSubstring("1 have an IMP agent that stopped reporting"))
 	if n := e.get("waits").Status.NodeName; n != "" {
 		t.Fatalf("placed on %s, whose agent is silent", n)
 	}

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -276,6 +277,7 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 		return nil, fmt.Errorf("starting the jailer: %w", err)
 	}
 	go func() { _ = cmd.Wait() }()
+	failpoint.Crash("vmm-started")
 	st, err := vmm.StartTime(cmd.Process.Pid)
 	if err != nil {
 		_ = cmd.Process.Kill()

@@ -16,6 +16,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -134,6 +135,7 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	// Reap it if it exits while this process lives; after a restart the new agent's parent
 	// (init or the container's subreaper) does.
 	go func() { _ = cmd.Wait() }()
+	failpoint.Crash("vmm-started")
 	if s.CgroupRoot != "" {
 		if _, err := cgroup.Place(s.CgroupRoot, filepath.Base(s.Dir), cmd.Process.Pid); err != nil {
 			_ = cmd.Process.Kill()

@@ -173,12 +173,12 @@ func TestBootUnderQEMU(t *testing.T) {
 func TestQMPQuit(t *testing.T) {
 	tmp := t.TempDir()
 	kernel, initrd := testguest.Artifacts(t, tmp)
-	for _, f := range []string{"base", "rw"} {
+	for _, f := range []string{"base", "rw", "config"} {
 		if err := os.WriteFile(filepath.Join(tmp, f), make([]byte, 1<<20), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
-	spec := Spec{Dir: tmp, Kernel: kernel, Initramfs: initrd, BaseDisk: filepath.Join(tmp, "base"), WritableDisk: filepath.Join(tmp, "rw"),
+	spec := Spec{Dir: tmp, Kernel: kernel, Initramfs: initrd, BaseDisk: filepath.Join(tmp, "base"), WritableDisk: filepath.Join(tmp, "rw"), ConfigDisk: filepath.Join(tmp, "config"),
 		VCPUs: 1, MemoryMiB: 128, Token: "t", Accel: "tcg", TSCkHz: TSCkHz()}
 	rec, err := Start(spec, "h")
 	if err != nil {
