@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -33,6 +34,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
@@ -276,25 +278,8 @@ func TestAgentRestart(t *testing.T) {
 	testguest.Image(t, host, "hello")
 	nodeWithOperator(t, c, nodeName)
 
-	// The agent as a process.
-	bin := filepath.Join(tmp, "imp-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
-		t.Fatalf("building imp-agent: %v\n%s", err, out)
-	}
-	kubeconfig := c.KubeconfigAs(t, testcluster.Agent)
 	stateDir := filepath.Join(tmp, "state")
-	killVMMs(t, stateDir)
-	startAgent := func() *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir,
-			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "2",
-			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
-		cmd.Stderr = os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		return cmd
-	}
+	startAgent := agentProcess(t, c, nodeName, stateDir, kernel, initrd)
 	agentProc := startAgent()
 
 	names := []string{"a", "b", "c"}
@@ -388,6 +373,193 @@ func TestAgentRestart(t *testing.T) {
 			t.Fatal(err)
 		}
 		g.Eventually(func() *impv1.ImpVM { return get(n) }).WithTimeout(2 * time.Minute).Should(BeNil())
+	}
+}
+
+// agentProcess builds the imp-agent binary and returns a function that runs it as a process for
+// nodeName, with the chart's agent identity and env added to its environment, until the test
+// ends. The VMMs it records are killed at the end of the test.
+func agentProcess(t *testing.T, c *testcluster.Cluster, nodeName, stateDir, kernel, initrd string) func(env ...string) *exec.Cmd {
+	bin := filepath.Join(t.TempDir(), "imp-agent")
+	if out, err := exec.Command("go", "build", "-o", bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
+		t.Fatalf("building imp-agent: %v\n%s", err, out)
+	}
+	kubeconfig := c.KubeconfigAs(t, testcluster.Agent)
+	killVMMs(t, stateDir)
+	return func(env ...string) *exec.Cmd {
+		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir,
+			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4",
+			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
+		cmd.Env = append(os.Environ(), env...)
+		cmd.Stderr = os.Stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		return cmd
+	}
+}
+
+// TestAgentCrashAtEachStartStep crashes the imp-agent process at each step of a VM's start
+// (failpoints) and starts it again: whatever the step, the VM ends up Running with exactly one
+// VMM, the recorded one; a VMM started but not yet recorded is found by its marker and killed.
+func TestAgentCrashAtEachStartStep(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	nodeName := "imp-crash-" + ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	nodeWithOperator(t, c, nodeName)
+	stateDir := filepath.Join(tmp, "state")
+	startAgent := agentProcess(t, c, nodeName, stateDir, kernel, initrd)
+	g := NewWithT(t)
+	get := func(n string) *impv1.ImpVM {
+		v := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: n}, v); err != nil {
+			return nil
+		}
+		return v
+	}
+
+	for _, step := range []string{"vmm-started", "vmm-recorded"} {
+		t.Run(step, func(t *testing.T) {
+			crashing := startAgent(failpoint.EnvVar + "=" + step)
+			vm := &impv1.ImpVM{
+				ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: step},
+				Spec: impv1.ImpVMSpec{
+					Image: host + "/hello:v1", Args: []string{"serve"},
+					Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
+					NodeSelector: map[string]string{"imp.test/node": nodeName},
+					DiskSize:     ptr.To(resource.MustParse("64Mi")),
+				},
+			}
+			if err := c.Client.Create(ctx, vm); err != nil {
+				t.Fatal(err)
+			}
+			exited := make(chan error, 1)
+			go func() { exited <- crashing.Wait() }()
+			select {
+			case err := <-exited:
+				var ee *exec.ExitError
+				if !errors.As(err, &ee) || ee.ExitCode() != failpoint.ExitCode {
+					t.Fatalf("the agent ended with %v, not at its failpoint", err)
+				}
+			case <-time.After(3 * time.Minute):
+				t.Fatal("the agent never reached its failpoint")
+			}
+			uid := string(get(step).UID)
+			if len(vmm.Marked(uid)) != 1 {
+				t.Fatalf("after the crash, VMMs of the VM: %v; want the one the crash left", vmm.Marked(uid))
+			}
+
+			again := startAgent()
+			defer func() { _ = again.Process.Kill(); _ = again.Wait() }()
+			g.Eventually(func() bool {
+				v := get(step)
+				return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+			}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+				return fmt.Sprintf("VM %s: %+v", step, get(step).Status)
+			})
+			rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", uid))
+			if err != nil || !rec.Alive() {
+				t.Fatalf("record %+v, %v", rec, err)
+			}
+			if pids := vmm.Marked(uid); len(pids) != 1 || pids[0] != rec.Pid {
+				t.Errorf("VMMs of the VM: %v; want only the recorded %d", pids, rec.Pid)
+			}
+		})
+	}
+}
+
+// TestUnreadableStateIsRecovered: state directories whose meta cannot be read are decided by
+// their UID against the API when the agent starts: a VM of the node is recovered (its VMM
+// stopped, an Event, a new run that finds its writable disk), an unknown one is removed.
+func TestUnreadableStateIsRecovered(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	nodeName := "imp-corrupt-" + ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	nodeWithOperator(t, c, nodeName)
+	stateDir := filepath.Join(tmp, "state")
+	startAgent := agentProcess(t, c, nodeName, stateDir, kernel, initrd)
+	proc := startAgent()
+	vm := &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "damaged"},
+		Spec: impv1.ImpVMSpec{
+			Image: host + "/hello:v1", Args: []string{"serve"},
+			Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
+			NodeSelector: map[string]string{"imp.test/node": nodeName},
+			DiskSize:     ptr.To(resource.MustParse("64Mi")),
+		},
+	}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	get := func() *impv1.ImpVM {
+		v := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), v); err != nil {
+			return nil
+		}
+		return v
+	}
+	g.Eventually(func() bool {
+		v := get()
+		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(4 * time.Minute).WithPolling(200 * time.Millisecond).Should(BeTrue())
+	dir := filepath.Join(stateDir, "vms", string(get().UID))
+	g.Eventually(func() string { b, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog)); return string(b) }).
+		WithTimeout(time.Minute).Should(ContainSubstring("hello: no earlier write"))
+	rec, err := vmm.ReadRecord(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rwBefore, err := os.Stat(filepath.Join(dir, "rw.ext4"))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	_ = proc.Process.Signal(syscall.SIGKILL)
+	_ = proc.Wait()
+	if err := os.WriteFile(filepath.Join(dir, "meta.json"), []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	unknown := filepath.Join(stateDir, "vms", "0badc0de-0000-4000-8000-000000000000")
+	if err := os.MkdirAll(unknown, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(unknown, "meta.json"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	startAgent()
+	g.Eventually(rec.Alive).WithTimeout(time.Minute).Should(BeFalse(), "the VMM of the unreadable state still runs")
+	g.Eventually(func() error { _, err := os.Stat(unknown); return err }).WithTimeout(time.Minute).Should(MatchError(os.ErrNotExist))
+	g.Eventually(func() bool {
+		var events corev1.EventList
+		_ = c.Client.List(ctx, &events, client.InNamespace(ns))
+		for _, e := range events.Items {
+			if e.Reason == "StateRecovered" && e.InvolvedObject.Name == "damaged" {
+				return true
+			}
+		}
+		return false
+	}).WithTimeout(time.Minute).Should(BeTrue(), "no StateRecovered Event")
+	// The next run (runStrategy Always) starts on the same writable disk: the same file, not
+	// a new one (what the killed guest had not flushed is lost, as after a power cut).
+	g.Eventually(func() bool {
+		v := get()
+		return v.Status.RestartCount >= 1 && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(3 * time.Minute).WithPolling(200 * time.Millisecond).Should(BeTrue())
+	if rwAfter, err := os.Stat(filepath.Join(dir, "rw.ext4")); err != nil || !os.SameFile(rwBefore, rwAfter) {
+		t.Errorf("the recovered VM's writable disk was replaced (%v)", err)
 	}
 }
 
@@ -533,7 +705,7 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 	if v.Annotations == nil {
 		v.Annotations = map[string]string{}
 	}
-	v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Add(2 * time.Second).Format(time.RFC3339Nano)
+	v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Format(time.RFC3339Nano)
 	if err := c.Client.Update(ctx, v); err != nil {
 		t.Fatal(err)
 	}
@@ -547,7 +719,9 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	g.Eventually(func() impv1.VMPhase { return w.get("rotates").Status.Phase }).WithTimeout(2 * time.Minute).Should(Equal(impv1.VMStopped))
-	g.Eventually(func() error { _, err := os.Stat(filepath.Join(dir, "config.img")); return err }).Should(MatchError(os.ErrNotExist))
+	if _, err := os.Stat(filepath.Join(dir, "config.img")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the stopped VM's configuration disk remains: %v", err)
+	}
 	files, _ := filepath.Glob(filepath.Join(dir, "*"))
 	for _, f := range files {
 		if filepath.Base(f) == qemu.ConsoleLog {
