@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent bench-net bench-suspend images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent bench-net bench-suspend bench-overhead images chart-push
 
 all: build
 
@@ -59,6 +59,9 @@ bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, a
 
 bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).
 	go run ./test/bench/net -n 100
+
+bench-overhead: ## Memory a QEMU VMM holds beyond its guest's RAM, for guests of 128, 256 and 512 MiB.
+	go run ./test/bench/overhead -sizes 128,256,512
 
 bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 of each.
 	go run ./test/bench/suspend -rounds 5 -memory 256

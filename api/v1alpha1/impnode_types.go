@@ -24,6 +24,10 @@ type VMMCapability struct {
 	// version the VMM reports.
 	// +optional
 	Version string `json:"version,omitempty"`
+	// memoryOverhead is the memory one VMM process of this kind holds beyond its guest's RAM
+	// (device emulation, its own code and buffers). Placement counts it with every VM.
+	// +optional
+	MemoryOverhead *resource.Quantity `json:"memoryOverhead,omitempty"`
 }
 
 // Artifact identifies a file the agent boots guests with.

@@ -263,6 +263,10 @@ type ResolvedResources struct {
 	// vmm is the VMM asked for, empty when any will do.
 	// +optional
 	VMM VMMKind `json:"vmm,omitempty"`
+	// memoryOverhead is what the VM's VMM process holds on its node beyond memory, as the
+	// node reported it when the VM was placed; the node's room counts both.
+	// +optional
+	MemoryOverhead *resource.Quantity `json:"memoryOverhead,omitempty"`
 }
 
 // SuspensionStatus says that a VM is to be suspended (an ImpVMSuspension of its name exists),

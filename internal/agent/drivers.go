@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -28,9 +29,17 @@ const (
 )
 
 // probeVMMs lists the VMMs this node can run, best first: firecracker when KVM works and
-// firecracker and its jailer run at a supported version; qemu always (KVM or TCG).
-// Options.VMMs, when set, is taken as it is.
+// firecracker and its jailer run at a supported version; qemu always (KVM or TCG). Options.VMMs,
+// when set, is taken as it is. Each says what one of its VMM processes holds beyond its guest.
 func (a *Agent) probeVMMs(ctx context.Context) []impv1.VMMCapability {
+	caps := a.findVMMs(ctx)
+	for i := range caps {
+		caps[i].MemoryOverhead = resource.NewQuantity(vmm.MemoryOverhead(string(caps[i].Kind), caps[i].Acceleration), resource.BinarySI)
+	}
+	return caps
+}
+
+func (a *Agent) findVMMs(ctx context.Context) []impv1.VMMCapability {
 	qemuCap := impv1.VMMCapability{Kind: impv1.VMMQEMU, Acceleration: a.Opts.Accel, Version: qemuVersion()}
 	if len(a.Opts.VMMs) > 0 {
 		var caps []impv1.VMMCapability

@@ -230,8 +230,26 @@ func (l *Ledger) Used(node string) (vcpus, memory int64) {
 	return u.vcpus, u.memory
 }
 
-// Place chooses a node for VM uid among nodes and holds req's resources there, atomically with
-// respect to every other Place. A VM that already holds a node gets that node again.
+// Overhead is the memory the VMM that a VM asking for kind ("" for the node's best) would run
+// under holds on node n beyond the VM's memory, as n's agent reports it.
+func Overhead(n Node, kind impv1.VMMKind) int64 {
+	if n.Report == nil {
+		return 0
+	}
+	for _, v := range n.Report.Status.VMMs {
+		if kind == "" || v.Kind == kind {
+			if v.MemoryOverhead != nil {
+				return v.MemoryOverhead.Value()
+			}
+			return 0
+		}
+	}
+	return 0
+}
+
+// Place chooses a node for VM uid among nodes and holds req's resources there, with the memory
+// overhead of the VMM it will run under (Overhead), atomically with respect to every other
+// Place. A VM that already holds a node gets that node again.
 func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -250,7 +268,7 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 			switch {
 			case freeCPU < req.VCPUs:
 				ok, reason = false, whyNoCPU
-			case freeMem < req.MemoryBytes:
+			case freeMem < req.MemoryBytes+Overhead(n, req.VMM):
 				ok, reason = false, whyNoMemory
 			case freeMem > bestFree || (freeMem == bestFree && n.Node.Name < best):
 				best, bestFree = n.Node.Name, freeMem
@@ -263,8 +281,17 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 	if best == "" {
 		return "", &Unschedulable{Message: unschedulableMessage(len(nodes), why)}
 	}
-	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes})
+	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes + overheadOn(best, req.VMM, nodes)})
 	return best, nil
+}
+
+func overheadOn(name string, kind impv1.VMMKind, nodes []Node) int64 {
+	for _, n := range nodes {
+		if n.Node.Name == name {
+			return Overhead(n, kind)
+		}
+	}
+	return 0
 }
 
 func unschedulableMessage(total int, why map[string]int) string {

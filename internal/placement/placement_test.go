@@ -206,3 +206,39 @@ func TestPlaceConcurrentNeverOverbooks(t *testing.T) {
 		}
 	}
 }
+
+// TestPlaceCountsVMMOverhead: each VM holds its memory plus what its node reports a VMM of
+// the kind it runs under holds beyond it, so many small VMs cannot overrun a node.
+func TestPlaceCountsVMMOverhead(t *testing.T) {
+	withOverhead := func(n *Node) {
+		n.Report.Status.VMMs = []impv1.VMMCapability{
+			{Kind: impv1.VMMFirecracker, Acceleration: "kvm", MemoryOverhead: resource.NewQuantity(8<<20, resource.BinarySI)},
+			{Kind: impv1.VMMQEMU, Acceleration: "kvm", MemoryOverhead: resource.NewQuantity(64<<20, resource.BinarySI)},
+		}
+	}
+	for _, tt := range []struct {
+		name string
+		vmm  impv1.VMMKind
+		want int // VMs of 128 MiB placed on a node offering 1 GiB
+	}{
+		{"the node's best (firecracker, 8 MiB each)", "", 7},
+		{"qemu (64 MiB each)", impv1.VMMQEMU, 5},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			l := NewLedger()
+			nodes := []Node{node("n", 64, 1, withOverhead)}
+			placed := 0
+			for i := range 20 {
+				if _, err := l.Place(types.UID(fmt.Sprint(i)), Request{VCPUs: 1, MemoryBytes: 128 << 20, VMM: tt.vmm}, nodes); err == nil {
+					placed++
+				}
+			}
+			if placed != tt.want {
+				t.Errorf("placed %d VMs, want %d", placed, tt.want)
+			}
+			if _, mem := l.Used("n"); mem > gi {
+				t.Errorf("the node holds %d bytes, more than its 1 GiB", mem)
+			}
+		})
+	}
+}

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -225,7 +226,11 @@ func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
 		return
 	}
 	res := vm.Status.Resources
-	r.Ledger.Hold(vm.UID, vm.Status.NodeName, int64(res.VCPUs), res.Memory.Value())
+	mem := res.Memory.Value()
+	if res.MemoryOverhead != nil {
+		mem += res.MemoryOverhead.Value()
+	}
+	r.Ledger.Hold(vm.UID, vm.Status.NodeName, int64(res.VCPUs), mem)
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)
 }
 
@@ -336,6 +341,11 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	}
 
 	vm.Status.NodeName = node
+	for _, n := range nodes {
+		if n.Node.Name == node {
+			res.MemoryOverhead = resource.NewQuantity(placement.Overhead(n, res.VMM), resource.BinarySI)
+		}
+	}
 	vm.Status.Resources = &res
 	vm.Status.Instance++
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)

@@ -75,7 +75,7 @@ func (s Spec) Args() []string {
 	dir := s.Dir
 	args := []string{
 		"-name", filepath.Base(dir),
-		"-M", "microvm", "-accel", s.Accel, "-cpu", cpu,
+		"-M", "microvm", "-accel", accel(s.Accel), "-cpu", cpu,
 		"-smp", strconv.Itoa(s.VCPUs), "-m", fmt.Sprintf("%dM", s.MemoryMiB),
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
 		"-kernel", s.Kernel, "-initrd", s.Initramfs, "-append", strings.Join(cmdline, " "),
@@ -103,6 +103,17 @@ func (s Spec) Args() []string {
 			"-device", "virtio-net-device,netdev=net0,mac="+s.Net.MAC)
 	}
 	return args
+}
+
+// tcgCacheMiB bounds TCG's translation cache, which would otherwise grow to 1 GiB per VM with
+// the code a guest runs; vmm.MemoryOverhead counts it.
+const tcgCacheMiB = 64
+
+func accel(a string) string {
+	if a == "tcg" {
+		return fmt.Sprintf("tcg,tb-size=%d", tcgCacheMiB)
+	}
+	return a
 }
 
 // Start launches QEMU for s detached from the caller: its own session and cgroups, its standard
