@@ -61,15 +61,16 @@ func run(t *testing.T, mgr ctrl.Manager) func() {
 	return stop
 }
 
-// killVMMs, at the end of the test, kills every VMM recorded under stateDir: a failed test must
-// not leave guests running.
+// killVMMs, at the end of the test, kills every VMM of a VM under stateDir, recorded or only
+// marked: a failed test must not leave guests running.
 func killVMMs(t *testing.T, stateDir string) {
 	t.Cleanup(func() {
-		recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", vmm.RecordFile))
-		for _, p := range recs {
-			if rec, err := vmm.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
+		dirs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*"))
+		for _, dir := range dirs {
+			if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 			}
+			vmm.KillMarked(filepath.Base(dir), time.Second)
 		}
 	})
 }

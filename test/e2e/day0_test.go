@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"sigs.k8s.io/yaml"
 
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -284,8 +286,12 @@ kvm:
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("building: %v\n%s", err, out)
 	}
+	// Each runs as the ServiceAccount the chart made for it, with a token the API server issued:
+	// exactly the authority the chart grants, nothing of the admin's.
 	startProc := func(name string, args ...string) {
-		cmd := exec.Command(filepath.Join(procs, name), append([]string{"--kubeconfig", kubeconfig, "--metrics-bind-address", "0",
+		token := strings.TrimSpace(must("kubectl -n imp-system create token " + name + " --duration=1h"))
+		kc := saKubeconfig(t, kubeconfig, token)
+		cmd := exec.Command(filepath.Join(procs, name), append([]string{"--kubeconfig", kc, "--metrics-bind-address", "0",
 			"--health-probe-bind-address", "0", "--log-level", "error"}, args...)...)
 		log, _ := os.Create(filepath.Join(tmp, name+".log"))
 		cmd.Stdout, cmd.Stderr = log, log
@@ -388,4 +394,22 @@ func killVMMs(stateDir string) {
 			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 		}
 	}
+}
+
+// saKubeconfig writes a kubeconfig for the cluster of admin (a kubeconfig's path) that
+// authenticates with a ServiceAccount's token, and returns its path.
+func saKubeconfig(t *testing.T, admin, token string) string {
+	t.Helper()
+	cfg, err := clientcmd.LoadFromFile(admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name := range cfg.AuthInfos {
+		cfg.AuthInfos[name] = &clientcmdapi.AuthInfo{Token: token}
+	}
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
