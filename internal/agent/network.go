@@ -172,8 +172,11 @@ func (n *networks) peers(ctx context.Context, key types.NamespacedName) ([]hostn
 		vtep, ok := vteps[node]
 		if !ok {
 			var rep impv1.ImpNode
-			if err := n.a.Client.Get(ctx, types.NamespacedName{Name: node}, &rep); err == nil {
+			switch err := n.a.Client.Get(ctx, types.NamespacedName{Name: node}, &rep); {
+			case err == nil:
 				vtep, _ = netip.ParseAddr(rep.Status.OverlayAddress)
+			case !apierrors.IsNotFound(err): // a node without a report has no overlay yet
+				return nil, fmt.Errorf("reading the report of node %s: %w", node, err)
 			}
 			vteps[node] = vtep
 		}

@@ -24,15 +24,16 @@ import (
 )
 
 func TestArgs(t *testing.T) {
-	s := Spec{Dir: "/var/lib/imp/vms/u1", Kernel: "/k", Initramfs: "/i", BaseDisk: "/b", WritableDisk: "/w",
+	s := Spec{Dir: "/var/lib/imp/vms/u1", Kernel: "/k", Initramfs: "/i", BaseDisk: "/b", WritableDisk: "/w", ConfigDisk: "/c",
 		VCPUs: 2, MemoryMiB: 256, Token: "tok", Accel: "tcg", TSCkHz: 2000000, Tap: os.Stdin,
 		Net: &guestinit.Net{Address: netip.MustParsePrefix("10.1.0.5/24"), Gateway: netip.MustParseAddr("10.1.0.1"), MTU: 1450, MAC: "0a:58:0a:01:00:05"}}
 	args := strings.Join(s.Args(), " ")
 	for _, want := range []string{
-		"-M microvm -accel tcg -cpu max -smp 2 -m 256M",
+		"-M microvm -accel tcg,tb-size=64 -cpu max -smp 2 -m 256M",
 		"-append console=ttyS0 reboot=t panic=-1 quiet imp.token=tok tsc_early_khz=2000000 tsc=reliable",
 		"id=base,file=/b,format=raw,if=none,readonly=on",
 		"id=rw,file=/w,format=raw,if=none -device virtio-blk-device,drive=rw",
+		"id=config,file=/c,format=raw,if=none,readonly=on -device virtio-blk-device,drive=config",
 		"path=/var/lib/imp/vms/u1/console.log,append=on",
 		"socket,id=channel,path=channel.sock,server=on,wait=off",
 		"virtserialport,chardev=channel,name=imp.channel",
