@@ -269,42 +269,17 @@ func TestVMLifecycle(t *testing.T) {
 // VM while it is down and starts it again: the other VMMs never stopped (same pids and start
 // times), their status stays Running, and the deleted VM is cleaned up by the returning agent.
 func TestAgentRestart(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	nodeName := "imp-restart-" + ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	nodeWithOperator(t, c, nodeName)
-
-	stateDir := filepath.Join(tmp, "state")
-	startAgent := agentProcess(t, c, nodeName, stateDir, kernel, initrd)
+	pw := newProcessWorld(t, "imp-restart-")
+	c, ctx, stateDir, startAgent := pw.c, context.Background(), pw.stateDir, pw.startAgent
 	agentProc := startAgent()
 
 	names := []string{"a", "b", "c"}
 	for _, n := range names {
-		vm := &impv1.ImpVM{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: n},
-			Spec: impv1.ImpVMSpec{
-				Image: host + "/hello:v1", Args: []string{"serve"},
-				Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
-				NodeSelector: map[string]string{"imp.test/node": nodeName},
-				DiskSize:     ptr.To(resource.MustParse("64Mi")),
-			},
-		}
-		if err := c.Client.Create(ctx, vm); err != nil {
+		if err := c.Client.Create(ctx, pw.vm(n)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	get := func(n string) *impv1.ImpVM {
-		v := &impv1.ImpVM{}
-		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: n}, v); err != nil {
-			return nil
-		}
-		return v
-	}
+	get := pw.get
 	g := NewWithT(t)
 	records := map[string]*vmm.Record{}
 	for _, n := range names {
@@ -377,18 +352,36 @@ func TestAgentRestart(t *testing.T) {
 	}
 }
 
-// agentProcess builds the imp-agent binary and returns a function that runs it as a process for
-// nodeName, with the chart's agent identity and env added to its environment, until the test
-// ends. The VMMs it records are killed at the end of the test.
-func agentProcess(t *testing.T, c *testcluster.Cluster, nodeName, stateDir, kernel, initrd string) func(env ...string) *exec.Cmd {
-	bin := filepath.Join(t.TempDir(), "imp-agent")
+// processWorld is a real control plane with the operator in-process, a Node standing for this
+// machine, the test image in a registry on 127.0.0.1, and the imp-agent binary to run as a
+// process for that node with the chart's agent identity.
+type processWorld struct {
+	c        *testcluster.Cluster
+	ns, node string
+	host     string // registry
+	stateDir string
+	// startAgent runs the agent with env added to its environment until the test ends.
+	startAgent func(env ...string) *exec.Cmd
+}
+
+func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
+	c := testcluster.Require(t, shared)
+	ns := c.Namespace(t)
+	pw := &processWorld{c: c, ns: ns, node: nodePrefix + ns[len(ns)-5:]}
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	pw.host = testregistry.Start(t, "", "")
+	testguest.Image(t, pw.host, "hello")
+	nodeWithOperator(t, c, pw.node)
+	pw.stateDir = filepath.Join(tmp, "state")
+	bin := filepath.Join(tmp, "imp-agent")
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
 		t.Fatalf("building imp-agent: %v\n%s", err, out)
 	}
 	kubeconfig := c.KubeconfigAs(t, testcluster.Agent)
-	killVMMs(t, stateDir)
-	return func(env ...string) *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir,
+	killVMMs(t, pw.stateDir)
+	pw.startAgent = func(env ...string) *exec.Cmd {
+		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir,
 			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4",
 			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
 		cmd.Env = append(os.Environ(), env...)
@@ -399,45 +392,42 @@ func agentProcess(t *testing.T, c *testcluster.Cluster, nodeName, stateDir, kern
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
 		return cmd
 	}
+	return pw
+}
+
+// vm returns (does not create) a VM of the test image, serving, on the world's node.
+func (pw *processWorld) vm(name string) *impv1.ImpVM {
+	return &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: pw.ns, Name: name},
+		Spec: impv1.ImpVMSpec{
+			Image: pw.host + "/hello:v1", Args: []string{"serve"},
+			Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
+			NodeSelector: map[string]string{"imp.test/node": pw.node},
+			DiskSize:     ptr.To(resource.MustParse("64Mi")),
+		},
+	}
+}
+
+func (pw *processWorld) get(name string) *impv1.ImpVM {
+	v := &impv1.ImpVM{}
+	if err := pw.c.Client.Get(context.Background(), types.NamespacedName{Namespace: pw.ns, Name: name}, v); err != nil {
+		return nil
+	}
+	return v
 }
 
 // TestAgentCrashAtEachStartStep crashes the imp-agent process at each step of a VM's start
 // (failpoints) and starts it again: whatever the step, the VM ends up Running with exactly one
 // VMM, the recorded one; a VMM started but not yet recorded is found by its marker and killed.
 func TestAgentCrashAtEachStartStep(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	nodeName := "imp-crash-" + ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	nodeWithOperator(t, c, nodeName)
-	stateDir := filepath.Join(tmp, "state")
-	startAgent := agentProcess(t, c, nodeName, stateDir, kernel, initrd)
+	pw := newProcessWorld(t, "imp-crash-")
+	c, ctx, stateDir, startAgent, get := pw.c, context.Background(), pw.stateDir, pw.startAgent, pw.get
 	g := NewWithT(t)
-	get := func(n string) *impv1.ImpVM {
-		v := &impv1.ImpVM{}
-		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: n}, v); err != nil {
-			return nil
-		}
-		return v
-	}
 
 	for _, step := range []string{"vmm-started", "vmm-recorded"} {
 		t.Run(step, func(t *testing.T) {
 			crashing := startAgent(failpoint.EnvVar + "=" + step)
-			vm := &impv1.ImpVM{
-				ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: step},
-				Spec: impv1.ImpVMSpec{
-					Image: host + "/hello:v1", Args: []string{"serve"},
-					Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
-					NodeSelector: map[string]string{"imp.test/node": nodeName},
-					DiskSize:     ptr.To(resource.MustParse("64Mi")),
-				},
-			}
-			if err := c.Client.Create(ctx, vm); err != nil {
+			if err := c.Client.Create(ctx, pw.vm(step)); err != nil {
 				t.Fatal(err)
 			}
 			exited := make(chan error, 1)
@@ -479,27 +469,10 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 // their UID against the API when the agent starts: a VM of the node is recovered (its VMM
 // stopped, an Event, a new run that finds its writable disk), an unknown one is removed.
 func TestUnreadableStateIsRecovered(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	nodeName := "imp-corrupt-" + ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	nodeWithOperator(t, c, nodeName)
-	stateDir := filepath.Join(tmp, "state")
-	startAgent := agentProcess(t, c, nodeName, stateDir, kernel, initrd)
+	pw := newProcessWorld(t, "imp-corrupt-")
+	c, ctx, stateDir, startAgent := pw.c, context.Background(), pw.stateDir, pw.startAgent
 	proc := startAgent()
-	vm := &impv1.ImpVM{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "damaged"},
-		Spec: impv1.ImpVMSpec{
-			Image: host + "/hello:v1", Args: []string{"serve"},
-			Resources:    &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))},
-			NodeSelector: map[string]string{"imp.test/node": nodeName},
-			DiskSize:     ptr.To(resource.MustParse("64Mi")),
-		},
-	}
+	vm := pw.vm("damaged")
 	if err := c.Client.Create(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
@@ -545,7 +518,7 @@ func TestUnreadableStateIsRecovered(t *testing.T) {
 	g.Eventually(func() error { _, err := os.Stat(unknown); return err }).WithTimeout(time.Minute).Should(MatchError(os.ErrNotExist))
 	g.Eventually(func() bool {
 		var events corev1.EventList
-		_ = c.Client.List(ctx, &events, client.InNamespace(ns))
+		_ = c.Client.List(ctx, &events, client.InNamespace(pw.ns))
 		for _, e := range events.Items {
 			if e.Reason == "StateRecovered" && e.InvolvedObject.Name == "damaged" {
 				return true

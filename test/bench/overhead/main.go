@@ -9,23 +9,17 @@ package main
 
 import (
 	"bufio"
-	"context"
 	"flag"
 	"fmt"
-	"io"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
-	"github.com/syscode-labs/imp/internal/guestinit"
-	"github.com/syscode-labs/imp/internal/testguest"
-	"github.com/syscode-labs/imp/internal/testregistry"
+	"github.com/syscode-labs/imp/test/bench/benchguest"
 )
 
 func main() {
@@ -41,66 +35,24 @@ func main() {
 		}
 		mibs = append(mibs, n)
 	}
-	ran := false
-	res := testing.Benchmark(func(b *testing.B) {
-		if ran {
-			return
-		}
-		ran = true
-		if err := run(b, mibs, *settle); err != nil {
-			b.Fatal(err)
-		}
-	})
-	if res.N == 0 {
-		os.Exit(1)
-	}
+	benchguest.RunOnce(func(b *testing.B) error { return run(b, mibs, *settle) })
 }
 
 func run(b *testing.B, sizes []int64, settle time.Duration) error {
-	b.StopTimer()
-	tmp := b.TempDir()
-	kernel, initrd := testguest.Artifacts(b, tmp)
-	host := testregistry.Start(b, "", "")
-	ref := testguest.Image(b, host, "hello")
-	base, _, err := (&disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}).Ensure(context.Background(), ref, disk.PullSecretKeychain{})
+	host, err := benchguest.NewHost(b)
 	if err != nil {
 		return err
 	}
-	accel := qemu.Accel()
-	fmt.Printf("QEMU VMM memory beyond guest RAM (%s), after %s of workload:\n", accel, settle)
+	fmt.Printf("QEMU VMM memory beyond guest RAM (%s), after %s of workload:\n", qemu.Accel(), settle)
 	fmt.Printf("%10s %12s %14s %12s\n", "guest MiB", "VmRSS MiB", "guest RAM MiB", "overhead MiB")
 	for _, mem := range sizes {
-		dir := filepath.Join(tmp, fmt.Sprintf("vm-%d", mem))
-		if err := os.Mkdir(dir, 0o700); err != nil {
-			return err
-		}
-		rw, config := filepath.Join(dir, "rw.ext4"), filepath.Join(dir, "config.img")
-		if err := disk.EnsureWritable(rw, 64<<20, ""); err != nil {
-			return err
-		}
-		if err := disk.WriteConfig(config, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "bench"}); err != nil {
-			return err
-		}
-		spec := qemu.Spec{Dir: dir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, ConfigDisk: config,
-			VCPUs: 1, MemoryMiB: mem, Token: "t", Accel: accel, TSCkHz: qemu.TSCkHz()}
-		rec, err := qemu.Start(spec, "bench")
+		spec, rec, err := host.Boot(fmt.Sprintf("vm-%d", mem), mem)
 		if err != nil {
 			return err
 		}
-		go drain(dir)
-		ticks := func() int {
-			s, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog))
-			return strings.Count(string(s), "hello: tick ")
-		}
-		for deadline := time.Now().Add(3 * time.Minute); ticks() < 2; time.Sleep(100 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				_ = qemu.Quit(dir)
-				return fmt.Errorf("the %d MiB guest did not boot", mem)
-			}
-		}
 		time.Sleep(settle)
 		total, guest, err := resident(rec, mem<<20)
-		_ = qemu.Quit(dir)
+		_ = qemu.Quit(spec.Dir)
 		if err != nil {
 			return err
 		}
@@ -110,18 +62,6 @@ func run(b *testing.B, sizes []int64, settle time.Duration) error {
 }
 
 func mib(b int64) float64 { return float64(b) / (1 << 20) }
-
-// drain is the agent's end of the guest channel.
-func drain(dir string) {
-	for i := 0; i < 600; i++ {
-		if c, err := qemu.DialChannel(dir); err == nil {
-			_, _ = io.Copy(io.Discard, c)
-			c.Close()
-			return
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
 
 // resident returns the VMM's resident bytes and those of its guest RAM mapping (the anonymous
 // mapping of exactly the guest's size).

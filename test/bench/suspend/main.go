@@ -6,89 +6,37 @@
 package main
 
 import (
-	"context"
 	"flag"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"sort"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
-	"github.com/syscode-labs/imp/internal/guestinit"
-	"github.com/syscode-labs/imp/internal/testguest"
-	"github.com/syscode-labs/imp/internal/testregistry"
+	"github.com/syscode-labs/imp/test/bench/benchguest"
 )
 
 func main() {
 	rounds := flag.Int("rounds", 5, "suspend/resume rounds")
 	mem := flag.Int64("memory", 256, "guest memory, MiB")
 	flag.Parse()
-	// testguest and testregistry take a testing.TB: run the benchmark inside one, once.
-	ran := false
-	res := testing.Benchmark(func(b *testing.B) {
-		if ran {
-			return
-		}
-		ran = true
-		if err := run(b, *rounds, *mem); err != nil {
-			b.Fatal(err)
-		}
-	})
-	if res.N == 0 {
-		os.Exit(1)
-	}
+	benchguest.RunOnce(func(b *testing.B) error { return run(b, *rounds, *mem) })
 }
 
 func run(b *testing.B, rounds int, mem int64) error {
-	b.StopTimer()
-	tmp := b.TempDir()
-	kernel, initrd := testguest.Artifacts(b, tmp)
-	host := testregistry.Start(b, "", "")
-	ref := testguest.Image(b, host, "hello")
-	base, _, err := (&disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}).Ensure(context.Background(), ref, disk.PullSecretKeychain{})
+	host, err := benchguest.NewHost(b)
 	if err != nil {
 		return err
 	}
-	dir := filepath.Join(tmp, "vm")
-	_ = os.Mkdir(dir, 0o700)
-	rw := filepath.Join(dir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, 64<<20, ""); err != nil {
-		return err
-	}
-	config := filepath.Join(dir, "config.img")
-	if err := disk.WriteConfig(config, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "bench"}); err != nil {
-		return err
-	}
-	spec := qemu.Spec{Dir: dir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, ConfigDisk: config, VCPUs: 1, MemoryMiB: mem,
-		Token: "t", Accel: qemu.Accel(), TSCkHz: qemu.TSCkHz()}
-	rec, err := qemu.Start(spec, "bench")
+	spec, rec, err := host.Boot("vm", mem)
 	if err != nil {
 		return err
 	}
+	dir := spec.Dir
 	defer func() { _ = qemu.Quit(dir) }()
-	go func() { // the agent's end of the guest channel
-		for {
-			if c, err := qemu.DialChannel(dir); err == nil {
-				_, _ = io.Copy(io.Discard, c)
-				c.Close()
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}()
-	ticks := func() int {
-		s, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog))
-		return strings.Count(string(s), "hello: tick ")
-	}
-	for deadline := time.Now().Add(3 * time.Minute); ticks() < 2; time.Sleep(100 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("the guest did not boot")
-		}
-	}
+	ticks := func() int { return benchguest.Ticks(dir) }
 	var sus, res []time.Duration
 	var stateBytes int64
 	for i := 0; i < rounds; i++ {
