@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
+	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
 	"github.com/syscode-labs/imp/internal/ipam"
@@ -67,6 +68,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err := nets.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpNetwork reconciler: %w", err)
 	}
+	if err := (&impquota.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the ImpQuota reconciler: %w", err)
+	}
 	if o.PressureLifecycle {
 		if o.PressureSettle == 0 {
 			o.PressureSettle = 15 * time.Second
@@ -79,7 +83,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 			return fmt.Errorf("setting up the pressure lifecycle: %w", err)
 		}
 	}
-	for _, c := range []prometheus.Collector{impvm.Collector(mgr.GetCache()), impnetwork.Collector(mgr.GetCache())} {
+	for _, c := range []prometheus.Collector{impvm.Collector(mgr.GetCache()), impnetwork.Collector(mgr.GetCache()), impquota.Collector(mgr.GetCache())} {
 		register(c)
 	}
 	return nil

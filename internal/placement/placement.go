@@ -18,6 +18,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
@@ -25,13 +26,60 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
-// Request is what a VM needs of a node.
+// Request is what a VM needs of a node, and the quotas of its namespace.
 type Request struct {
 	VCPUs       int64
 	MemoryBytes int64
 	VMM         impv1.VMMKind // empty: any
 	Labels      labels.Set    // required node labels
 	Tolerations []corev1.Toleration
+	// Namespace, DiskBytes and Quotas: what the VM counts against its namespace's quotas.
+	Namespace string
+	DiskBytes int64
+	Quotas    []Quota
+}
+
+// Quota is one ImpQuota of a namespace as placement enforces it: nil is unbounded.
+type Quota struct {
+	Name                                      string
+	VMs, VCPUs, Memory, Disk, SuspendedMemory *int64
+}
+
+// Usage is what the VMs of a namespace that hold a placement hold together.
+type Usage struct {
+	VMs, VCPUs, Memory, Disk, SuspendedMemory int64
+}
+
+// QuotaExceeded is returned when placing a VM would take its namespace past a quota.
+type QuotaExceeded struct{ Message string }
+
+func (q *QuotaExceeded) Error() string { return q.Message }
+
+// exceeds returns why adding req to used passes q, or "".
+func (q Quota) exceeds(used Usage, req Request) string {
+	for _, c := range []struct {
+		name        string
+		hard        *int64
+		used, asked int64
+		bytes       bool
+	}{
+		{"vms", q.VMs, used.VMs, 1, false},
+		{"vcpus", q.VCPUs, used.VCPUs, req.VCPUs, false},
+		{"memory", q.Memory, used.Memory, req.MemoryBytes, true},
+		{"disk", q.Disk, used.Disk, req.DiskBytes, true},
+	} {
+		if c.hard == nil || c.used+c.asked <= *c.hard {
+			continue
+		}
+		f := func(n int64) string {
+			if c.bytes {
+				return resource.NewQuantity(n, resource.BinarySI).String()
+			}
+			return fmt.Sprint(n)
+		}
+		return fmt.Sprintf("ImpQuota %s: %s %s of %s used, asked %s", q.Name, c.name, f(c.used), f(*c.hard), f(c.asked))
+	}
+	return ""
 }
 
 // Node is a node as placement sees it: the Node object and its agent's report (nil when the
@@ -156,7 +204,21 @@ func (u *Unschedulable) Error() string { return u.Message }
 type holding struct {
 	node   string
 	vcpus  int64
-	memory int64
+	memory int64 // on the node: the guest's and its VMM's
+	// What the VM counts against its namespace's quotas.
+	namespace   string
+	guestMemory int64
+	disk        int64
+	suspended   bool
+}
+
+// Holding is what a placed VM holds: on its node, vCPUs and its guest's memory plus its VMM's
+// overhead; in its namespace, vCPUs, its guest's memory and its disk.
+type Holding struct {
+	Node, Namespace               string
+	VCPUs, Memory, Overhead, Disk int64
+	// Suspended: the VM is suspended or being suspended (its memory counts as such).
+	Suspended bool
 }
 
 // Ledger counts what placed VMs hold on each node. It is the operator's memory of its own
@@ -164,22 +226,55 @@ type holding struct {
 // so that concurrent reconciles can never overbook a node; it is rebuilt from the API (every VM
 // with a node) when the operator starts.
 type Ledger struct {
-	mu    sync.Mutex
-	byVM  map[types.UID]holding
-	usage map[string]holding // per node: vcpus and memory held
+	mu      sync.Mutex
+	byVM    map[types.UID]holding
+	usage   map[string]holding // per node: vcpus and memory held
+	nsUsage map[string]Usage   // per namespace
 }
 
 // NewLedger returns an empty ledger.
 func NewLedger() *Ledger {
-	return &Ledger{byVM: map[types.UID]holding{}, usage: map[string]holding{}}
+	return &Ledger{byVM: map[types.UID]holding{}, usage: map[string]holding{}, nsUsage: map[string]Usage{}}
 }
 
-// Hold records that VM uid holds vcpus and memory on node. It is idempotent, and moves the
-// holding when the VM is now on another node.
-func (l *Ledger) Hold(uid types.UID, node string, vcpus, memory int64) {
+// Hold records what VM uid holds. It is idempotent, and moves the holding when the VM is now on
+// another node.
+func (l *Ledger) Hold(uid types.UID, h Holding) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.hold(uid, holding{node: node, vcpus: vcpus, memory: memory})
+	l.hold(uid, holding{node: h.Node, vcpus: h.VCPUs, memory: h.Memory + h.Overhead, namespace: h.Namespace, guestMemory: h.Memory, disk: h.Disk,
+		suspended: h.Suspended})
+}
+
+// Suspend counts VM uid's memory as suspended, unless that takes its namespace past one of
+// quotas; it returns why it did not. A VM that holds nothing, or is counted already, passes.
+func (l *Ledger) Suspend(uid types.UID, quotas []Quota) (refused string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	h, ok := l.byVM[uid]
+	if !ok || h.suspended {
+		return ""
+	}
+	used := l.nsUsage[h.namespace]
+	for _, q := range quotas {
+		if q.SuspendedMemory != nil && used.SuspendedMemory+h.guestMemory > *q.SuspendedMemory {
+			f := func(n int64) string { return resource.NewQuantity(n, resource.BinarySI).String() }
+			return fmt.Sprintf("ImpQuota %s: suspendedMemory %s of %s used, asked %s", q.Name, f(used.SuspendedMemory), f(*q.SuspendedMemory), f(h.guestMemory))
+		}
+	}
+	h.suspended = true
+	l.hold(uid, h)
+	return ""
+}
+
+// Resume stops counting VM uid's memory as suspended.
+func (l *Ledger) Resume(uid types.UID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if h, ok := l.byVM[uid]; ok && h.suspended {
+		h.suspended = false
+		l.hold(uid, h)
+	}
 }
 
 func (l *Ledger) hold(uid types.UID, h holding) {
@@ -189,6 +284,22 @@ func (l *Ledger) hold(uid types.UID, h holding) {
 	u.vcpus += h.vcpus
 	u.memory += h.memory
 	l.usage[h.node] = u
+	n := l.nsUsage[h.namespace]
+	n.VMs++
+	n.VCPUs += h.vcpus
+	n.Memory += h.guestMemory
+	n.Disk += h.disk
+	if h.suspended {
+		n.SuspendedMemory += h.guestMemory
+	}
+	l.nsUsage[h.namespace] = n
+}
+
+// NamespaceUsage returns what the placed VMs of namespace ns hold.
+func (l *Ledger) NamespaceUsage(ns string) Usage {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.nsUsage[ns]
 }
 
 // Release forgets what VM uid holds.
@@ -211,6 +322,19 @@ func (l *Ledger) release(uid types.UID) {
 		delete(l.usage, h.node)
 	} else {
 		l.usage[h.node] = u
+	}
+	n := l.nsUsage[h.namespace]
+	n.VMs--
+	n.VCPUs -= h.vcpus
+	n.Memory -= h.guestMemory
+	n.Disk -= h.disk
+	if h.suspended {
+		n.SuspendedMemory -= h.guestMemory
+	}
+	if n == (Usage{}) {
+		delete(l.nsUsage, h.namespace)
+	} else {
+		l.nsUsage[h.namespace] = n
 	}
 }
 
@@ -256,6 +380,11 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 	if h, ok := l.byVM[uid]; ok {
 		return h.node, nil
 	}
+	for _, q := range req.Quotas {
+		if why := q.exceeds(l.nsUsage[req.Namespace], req); why != "" {
+			return "", &QuotaExceeded{Message: why}
+		}
+	}
 	why := map[string]int{}
 	best, bestFree := "", int64(-1)
 	for _, n := range nodes {
@@ -281,7 +410,8 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 	if best == "" {
 		return "", &Unschedulable{Message: unschedulableMessage(len(nodes), why)}
 	}
-	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes + overheadOn(best, req.VMM, nodes)})
+	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes + overheadOn(best, req.VMM, nodes),
+		namespace: req.Namespace, guestMemory: req.MemoryBytes, disk: req.DiskBytes})
 	return best, nil
 }
 

@@ -160,7 +160,7 @@ func TestPlaceIsIdempotentAndReleases(t *testing.T) {
 
 func TestUnschedulableMessageCountsReasons(t *testing.T) {
 	l := NewLedger()
-	l.Hold("big", "full", 1, 8*gi)
+	l.Hold("big", Holding{Node: "full", VCPUs: 1, Memory: 8 * gi})
 	nodes := []Node{
 		node("full", 8, 8),
 		node("nr", 8, 8, cond(corev1.NodeReady, corev1.ConditionFalse)),

@@ -96,11 +96,24 @@ func impersonation(component string) rest.ImpersonationConfig {
 func (c *Cluster) installChartRBAC() error {
 	v, _ := rbacOnce.LoadOrStore(c, &onceErr{})
 	o := v.(*onceErr)
-	o.once.Do(func() { o.err = c.applyChartRBAC(context.Background()) })
+	o.once.Do(func() { o.err = c.applyChart(context.Background(), rbacKinds) })
 	return o.err
 }
 
-func (c *Cluster) applyChartRBAC(ctx context.Context) error {
+// InstallChartObjects creates the chart's objects (rendered with default values) of the given
+// kinds, such as its admission policies.
+func (c *Cluster) InstallChartObjects(t testing.TB, kinds ...string) {
+	t.Helper()
+	want := map[string]bool{}
+	for _, k := range kinds {
+		want[k] = true
+	}
+	if err := c.applyChart(context.Background(), want); err != nil {
+		t.Fatalf("installing the chart's %v: %v", kinds, err)
+	}
+}
+
+func (c *Cluster) applyChart(ctx context.Context, kinds map[string]bool) error {
 	root, err := RepoRoot()
 	if err != nil {
 		return err
@@ -119,16 +132,16 @@ func (c *Cluster) applyChartRBAC(ctx context.Context) error {
 		if err := yaml.Unmarshal([]byte(doc), &u.Object); err != nil {
 			return fmt.Errorf("parsing a chart manifest: %w", err)
 		}
-		if !rbacKinds[u.GetKind()] {
+		if !kinds[u.GetKind()] {
 			continue
 		}
-		if err := c.Client.Create(ctx, u); err != nil {
+		if err := c.Client.Create(ctx, u); err != nil && !apierrors.IsAlreadyExists(err) {
 			return fmt.Errorf("creating %s %s: %w", u.GetKind(), u.GetName(), err)
 		}
 		n++
 	}
 	if n == 0 {
-		return fmt.Errorf("the chart rendered no RBAC")
+		return fmt.Errorf("the chart rendered none of %v", kinds)
 	}
 	return nil
 }

@@ -171,8 +171,16 @@ func TestDefaults(t *testing.T) {
 			crds++
 		}
 	}
-	if crds != 6 {
-		t.Errorf("%d CRDs, want 6", crds)
+	if crds != 7 {
+		t.Errorf("%d CRDs, want 7", crds)
+	}
+	for _, k := range []string{"ValidatingAdmissionPolicy/imp-quota", "ValidatingAdmissionPolicyBinding/imp-quota"} {
+		if _, ok := m[k]; !ok {
+			t.Errorf("%s not rendered by default", k)
+		}
+	}
+	if off := mustRender(t, "quota.admissionPolicy.enabled=false"); off["ValidatingAdmissionPolicy/imp-quota"] != "" {
+		t.Error("the quota admission policy rendered although disabled")
 	}
 	for _, k := range []string{"ServiceMonitor/imp-operator", "PrometheusRule/imp", "ConfigMap/imp-grafana-dashboard"} {
 		if _, ok := m[k]; ok {

@@ -39,6 +39,7 @@ import (
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/finalizers,verbs=update
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmclasses;impnodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impnetworks,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impquotas,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impipaddresses,verbs=get;list;watch;create;delete
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
@@ -105,6 +106,8 @@ type scope struct {
 	nodeLost       bool
 	unreachable    string // why the VM's node is unreachable (not fenced: the VM stays placed)
 	oldReadyReason string
+	suspendRefused string // why a suspension was not carried out (a quota)
+	oldSuspReason  string
 	expired        bool // deleted by this reconcile: nothing else to do
 	requeue        time.Duration
 }
@@ -150,6 +153,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 	}
 	if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ReadyCondition); c != nil {
 		s.oldReadyReason = c.Reason
+	}
+	if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.SuspendedCondition); c != nil {
+		s.oldSuspReason = c.Reason
 	}
 	defer func() {
 		computeStatus(s, r.Clock.Now())
@@ -226,11 +232,12 @@ func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
 		return
 	}
 	res := vm.Status.Resources
-	mem := res.Memory.Value()
+	h := placement.Holding{Node: vm.Status.NodeName, Namespace: vm.Namespace, VCPUs: int64(res.VCPUs), Memory: res.Memory.Value(),
+		Disk: res.DiskSize.Value(), Suspended: vm.Status.Suspension != nil}
 	if res.MemoryOverhead != nil {
-		mem += res.MemoryOverhead.Value()
+		h.Overhead = res.MemoryOverhead.Value()
 	}
-	r.Ledger.Hold(vm.UID, vm.Status.NodeName, int64(res.VCPUs), mem)
+	r.Ledger.Hold(vm.UID, h)
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)
 }
 
@@ -304,6 +311,16 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		}
 	}
 
+	// Quotas of the namespace.
+	quotas, why, err := r.quotas(ctx, vm, &res)
+	if err != nil {
+		return err
+	}
+	if why != "" {
+		s.schedReason, s.schedMsg = impv1.ReasonQuotaExceeded, why
+		return nil
+	}
+
 	// Node.
 	nodes, err := r.candidates(ctx)
 	if err != nil {
@@ -316,10 +333,18 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		VMM:         res.VMM,
 		Labels:      vm.Spec.RequiredNodeLabels(),
 		Tolerations: vm.Spec.Tolerations,
+		Namespace:   vm.Namespace,
+		DiskBytes:   res.DiskSize.Value(),
+		Quotas:      quotas,
 	}, nodes)
 	var unsched *placement.Unschedulable
 	if errors.As(err, &unsched) {
 		s.schedReason, s.schedMsg = impv1.ReasonNoNodeAvailable, unsched.Message
+		return nil
+	}
+	var exceeded *placement.QuotaExceeded
+	if errors.As(err, &exceeded) {
+		s.schedReason, s.schedMsg = impv1.ReasonQuotaExceeded, exceeded.Message
 		return nil
 	}
 	if err != nil {

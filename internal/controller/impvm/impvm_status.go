@@ -49,8 +49,10 @@ func computeStatus(s *scope, now time.Time) {
 		suspended.Reason, suspended.Message = impv1.ReasonSuspendFailed, st.Runtime.Message
 	case sp != nil:
 		suspended.Reason, suspended.Message = impv1.ReasonSuspending, "suspending ("+sp.Reason+"): "+sp.Message
+	case s.suspendRefused != "":
+		suspended.Reason, suspended.Message = impv1.ReasonQuotaExceeded, "not suspended: "+s.suspendRefused
 	}
-	if sp := st.Suspension; sp != nil || meta.FindStatusCondition(st.Conditions, impv1.SuspendedCondition) != nil {
+	if sp := st.Suspension; sp != nil || s.suspendRefused != "" || meta.FindStatusCondition(st.Conditions, impv1.SuspendedCondition) != nil {
 		meta.SetStatusCondition(&st.Conditions, suspended)
 	}
 	if rt := currentRun(vm); rt != nil && rt.StartedAt != nil {
@@ -133,6 +135,9 @@ func (r *Reconciler) recordTransition(s *scope) {
 		if s.schedReason != s.oldSchedReason {
 			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
 		}
+	}
+	if s.suspendRefused != "" && s.oldSuspReason != impv1.ReasonQuotaExceeded {
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonQuotaExceeded, "Suspend", "Not suspending the VM: %s", s.suspendRefused)
 	}
 	if s.unreachable != "" && s.oldReadyReason != impv1.ReasonNodeUnreachable {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonNodeUnreachable, "Wait", "%s", s.unreachable)

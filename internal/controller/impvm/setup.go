@@ -70,6 +70,9 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		// A suspension has its VM's name: the request is the VM's.
 		Watches(&impv1.ImpVMSuspension{}, &handler.EnqueueRequestForObject{}).
 		Watches(&impv1.ImpNetwork{}, handler.EnqueueRequestsFromMapFunc(r.forNetwork)).
+		// A quota raised or removed: the namespace's waiting VMs may fit; a suspension it
+		// held back may go ahead.
+		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.forQuota)).
 		WatchesRawSource(source.Channel(r.freed, handler.EnqueueRequestsFromMapFunc(r.unplaced))).
 		Complete(r)
 }
@@ -95,6 +98,11 @@ func (r *Reconciler) forClass(ctx context.Context, o client.Object) []reconcile.
 
 func (r *Reconciler) forNetwork(ctx context.Context, o client.Object) []reconcile.Request {
 	return r.list(ctx, true, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexNetwork: o.GetName()})
+}
+
+// forQuota: every VM of the quota's namespace (quotas change rarely).
+func (r *Reconciler) forQuota(ctx context.Context, o client.Object) []reconcile.Request {
+	return r.list(ctx, false, client.InNamespace(o.GetNamespace()))
 }
 
 func (r *Reconciler) unplaced(ctx context.Context, _ client.Object) []reconcile.Request {

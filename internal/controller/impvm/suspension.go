@@ -1,6 +1,8 @@
 package impvm
 
 import (
+	"time"
+
 	"context"
 	"fmt"
 
@@ -10,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/placement"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmsuspensions,verbs=get;list;watch
@@ -33,11 +36,27 @@ func (r *Reconciler) reconcileSuspension(ctx context.Context, s *scope) error {
 		if rt == nil || rt.State != impv1.RuntimeRunning {
 			return nil // only a running VM is suspended; a starting one is when it runs
 		}
+		// A user's suspension counts against the namespace's suspendedMemory quota; the
+		// pressure lifecycle's never waits on a quota: the node needs the memory.
+		var quotas []placement.Quota
+		if susp.Spec.Reason != impv1.SuspendReasonPressure {
+			qs, _, err := r.quotas(ctx, vm, st.Resources)
+			if err != nil {
+				return err
+			}
+			quotas = qs
+		}
+		if why := r.Ledger.Suspend(vm.UID, quotas); why != "" {
+			s.suspendRefused = why
+			s.requeueAfter(30 * time.Second) // another VM's resume frees room without an event here
+			return nil
+		}
 		st.Suspension = &impv1.SuspensionStatus{Reason: susp.Spec.Reason, Message: susp.Spec.Message}
 		r.Recorder.Eventf(vm, &susp, corev1.EventTypeNormal, "Suspending", "Suspend", "Suspending the VM on node %s (%s): %s",
 			st.NodeName, susp.Spec.Reason, susp.Spec.Message)
 	case !want && st.Suspension != nil:
 		st.Suspension = nil
+		r.Ledger.Resume(vm.UID)
 		if rt != nil && rt.State == impv1.RuntimeSuspended {
 			r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Resuming", "Resume", "Resuming the VM on node %s", st.NodeName)
 		}

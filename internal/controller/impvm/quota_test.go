@@ -1,0 +1,231 @@
+package impvm_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+// placed counts the namespace's VMs that hold a placement, and what they hold.
+func (e *env) placed() (vms, vcpus int, memGi int64) {
+	for _, v := range e.list() {
+		if v.Status.NodeName != "" && v.Status.Resources != nil {
+			vms++
+			vcpus += int(v.Status.Resources.VCPUs)
+			memGi += v.Status.Resources.Memory.Value() >> 30
+		}
+	}
+	return vms, vcpus, memGi
+}
+
+func (e *env) quota(name string, vcpus int32, mem string) *impv1.ImpQuota {
+	return &impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name},
+		Spec: impv1.ImpQuotaSpec{Hard: impv1.QuotaResources{VCPUs: ptr.To(vcpus), Memory: ptr.To(resource.MustParse(mem))}}}
+}
+
+func (e *env) setQuota(name string, vcpus int32, mem string) {
+	e.t.Helper()
+	q := &impv1.ImpQuota{}
+	if err := e.c.Get(context.Background(), client.ObjectKey{Namespace: e.ns, Name: name}, q); err != nil {
+		e.t.Fatal(err)
+	}
+	q.Spec.Hard.VCPUs, q.Spec.Hard.Memory = ptr.To(vcpus), ptr.To(resource.MustParse(mem))
+	if err := e.c.Update(context.Background(), q); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) quotaSummary(name string) impv1.QuotaSummary {
+	q := &impv1.ImpQuota{}
+	_ = e.c.Get(context.Background(), client.ObjectKey{Namespace: e.ns, Name: name}, q)
+	return q.Status.Summary
+}
+
+// TestQuotaBoundsANamespace: with 8 vCPUs / 8Gi, exactly 8 of 10 VMs of 1 vCPU / 1Gi are
+// placed and 2 say which limit stops them; a deletion places one; a lower quota places
+// nothing and evicts nothing; a higher one places the rest. The status and kubectl follow.
+func TestQuotaBoundsANamespace(t *testing.T) {
+	e := newEnv(t)
+	e.node("big", 64, 64)
+	e.startAgent(nil)
+	e.startOperator()
+	e.create(e.quota("team", 8, "8Gi"))
+	for i := range 10 {
+		e.create(e.vm(name("vm", i), 1, "1Gi"))
+	}
+	eventually(t, func() int { n, _, _ := e.placed(); return n }).Should(Equal(8))
+	waiting := func() []string {
+		var out []string
+		for _, v := range e.list() {
+			if c := condition(&v, impv1.ScheduledCondition); c != nil && c.Reason == impv1.ReasonQuotaExceeded {
+				out = append(out, c.Message)
+			}
+		}
+		return out
+	}
+	eventually(t, waiting).Should(HaveLen(2))
+	for _, m := range waiting() {
+		if !strings.Contains(m, "ImpQuota team: vcpus 8 of 8 used, asked 1") && !strings.Contains(m, "ImpQuota team: memory 8Gi of 8Gi used, asked 1Gi") {
+			t.Errorf("QuotaExceeded message %q does not name the limit and the amounts", m)
+		}
+	}
+	eventually(t, e.events).Should(HaveKeyWithValue("Unschedulable", 2))
+	eventually(t, func() impv1.QuotaSummary { return e.quotaSummary("team") }).
+		Should(Equal(impv1.QuotaSummary{VMs: "8", VCPUs: "8/8", Memory: "8Gi/8Gi", Disk: "8Gi"}))
+	out, err := testcluster.Kubectl(e.cl.Kubeconfig(t), "get", "impquota", "-n", e.ns)
+	if err != nil || !strings.Contains(out, "VMS") || !strings.Contains(out, "8/8") || !strings.Contains(out, "8Gi/8Gi") {
+		t.Errorf("kubectl get impquota:\n%s%v", out, err)
+	}
+
+	// One goes: one waiting VM takes its place.
+	var victim *impv1.ImpVM
+	for _, v := range e.list() {
+		if v.Status.NodeName != "" {
+			victim = &v
+			break
+		}
+	}
+	if err := e.c.Delete(context.Background(), victim); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() int { return len(e.list()) }).Should(Equal(9))
+	eventually(t, func() int { n, _, _ := e.placed(); return n }).Should(Equal(8))
+	eventually(t, waiting).Should(HaveLen(1))
+
+	// Lower: nothing new, nothing evicted.
+	e.setQuota("team", 4, "4Gi")
+	eventually(t, func() string { return e.quotaSummary("team").VCPUs }).Should(Equal("8/4"))
+	consistently(t, func() int { n, _, _ := e.placed(); return n }, 2*time.Second).Should(Equal(8))
+
+	// Raise: the waiting VM is placed.
+	e.setQuota("team", 16, "16Gi")
+	eventually(t, func() int { n, _, _ := e.placed(); return n }).Should(Equal(9))
+	eventually(t, func() string { return e.quotaSummary("team").VCPUs }).Should(Equal("9/16"))
+}
+
+// TestQuotaHoldsAcrossOperatorRestarts: 30 VMs created while the operator is stopped and
+// started twice; a watcher sampling all along never sees more than the quota placed.
+func TestQuotaHoldsAcrossOperatorRestarts(t *testing.T) {
+	e := newEnv(t)
+	e.node("big", 64, 64)
+	e.startAgent(nil)
+	stop := e.startOperator()
+	e.create(e.quota("team", 12, "12Gi"))
+	var worst atomic.Int32
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			if n, cpus, _ := e.placed(); int32(max(n, cpus)) > worst.Load() {
+				worst.Store(int32(max(n, cpus)))
+			}
+		}
+	}()
+	defer close(done)
+	for i := range 30 {
+		e.create(e.vm(fmt.Sprintf("vm-%02d", i), 1, "1Gi"))
+		switch i {
+		case 8, 20:
+			stop()
+			stop = e.startOperator()
+		}
+	}
+	eventually(t, func() int { n, _, _ := e.placed(); return n }).Should(Equal(12))
+	consistently(t, func() int { n, _, _ := e.placed(); return n }, 2*time.Second).Should(Equal(12))
+	if w := worst.Load(); w > 12 {
+		t.Errorf("at one point %d VMs (or vCPUs) were placed under a quota of 12", w)
+	}
+}
+
+// TestSuspendedMemoryQuota: a user's suspension that would take the namespace past its
+// suspendedMemory is not carried out, and says why.
+func TestSuspendedMemoryQuota(t *testing.T) {
+	e := newEnv(t)
+	e.node("big", 64, 64)
+	e.startAgent(nil)
+	e.startOperator()
+	q := e.quota("team", 16, "16Gi")
+	q.Spec.Hard.SuspendedMemory = ptr.To(resource.MustParse("1Gi"))
+	e.create(q, e.vm("a", 1, "1Gi"), e.vm("b", 1, "1Gi"))
+	for _, n := range []string{"a", "b"} {
+		eventually(t, func() impv1.VMPhase { return e.get(n).Status.Phase }).Should(Equal(impv1.VMRunning))
+	}
+	for _, n := range []string{"a", "b"} {
+		e.create(&impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: n},
+			Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser, Message: "test"}})
+		if n == "a" {
+			eventually(t, func() bool { return e.get("a").Status.Suspension != nil }).Should(BeTrue())
+		}
+	}
+	eventually(t, func() string {
+		if c := condition(e.get("b"), impv1.SuspendedCondition); c != nil {
+			return c.Reason + ": " + c.Message
+		}
+		return ""
+	}).Should(Equal(impv1.ReasonQuotaExceeded + ": not suspended: ImpQuota team: suspendedMemory 1Gi of 1Gi used, asked 1Gi"))
+	if e.get("b").Status.Suspension != nil {
+		t.Error("b was suspended past the quota")
+	}
+}
+
+// TestQuotaAdmissionPolicy: with the chart's admission policy, kubectl apply refuses at once a
+// VM that alone exceeds its namespace's quota, or names a class it does not allow, and
+// accepts one that fits.
+func TestQuotaAdmissionPolicy(t *testing.T) {
+	e := newEnv(t)
+	e.cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	q := e.quota("team", 8, "8Gi")
+	q.Spec.PerVM = &impv1.PerVMBounds{Disk: ptr.To(resource.MustParse("10Gi"))}
+	e.create(q)
+	kc := e.cl.Kubeconfig(t)
+	apply := func(name string, vcpus int, mem, disk string, flags ...string) (string, error) {
+		manifest := fmt.Sprintf(`apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: %s, namespace: %s}
+spec:
+  image: registry.test/app:1
+  resources: {vcpus: %d, memory: %s}
+  diskSize: %s
+`, name, e.ns, vcpus, mem, disk)
+		path := t.TempDir() + "/vm.yaml"
+		if err := os.WriteFile(path, []byte(manifest), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return testcluster.Kubectl(kc, append([]string{"apply", "-f", path}, flags...)...)
+	}
+	// The policy's binding takes a moment to be served: probe with server-side dry runs, which
+	// pass admission but store nothing.
+	eventually(t, func() string { out, _ := apply("huge", 16, "1Gi", "1Gi", "--dry-run=server"); return out }).
+		Should(ContainSubstring("ImpQuota team: the VM alone asks for 16 vCPUs, more than the quota of 8"))
+	if out, err := apply("huge", 16, "1Gi", "1Gi"); err == nil || !strings.Contains(out, "more than the quota of 8") {
+		t.Errorf("a VM of 16 vCPUs was not refused: %v\n%s", err, out)
+	}
+	for _, tt := range []struct{ name, mem, disk, want string }{
+		{"too-much-memory", "16Gi", "1Gi", "ImpQuota team: the VM alone asks for 16Gi memory, more than the quota of 8Gi"},
+		{"too-much-disk", "1Gi", "20Gi", "ImpQuota team: a VM may have at most 10Gi disk"},
+	} {
+		if out, err := apply(tt.name, 1, tt.mem, tt.disk); err == nil || !strings.Contains(out, tt.want) {
+			t.Errorf("%s: %v\n%s; want refused with %q", tt.name, err, out, tt.want)
+		}
+	}
+	if out, err := apply("fits", 2, "2Gi", "1Gi"); err != nil {
+		t.Errorf("a VM that fits was refused: %v\n%s", err, out)
+	}
+}
