@@ -242,3 +242,77 @@ func TestPlaceCountsVMMOverhead(t *testing.T) {
 		})
 	}
 }
+
+// TestPlaceEnforcesQuotas: the ledger counts what each namespace holds and refuses a VM that
+// would take it past a quota, naming the quota, the limit and the amounts; namespaces are
+// apart; a release makes room; suspensions count against suspendedMemory.
+func TestPlaceEnforcesQuotas(t *testing.T) {
+	i64 := func(n int64) *int64 { return &n }
+	nodes := []Node{node("n", 64, 64)}
+	for _, tt := range []struct {
+		name    string
+		quota   Quota
+		vm      Request
+		placed  int
+		message string
+	}{
+		{"vms", Quota{Name: "q", VMs: i64(2)}, req(1, 1), 2, "ImpQuota q: vms 2 of 2 used, asked 1"},
+		{"vcpus", Quota{Name: "q", VCPUs: i64(5)}, req(2, 1), 2, "ImpQuota q: vcpus 4 of 5 used, asked 2"},
+		{"memory", Quota{Name: "q", Memory: i64(3 * gi)}, req(1, 1), 3, "ImpQuota q: memory 3Gi of 3Gi used, asked 1Gi"},
+		{"disk", Quota{Name: "q", Disk: i64(10 * gi)}, Request{VCPUs: 1, MemoryBytes: gi, DiskBytes: 4 * gi}, 2, "ImpQuota q: disk 8Gi of 10Gi used, asked 4Gi"},
+		{"unbounded", Quota{Name: "q"}, req(1, 1), 6, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			l := NewLedger()
+			r := tt.vm
+			r.Namespace, r.Quotas = "team", []Quota{tt.quota}
+			placed, msg := 0, ""
+			for i := range 6 {
+				_, err := l.Place(types.UID(fmt.Sprint(i)), r, nodes)
+				var qe *QuotaExceeded
+				switch {
+				case err == nil:
+					placed++
+				case errors.As(err, &qe):
+					msg = qe.Message
+				default:
+					t.Fatal(err)
+				}
+			}
+			if placed != tt.placed || msg != tt.message {
+				t.Errorf("placed %d, refused with %q; want %d, %q", placed, msg, tt.placed, tt.message)
+			}
+			// Another namespace is not bounded by this one's quota.
+			other := tt.vm
+			other.Namespace = "other"
+			if _, err := l.Place("other", other, nodes); err != nil {
+				t.Errorf("a VM of another namespace: %v", err)
+			}
+			if tt.message != "" {
+				l.Release("0")
+				if _, err := l.Place("again", r, nodes); err != nil {
+					t.Errorf("after a release: %v", err)
+				}
+			}
+		})
+	}
+
+	l := NewLedger()
+	for _, uid := range []types.UID{"a", "b"} {
+		l.Hold(uid, Holding{Node: "n", Namespace: "team", VCPUs: 1, Memory: gi})
+	}
+	q := []Quota{{Name: "q", SuspendedMemory: i64(gi)}}
+	if why := l.Suspend("a", q); why != "" {
+		t.Fatalf("the first suspension was refused: %s", why)
+	}
+	if why := l.Suspend("b", q); why != "ImpQuota q: suspendedMemory 1Gi of 1Gi used, asked 1Gi" {
+		t.Errorf("the second suspension: %q", why)
+	}
+	l.Resume("a")
+	if why := l.Suspend("b", q); why != "" {
+		t.Errorf("after a resume: %q", why)
+	}
+	if u := l.NamespaceUsage("team"); u != (Usage{VMs: 2, VCPUs: 2, Memory: 2 * gi, SuspendedMemory: gi}) {
+		t.Errorf("usage %+v", u)
+	}
+}

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -302,3 +304,42 @@ func name(prefix string, i int) string { return fmt.Sprintf("%s-%03d", prefix, i
 func consistently(t *testing.T, f any, d time.Duration) AsyncAssertion {
 	return NewWithT(t).Consistently(f).WithTimeout(d).WithPolling(100 * time.Millisecond)
 }
+
+// startOperatorProcess runs the imp-operator binary, as the chart's operator identity, until
+// the returned function kills it (SIGKILL: a crash, not a shutdown) or the test ends.
+func (e *env) startOperatorProcess() (kill func()) {
+	e.t.Helper()
+	operatorBinary.Do(func() {
+		dir, err := os.MkdirTemp("", "imp-operator-bin")
+		if err != nil {
+			operatorBinaryErr = err
+			return
+		}
+		operatorBinaryPath = filepath.Join(dir, "imp-operator")
+		if out, err := exec.Command("go", "build", "-o", operatorBinaryPath, "github.com/syscode-labs/imp/cmd/imp-operator").CombinedOutput(); err != nil {
+			operatorBinaryErr = fmt.Errorf("building imp-operator: %v\n%s", err, out)
+		}
+	})
+	if operatorBinaryErr != nil {
+		e.t.Fatal(operatorBinaryErr)
+	}
+	cmd := exec.Command(operatorBinaryPath, "--kubeconfig", e.cl.KubeconfigAs(e.t, testcluster.Operator), "--leader-elect=false",
+		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error",
+		"--restart-backoff-base", e.opts.VM.RestartBackoffBase.String(), "--restart-backoff-max", e.opts.VM.RestartBackoffMax.String(),
+		"--node-lost-grace-period", e.opts.VM.NodeLostGracePeriod.String(), "--agent-heartbeat-timeout", e.opts.VM.AgentHeartbeatTimeout.String(),
+		"--deletion-timeout", e.opts.VM.DeletionTimeout.String())
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	var once sync.Once
+	kill = func() { once.Do(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }) }
+	e.t.Cleanup(kill)
+	return kill
+}
+
+var (
+	operatorBinary     sync.Once
+	operatorBinaryPath string
+	operatorBinaryErr  error
+)

@@ -54,14 +54,14 @@ func (e *env) quotaSummary(name string) impv1.QuotaSummary {
 	return q.Status.Summary
 }
 
-// TestQuotaBoundsANamespace: with 8 vCPUs / 8Gi, exactly 8 of 10 VMs of 1 vCPU / 1Gi are
+// TestQuotaBoundsANamespace (the operator binary as the chart's identity): with 8 vCPUs / 8Gi, exactly 8 of 10 VMs of 1 vCPU / 1Gi are
 // placed and 2 say which limit stops them; a deletion places one; a lower quota places
 // nothing and evicts nothing; a higher one places the rest. The status and kubectl follow.
 func TestQuotaBoundsANamespace(t *testing.T) {
 	e := newEnv(t)
 	e.node("big", 64, 64)
 	e.startAgent(nil)
-	e.startOperator()
+	e.startOperatorProcess()
 	e.create(e.quota("team", 8, "8Gi"))
 	for i := range 10 {
 		e.create(e.vm(name("vm", i), 1, "1Gi"))
@@ -116,13 +116,13 @@ func TestQuotaBoundsANamespace(t *testing.T) {
 	eventually(t, func() string { return e.quotaSummary("team").VCPUs }).Should(Equal("9/16"))
 }
 
-// TestQuotaHoldsAcrossOperatorRestarts: 30 VMs created while the operator is stopped and
-// started twice; a watcher sampling all along never sees more than the quota placed.
+// TestQuotaHoldsAcrossOperatorRestarts: 30 VMs created while the operator (the binary) is
+// killed and started twice; a watcher sampling all along never sees more than the quota placed.
 func TestQuotaHoldsAcrossOperatorRestarts(t *testing.T) {
 	e := newEnv(t)
 	e.node("big", 64, 64)
 	e.startAgent(nil)
-	stop := e.startOperator()
+	kill := e.startOperatorProcess()
 	e.create(e.quota("team", 12, "12Gi"))
 	var worst atomic.Int32
 	done := make(chan struct{})
@@ -143,8 +143,8 @@ func TestQuotaHoldsAcrossOperatorRestarts(t *testing.T) {
 		e.create(e.vm(fmt.Sprintf("vm-%02d", i), 1, "1Gi"))
 		switch i {
 		case 8, 20:
-			stop()
-			stop = e.startOperator()
+			kill()
+			kill = e.startOperatorProcess()
 		}
 	}
 	eventually(t, func() int { n, _, _ := e.placed(); return n }).Should(Equal(12))
