@@ -36,6 +36,13 @@ if [[ -n "$unformatted" ]]; then echo "gofmt would change:"; echo "$unformatted"
 go vet ./...
 
 step "go test"
+# A test binary that crashed (a panic, a timeout) skips its cleanup and leaves its envtest etcd
+# and kube-apiserver running, orphaned: stop those of earlier runs.
+for pid in $(pgrep -f 'k8s_test_framework' || true); do
+  if [[ "$(ps -o ppid= -p "$pid" 2>/dev/null | tr -d ' ')" == 1 ]]; then
+    echo "stopping an orphaned test control plane process $pid"; kill -9 "$pid" 2>/dev/null || true
+  fi
+done
 # go test's default cap is 10 minutes per package; the agent package boots a dozen guests under
 # TCG and needs more than that on a 2-core machine whose cores are busy with something else.
 # shellcheck disable=SC2086
