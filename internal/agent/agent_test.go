@@ -212,7 +212,7 @@ func TestVMLifecycle(t *testing.T) {
 	g.Eventually(func() bool {
 		v := get()
 		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string {
+	}).WithTimeout(9*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string {
 		st := get().Status
 		return fmt.Sprintf("VM status: %+v; runtime: %+v", st, ptr.Deref(st.Runtime, impv1.RuntimeStatus{}))
 	})
@@ -243,7 +243,7 @@ func TestVMLifecycle(t *testing.T) {
 	if err := c.Client.Delete(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(get).WithTimeout(2 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeNil())
+	g.Eventually(get).WithTimeout(6 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeNil())
 	if rec.Alive() {
 		t.Error("the VMM still runs after the VM was deleted")
 	}
@@ -286,7 +286,7 @@ func TestAgentRestart(t *testing.T) {
 		g.Eventually(func() bool {
 			v := get(n)
 			return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-		}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+		}).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
 			v := get(n)
 			if v == nil {
 				return "VM " + n + " is gone"
@@ -326,11 +326,11 @@ func TestAgentRestart(t *testing.T) {
 	}
 
 	startAgent()
-	g.Eventually(records["c"].Alive).WithTimeout(time.Minute).Should(BeFalse(), "the deleted VM's VMM still runs")
+	g.Eventually(records["c"].Alive).WithTimeout(3*time.Minute).Should(BeFalse(), "the deleted VM's VMM still runs")
 	g.Eventually(func() error {
 		_, err := os.Stat(filepath.Join(stateDir, "vms", string(cUID)))
 		return err
-	}).WithTimeout(time.Minute).Should(MatchError(os.ErrNotExist), "the deleted VM's state remains")
+	}).WithTimeout(3*time.Minute).Should(MatchError(os.ErrNotExist), "the deleted VM's state remains")
 	// a: the same process, still Running and Ready, after the agent came back.
 	g.Consistently(func() bool {
 		v := get("a")
@@ -343,12 +343,12 @@ func TestAgentRestart(t *testing.T) {
 	g.Eventually(func() bool {
 		v := get("b")
 		return v != nil && v.Status.RestartCount >= 1 && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(3*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "VM b restarted after its VMM died unwatched")
+	}).WithTimeout(9*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "VM b restarted after its VMM died unwatched")
 	for _, n := range []string{"a", "b"} {
 		if err := c.Client.Delete(ctx, get(n)); err != nil {
 			t.Fatal(err)
 		}
-		g.Eventually(func() *impv1.ImpVM { return get(n) }).WithTimeout(2 * time.Minute).Should(BeNil())
+		g.Eventually(func() *impv1.ImpVM { return get(n) }).WithTimeout(6 * time.Minute).Should(BeNil())
 	}
 }
 
@@ -451,7 +451,7 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 			g.Eventually(func() bool {
 				v := get(step)
 				return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-			}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+			}).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
 				return fmt.Sprintf("VM %s: %+v", step, get(step).Status)
 			})
 			rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", uid))
@@ -487,10 +487,10 @@ func TestUnreadableStateIsRecovered(t *testing.T) {
 	g.Eventually(func() bool {
 		v := get()
 		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(4 * time.Minute).WithPolling(200 * time.Millisecond).Should(BeTrue())
+	}).WithTimeout(12 * time.Minute).WithPolling(200 * time.Millisecond).Should(BeTrue())
 	dir := filepath.Join(stateDir, "vms", string(get().UID))
 	g.Eventually(func() string { b, _ := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog)); return string(b) }).
-		WithTimeout(time.Minute).Should(ContainSubstring("hello: no earlier write"))
+		WithTimeout(3 * time.Minute).Should(ContainSubstring("hello: no earlier write"))
 	rec, err := vmm.ReadRecord(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -514,8 +514,8 @@ func TestUnreadableStateIsRecovered(t *testing.T) {
 	}
 
 	startAgent()
-	g.Eventually(rec.Alive).WithTimeout(time.Minute).Should(BeFalse(), "the VMM of the unreadable state still runs")
-	g.Eventually(func() error { _, err := os.Stat(unknown); return err }).WithTimeout(time.Minute).Should(MatchError(os.ErrNotExist))
+	g.Eventually(rec.Alive).WithTimeout(3*time.Minute).Should(BeFalse(), "the VMM of the unreadable state still runs")
+	g.Eventually(func() error { _, err := os.Stat(unknown); return err }).WithTimeout(3 * time.Minute).Should(MatchError(os.ErrNotExist))
 	g.Eventually(func() bool {
 		var events corev1.EventList
 		_ = c.Client.List(ctx, &events, client.InNamespace(pw.ns))
@@ -525,13 +525,13 @@ func TestUnreadableStateIsRecovered(t *testing.T) {
 			}
 		}
 		return false
-	}).WithTimeout(time.Minute).Should(BeTrue(), "no StateRecovered Event")
+	}).WithTimeout(3*time.Minute).Should(BeTrue(), "no StateRecovered Event")
 	// The next run (runStrategy Always) starts on the same writable disk: the same file, not
 	// a new one (what the killed guest had not flushed is lost, as after a power cut).
 	g.Eventually(func() bool {
 		v := get()
 		return v.Status.RestartCount >= 1 && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(3 * time.Minute).WithPolling(200 * time.Millisecond).Should(BeTrue())
+	}).WithTimeout(9 * time.Minute).WithPolling(200 * time.Millisecond).Should(BeTrue())
 	if rwAfter, err := os.Stat(filepath.Join(dir, "rw.ext4")); err != nil || !os.SameFile(rwBefore, rwAfter) {
 		t.Errorf("the recovered VM's writable disk was replaced (%v)", err)
 	}
@@ -557,7 +557,7 @@ func TestSharedBaseDiskAndRefusedImage(t *testing.T) {
 				rt = &impv1.RuntimeStatus{}
 			}
 			return fmt.Sprintf("phase=%s node=%s runtime=%s/%s/%s console=%s", v.Status.Phase, v.Status.NodeName, rt.State, rt.Reason, rt.Message, w.console(v))
-		}).WithTimeout(4*time.Minute).WithPolling(200*time.Millisecond).Should(ContainSubstring("hello: no earlier write"), "VM %s", n)
+		}).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(ContainSubstring("hello: no earlier write"), "VM %s", n)
 	}
 	images, _ := filepath.Glob(filepath.Join(w.stateDir, "images", "*.ext4"))
 	if len(images) != 1 {
@@ -580,7 +580,7 @@ func TestSharedBaseDiskAndRefusedImage(t *testing.T) {
 	if err := w.c.Client.Create(ctx, evil); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() impv1.VMPhase { return w.get("evil").Status.Phase }).WithTimeout(time.Minute).Should(Equal(impv1.VMFailed))
+	g.Eventually(func() impv1.VMPhase { return w.get("evil").Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMFailed))
 	rt := w.get("evil").Status.Runtime
 	if rt == nil || rt.Reason != "ImageRefused" || !strings.Contains(rt.Message, "unsafe layer entry") {
 		t.Errorf("runtime %+v, want reason ImageRefused naming the unsafe entry", rt)
@@ -623,7 +623,7 @@ func TestPinMismatchBlocksTheVM(t *testing.T) {
 			return ""
 		}
 		return v.Status.Runtime.Reason + ": " + v.Status.Runtime.Message
-	}).WithTimeout(time.Minute).Should(And(HavePrefix("PinMismatch: pinned kernel: "+kernel+" has sha256 "), HaveSuffix(", pinned "+pinned)))
+	}).WithTimeout(3 * time.Minute).Should(And(HavePrefix("PinMismatch: pinned kernel: "+kernel+" has sha256 "), HaveSuffix(", pinned "+pinned)))
 	v := w.get("pinned")
 	if _, err := os.Stat(filepath.Join(w.stateDir, "vms", string(v.UID), "rw.ext4")); !os.IsNotExist(err) {
 		t.Errorf("the VM's disk was made despite the mismatch: %v", err)
@@ -661,7 +661,7 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 	}
 	g := NewWithT(t)
 	console := func() string { v := w.get("rotates"); return w.console(v) }
-	g.Eventually(console).WithTimeout(3 * time.Minute).Should(ContainSubstring("GREETING=first-s3cret"))
+	g.Eventually(console).WithTimeout(9 * time.Minute).Should(ContainSubstring("GREETING=first-s3cret"))
 	uid := w.get("rotates").UID
 	dir := filepath.Join(w.stateDir, "vms", string(uid))
 	if _, err := os.Stat(filepath.Join(dir, "config.img")); err != nil {
@@ -683,7 +683,7 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 	if err := c.Client.Update(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(console).WithTimeout(3 * time.Minute).Should(ContainSubstring("GREETING=second-s3cret"))
+	g.Eventually(console).WithTimeout(9 * time.Minute).Should(ContainSubstring("GREETING=second-s3cret"))
 	g.Eventually(func() int32 { return w.get("rotates").Status.RestartCount }).Should(BeNumerically(">=", 1))
 
 	// Stopped: the run's configuration is gone from the node; nothing of the VM keeps the values.
@@ -692,7 +692,7 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 	if err := c.Client.Update(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() impv1.VMPhase { return w.get("rotates").Status.Phase }).WithTimeout(2 * time.Minute).Should(Equal(impv1.VMStopped))
+	g.Eventually(func() impv1.VMPhase { return w.get("rotates").Status.Phase }).WithTimeout(6 * time.Minute).Should(Equal(impv1.VMStopped))
 	if _, err := os.Stat(filepath.Join(dir, "config.img")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the stopped VM's configuration disk remains: %v", err)
 	}

@@ -59,7 +59,7 @@ func TestFirecrackerVM(t *testing.T) {
 	g.Eventually(func() bool {
 		v := w.get("fc")
 		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(2*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string { return fmt.Sprintf("%+v", w.get("fc").Status) })
+	}).WithTimeout(6*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string { return fmt.Sprintf("%+v", w.get("fc").Status) })
 
 	v := w.get("fc")
 	dir := filepath.Join(w.stateDir, "vms", string(v.UID))
@@ -95,7 +95,7 @@ func TestFirecrackerVM(t *testing.T) {
 	if err := w.c.Client.Create(ctx, susp); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(time.Minute).Should(Equal(impv1.VMSuspended))
+	g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMSuspended))
 	if rec.Alive() {
 		t.Error("the VMM runs while the VM is suspended")
 	}
@@ -110,7 +110,7 @@ func TestFirecrackerVM(t *testing.T) {
 	g.Eventually(func() bool {
 		v := w.get("fc")
 		return v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(time.Minute).Should(BeTrue())
+	}).WithTimeout(3 * time.Minute).Should(BeTrue())
 	resumed, err := vmm.ReadRecord(dir)
 	if err != nil || !resumed.Alive() || resumed.Pid == rec.Pid {
 		t.Fatalf("resumed record %+v, %v (was pid %d)", resumed, err, rec.Pid)
@@ -124,7 +124,7 @@ func TestFirecrackerVM(t *testing.T) {
 	if err := w.c.Client.Delete(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() *impv1.ImpVM { return w.get("fc") }).WithTimeout(time.Minute).Should(BeNil())
+	g.Eventually(func() *impv1.ImpVM { return w.get("fc") }).WithTimeout(3 * time.Minute).Should(BeNil())
 	if rec.Alive() {
 		t.Error("the VMM runs on after deletion")
 	}

@@ -116,7 +116,7 @@ func TestNetworksAcrossNodes(t *testing.T) {
 			}
 			vms[name] = v
 			return v.Status.IP
-		}).WithTimeout(5*time.Minute).WithPolling(200*time.Millisecond).ShouldNot(BeEmpty(), "VM %s", name)
+		}).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).ShouldNot(BeEmpty(), "VM %s", name)
 		ips[name] = vms[name].Status.IP
 	}
 	t.Logf("addresses: %v", ips)
@@ -138,16 +138,16 @@ func TestNetworksAcrossNodes(t *testing.T) {
 	}
 	outside := "tcp:203.0.113.2:9000"
 	// Connectivity first, waited for: the guests boot slowly under TCG.
-	g.Eventually(latest("a1", "icmp:"+ips["b1"])).WithTimeout(3*time.Minute).Should(Equal("ok"), func() string { return "a1 → b1 across nodes:\n" + console("a1") })
-	g.Eventually(latest("b1", "icmp:"+ips["a1"])).WithTimeout(2*time.Minute).Should(Equal("ok"), func() string { return "b1 → a1 across nodes:\n" + console("b1") })
-	g.Eventually(latest("a1", outside)).WithTimeout(2*time.Minute).Should(Equal("ok"), func() string { return "a1 → outside with NAT:\n" + console("a1") })
+	g.Eventually(latest("a1", "icmp:"+ips["b1"])).WithTimeout(9*time.Minute).Should(Equal("ok"), func() string { return "a1 → b1 across nodes:\n" + console("a1") })
+	g.Eventually(latest("b1", "icmp:"+ips["a1"])).WithTimeout(6*time.Minute).Should(Equal("ok"), func() string { return "b1 → a1 across nodes:\n" + console("b1") })
+	g.Eventually(latest("a1", outside)).WithTimeout(6*time.Minute).Should(Equal("ok"), func() string { return "a1 → outside with NAT:\n" + console("a1") })
 	// Then what must not work has had every chance to.
-	g.Eventually(latest("a2", "icmp:"+ips["a2"])).WithTimeout(2*time.Minute).Should(Equal("ok"), func() string { return "a2 pings itself:\n" + console("a2") })
+	g.Eventually(latest("a2", "icmp:"+ips["a2"])).WithTimeout(6*time.Minute).Should(Equal("ok"), func() string { return "a2 pings itself:\n" + console("a2") })
 	for _, bad := range []struct{ from, target string }{
 		{"a2", "icmp:" + ips["a1"]}, {"a2", "icmp:" + ips["b1"]}, {"a1", "icmp:" + ips["a2"]}, {"b1", "icmp:" + ips["a2"]}, {"a2", outside},
 	} {
 		// Each probe must have run and failed: waited for, not assumed after a pause.
-		g.Eventually(latest(bad.from, bad.target)).WithTimeout(2*time.Minute).Should(Equal("fail"), func() string {
+		g.Eventually(latest(bad.from, bad.target)).WithTimeout(6*time.Minute).Should(Equal("fail"), func() string {
 			return bad.from + " → " + bad.target + " never tried:\n" + console(bad.from)
 		})
 		if strings.Contains(console(bad.from), "probe "+bad.target+" ok") {
@@ -165,7 +165,7 @@ func TestNetworksAcrossNodes(t *testing.T) {
 		}
 	}
 	for _, n := range []string{nsA, nsB} {
-		g.Eventually(func() []string { return impLeftovers(t, n) }).WithTimeout(2*time.Minute).WithPolling(250*time.Millisecond).Should(BeEmpty(), "in %s", n)
+		g.Eventually(func() []string { return impLeftovers(t, n) }).WithTimeout(6*time.Minute).WithPolling(250*time.Millisecond).Should(BeEmpty(), "in %s", n)
 	}
 }
 
@@ -270,11 +270,11 @@ func TestSuspendResume(t *testing.T) {
 		v := w.get("counter")
 		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
 	}
-	g.Eventually(running).WithTimeout(5 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	g.Eventually(running).WithTimeout(15 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
 	v := w.get("counter")
 	ip, uid := v.Status.IP, v.UID
 	ticks := func() int { return strings.Count(w.console(v), "hello: tick ") }
-	g.Eventually(ticks).WithTimeout(2 * time.Minute).Should(BeNumerically(">=", 3))
+	g.Eventually(ticks).WithTimeout(6 * time.Minute).Should(BeNumerically(">=", 3))
 	answer := func() string {
 		var out string
 		_ = testnetns.Do(node, func() error {
@@ -291,7 +291,7 @@ func TestSuspendResume(t *testing.T) {
 		})
 		return out
 	}
-	g.Eventually(answer).WithTimeout(time.Minute).Should(Equal("hello from counter"))
+	g.Eventually(answer).WithTimeout(3 * time.Minute).Should(Equal("hello from counter"))
 	rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", string(uid)))
 	if err != nil {
 		t.Fatal(err)
@@ -302,7 +302,7 @@ func TestSuspendResume(t *testing.T) {
 	if err := c.Client.Create(ctx, susp); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() impv1.VMPhase { return w.get("counter").Status.Phase }).WithTimeout(2 * time.Minute).Should(Equal(impv1.VMSuspended))
+	g.Eventually(func() impv1.VMPhase { return w.get("counter").Status.Phase }).WithTimeout(6 * time.Minute).Should(Equal(impv1.VMSuspended))
 	v = w.get("counter")
 	cond := meta.FindStatusCondition(v.Status.Conditions, impv1.SuspendedCondition)
 	if cond == nil || cond.Status != metav1.ConditionTrue || cond.Reason != impv1.SuspendReasonUser || v.Status.Suspension.Since == nil {
@@ -320,12 +320,12 @@ func TestSuspendResume(t *testing.T) {
 	if err := c.Client.Delete(ctx, susp); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(running).WithTimeout(2 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	g.Eventually(running).WithTimeout(6 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
 	v = w.get("counter")
 	if v.Status.IP != ip || v.Status.Instance != 1 || v.Status.RestartCount != 0 {
 		t.Errorf("after resume: ip %s (was %s), instance %d, restarts %d", v.Status.IP, ip, v.Status.Instance, v.Status.RestartCount)
 	}
-	g.Eventually(ticks).WithTimeout(time.Minute).Should(BeNumerically(">", before+1))
+	g.Eventually(ticks).WithTimeout(3 * time.Minute).Should(BeNumerically(">", before+1))
 	after := w.console(v)
 	if strings.Count(after, "hello from imp") != 1 || strings.Contains(after[strings.LastIndex(after, "hello: tick "+strconv.Itoa(before-1)):], "hello: tick 0\r") {
 		qlog, _ := os.ReadFile(filepath.Join(stateDir, "vms", string(uid), "qemu.log"))
@@ -337,9 +337,9 @@ func TestSuspendResume(t *testing.T) {
 		}
 		t.Errorf("the workload started again instead of continuing:\n%s\nqemu.log:\n%s\nevents:\n%s", after, qlog, strings.Join(evs, "\n"))
 	}
-	g.Eventually(answer).WithTimeout(time.Minute).Should(Equal("hello from counter"))
+	g.Eventually(answer).WithTimeout(3 * time.Minute).Should(Equal("hello from counter"))
 	if err := c.Client.Delete(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() *impv1.ImpVM { return w.get("counter") }).WithTimeout(time.Minute).Should(BeNil())
+	g.Eventually(func() *impv1.ImpVM { return w.get("counter") }).WithTimeout(3 * time.Minute).Should(BeNil())
 }

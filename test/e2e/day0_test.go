@@ -245,7 +245,7 @@ kvm:
 		return got, nil
 	}
 	agentImage := registry + "/imp-agent@" + digest["imp-agent"]
-	eventually("imp-runtime on exactly the labelled nodes", time.Minute, func() error {
+	eventually("imp-runtime on exactly the labelled nodes", 3*time.Minute, func() error {
 		got, err := runtimeNodes()
 		if err != nil {
 			return err
@@ -260,7 +260,7 @@ kvm:
 		}
 		return nil
 	})
-	eventually("operator pods running", time.Minute, func() error {
+	eventually("operator pods running", 3*time.Minute, func() error {
 		out, err := sh("kubectl -n imp-system get pods")
 		if err == nil && strings.Count(out, "imp-operator-") == 2 && strings.Count(out, "Running") == 5 {
 			return nil
@@ -323,7 +323,7 @@ kvm:
 	}
 	must("kubectl create namespace demo", "namespace/demo created")
 	must("kubectl -n demo apply -f hello.yaml", "impvm.imp.dev/hello created")
-	eventually("the sample VM Running and Ready", 3*time.Minute, func() error {
+	eventually("the sample VM Running and Ready", 9*time.Minute, func() error {
 		out, err := sh("kubectl -n demo get impvm hello -o jsonpath='{.status.phase} {.status.conditions[?(@.type==\"Ready\")].status} {.status.nodeName}'")
 		if err != nil || out != "Running True "+host {
 			return fmt.Errorf("%q %v", out, err)
@@ -332,7 +332,7 @@ kvm:
 	})
 	must("kubectl get impvm -A -o wide", "hello", "Running", host)
 	must(`kubectl -n demo patch impvm hello --type merge -p '{"spec":{"runStrategy":"Halted"}}'`, "patched")
-	eventually("the sample VM stopped", 2*time.Minute, func() error {
+	eventually("the sample VM stopped", 6*time.Minute, func() error {
 		out, err := sh("kubectl -n demo get impvm hello -o jsonpath='{.status.phase}'")
 		if err != nil || out != "Stopped" {
 			return fmt.Errorf("phase %q %v", out, err)
@@ -359,7 +359,7 @@ kvm:
 	must("kubectl drain kwok-a --ignore-daemonsets --delete-emptydir-data", "drained")
 	must("kubectl -n imp-system delete pod -l app.kubernetes.io/name=imp-runtime --field-selector spec.nodeName=kwok-a", "deleted")
 	must("kubectl uncordon kwok-a", "uncordoned")
-	eventually("kwok-a rolled, kwok-b not", time.Minute, func() error {
+	eventually("kwok-a rolled, kwok-b not", 3*time.Minute, func() error {
 		got, err := runtimeNodes()
 		if err != nil || got["kwok-a"] != newImage+" Running" || got["kwok-b"] != agentImage+" Running" {
 			return fmt.Errorf("%v %v", got, err)

@@ -251,7 +251,7 @@ func TestSuspendResume(t *testing.T) {
 			}
 		}
 	}
-	waitFor("no tick 3", 90*time.Second, func() bool { return hasLine(console(), "hello: tick 3") })
+	waitFor("no tick 3", 4*time.Minute, func() bool { return hasLine(console(), "hello: tick 3") })
 
 	start := time.Now()
 	if err := Suspend(vmDir, time.Minute); err != nil {
