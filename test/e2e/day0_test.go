@@ -301,6 +301,13 @@ kvm:
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait(); log.Close() })
 	}
 	agentState := filepath.Join(tmp, "agent")
+	// VMs outlive their agent by design: a failed run must not leave its guests behind.
+	t.Cleanup(func() {
+		dirs, _ := filepath.Glob(filepath.Join(agentState, "vms", "*"))
+		for _, d := range dirs {
+			vmm.KillMarked(filepath.Base(d), 5*time.Second)
+		}
+	})
 	startProc("imp-operator", "--leader-elect=false")
 	startProc("imp-agent", "--node-name", host, "--state-dir", agentState, "--kernel", kernel, "--initramfs", initrd,
 		"--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4", "--cgroup-root", "")
