@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -43,6 +44,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/failpoint"
 )
@@ -480,14 +482,15 @@ const configDisk = "config.img"
 // endRun removes what only the VM's current run needed: its configuration disk (which holds
 // the workload's secret values), in the VM's directory and in its jail. The VMM is gone.
 func (a *Agent) endRun(uid types.UID) {
-	paths := []string{filepath.Join(a.vmDir(uid), configDisk)}
-	if a.Opts.Firecracker != "" {
-		paths = append(paths, filepath.Join(a.jailRoot(uid), "disks", configDisk))
+	err := os.Remove(filepath.Join(a.vmDir(uid), configDisk))
+	if errors.Is(err, fs.ErrNotExist) {
+		err = nil
 	}
-	for _, p := range paths {
-		if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
-			ctrl.Log.Error(err, "removing the configuration of an ended run", "vm", uid)
-		}
+	if a.Opts.Firecracker != "" {
+		err = errors.Join(err, firecracker.RemoveConfig(a.jailRoot(uid)))
+	}
+	if err != nil {
+		ctrl.Log.Error(err, "removing the configuration of an ended run", "vm", uid)
 	}
 }
 

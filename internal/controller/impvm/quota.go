@@ -15,19 +15,40 @@ import (
 // quotas returns the ImpQuotas of the VM's namespace as placement enforces them, or why the VM
 // alone breaks one: a class the quota does not allow, or a size past its perVM bounds.
 func (r *Reconciler) quotas(ctx context.Context, vm *impv1.ImpVM, res *impv1.ResolvedResources) ([]placement.Quota, string, error) {
-	var list impv1.ImpQuotaList
-	if err := r.Client.List(ctx, &list, client.InNamespace(vm.Namespace)); err != nil {
-		return nil, "", fmt.Errorf("listing ImpQuotas: %w", err)
+	list, err := r.listQuotas(ctx, vm.Namespace)
+	if err != nil {
+		return nil, "", err
 	}
-	out := make([]placement.Quota, 0, len(list.Items))
-	for i := range list.Items {
-		q := &list.Items[i]
+	out := make([]placement.Quota, 0, len(list))
+	for i := range list {
+		q := &list[i]
 		if why := perVM(q, vm, res); why != "" {
 			return nil, "ImpQuota " + q.Name + ": " + why, nil
 		}
 		out = append(out, placementQuota(q))
 	}
 	return out, "", nil
+}
+
+// namespaceQuotas returns the ImpQuotas of namespace ns as the ledger enforces them.
+func (r *Reconciler) namespaceQuotas(ctx context.Context, ns string) ([]placement.Quota, error) {
+	list, err := r.listQuotas(ctx, ns)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]placement.Quota, 0, len(list))
+	for i := range list {
+		out = append(out, placementQuota(&list[i]))
+	}
+	return out, nil
+}
+
+func (r *Reconciler) listQuotas(ctx context.Context, ns string) ([]impv1.ImpQuota, error) {
+	var list impv1.ImpQuotaList
+	if err := r.Client.List(ctx, &list, client.InNamespace(ns)); err != nil {
+		return nil, fmt.Errorf("listing ImpQuotas: %w", err)
+	}
+	return list.Items, nil
 }
 
 // perVM says how the VM alone breaks q's class list or per-VM bounds, or "".

@@ -40,7 +40,7 @@ func (r *Reconciler) reconcileSuspension(ctx context.Context, s *scope) error {
 		// pressure lifecycle's never waits on a quota: the node needs the memory.
 		var quotas []placement.Quota
 		if susp.Spec.Reason != impv1.SuspendReasonPressure {
-			qs, _, err := r.quotas(ctx, vm, st.Resources)
+			qs, err := r.namespaceQuotas(ctx, vm.Namespace)
 			if err != nil {
 				return err
 			}

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"os"
 	"os/exec"
@@ -146,8 +147,8 @@ func PrepareChroot(s Spec) error {
 		}
 	}
 	// The run's configuration replaces the previous run's.
-	if err := os.Remove(filepath.Join(root, jailConfig)); err != nil && !os.IsNotExist(err) {
-		return fmt.Errorf("removing the previous run's configuration: %w", err)
+	if err := RemoveConfig(s.ChrootDir()); err != nil {
+		return err
 	}
 	for _, f := range []struct {
 		src, dst string
@@ -184,6 +185,24 @@ func PrepareChroot(s Spec) error {
 		if err := os.Chown(filepath.Join(root, d), s.UID, s.GID); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// RemoveConfig removes the run's configuration disk from the jail at chroot. The jail's
+// directories belong to the VM's uid, so a compromised VMM may have made them symlinks: the
+// removal stays inside the jail (os.Root) and refuses to follow one out of it.
+func RemoveConfig(chroot string) error {
+	root, err := os.OpenRoot(chroot)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("opening the jail: %w", err)
+	}
+	defer root.Close()
+	if err := root.Remove(strings.TrimPrefix(jailConfig, "/")); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("removing the run's configuration from the jail: %w", err)
 	}
 	return nil
 }

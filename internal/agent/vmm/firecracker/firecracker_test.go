@@ -352,3 +352,29 @@ func TestStartStopReattach(t *testing.T) {
 		})
 	}
 }
+
+// TestConfigRemovalStaysInTheJail: a compromised VMM owns its jail's directories and replaces
+// /disks with a symlink to a host directory; removing the run's configuration (at the next
+// run, or when the run ends) must not remove the host's file of that name.
+func TestConfigRemovalStaysInTheJail(t *testing.T) {
+	s := spec(t)
+	host := t.TempDir()
+	victim := filepath.Join(host, "config.img")
+	if err := os.WriteFile(victim, []byte("host data"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	root := s.ChrootDir()
+	if err := os.MkdirAll(root, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(host, filepath.Join(root, "disks")); err != nil {
+		t.Fatal(err)
+	}
+	if err := firecracker.RemoveConfig(root); err == nil {
+		t.Error("RemoveConfig followed the jail's symlink without an error")
+	}
+	_ = firecracker.PrepareChroot(s) // refused or not, it must not touch the host
+	if b, err := os.ReadFile(victim); err != nil || string(b) != "host data" {
+		t.Fatalf("the host's file behind the jail's symlink was removed or changed: %q, %v", b, err)
+	}
+}
