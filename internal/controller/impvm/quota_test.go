@@ -10,6 +10,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
@@ -82,7 +83,20 @@ func TestQuotaBoundsANamespace(t *testing.T) {
 			t.Errorf("QuotaExceeded message %q does not name the limit and the amounts", m)
 		}
 	}
-	eventually(t, e.events).Should(HaveKeyWithValue("Unschedulable", 2))
+	// One Event per waiting VM says so (other reasons a VM waited for before have their own).
+	quotaEvents := func() map[string]int {
+		var l corev1.EventList
+		_ = e.c.List(context.Background(), &l, client.InNamespace(e.ns))
+		out := map[string]int{}
+		for _, ev := range l.Items {
+			if ev.Reason == "Unschedulable" && strings.Contains(ev.Message, impv1.ReasonQuotaExceeded+": ImpQuota team:") {
+				out[ev.InvolvedObject.Name]++
+			}
+		}
+		return out
+	}
+	eventually(t, quotaEvents).Should(HaveLen(2))
+	consistently(t, quotaEvents, time.Second).Should(HaveEach(1))
 	eventually(t, func() impv1.QuotaSummary { return e.quotaSummary("team") }).
 		Should(Equal(impv1.QuotaSummary{VMs: "8", VCPUs: "8/8", Memory: "8Gi/8Gi", Disk: "8Gi"}))
 	out, err := testcluster.Kubectl(e.cl.Kubeconfig(t), "get", "impquota", "-n", e.ns)
