@@ -81,6 +81,28 @@ func run() error {
 		opts.OverlayAddress = a
 		return nil
 	})
+	fs.StringVar(&opts.NetNSDir, "netns-dir", hostnet.DefaultNSDir, "directory where each ImpNetwork's network namespace is pinned (a tmpfs that outlives the agent: in a pod, a hostPath with Bidirectional mount propagation)")
+	fs.Func("transit-cidr", "IPv4 range of NAT networks' transit addresses on each node, one per NAT network (default "+hostnet.DefaultTransitCIDR.String()+"); it must not be an address the node itself needs to reach", func(s string) error {
+		p, err := netip.ParsePrefix(s)
+		if err != nil || !p.Addr().Is4() {
+			return fmt.Errorf("not an IPv4 CIDR: %q", s)
+		}
+		opts.TransitCIDR = p
+		return nil
+	})
+	fs.Func("egress-deny-cidrs", "IPv4 CIDRs, comma-separated, that NAT egress from VMs never reaches, beyond the node itself and link-local addresses (set the cluster's pod and service ranges)", func(s string) error {
+		for _, c := range strings.Split(s, ",") {
+			if c = strings.TrimSpace(c); c == "" {
+				continue
+			}
+			p, err := netip.ParsePrefix(c)
+			if err != nil || !p.Addr().Is4() {
+				return fmt.Errorf("not an IPv4 CIDR: %q", c)
+			}
+			opts.DeniedEgress = append(opts.DeniedEgress, p.Masked())
+		}
+		return nil
+	})
 	fs.IntVar(&opts.VXLANPort, "vxlan-port", hostnet.DefaultVXLANPort, "UDP port of the VXLAN overlay (not 4789 or 8472, which CNIs use)")
 	fs.IntVar(&opts.MTU, "vm-mtu", hostnet.DefaultMTU, "MTU of VM interfaces, taps and overlay devices (underlay MTU minus 50)")
 	fs.Func("insecure-registry", "registry host:port reachable over plain HTTP (repeatable; loopback always is)", func(s string) error {

@@ -91,6 +91,15 @@ type Options struct {
 	// NetNS is the network namespace (a path) holding the node's VM networking; empty is the
 	// agent's own. Tests simulate several nodes on one machine this way.
 	NetNS string
+	// NetNSDir is where the networks' namespaces are pinned (hostnet.DefaultNSDir when
+	// empty): a directory that outlives the agent, on a tmpfs that a reboot clears.
+	NetNSDir string
+	// TransitCIDR holds the transit addresses of NAT networks on the node
+	// (hostnet.DefaultTransitCIDR when invalid).
+	TransitCIDR netip.Prefix
+	// DeniedEgress are destinations that NAT egress never reaches, beyond the node itself and
+	// link-local addresses: the cluster's pod and service ranges, say.
+	DeniedEgress []netip.Prefix
 	// OverlayAddress is the node's underlay address for the VXLAN overlay between nodes;
 	// invalid leaves the node out of the overlay (its VMs reach only VMs on the same node).
 	OverlayAddress netip.Addr
@@ -159,8 +168,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		}
 	}
 	var err error
-	a.net, err = hostnet.Open(hostnet.Options{NetNS: a.Opts.NetNS, VTEP: a.Opts.OverlayAddress, VXLANPort: a.Opts.VXLANPort,
-		MTU: a.Opts.MTU, StateDir: filepath.Join(a.Opts.StateDir, "net")})
+	a.net, err = hostnet.Open(hostnet.Options{NetNS: a.Opts.NetNS, NSDir: a.Opts.NetNSDir, VTEP: a.Opts.OverlayAddress,
+		VXLANPort: a.Opts.VXLANPort, MTU: a.Opts.MTU, TransitCIDR: a.Opts.TransitCIDR, DeniedEgress: a.Opts.DeniedEgress,
+		StateDir: filepath.Join(a.Opts.StateDir, "net")})
 	if err != nil {
 		return err
 	}
@@ -435,21 +445,21 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if err := vmm.WriteIntent(dir); err != nil {
 		return nil, "StartFailed", err
 	}
-	tap, gnet, err := a.attach(ctx, vm)
+	at, gnet, err := a.attach(ctx, vm)
 	if err != nil {
 		return nil, "NetworkFailed", err
 	}
-	if tap != nil {
-		defer tap.Close() // the VMM holds its own copy
+	if at.Tap != nil {
+		defer at.Tap.Close() // the VMM holds its own copy
 	}
 	failpoint.Crash("network-attached")
 	var rec *vmm.Record
 	if m.VMM == impv1.VMMFirecracker {
-		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, tap, gnet, incoming != "")
+		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, at, gnet, incoming != "")
 	} else {
 		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw, ConfigDisk: filepath.Join(dir, configDisk),
 			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-			CgroupRoot: a.Opts.CgroupRoot, Tap: tap, Net: gnet, Incoming: incoming}
+			CgroupRoot: a.Opts.CgroupRoot, Tap: at.Tap, Net: gnet, Incoming: incoming}
 		rec, err = qemu.Start(spec, m.Digest)
 	}
 	if err != nil {

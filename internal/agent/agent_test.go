@@ -38,6 +38,7 @@ import (
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testnetns"
 	"github.com/syscode-labs/imp/internal/testregistry"
 )
 
@@ -161,6 +162,9 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) {
 		t.Fatal(err)
 	}
 	opts.Accel, opts.ReportInterval, opts.VCPUOvercommit, opts.CgroupRoot = "tcg", time.Second, 4, cgroup.Root
+	if opts.NetNSDir == "" {
+		opts.NetNSDir = testnetns.PinDir(t) // each simulated node its own, never the machine's
+	}
 	ag := &agent.Agent{Client: agMgr.GetClient(), APIReader: agMgr.GetAPIReader(), Recorder: agMgr.GetEventRecorder("imp-agent"), Opts: opts}
 	if err := ag.SetupWithManager(agMgr); err != nil {
 		t.Fatal(err)
@@ -380,8 +384,9 @@ func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
 	}
 	kubeconfig := c.KubeconfigAs(t, testcluster.Agent)
 	killVMMs(t, pw.stateDir)
+	nsDir := testnetns.PinDir(t)
 	pw.startAgent = func(env ...string) *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir,
+		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir,
 			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4",
 			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
 		cmd.Env = append(os.Environ(), env...)

@@ -109,14 +109,15 @@ func (a *Agent) allocJailUID(uid types.UID) (int, error) {
 }
 
 // firecrackerSpec is the VM as the Firecracker driver runs it.
-func (a *Agent) firecrackerSpec(vm *impv1.ImpVM, dir string, m *meta, base string, gnet *guestinit.Net) firecracker.Spec {
+func (a *Agent) firecrackerSpec(vm *impv1.ImpVM, dir string, m *meta, base string, at hostnet.Attachment, gnet *guestinit.Net) firecracker.Spec {
 	res := vm.Status.Resources
 	s := firecracker.Spec{ID: string(vm.UID), Dir: dir, Firecracker: a.Opts.Firecracker, Jailer: a.Opts.Jailer,
 		UID: m.JailUID, GID: m.JailUID, ChrootBase: a.jailBase(), NetNS: a.Opts.NetNS, CgroupVersion: cgroup.Version(a.Opts.CgroupRoot),
 		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, configDisk),
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token}
 	if gnet != nil {
-		s.Tap, s.Net = hostnet.TapName(string(vm.UID)), gnet
+		// The jailer joins the network's namespace, where Firecracker opens the tap by name.
+		s.Tap, s.Net, s.NetNS = hostnet.TapName(string(vm.UID)), gnet, at.NetNS
 	}
 	return s
 }
@@ -124,11 +125,11 @@ func (a *Agent) firecrackerSpec(vm *impv1.ImpVM, dir string, m *meta, base strin
 // startFirecracker runs the VM under Firecracker's jailer: booted, or resumed from its
 // snapshot.
 func (a *Agent) startFirecracker(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, base string,
-	tap *os.File, gnet *guestinit.Net, resume bool) (*vmm.Record, error) {
-	s := a.firecrackerSpec(vm, dir, m, base, gnet)
-	if tap != nil {
+	at hostnet.Attachment, gnet *guestinit.Net, resume bool) (*vmm.Record, error) {
+	s := a.firecrackerSpec(vm, dir, m, base, at, gnet)
+	if at.Tap != nil {
 		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name.
-		if err := hostnet.SetOwner(tap, m.JailUID); err != nil {
+		if err := hostnet.SetOwner(at.Tap, m.JailUID); err != nil {
 			return nil, err
 		}
 	}

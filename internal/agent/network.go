@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
 	"sort"
 	"sync"
 
@@ -223,30 +222,31 @@ func (n *networks) report() []impv1.NodeNetwork {
 
 // attach gives vm a tap on its network and returns it with the guest's network configuration;
 // none for a VM without a network.
-func (a *Agent) attach(ctx context.Context, vm *impv1.ImpVM) (*os.File, *guestinit.Net, error) {
+func (a *Agent) attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+	var none hostnet.Attachment
 	ref := vm.Spec.NetworkRef
 	if ref == nil {
-		return nil, nil, nil
+		return none, nil, nil
 	}
 	ip, err := netip.ParseAddr(vm.Status.IP)
 	if err != nil {
-		return nil, nil, errors.New("the VM has a network but no address recorded by its placement")
+		return none, nil, errors.New("the VM has a network but no address recorded by its placement")
 	}
 	net := &impv1.ImpNetwork{}
 	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, net); err != nil {
-		return nil, nil, fmt.Errorf("reading ImpNetwork %s: %w", ref.Name, err)
+		return none, nil, fmt.Errorf("reading ImpNetwork %s: %w", ref.Name, err)
 	}
 	hn, err := hostNetwork(net)
 	if err != nil {
-		return nil, nil, fmt.Errorf("ImpNetwork %s: %w", ref.Name, err)
+		return none, nil, fmt.Errorf("ImpNetwork %s: %w", ref.Name, err)
 	}
-	tap, err := a.net.Attach(hn, string(vm.UID), ip)
+	at, err := a.net.Attach(hn, string(vm.UID), ip)
 	if err != nil {
-		return nil, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
+		return none, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
 	}
 	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: a.net.MTU(), MAC: hostnet.MAC(ip).String()}
 	if dns := net.Spec.DNS; dns != nil {
 		gn.Nameservers, gn.Searches = dns.Nameservers, dns.Searches
 	}
-	return tap, gn, nil
+	return at, gn, nil
 }

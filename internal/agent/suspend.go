@@ -15,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
@@ -56,7 +57,7 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	start := time.Now()
 	var err error
 	if m.VMM == impv1.VMMFirecracker {
-		err = firecracker.Suspend(ctx, a.firecrackerSpec(vm, dir, m, "", nil), rec)
+		err = firecracker.Suspend(ctx, a.firecrackerSpec(vm, dir, m, "", hostnet.Attachment{}, nil), rec)
 	} else {
 		err = qemu.Suspend(dir, 5*time.Minute)
 	}
@@ -120,7 +121,7 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	}
 	state := filepath.Join(dir, qemu.StateFile)
 	if m.VMM == impv1.VMMFirecracker {
-		if !firecracker.Snapshotted(a.firecrackerSpec(vm, dir, m, "", nil)) {
+		if !firecracker.Snapshotted(a.firecrackerSpec(vm, dir, m, "", hostnet.Attachment{}, nil)) {
 			return end("ResumeFailed", errors.New("no snapshot in the VM's jail"))
 		}
 	} else if _, err := os.Stat(state); err != nil {

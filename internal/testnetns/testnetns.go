@@ -12,6 +12,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // New creates a named network namespace with its loopback up, removed when the test ends, and
@@ -123,4 +124,18 @@ func Link(t testing.TB, a, nameA, cidrA, b, nameB, cidrB string) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// PinDir is a directory for the network namespaces a test's code pins (bind mounts); when the
+// test ends, whatever is still pinned there is unmounted before the directory goes.
+func PinDir(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	t.Cleanup(func() {
+		entries, _ := os.ReadDir(dir)
+		for _, e := range entries {
+			_ = unix.Unmount(filepath.Join(dir, e.Name()), unix.MNT_DETACH)
+		}
+	})
+	return dir
 }

@@ -309,7 +309,7 @@ kvm:
 		}
 	})
 	startProc("imp-operator", "--leader-elect=false")
-	startProc("imp-agent", "--node-name", host, "--state-dir", agentState, "--kernel", kernel, "--initramfs", initrd,
+	startProc("imp-agent", "--node-name", host, "--state-dir", agentState, "--netns-dir", filepath.Join(tmp, "netns"), "--kernel", kernel, "--initramfs", initrd,
 		"--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4", "--cgroup-root", "")
 	t.Cleanup(func() { killVMMs(agentState) })
 

@@ -1,11 +1,19 @@
-// Package hostnet is the node side of ImpNetworks: per network a bridge holding the gateway
-// address and, when the node takes part in the overlay, a VXLAN device on that bridge whose
-// forwarding entries point at the other nodes' VMs; per VM a tap on the bridge; and nftables
-// rules in tables IMP owns (inet imp, bridge imp) for isolation, anti-spoofing and NAT egress.
+// Package hostnet is the node side of ImpNetworks. Each network a node's VMs use gets a network
+// namespace of its own, pinned under Options.NSDir: in it a bridge holding the gateway address,
+// the VMs' taps, the network's rules (isolation, anti-spoofing, the gateway answering ICMP and
+// ARP only) and, when the node takes part in the overlay, a VXLAN device whose UDP socket stays
+// in the node's namespace. A network with NAT also gets a veth pair to the node's namespace,
+// over which its traffic leaves twice masqueraded: to the network's transit address inside, to
+// the node's address outside. A tenant's CIDR never reaches the node's routing table, and
+// networks with the same CIDR live side by side.
 //
-// Every operation measures the host first and changes only what differs, so running it again
-// on a healthy host does nothing. Links carry an alias naming what they belong to, which is
-// how a restarted agent finds them again.
+// In the node's namespace IMP keeps one table, inet imp: nothing from a network reaches the
+// node itself, egress goes only outside (never link-local or the denied CIDRs), and the overlay
+// port accepts VXLAN only from the nodes that take part in each network.
+//
+// Every operation measures first and changes only what differs, so running it again on a
+// healthy host does nothing. Links carry an alias naming what they belong to, which is how a
+// restarted agent finds them again.
 package hostnet
 
 import (
@@ -27,11 +35,14 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Names and aliases of IMP's links. Interface names are at most 15 bytes.
+// Names and aliases of IMP's links and namespaces. Interface names are at most 15 bytes.
 const (
-	bridgePrefix = "impb"
-	vxlanPrefix  = "impx"
-	tapPrefix    = "impt"
+	nsPrefix     = "impn" // a network's namespace, under Options.NSDir
+	bridgePrefix = "impb" // in the network's namespace
+	vxlanPrefix  = "impx" // in the network's namespace; its socket in the node's
+	tapPrefix    = "impt" // in the network's namespace
+	egressPrefix = "impe" // the node's end of a NAT network's transit link
+	uplinkPrefix = "impu" // the network's end of it
 	netAlias     = "imp-net:" // + namespace/name
 	vmAlias      = "imp-vm:"  // + VM UID
 	// DefaultVXLANPort is the overlay's UDP port: not 4789 (IANA; Calico, Antrea, NSX) nor
@@ -39,12 +50,21 @@ const (
 	DefaultVXLANPort = 4792
 	// DefaultMTU leaves room for VXLAN's 50 bytes on a 1500-byte underlay.
 	DefaultMTU = 1450
+	// DefaultNSDir is where network namespaces are pinned: a tmpfs, gone with a reboot as the
+	// namespaces are.
+	DefaultNSDir = "/run/imp/netns"
 )
+
+// DefaultTransitCIDR holds the transit addresses of NAT networks: the first host address is
+// the next hop every network's namespace routes egress to (it exists only as a static
+// neighbour), the others one per NAT network on a node, each a /32 route in the node's table.
+var DefaultTransitCIDR = netip.MustParsePrefix("169.254.210.0/24")
 
 // Network is one ImpNetwork as a node plumbs it.
 type Network struct {
 	Namespace, Name string
-	// UID names the network's links, so a network deleted and created again gets new ones.
+	// UID names the network's namespace and links, so a network deleted and created again
+	// gets new ones.
 	UID string
 	// VNI is the overlay's VXLAN network identifier; 0 until the operator assigns one.
 	VNI     uint32
@@ -61,11 +81,13 @@ func shortID(s string) string {
 	return hex.EncodeToString(sum[:5])
 }
 
-// BridgeName is the name of the network's bridge on every node.
-func (n Network) BridgeName() string { return bridgePrefix + shortID(n.UID) }
+func (n Network) id() string { return shortID(n.UID) }
 
-// VXLANName is the name of the network's VXLAN device on every node.
-func (n Network) VXLANName() string { return vxlanPrefix + shortID(n.UID) }
+// BridgeName is the name of the network's bridge, in its namespace, on every node.
+func (n Network) BridgeName() string { return bridgePrefix + n.id() }
+
+// VXLANName is the name of the network's VXLAN device, in its namespace, on every node.
+func (n Network) VXLANName() string { return vxlanPrefix + n.id() }
 
 // TapName is the name of a VM's tap.
 func TapName(vmUID string) string { return tapPrefix + shortID(vmUID) }
@@ -87,15 +109,23 @@ type Peer struct {
 
 // Options configure a Host.
 type Options struct {
-	// NetNS is the path of the network namespace holding the node's VM networking (tests
-	// simulate nodes this way); empty is the agent's own.
+	// NetNS is the path of the node's network namespace (tests simulate nodes this way);
+	// empty is the agent's own.
 	NetNS string
+	// NSDir is where the networks' namespaces are pinned (DefaultNSDir when empty). It must
+	// outlive the agent: a hostPath with bidirectional mount propagation in a pod.
+	NSDir string
 	// VTEP is this node's underlay address for the overlay; invalid means no overlay.
 	VTEP netip.Addr
 	// VXLANPort is the overlay's UDP port (DefaultVXLANPort when 0).
 	VXLANPort int
 	// MTU of taps, VXLAN devices and guests (DefaultMTU when 0).
 	MTU int
+	// TransitCIDR holds NAT networks' transit addresses (DefaultTransitCIDR when invalid).
+	TransitCIDR netip.Prefix
+	// DeniedEgress are destinations NAT egress never reaches, beyond the node itself and
+	// link-local addresses: the cluster's pod and service ranges, say.
+	DeniedEgress []netip.Prefix
 	// StateDir holds what the host remembers across restarts (whether it enabled forwarding).
 	StateDir string
 	// BootID identifies the running boot of the node (default: the kernel's
@@ -104,22 +134,40 @@ type Options struct {
 	BootID string
 }
 
-// Host plumbs ImpNetworks into one network namespace. Its methods are safe for concurrent use.
+// Host plumbs ImpNetworks on one node. Its methods are safe for concurrent use.
 type Host struct {
 	opts Options
-	ns   netns.NsHandle
+	ns   netns.NsHandle // the node's namespace
 	nl   *netlink.Handle
 	nft  *nftables.Conn
 	mu   sync.Mutex
+	// spaces are the networks' namespaces opened so far, by network id.
+	spaces map[string]*space
 }
 
-// Open returns a Host for opts.NetNS.
+// Open returns a Host for opts.NetNS, after moving networks an agent of the earlier layout
+// left in the node's namespace into namespaces of their own.
 func Open(opts Options) (*Host, error) {
 	if opts.VXLANPort == 0 {
 		opts.VXLANPort = DefaultVXLANPort
 	}
 	if opts.MTU == 0 {
 		opts.MTU = DefaultMTU
+	}
+	if opts.NSDir == "" {
+		opts.NSDir = DefaultNSDir
+	}
+	if !opts.TransitCIDR.IsValid() {
+		opts.TransitCIDR = DefaultTransitCIDR
+	}
+	if !opts.TransitCIDR.Addr().Is4() || opts.TransitCIDR.Bits() > 30 {
+		return nil, fmt.Errorf("transit CIDR %s: want an IPv4 range of at least 4 addresses", opts.TransitCIDR)
+	}
+	opts.TransitCIDR = opts.TransitCIDR.Masked()
+	for _, p := range opts.DeniedEgress {
+		if !p.Addr().Is4() {
+			return nil, fmt.Errorf("denied egress CIDR %s: only IPv4 ranges apply to ImpNetworks", p)
+		}
 	}
 	if opts.BootID == "" {
 		id, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
@@ -128,7 +176,10 @@ func Open(opts Options) (*Host, error) {
 		}
 		opts.BootID = strings.TrimSpace(string(id))
 	}
-	h := &Host{opts: opts}
+	if err := os.MkdirAll(opts.NSDir, 0o755); err != nil {
+		return nil, fmt.Errorf("creating %s: %w", opts.NSDir, err)
+	}
+	h := &Host{opts: opts, spaces: map[string]*space{}}
 	var err error
 	if opts.NetNS == "" {
 		h.ns, err = netns.Get()
@@ -146,14 +197,21 @@ func Open(opts Options) (*Host, error) {
 		h.Close()
 		return nil, fmt.Errorf("opening nftables: %w", err)
 	}
+	if err := h.migrate(); err != nil {
+		h.Close()
+		return nil, fmt.Errorf("moving networks of the earlier layout into namespaces: %w", err)
+	}
 	return h, nil
 }
 
 // MTU is the MTU guests get.
 func (h *Host) MTU() int { return h.opts.MTU }
 
-// Close releases the Host's handles; the host's links and rules stay.
+// Close releases the Host's handles; namespaces, links and rules stay.
 func (h *Host) Close() {
+	for _, s := range h.spaces {
+		s.close()
+	}
 	if h.nl != nil {
 		h.nl.Close()
 	}
@@ -163,343 +221,269 @@ func (h *Host) Close() {
 	h.ns.Close()
 }
 
-// Attach gives a VM with address ip a tap on n's bridge, creating the bridge and the
-// network's rules when missing, and returns the tap opened for the VMM (the caller closes
-// it once the VMM holds it).
-func (h *Host) Attach(n Network, vmUID string, ip netip.Addr) (*os.File, error) {
+// Attachment is a VM's place on its network: its tap, open for the VMM (the caller closes it
+// once the VMM holds it), and the network namespace the tap lives in, which a VMM that opens
+// the tap by name (Firecracker) joins.
+type Attachment struct {
+	Tap   *os.File
+	NetNS string
+}
+
+// Attach gives a VM with address ip a tap on n's bridge, creating the network's namespace,
+// bridge and rules when missing.
+func (h *Host) Attach(n Network, vmUID string, ip netip.Addr) (Attachment, error) {
 	if !n.Prefix.Contains(ip) || ip == n.Gateway {
-		return nil, fmt.Errorf("address %s is not a host address of %s", ip, n.Prefix)
+		return Attachment{}, fmt.Errorf("address %s is not a host address of %s", ip, n.Prefix)
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	br, err := h.ensureBridge(n)
+	s, err := h.ensureSpace(n.id())
 	if err != nil {
-		return nil, err
+		return Attachment{}, err
+	}
+	br, err := s.ensureBridge(n, h.opts.MTU)
+	if err != nil {
+		return Attachment{}, err
+	}
+	if err := h.ensureNetwork(s, n, false); err != nil {
+		return Attachment{}, err
 	}
 	tapName := TapName(vmUID)
-	f, err := h.openTap(tapName)
+	f, err := s.openTap(tapName)
 	if err != nil {
-		return nil, err
+		return Attachment{}, err
 	}
-	if err := h.configureTap(tapName, vmUID, br); err != nil {
+	if err := s.configureTap(tapName, vmUID, br, h.opts.MTU); err != nil {
 		f.Close()
-		return nil, err
+		return Attachment{}, err
 	}
-	if err := h.ensureRules(n, h.opts.VTEP.IsValid() && n.VNI != 0); err != nil {
+	if err := s.ensureTapRules(tapName, ip); err != nil {
 		f.Close()
-		return nil, err
+		return Attachment{}, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
 	}
-	if err := h.replaceRules(tapName, tapRules(tapName, ip)); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
-	}
-	return f, nil
+	return Attachment{Tap: f, NetNS: s.path}, nil
 }
 
-// Detach removes a VM's tap and its rules. The network's bridge stays until Sync finds it
+// ensureNetwork makes n's transit link and rules, and the node's rules, match n. The
+// overlay's device is Sync's: its rules stay while the device is there.
+func (h *Host) ensureNetwork(s *space, n Network, overlay bool) error {
+	if !overlay {
+		_, err := s.nl.LinkByName(n.VXLANName())
+		overlay = err == nil
+	}
+	if n.NAT {
+		if err := h.ensureTransit(s, n); err != nil {
+			return err
+		}
+	} else if err := h.removeTransit(n.id()); err != nil {
+		return err
+	}
+	if err := s.replaceRules(spaceChains, "net", networkRules(s.id, n, overlay)); err != nil {
+		return fmt.Errorf("rules of network %s: %w", n.Key(), err)
+	}
+	if err := h.ensureNodeRules(); err != nil {
+		return err
+	}
+	return h.syncForwarding()
+}
+
+// Detach removes a VM's tap and its rules. The network's namespace stays until Sync finds it
 // unused.
 func (h *Host) Detach(vmUID string) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.removeTap(TapName(vmUID))
-}
-
-func (h *Host) removeTap(name string) error {
-	if l, err := h.nl.LinkByName(name); err == nil {
-		if err := h.nl.LinkDel(l); err != nil {
+	name := TapName(vmUID)
+	spaces, err := h.openSpaces()
+	if err != nil {
+		return err
+	}
+	for _, s := range spaces {
+		l, err := s.nl.LinkByName(name)
+		if isNotFound(err) {
+			continue
+		} else if err != nil {
+			return fmt.Errorf("looking up tap %s: %w", name, err)
+		}
+		if err := s.nl.LinkDel(l); err != nil {
 			return fmt.Errorf("removing tap %s: %w", name, err)
 		}
-	} else if !isNotFound(err) {
-		return fmt.Errorf("looking up tap %s: %w", name, err)
+		return s.removeTapRules(name)
 	}
-	return h.replaceRules(name, nil)
+	return nil
 }
 
-// Sync makes n's node side match: with VMs attached, the bridge's rules, NAT, and the overlay
-// device with a forwarding entry per peer (and one per peer node for broadcasts such as ARP);
-// with none, nothing of n at all. It reports whether n is present on the node afterwards.
+// Sync makes n's node side match: with VMs attached, its namespace's bridge, rules, transit
+// link, and the overlay device with a forwarding entry per peer (and one per peer node for
+// broadcasts such as ARP), whose nodes alone may send the node n's VXLAN packets; with none,
+// nothing of n at all. It reports whether n is present on the node afterwards.
 func (h *Host) Sync(n Network, peers []Peer) (present bool, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	br, err := h.nl.LinkByName(n.BridgeName())
-	if isNotFound(err) {
-		return false, h.removeNetwork(n.BridgeName(), n.VXLANName())
-	} else if err != nil {
-		return false, fmt.Errorf("looking up bridge %s: %w", n.BridgeName(), err)
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return false, err
 	}
-	taps, err := h.taps(br.Attrs().Index)
+	if s == nil {
+		return false, h.cleanNode()
+	}
+	taps, err := s.taps()
 	if err != nil {
 		return true, err
 	}
 	if len(taps) == 0 {
-		return false, h.removeNetwork(n.BridgeName(), n.VXLANName())
+		return false, h.removeSpace(s)
 	}
-	if _, err := h.ensureBridge(n); err != nil {
+	br, err := s.ensureBridge(n, h.opts.MTU)
+	if err != nil {
 		return true, err
 	}
 	overlay := h.opts.VTEP.IsValid() && n.VNI != 0
+	var vteps []netip.Addr
 	if overlay {
-		if err := h.ensureVXLAN(n, br.Attrs().Index, peers); err != nil {
+		if vteps, err = h.ensureVXLAN(s, n, br.Attrs().Index, peers); err != nil {
 			return true, err
 		}
+	} else if err := s.removeLink(n.VXLANName()); err != nil {
+		return true, err
 	}
-	return true, h.ensureRules(n, overlay)
+	if err := h.ensureNetwork(s, n, overlay); err != nil {
+		return true, err
+	}
+	return true, h.syncPeers(n.VNI, vteps)
 }
 
-// Present lists the networks with a bridge on the node, as "namespace/name".
+// Present lists the networks with a namespace on the node, as "namespace/name".
 func (h *Host) Present() ([]string, error) {
-	links, err := h.nl.LinkList()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	spaces, err := h.openSpaces()
 	if err != nil {
-		return nil, fmt.Errorf("listing links: %w", err)
+		return nil, err
 	}
 	var keys []string
-	for _, l := range links {
-		if key, ok := strings.CutPrefix(l.Attrs().Alias, netAlias); ok && strings.HasPrefix(l.Attrs().Name, bridgePrefix) {
-			keys = append(keys, key)
+	for _, s := range spaces {
+		if l, err := s.nl.LinkByName(bridgePrefix + s.id); err == nil {
+			if key, ok := strings.CutPrefix(l.Attrs().Alias, netAlias); ok {
+				keys = append(keys, key)
+			}
 		}
 	}
 	return keys, nil
 }
 
 // Prune removes the taps of VMs for which keep is false, then every network left without a
-// tap, and every IMP rule whose link is gone. An agent calls it at start and periodically, to
-// remove what it created for VMs that went while it was not looking.
+// tap, and what the node's namespace holds for networks that are gone. An agent calls it at
+// start and periodically, to remove what it created for VMs that went while it was not
+// looking.
 func (h *Host) Prune(keep func(vmUID string) bool) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	links, err := h.nl.LinkList()
+	spaces, err := h.openSpaces()
 	if err != nil {
-		return fmt.Errorf("listing links: %w", err)
+		return err
 	}
 	var errs []error
-	live := map[string]bool{}
-	for _, l := range links {
-		a := l.Attrs()
-		if uid, ok := strings.CutPrefix(a.Alias, vmAlias); ok && strings.HasPrefix(a.Name, tapPrefix) && !keep(uid) {
-			if err := h.nl.LinkDel(l); err != nil {
-				errs = append(errs, fmt.Errorf("removing tap %s: %w", a.Name, err))
-			}
-			continue // its rules go with pruneRules, in one batch
-		}
-		live[a.Name] = true
-	}
-	for _, l := range links {
-		a := l.Attrs()
-		if !strings.HasPrefix(a.Name, bridgePrefix) || !strings.HasPrefix(a.Alias, netAlias) {
-			continue
-		}
-		taps, err := h.taps(a.Index)
+	for _, s := range spaces {
+		links, err := s.nl.LinkList()
 		if err != nil {
-			errs = append(errs, err)
+			errs = append(errs, fmt.Errorf("listing links of %s: %w", s.path, err))
 			continue
 		}
-		if len(taps) == 0 {
-			vx := vxlanPrefix + strings.TrimPrefix(a.Name, bridgePrefix)
-			for _, name := range []string{vx, a.Name} {
-				if l, err := h.nl.LinkByName(name); err == nil {
-					if err := h.nl.LinkDel(l); err != nil {
-						errs = append(errs, fmt.Errorf("removing %s: %w", name, err))
-					}
-				}
+		left := 0
+		for _, l := range links {
+			a := l.Attrs()
+			if !strings.HasPrefix(a.Name, tapPrefix) {
+				continue
 			}
-			delete(live, a.Name)
+			if uid, ok := strings.CutPrefix(a.Alias, vmAlias); ok && keep(uid) {
+				left++
+				continue
+			}
+			if err := s.nl.LinkDel(l); err != nil {
+				errs = append(errs, fmt.Errorf("removing tap %s: %w", a.Name, err))
+				left++
+				continue
+			}
+			errs = append(errs, s.removeTapRules(a.Name))
+		}
+		if left == 0 {
+			errs = append(errs, h.removeSpace(s))
+		} else {
+			errs = append(errs, s.pruneTapChains())
 		}
 	}
-	errs = append(errs, h.pruneRules(live), h.syncForwarding())
+	errs = append(errs, h.pruneNode(), h.cleanNode())
 	return errors.Join(errs...)
 }
 
-func (h *Host) ensureBridge(n Network) (netlink.Link, error) {
-	name := n.BridgeName()
-	br, err := h.nl.LinkByName(name)
-	if isNotFound(err) {
-		br = &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: name, MTU: h.opts.MTU, HardwareAddr: MAC(n.Gateway)}}
-		if err := h.nl.LinkAdd(br); err != nil {
-			return nil, fmt.Errorf("creating bridge %s: %w", name, err)
-		}
-		br, err = h.nl.LinkByName(name)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("looking up bridge %s: %w", name, err)
-	}
-	a := br.Attrs()
-	if a.Alias != netAlias+n.Key() {
-		if err := h.nl.LinkSetAlias(br, netAlias+n.Key()); err != nil {
-			return nil, fmt.Errorf("naming bridge %s: %w", name, err)
-		}
-	}
-	if a.HardwareAddr.String() != MAC(n.Gateway).String() {
-		if err := h.nl.LinkSetHardwareAddr(br, MAC(n.Gateway)); err != nil {
-			return nil, fmt.Errorf("setting the address of bridge %s: %w", name, err)
-		}
-	}
-	want := &netlink.Addr{IPNet: &net.IPNet{IP: n.Gateway.AsSlice(), Mask: net.CIDRMask(n.Prefix.Bits(), 32)}}
-	addrs, err := h.nl.AddrList(br, unix.AF_INET)
-	if err != nil {
-		return nil, fmt.Errorf("listing addresses of %s: %w", name, err)
-	}
-	found := false
-	for _, ad := range addrs {
-		if ad.IPNet.String() == want.IPNet.String() {
-			found = true
-			continue
-		}
-		if err := h.nl.AddrDel(br, &ad); err != nil { // a gateway of an earlier spec
-			return nil, fmt.Errorf("removing %s from %s: %w", ad.IPNet, name, err)
-		}
-	}
-	if !found {
-		if err := h.nl.AddrAdd(br, want); err != nil {
-			return nil, fmt.Errorf("adding %s to %s: %w", want.IPNet, name, err)
-		}
-	}
-	if a.OperState != netlink.OperUp && a.Flags&net.FlagUp == 0 {
-		if err := h.nl.LinkSetUp(br); err != nil {
-			return nil, fmt.Errorf("bringing up %s: %w", name, err)
-		}
-	}
-	return br, nil
-}
-
-// openTap opens (creating when missing) the persistent tap name in the host's namespace. A tap
-// belongs to the namespace /dev/net/tun was opened in, so the open happens on a thread that
-// has entered it.
-func (h *Host) openTap(name string) (*os.File, error) {
-	var f *os.File
-	err := h.inNetNS(func() error {
-		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("opening /dev/net/tun: %w", err)
-		}
-		ifr, err := unix.NewIfreq(name)
-		if err != nil {
-			unix.Close(fd)
-			return err
-		}
-		ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
-		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
-			unix.Close(fd)
-			return fmt.Errorf("attaching to tap %s: %w", name, err)
-		}
-		if err := unix.IoctlSetInt(fd, unix.TUNSETPERSIST, 1); err != nil {
-			unix.Close(fd)
-			return fmt.Errorf("making tap %s persistent: %w", name, err)
-		}
-		// Non-blocking, so reads can have deadlines; QEMU sets the same flag itself.
-		if err := unix.SetNonblock(fd, true); err != nil {
-			unix.Close(fd)
-			return err
-		}
-		f = os.NewFile(uintptr(fd), "/dev/net/tun:"+name)
-		return nil
-	})
-	return f, err
-}
-
-func (h *Host) configureTap(name, vmUID string, br netlink.Link) error {
-	tap, err := h.nl.LinkByName(name)
-	if err != nil {
-		return fmt.Errorf("looking up tap %s: %w", name, err)
-	}
-	a := tap.Attrs()
-	if a.Alias != vmAlias+vmUID {
-		if err := h.nl.LinkSetAlias(tap, vmAlias+vmUID); err != nil {
-			return fmt.Errorf("naming tap %s: %w", name, err)
-		}
-	}
-	if a.MTU != h.opts.MTU {
-		if err := h.nl.LinkSetMTU(tap, h.opts.MTU); err != nil {
-			return fmt.Errorf("setting the MTU of %s: %w", name, err)
-		}
-	}
-	if a.MasterIndex != br.Attrs().Index {
-		if err := h.nl.LinkSetMasterByIndex(tap, br.Attrs().Index); err != nil {
-			return fmt.Errorf("putting tap %s on bridge %s: %w", name, br.Attrs().Name, err)
-		}
-	}
-	if a.Flags&net.FlagUp == 0 {
-		if err := h.nl.LinkSetUp(tap); err != nil {
-			return fmt.Errorf("bringing up %s: %w", name, err)
-		}
-	}
-	return nil
-}
-
-// taps lists IMP taps on the bridge with index br.
-func (h *Host) taps(br int) ([]string, error) {
-	links, err := h.nl.LinkList()
-	if err != nil {
-		return nil, fmt.Errorf("listing links: %w", err)
-	}
-	var taps []string
-	for _, l := range links {
-		if a := l.Attrs(); a.MasterIndex == br && strings.HasPrefix(a.Name, tapPrefix) {
-			taps = append(taps, a.Name)
-		}
-	}
-	return taps, nil
-}
-
-func (h *Host) ensureVXLAN(n Network, br int, peers []Peer) error {
+// ensureVXLAN makes n's VXLAN device, created from the node's namespace so that its socket
+// stays on the underlay, and its forwarding entries match peers. It returns the peers' nodes.
+func (h *Host) ensureVXLAN(s *space, n Network, br int, peers []Peer) ([]netip.Addr, error) {
 	name := n.VXLANName()
 	want := &netlink.Vxlan{
-		LinkAttrs: netlink.LinkAttrs{Name: name, MTU: h.opts.MTU, MasterIndex: br},
+		LinkAttrs: netlink.LinkAttrs{Name: name, MTU: h.opts.MTU, Namespace: netlink.NsFd(int(s.ns))},
 		VxlanId:   int(n.VNI), SrcAddr: h.opts.VTEP.AsSlice(), Port: h.opts.VXLANPort, Learning: false,
 	}
-	l, err := h.nl.LinkByName(name)
+	l, err := s.nl.LinkByName(name)
 	if err == nil {
 		cur, ok := l.(*netlink.Vxlan)
 		if !ok || cur.VxlanId != want.VxlanId || !cur.SrcAddr.Equal(want.SrcAddr) || cur.Port != want.Port || cur.Learning {
-			if err := h.nl.LinkDel(l); err != nil {
-				return fmt.Errorf("replacing %s: %w", name, err)
+			if err := s.nl.LinkDel(l); err != nil {
+				return nil, fmt.Errorf("replacing %s: %w", name, err)
 			}
 			err = errNotFound
 		}
 	}
 	if isNotFound(err) {
 		if err := h.nl.LinkAdd(want); err != nil {
-			return fmt.Errorf("creating VXLAN device %s (VNI %d, port %d): %w", name, n.VNI, h.opts.VXLANPort, err)
+			return nil, fmt.Errorf("creating VXLAN device %s (VNI %d, port %d): %w", name, n.VNI, h.opts.VXLANPort, err)
 		}
-		l, err = h.nl.LinkByName(name)
+		l, err = s.nl.LinkByName(name)
 	}
 	if err != nil {
-		return fmt.Errorf("looking up %s: %w", name, err)
+		return nil, fmt.Errorf("looking up %s: %w", name, err)
 	}
 	if l.Attrs().Alias != netAlias+n.Key() {
-		if err := h.nl.LinkSetAlias(l, netAlias+n.Key()); err != nil {
-			return fmt.Errorf("naming %s: %w", name, err)
+		if err := s.nl.LinkSetAlias(l, netAlias+n.Key()); err != nil {
+			return nil, fmt.Errorf("naming %s: %w", name, err)
 		}
 	}
 	if l.Attrs().MasterIndex != br {
-		if err := h.nl.LinkSetMasterByIndex(l, br); err != nil {
-			return fmt.Errorf("putting %s on its bridge: %w", name, err)
+		if err := s.nl.LinkSetMasterByIndex(l, br); err != nil {
+			return nil, fmt.Errorf("putting %s on its bridge: %w", name, err)
 		}
 	}
 	if l.Attrs().Flags&net.FlagUp == 0 {
-		if err := h.nl.LinkSetUp(l); err != nil {
-			return fmt.Errorf("bringing up %s: %w", name, err)
+		if err := s.nl.LinkSetUp(l); err != nil {
+			return nil, fmt.Errorf("bringing up %s: %w", name, err)
 		}
 	}
-	return h.syncFDB(l.Attrs().Index, peers)
+	return s.syncFDB(l.Attrs().Index, peers, h.opts.VTEP)
 }
 
 type fdbKey struct{ mac, dst string }
 
 // syncFDB makes the VXLAN device's forwarding entries exactly: each peer's MAC to its node,
-// and the zero MAC to every peer node, which sends broadcasts (ARP) to each of them.
-func (h *Host) syncFDB(vx int, peers []Peer) error {
+// and the zero MAC to every peer node, which sends broadcasts (ARP) to each of them. It
+// returns the peer nodes.
+func (s *space) syncFDB(vx int, peers []Peer, self netip.Addr) ([]netip.Addr, error) {
 	zero := net.HardwareAddr{0, 0, 0, 0, 0, 0}
 	want := map[fdbKey]bool{}
+	var vteps []netip.Addr
 	for _, p := range peers {
-		if p.VTEP == h.opts.VTEP {
+		if p.VTEP == self {
 			continue
 		}
 		want[fdbKey{MAC(p.IP).String(), p.VTEP.String()}] = true
-		want[fdbKey{zero.String(), p.VTEP.String()}] = true
+		k := fdbKey{zero.String(), p.VTEP.String()}
+		if !want[k] {
+			want[k] = true
+			vteps = append(vteps, p.VTEP)
+		}
 	}
-	cur, err := h.nl.NeighList(vx, unix.AF_BRIDGE)
+	cur, err := s.nl.NeighList(vx, unix.AF_BRIDGE)
 	if err != nil {
-		return fmt.Errorf("listing forwarding entries: %w", err)
+		return nil, fmt.Errorf("listing forwarding entries: %w", err)
 	}
 	for _, e := range cur {
 		if e.IP == nil || e.Flags&netlink.NTF_SELF == 0 {
@@ -510,38 +494,19 @@ func (h *Host) syncFDB(vx int, peers []Peer) error {
 			delete(want, k)
 			continue
 		}
-		if err := h.nl.NeighDel(&e); err != nil {
-			return fmt.Errorf("removing forwarding entry %s via %s: %w", k.mac, k.dst, err)
+		if err := s.nl.NeighDel(&e); err != nil {
+			return nil, fmt.Errorf("removing forwarding entry %s via %s: %w", k.mac, k.dst, err)
 		}
 	}
 	for k := range want {
 		mac, _ := net.ParseMAC(k.mac)
 		e := &netlink.Neigh{LinkIndex: vx, Family: unix.AF_BRIDGE, State: netlink.NUD_PERMANENT, Flags: netlink.NTF_SELF,
 			HardwareAddr: mac, IP: net.ParseIP(k.dst)}
-		if err := h.nl.NeighAppend(e); err != nil {
-			return fmt.Errorf("adding forwarding entry %s via %s: %w", k.mac, k.dst, err)
+		if err := s.nl.NeighAppend(e); err != nil {
+			return nil, fmt.Errorf("adding forwarding entry %s via %s: %w", k.mac, k.dst, err)
 		}
 	}
-	return nil
-}
-
-// removeNetwork removes a network's VXLAN device, bridge and rules.
-func (h *Host) removeNetwork(bridge, vxlan string) error {
-	for _, name := range []string{vxlan, bridge} {
-		l, err := h.nl.LinkByName(name)
-		if isNotFound(err) {
-			continue
-		} else if err != nil {
-			return fmt.Errorf("looking up %s: %w", name, err)
-		}
-		if err := h.nl.LinkDel(l); err != nil {
-			return fmt.Errorf("removing %s: %w", name, err)
-		}
-	}
-	if err := h.replaceRules(bridge, nil); err != nil {
-		return err
-	}
-	return h.syncForwarding()
+	return vteps, nil
 }
 
 var errNotFound = errors.New("not found")
@@ -551,18 +516,15 @@ func isNotFound(err error) bool {
 	return errors.As(err, &lnf) || errors.Is(err, errNotFound)
 }
 
-// inNetNS runs f on an OS thread that has entered the host's namespace.
-func (h *Host) inNetNS(f func() error) error {
-	if h.opts.NetNS == "" {
-		return f()
-	}
+// runIn runs f on an OS thread that has entered ns.
+func runIn(ns netns.NsHandle, f func() error) error {
 	errc := make(chan error, 1)
 	go func() {
 		// The thread is never unlocked: it dies with the goroutine rather than return to the
 		// scheduler in another namespace.
 		runtime.LockOSThread()
-		if err := netns.Set(h.ns); err != nil {
-			errc <- fmt.Errorf("entering network namespace %s: %w", h.opts.NetNS, err)
+		if err := netns.Set(ns); err != nil {
+			errc <- fmt.Errorf("entering a network namespace: %w", err)
 			return
 		}
 		errc <- f()
@@ -570,17 +532,17 @@ func (h *Host) inNetNS(f func() error) error {
 	return <-errc
 }
 
-// syncForwarding turns IPv4 forwarding on while a NAT network is present and back off when
-// none is, but only when it was IMP that turned it on in this boot: the marker holds the boot
-// id, so after a reboot, where the node's own configuration may have turned forwarding on, an
-// old marker means nothing.
+// syncForwarding turns IPv4 forwarding in the node's namespace on while a NAT network is
+// present and back off when none is, but only when it was IMP that turned it on in this
+// boot: the marker holds the boot id, so after a reboot, where the node's own configuration
+// may have turned forwarding on, an old marker means nothing.
 func (h *Host) syncForwarding() error {
 	need, err := h.natPresent()
 	if err != nil {
 		return err
 	}
 	marker := filepath.Join(h.opts.StateDir, "ip_forward-enabled-by-imp")
-	return h.inNetNS(func() error {
+	return runIn(h.ns, func() error {
 		const knob = "/proc/sys/net/ipv4/ip_forward"
 		cur, err := os.ReadFile(knob)
 		if err != nil {
@@ -610,6 +572,20 @@ func (h *Host) syncForwarding() error {
 		}
 		return nil
 	})
+}
+
+// natPresent says whether a NAT network's transit link is in the node's namespace.
+func (h *Host) natPresent() (bool, error) {
+	links, err := h.nl.LinkList()
+	if err != nil {
+		return false, fmt.Errorf("listing links: %w", err)
+	}
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Name, egressPrefix) {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // SetOwner lets uid open the tap that f is attached to (TUNSETOWNER): an unprivileged VMM,

@@ -3,6 +3,7 @@ package hostnet_test
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -13,7 +14,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -27,7 +31,7 @@ func network(name, cidr string, vni uint32, nat bool) hostnet.Network {
 
 func open(t *testing.T, ns string, vtep string) *hostnet.Host {
 	t.Helper()
-	opts := hostnet.Options{NetNS: ns, StateDir: t.TempDir()}
+	opts := hostnet.Options{NetNS: ns, NSDir: testnetns.PinDir(t), StateDir: t.TempDir()}
 	if vtep != "" {
 		opts.VTEP = netip.MustParseAddr(vtep)
 	}
@@ -94,26 +98,65 @@ func fdb(t *testing.T, nl *netlink.Handle, dev string) []string {
 	return out
 }
 
+// attach attaches a VM and closes its tap, returning the network's namespace.
+func attach(t *testing.T, h *hostnet.Host, n hostnet.Network, vm, ip string) string {
+	t.Helper()
+	at, err := h.Attach(n, vm, netip.MustParseAddr(ip))
+	if err != nil {
+		t.Fatal(err)
+	}
+	at.Tap.Close()
+	return at.NetNS
+}
+
+// routes lists the IPv4 destinations of ns's main table.
+func routes(t *testing.T, nl *netlink.Handle) []string {
+	t.Helper()
+	rs, err := nl.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, r := range rs {
+		if r.Dst != nil {
+			out = append(out, r.Dst.String())
+		} else {
+			out = append(out, "default")
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
 func TestNetworkLifecycle(t *testing.T) {
 	ns := testnetns.New(t, "imp-hn-life")
 	nl := testnetns.Handle(t, ns)
 	h := open(t, ns, "192.0.2.1")
 	n := network("blue", "10.77.0.0/24", 100, true)
 
-	tap, err := h.Attach(n, "vm-1", netip.MustParseAddr("10.77.0.2"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tap.Close()
+	space := attach(t, h, n, "vm-1", "10.77.0.2")
+	in := testnetns.Handle(t, space)
 	br, vx, tn := n.BridgeName(), n.VXLANName(), hostnet.TapName("vm-1")
-	if got, want := impLinks(t, nl), []string{"bridge " + br + " 10.77.0.1/24", "tuntap " + tn}; !slices.Equal(got, want) {
-		t.Fatalf("links after Attach = %q, want %q", got, want)
+	id := strings.TrimPrefix(br, "impb")
+	if got, want := impLinks(t, in), []string{"bridge " + br + " 10.77.0.1/24", "tuntap " + tn, "veth impu" + id + " 169.254.210.2/32"}; !slices.Equal(got, want) {
+		t.Fatalf("links of the network's namespace after Attach = %q, want %q", got, want)
 	}
-	l, _ := nl.LinkByName(br)
+	// The node holds the transit link's end, without an address, and a route to the
+	// network's transit address: nothing of the tenant's CIDR.
+	if got, want := impLinks(t, nl), []string{"veth impe" + id}; !slices.Equal(got, want) {
+		t.Fatalf("links of the node after Attach = %q, want %q", got, want)
+	}
+	if got := routes(t, nl); !slices.Equal(got, []string{"169.254.210.2/32"}) {
+		t.Errorf("node routes = %q, want only the transit address", got)
+	}
+	if got := routes(t, in); !slices.Equal(got, []string{"0.0.0.0/0", "10.77.0.0/24", "169.254.210.1/32"}) {
+		t.Errorf("routes of the network's namespace = %q", got)
+	}
+	l, _ := in.LinkByName(br)
 	if l.Attrs().HardwareAddr.String() != "0a:58:0a:4d:00:01" || l.Attrs().Alias != "imp-net:ns/blue" {
 		t.Errorf("bridge MAC %s alias %q", l.Attrs().HardwareAddr, l.Attrs().Alias)
 	}
-	tl, _ := nl.LinkByName(tn)
+	tl, _ := in.LinkByName(tn)
 	if tl.Attrs().MasterIndex != l.Attrs().Index || tl.Attrs().MTU != hostnet.DefaultMTU || tl.Attrs().Flags&net.FlagUp == 0 {
 		t.Errorf("tap master %d (bridge %d), MTU %d, flags %v", tl.Attrs().MasterIndex, l.Attrs().Index, tl.Attrs().MTU, tl.Attrs().Flags)
 	}
@@ -121,20 +164,18 @@ func TestNetworkLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The network's: 5 forward, 1 masquerade, 2 keeping the gateway off the overlay; the tap's: 5.
-	if len(rules) != 5+1+2+5 {
-		t.Errorf("rules after Attach = %d, want 13:\n%s", len(rules), strings.Join(rules, "\n"))
+	// The node's: input 2 (transit links, VXLAN peers), forward 3 (between networks,
+	// not IPv4, link-local), 1 masquerade; the network's: input 4, forward 4, 1 masquerade,
+	// bridge prerouting 2; the tap's chain: 5.
+	if len(rules) != 6+11+5 {
+		t.Errorf("rules after Attach = %d, want 22:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")
 	}
 
 	// Attaching again changes nothing.
-	tap, err = h.Attach(n, "vm-1", netip.MustParseAddr("10.77.0.2"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tap.Close()
+	attach(t, h, n, "vm-1", "10.77.0.2")
 	if again, _ := h.Rules(); !slices.Equal(again, rules) {
 		t.Errorf("rules changed on a second Attach:\n%s", strings.Join(again, "\n"))
 	}
@@ -147,7 +188,7 @@ func TestNetworkLifecycle(t *testing.T) {
 	if present, err := h.Sync(n, peers); err != nil || !present {
 		t.Fatalf("Sync = %v, %v", present, err)
 	}
-	v, err := nl.LinkByName(vx)
+	v, err := in.LinkByName(vx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,16 +196,22 @@ func TestNetworkLifecycle(t *testing.T) {
 		t.Errorf("vxlan %+v", x)
 	}
 	want := []string{"00:00:00:00:00:00 192.0.2.2", "00:00:00:00:00:00 192.0.2.3", "0a:58:0a:4d:00:03 192.0.2.2", "0a:58:0a:4d:00:04 192.0.2.2", "0a:58:0a:4d:00:05 192.0.2.3"}
-	if got := fdb(t, nl, vx); !slices.Equal(got, want) {
+	if got := fdb(t, in, vx); !slices.Equal(got, want) {
 		t.Errorf("fdb = %q, want %q", got, want)
+	}
+	if got := vxlanPeers(t, ns); !slices.Equal(got, []string{"192.0.2.2 100", "192.0.2.3 100"}) {
+		t.Errorf("overlay peers = %q", got)
 	}
 	// A peer leaves, and with it its node.
 	if _, err := h.Sync(n, peers[:2]); err != nil {
 		t.Fatal(err)
 	}
 	want = []string{"00:00:00:00:00:00 192.0.2.2", "0a:58:0a:4d:00:03 192.0.2.2", "0a:58:0a:4d:00:04 192.0.2.2"}
-	if got := fdb(t, nl, vx); !slices.Equal(got, want) {
+	if got := fdb(t, in, vx); !slices.Equal(got, want) {
 		t.Errorf("fdb after a peer left = %q, want %q", got, want)
+	}
+	if got := vxlanPeers(t, ns); !slices.Equal(got, []string{"192.0.2.2 100"}) {
+		t.Errorf("overlay peers after a node left = %q", got)
 	}
 
 	if err := h.Detach("vm-1"); err != nil {
@@ -179,9 +226,43 @@ func TestNetworkLifecycle(t *testing.T) {
 	if got, _ := h.Rules(); len(got) != 0 {
 		t.Errorf("rules left: %q", got)
 	}
+	if got := routes(t, nl); len(got) != 0 {
+		t.Errorf("routes left: %q", got)
+	}
+	if _, err := os.Stat(space); !os.IsNotExist(err) {
+		t.Errorf("the network's namespace is still pinned at %s: %v", space, err)
+	}
 	if forwarding(t, ns) != "0" {
 		t.Error("IPv4 forwarding stayed on after the NAT network left")
 	}
+}
+
+// vxlanPeers lists the node's overlay admissions as "address VNI".
+func vxlanPeers(t *testing.T, ns string) []string {
+	t.Helper()
+	h, err := netns.GetFromPath(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	conn, err := nftables.New(nftables.WithNetNSFd(int(h)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := conn.GetSetByName(&nftables.Table{Family: nftables.TableFamilyINet, Name: "imp"}, "vxlan-peers")
+	if err != nil {
+		return nil
+	}
+	els, err := conn.GetSetElements(set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range els {
+		out = append(out, fmt.Sprintf("%s %d", netip.AddrFrom4([4]byte(e.Key[:4])), binary.BigEndian.Uint32(e.Key[4:])>>8))
+	}
+	sort.Strings(out)
+	return out
 }
 
 func TestPrune(t *testing.T) {
@@ -189,16 +270,13 @@ func TestPrune(t *testing.T) {
 	nl := testnetns.Handle(t, ns)
 	h := open(t, ns, "")
 	red, green := network("red", "10.78.0.0/24", 0, false), network("green", "10.79.0.0/16", 0, true)
+	spaces := map[string]string{}
 	for _, a := range []struct {
 		n  hostnet.Network
 		vm string
 		ip string
 	}{{red, "vm-1", "10.78.0.2"}, {red, "vm-2", "10.78.0.3"}, {green, "vm-3", "10.79.3.4"}} {
-		f, err := h.Attach(a.n, a.vm, netip.MustParseAddr(a.ip))
-		if err != nil {
-			t.Fatal(err)
-		}
-		f.Close()
+		spaces[a.n.Name] = attach(t, h, a.n, a.vm, a.ip)
 	}
 	if got, _ := h.Present(); !slices.Equal(sorted(got), []string{"ns/green", "ns/red"}) {
 		t.Errorf("Present = %q", got)
@@ -207,17 +285,20 @@ func TestPrune(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []string{"bridge " + red.BridgeName() + " 10.78.0.1/24", "tuntap " + hostnet.TapName("vm-1")}
-	if got := impLinks(t, nl); !slices.Equal(got, want) {
+	if got := impLinks(t, testnetns.Handle(t, spaces["red"])); !slices.Equal(got, want) {
 		t.Errorf("links after Prune = %q, want %q", got, want)
+	}
+	if _, err := os.Stat(spaces["green"]); !os.IsNotExist(err) {
+		t.Errorf("green's namespace is still pinned: %v", err)
+	}
+	if got := impLinks(t, nl); len(got) != 0 {
+		t.Errorf("the node keeps links of green, which has no VM left: %q", got)
 	}
 	rules, _ := h.Rules()
 	for _, r := range rules {
-		if !strings.Contains(r, red.BridgeName()) && !strings.Contains(r, hostnet.TapName("vm-1")) {
-			t.Errorf("rule of a pruned link left: %s", r)
+		if strings.Contains(r, hostnet.TapName("vm-2")) || strings.Contains(r, hostnet.TapName("vm-3")) {
+			t.Errorf("rule of a pruned tap left: %s", r)
 		}
-	}
-	if len(rules) != 4+5 {
-		t.Errorf("rules after Prune = %d, want 9:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if err := h.Prune(func(string) bool { return false }); err != nil {
 		t.Fatal(err)
@@ -227,6 +308,9 @@ func TestPrune(t *testing.T) {
 	}
 	if got, _ := h.Rules(); len(got) != 0 {
 		t.Errorf("rules left: %q", got)
+	}
+	if entries, _ := os.ReadDir(filepath.Dir(spaces["red"])); len(entries) != 0 {
+		t.Errorf("namespaces left: %v", entries)
 	}
 }
 
@@ -280,15 +364,17 @@ func TestAntiSpoofing(t *testing.T) {
 	h := open(t, ns, "")
 	n := network("spoof", "10.80.0.0/24", 0, false)
 	ipA, ipB := netip.MustParseAddr("10.80.0.2"), netip.MustParseAddr("10.80.0.3")
-	tapA, err := h.Attach(n, "vm-a", ipA)
+	atA, err := h.Attach(n, "vm-a", ipA)
 	if err != nil {
 		t.Fatal(err)
 	}
+	tapA := atA.Tap
 	defer tapA.Close()
-	tapB, err := h.Attach(n, "vm-b", ipB)
+	atB, err := h.Attach(n, "vm-b", ipB)
 	if err != nil {
 		t.Fatal(err)
 	}
+	tapB := atB.Tap
 	defer tapB.Close()
 	macA, macB := hostnet.MAC(ipA), hostnet.MAC(ipB)
 	target := netip.MustParseAddr("10.80.0.9")
@@ -375,7 +461,7 @@ func TestForwardingMarkerOfAnEarlierBoot(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			h, err := hostnet.Open(hostnet.Options{NetNS: ns, StateDir: state, BootID: "boot-2"})
+			h, err := hostnet.Open(hostnet.Options{NetNS: ns, NSDir: testnetns.PinDir(t), StateDir: state, BootID: "boot-2"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -392,7 +478,7 @@ func TestForwardingMarkerOfAnEarlierBoot(t *testing.T) {
 	if err := testnetns.Do(ns, func() error { return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("0"), 0o644) }); err != nil {
 		t.Fatal(err)
 	}
-	h, err := hostnet.Open(hostnet.Options{NetNS: ns, StateDir: t.TempDir(), BootID: "boot-2"})
+	h, err := hostnet.Open(hostnet.Options{NetNS: ns, NSDir: testnetns.PinDir(t), StateDir: t.TempDir(), BootID: "boot-2"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -412,11 +498,7 @@ func TestForwardingMarkerOfAnEarlierBoot(t *testing.T) {
 func attachAndLeave(t *testing.T, h *hostnet.Host, while ...func()) {
 	t.Helper()
 	n := network("blue", "10.78.0.0/24", 0, true)
-	tap, err := h.Attach(n, "vm-1", netip.MustParseAddr("10.78.0.2"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tap.Close()
+	attach(t, h, n, "vm-1", "10.78.0.2")
 	for _, f := range while {
 		f()
 	}
@@ -425,5 +507,285 @@ func attachAndLeave(t *testing.T, h *hostnet.Host, while ...func()) {
 	}
 	if present, err := h.Sync(n, nil); err != nil || present {
 		t.Fatalf("Sync without VMs = %v, %v", present, err)
+	}
+}
+
+// arpReply reads tap until an ARP reply for ip arrives and returns its sender MAC; ok is false
+// when none came within the bound.
+func arpReply(t *testing.T, tap *os.File, ip netip.Addr, bound time.Duration) (net.HardwareAddr, bool) {
+	t.Helper()
+	buf := make([]byte, 2048)
+	a := ip.As4()
+	deadline := time.Now().Add(bound)
+	for {
+		_ = tap.SetReadDeadline(deadline)
+		n, err := tap.Read(buf)
+		if err != nil {
+			return nil, false
+		}
+		f := buf[10:n]
+		if len(f) >= 42 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_ARP && binary.BigEndian.Uint16(f[20:]) == 2 && bytes.Equal(f[28:32], a[:]) {
+			return net.HardwareAddr(f[22:28]), true
+		}
+	}
+}
+
+// TestSameCIDRSideBySide: two networks with the same CIDR on one node, whose own subnet is
+// that CIDR too. Each VM reaches its own network's gateway, and nothing of the other network;
+// the node's routing table holds neither network, and the node still reaches a host of its
+// own subnet.
+func TestSameCIDRSideBySide(t *testing.T) {
+	ns, lan := testnetns.New(t, "imp-hn-same"), testnetns.New(t, "imp-hn-lan")
+	testnetns.Link(t, ns, "eth0", "10.70.0.100/24", lan, "eth0", "10.70.0.1/24")
+	nl := testnetns.Handle(t, ns)
+	lanHost := serve(t, lan, "10.70.0.1:8080")
+	h := open(t, ns, "")
+	one, two := network("one", "10.70.0.0/24", 0, true), network("two", "10.70.0.0/24", 0, false)
+	two.Namespace = "other"
+	ip := netip.MustParseAddr("10.70.0.2")
+	taps := map[string]*os.File{}
+	for _, n := range []hostnet.Network{one, two} {
+		at, err := h.Attach(n, "vm-"+n.Name, ip)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { at.Tap.Close() })
+		taps[n.Name] = at.Tap
+	}
+	for _, r := range routes(t, nl) {
+		if r != "10.70.0.0/24" && strings.HasPrefix(r, "10.70.") {
+			t.Errorf("node route %s", r)
+		}
+	}
+	if got := routes(t, nl); slices.Index(got, "10.70.0.0/24") < 0 || len(got) != 2 {
+		t.Errorf("node routes = %q, want its own subnet and one transit address", got)
+	}
+	if err := testnetns.Do(ns, func() error { return dial(lanHost) }); err != nil {
+		t.Errorf("the node lost its own subnet: %v", err)
+	}
+	// Each VM's ARP request for the gateway is answered in its own network alone.
+	gw := one.Gateway
+	if _, err := taps["one"].Write(arpRequest(hostnet.MAC(ip), hostnet.MAC(ip), ip, gw)); err != nil {
+		t.Fatal(err)
+	}
+	if mac, ok := arpReply(t, taps["one"], gw, 10*time.Second); !ok || mac.String() != hostnet.MAC(gw).String() {
+		t.Errorf("network one's gateway did not answer its VM: %v %v", mac, ok)
+	}
+	if _, ok := arpReply(t, taps["two"], gw, time.Second); ok {
+		t.Error("network two's VM saw a reply to network one's VM")
+	}
+}
+
+// serve accepts TCP connections on addr inside the namespace at path, until the test ends.
+func serve(t *testing.T, path, addr string) string {
+	t.Helper()
+	var l net.Listener
+	if err := testnetns.Do(path, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	return addr
+}
+
+func dial(addr string) error {
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err == nil {
+		c.Close()
+	}
+	return err
+}
+
+// vxlanFrame is a VXLAN packet's payload: the header with vni, then inner.
+func vxlanFrame(vni uint32, inner []byte) []byte {
+	h := make([]byte, 8)
+	h[0] = 0x08
+	binary.BigEndian.PutUint32(h[4:], vni<<8)
+	return append(h, inner...)
+}
+
+// TestVXLANFromPeersOnly sends VXLAN packets with the network's VNI to the node's overlay port
+// from a peer node's address and from another: only the peer's reach the VM's tap, and the
+// others are counted as dropped.
+func TestVXLANFromPeersOnly(t *testing.T) {
+	node, remote := testnetns.New(t, "imp-hn-vx"), testnetns.New(t, "imp-hn-vxr")
+	testnetns.Link(t, node, "under0", "192.0.2.1/24", remote, "under0", "192.0.2.2/24")
+	hr := testnetns.Handle(t, remote)
+	u, _ := hr.LinkByName("under0")
+	if err := hr.AddrAdd(u, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("192.0.2.3"), Mask: net.CIDRMask(24, 32)}}); err != nil {
+		t.Fatal(err)
+	}
+	h := open(t, node, "192.0.2.1")
+	n := network("vx", "10.71.0.0/24", 4711, false)
+	vmIP, peerIP := netip.MustParseAddr("10.71.0.2"), netip.MustParseAddr("10.71.0.3")
+	at, err := h.Attach(n, "vm-1", vmIP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer at.Tap.Close()
+	if _, err := h.Sync(n, []hostnet.Peer{{IP: peerIP, VTEP: netip.MustParseAddr("192.0.2.2")}}); err != nil {
+		t.Fatal(err)
+	}
+	send := func(from string, target netip.Addr) {
+		t.Helper()
+		err := testnetns.Do(remote, func() error {
+			c, err := net.DialUDP("udp4", &net.UDPAddr{IP: net.ParseIP(from)}, &net.UDPAddr{IP: net.ParseIP("192.0.2.1"), Port: hostnet.DefaultVXLANPort})
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			frame := arpRequest(hostnet.MAC(peerIP), hostnet.MAC(peerIP), peerIP, target)[10:] // no virtio header on the wire
+			_, err = c.Write(vxlanFrame(n.VNI, frame))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// arrived reads the VM's tap until the ARP request for sentinel (sent by the peer after
+	// the packet under test) and says whether one for target came first.
+	arrived := func(target, sentinel netip.Addr) bool {
+		buf := make([]byte, 2048)
+		deadline := time.Now().Add(10 * time.Second)
+		seen := false
+		for {
+			_ = at.Tap.SetReadDeadline(deadline)
+			k, err := at.Tap.Read(buf)
+			if err != nil {
+				t.Fatalf("the peer's packet never reached the VM: %v", err)
+			}
+			f := buf[10:k]
+			if len(f) < 42 || binary.BigEndian.Uint16(f[12:]) != unix.ETH_P_ARP {
+				continue
+			}
+			switch tgt := netip.AddrFrom4([4]byte(f[38:42])); tgt {
+			case target:
+				seen = true
+			case sentinel:
+				return seen
+			}
+		}
+	}
+	before := vxlanDrops(t, node)
+	send("192.0.2.3", netip.MustParseAddr("10.71.0.9"))
+	send("192.0.2.2", netip.MustParseAddr("10.71.0.10"))
+	if arrived(netip.MustParseAddr("10.71.0.9"), netip.MustParseAddr("10.71.0.10")) {
+		t.Error("a VXLAN packet from a node that is no peer of the network reached the VM")
+	}
+	if after := vxlanDrops(t, node); after != before+1 {
+		t.Errorf("dropped VXLAN packets: %d, then %d; want one more", before, after)
+	}
+	send("192.0.2.2", netip.MustParseAddr("10.71.0.11"))
+	send("192.0.2.2", netip.MustParseAddr("10.71.0.12"))
+	if !arrived(netip.MustParseAddr("10.71.0.11"), netip.MustParseAddr("10.71.0.12")) {
+		t.Error("a VXLAN packet from the peer did not reach the VM")
+	}
+	// The peer's node sending with another network's VNI is no peer of that one.
+	if err := testnetns.Do(remote, func() error {
+		c, err := net.DialUDP("udp4", &net.UDPAddr{IP: net.ParseIP("192.0.2.2")}, &net.UDPAddr{IP: net.ParseIP("192.0.2.1"), Port: hostnet.DefaultVXLANPort})
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_, err = c.Write(vxlanFrame(4712, make([]byte, 42)))
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if got := vxlanDrops(t, node); got != before+2 {
+		t.Errorf("a packet of another VNI from a peer of this one: drops %d, want %d", got, before+2)
+	}
+}
+
+// vxlanDrops reads the counter of the node's rule that drops VXLAN from non-peers.
+func vxlanDrops(t *testing.T, ns string) uint64 {
+	t.Helper()
+	h, err := netns.GetFromPath(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	conn, err := nftables.New(nftables.WithNetNSFd(int(h)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	table := &nftables.Table{Family: nftables.TableFamilyINet, Name: "imp"}
+	rs, err := conn.GetRules(table, &nftables.Chain{Name: "input", Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rs {
+		lookup := false
+		for _, e := range r.Exprs {
+			switch e := e.(type) {
+			case *expr.Lookup:
+				lookup = e.SetName == "vxlan-peers"
+			case *expr.Counter:
+				if lookup {
+					return e.Packets
+				}
+			}
+		}
+	}
+	t.Fatal("no rule drops VXLAN from non-peers")
+	return 0
+}
+
+// TestMigrationFromTheNodeNamespace: a VM plumbed by an agent of the earlier layout (bridge,
+// tap and rules in the node's namespace) keeps its tap, open as its VMM holds it, when a Host
+// opens: the tap moves into the network's namespace, where the gateway still answers it with
+// the same MAC, and its anti-spoofing rules come along; the node keeps nothing of the network.
+func TestMigrationFromTheNodeNamespace(t *testing.T) {
+	ns := testnetns.New(t, "imp-hn-migr")
+	nl := testnetns.Handle(t, ns)
+	n := network("old", "10.72.0.0/24", 0, false)
+	ip := netip.MustParseAddr("10.72.0.2")
+	tap, err := hostnet.LegacyAttach(ns, n, "vm-1", ip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tap.Close()
+	if got := routes(t, nl); !slices.Equal(got, []string{"10.72.0.0/24"}) {
+		t.Fatalf("the earlier layout: node routes %q", got)
+	}
+	h := open(t, ns, "")
+	if got := impLinks(t, nl); len(got) != 0 {
+		t.Errorf("node links after the migration: %q", got)
+	}
+	if got := routes(t, nl); len(got) != 0 {
+		t.Errorf("node routes after the migration: %q", got)
+	}
+	rules, err := h.Rules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tapRules := 0
+	for _, r := range rules {
+		if strings.Contains(r, " tap-"+hostnet.TapName("vm-1")+" ") {
+			tapRules++
+		}
+		if strings.HasPrefix(r, "node ") && !strings.Contains(r, "imp:node:") {
+			t.Errorf("a rule of the earlier layout is left in the node: %s", r)
+		}
+	}
+	if tapRules != 5 {
+		t.Errorf("the moved tap has %d anti-spoofing rules, want 5:\n%s", tapRules, strings.Join(rules, "\n"))
+	}
+	if _, err := tap.Write(arpRequest(hostnet.MAC(ip), hostnet.MAC(ip), ip, n.Gateway)); err != nil {
+		t.Fatal(err)
+	}
+	if mac, ok := arpReply(t, tap, n.Gateway, 10*time.Second); !ok || mac.String() != hostnet.MAC(n.Gateway).String() {
+		t.Errorf("after the migration the gateway answered %v (%v), want %s", mac, ok, hostnet.MAC(n.Gateway))
+	}
+	if got, _ := h.Present(); !slices.Equal(got, []string{"ns/old"}) {
+		t.Errorf("Present = %q", got)
 	}
 }

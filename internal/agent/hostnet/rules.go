@@ -16,30 +16,59 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// IMP's nftables: two tables of its own, never anyone else's.
+// IMP's nftables, in tables of its own and never anyone else's.
 //
-//	table inet imp   chain forward     isolation of each network's bridge
-//	                 chain postrouting masquerade of NAT networks
-//	table bridge imp chain prerouting  anti-spoofing on each tap
+// In the node's namespace:
+//
+//	table inet imp   chain input       nothing from a network's transit link; VXLAN only from peers
+//	                 chain forward     egress never to another network, link-local or denied CIDRs
+//	                 chain postrouting masquerade of the transit addresses to the node's
+//	                 set vxlan-peers   (peer node address . VNI) that may send the overlay's packets
+//
+// In each network's namespace, which IMP owns whole (input and forward drop by default):
+//
+//	table inet imp   chain input       the gateway answers ICMP, and replies; nothing else
+//	                 chain forward     bridged frames; egress to the transit link with NAT; replies
+//	                 chain postrouting masquerade to the network's transit address
+//	table bridge imp chain prerouting  each tap to its own chain (map taps), other taps dropped
+//	                 chain tap-<tap>   anti-spoofing of one tap
 //	                 chain postrouting keeps each node's gateway off the overlay
 //
-// Every rule carries a comment "imp:<link>:<hash>": the bridge or tap it belongs to and a hash
-// of that link's whole rule set, so a set that is already right is left untouched and one that
-// is not is replaced in a single atomic batch.
+// Every rule carries a comment "imp:<owner>:<hash>": what it belongs to (the node, the network,
+// a tap) and a hash of that owner's whole rule set, so a set that is already right is left
+// untouched and one that is not is replaced in a single atomic batch.
 var (
 	inetTable   = &nftables.Table{Family: nftables.TableFamilyINet, Name: "imp"}
 	bridgeTable = &nftables.Table{Family: nftables.TableFamilyBridge, Name: "imp"}
 	accept      = nftables.ChainPolicyAccept
-	fwdChain    = &nftables.Chain{Name: "forward", Table: inetTable, Type: nftables.ChainTypeFilter,
+	dropPolicy  = nftables.ChainPolicyDrop
+
+	nodeInput = &nftables.Chain{Name: "input", Table: inetTable, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter, Policy: &accept}
+	nodeForward = &nftables.Chain{Name: "forward", Table: inetTable, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept}
 	natChain = &nftables.Chain{Name: "postrouting", Table: inetTable, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource, Policy: &accept}
+	// nodeChains are the node's; legacyChains those an agent of the earlier layout left there.
+	nodeChains   = []*nftables.Chain{nodeInput, nodeForward, natChain}
+	legacyChains = []*nftables.Chain{nodeForward, natChain, brPreChain, brPostChain}
+
+	spaceInput = &nftables.Chain{Name: "input", Table: inetTable, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter, Policy: &dropPolicy}
+	spaceForward = &nftables.Chain{Name: "forward", Table: inetTable, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &dropPolicy}
 	brPreChain = &nftables.Chain{Name: "prerouting", Table: bridgeTable, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(-200), Policy: &accept}
 	brPostChain = &nftables.Chain{Name: "postrouting", Table: bridgeTable, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityFilter, Policy: &accept}
-	chains = []*nftables.Chain{fwdChain, natChain, brPreChain, brPostChain}
+	spaceChains = []*nftables.Chain{spaceInput, spaceForward, natChain, brPreChain, brPostChain}
+
+	// tapsMap sends each tap's frames to its chain.
+	tapsMap = &nftables.Set{Table: bridgeTable, Name: "taps", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
 )
+
+// linkLocal is where cloud metadata services answer; egress never reaches it.
+var linkLocal = netip.MustParsePrefix("169.254.0.0/16")
 
 // rule is one rule: where, what (in nft's syntax, for the hash and for people), how.
 type rule struct {
@@ -48,36 +77,42 @@ type rule struct {
 	exprs []expr.Any
 }
 
-// networkRules isolate n's bridge: nothing is routed into it but replies; out of it only to
-// the uplink, and only when NAT is on, masqueraded. With the overlay, the gateway (the same
-// address and MAC on every node) stays off the VXLAN device.
-func networkRules(n Network, overlay bool) []rule {
-	br, vx := n.BridgeName(), n.VXLANName()
+// networkRules are the rules of the namespace of n, whose id is id: the gateway answers ICMP only; frames bridged
+// within the network pass; with NAT, traffic leaves over the transit link masqueraded, and only
+// replies come back; with the overlay, the gateway (the same address and MAC on every node)
+// stays off the VXLAN device. Each tap goes to its own chain, and a tap without one carries
+// nothing.
+func networkRules(id string, n Network, overlay bool) []rule {
+	br, vx, up := bridgePrefix+id, vxlanPrefix+id, uplinkPrefix+id
 	rs := []rule{
+		{spaceInput, "ct state established,related accept", cat(ctEstablished(), verdict(expr.VerdictAccept))},
+		{spaceInput, `iifname "lo" accept`, cat(ifname(expr.MetaKeyIIFNAME, "lo", true), verdict(expr.VerdictAccept))},
+		{spaceInput, fmt.Sprintf("iifname %q meta l4proto icmp accept", br),
+			cat(ifname(expr.MetaKeyIIFNAME, br, true), l4proto(unix.IPPROTO_ICMP), verdict(expr.VerdictAccept))},
+		{spaceInput, "counter drop", drop()},
 		// Frames bridged within the network, locally or over the overlay, pass the forward
-		// hook too on hosts with br_netfilter (as Kubernetes nodes have it): in and out
-		// are the bridge itself.
-		{fwdChain, fmt.Sprintf("iifname %q oifname %q accept", br, br),
+		// hook too where br_netfilter is on: in and out are the bridge itself.
+		{spaceForward, fmt.Sprintf("iifname %q oifname %q accept", br, br),
 			cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, br, true), verdict(expr.VerdictAccept))},
-		{fwdChain, fmt.Sprintf("oifname %q ct state established,related accept", br),
+		{spaceForward, fmt.Sprintf("oifname %q ct state established,related accept", br),
 			cat(ifname(expr.MetaKeyOIFNAME, br, true), ctEstablished(), verdict(expr.VerdictAccept))},
-		{fwdChain, fmt.Sprintf("oifname %q counter drop", br),
-			cat(ifname(expr.MetaKeyOIFNAME, br, true), drop())},
 	}
 	if n.NAT {
-		p := n.Prefix
 		rs = append(rs,
-			rule{fwdChain, fmt.Sprintf("iifname %q oifname \"%s*\" counter drop", br, bridgePrefix),
-				cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, bridgePrefix, false), drop())},
-			rule{fwdChain, fmt.Sprintf("iifname %q accept", br),
-				cat(ifname(expr.MetaKeyIIFNAME, br, true), verdict(expr.VerdictAccept))},
-			rule{natChain, fmt.Sprintf("ip saddr %s ip daddr != %s counter masquerade", p, p),
-				cat(ipv4(), prefixCmp(12, p, expr.CmpOpEq), prefixCmp(16, p, expr.CmpOpNeq), []expr.Any{&expr.Counter{}, &expr.Masq{}})},
+			rule{spaceForward, fmt.Sprintf("iifname %q oifname %q accept", br, up),
+				cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, up, true), verdict(expr.VerdictAccept))},
+			rule{natChain, fmt.Sprintf("oifname %q counter masquerade", up),
+				cat(ifname(expr.MetaKeyOIFNAME, up, true), []expr.Any{&expr.Counter{}, &expr.Masq{}})},
 		)
-	} else {
-		rs = append(rs, rule{fwdChain, fmt.Sprintf("iifname %q counter drop", br),
-			cat(ifname(expr.MetaKeyIIFNAME, br, true), drop())})
 	}
+	rs = append(rs,
+		rule{spaceForward, "counter drop", drop()},
+		rule{brPreChain, "iifname vmap @taps", []expr.Any{
+			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+			&expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: tapsMap.Name},
+		}},
+		rule{brPreChain, fmt.Sprintf("iifname \"%s*\" counter drop", tapPrefix), cat(ifname(expr.MetaKeyIIFNAME, tapPrefix, false), drop())},
+	)
 	if overlay {
 		gw := n.Gateway.As4()
 		rs = append(rs,
@@ -86,6 +121,35 @@ func networkRules(n Network, overlay bool) []rule {
 			rule{brPostChain, fmt.Sprintf("oifname %q arp daddr ip %s drop", vx, n.Gateway),
 				cat(ifname(expr.MetaKeyOIFNAME, vx, true), etherType(unix.ETH_P_ARP), payload(expr.PayloadBaseNetworkHeader, 24, gw[:], expr.CmpOpEq), drop())},
 		)
+	}
+	return rs
+}
+
+// nodeRules are the node's: nothing arriving over a transit link reaches the node; egress
+// reaches neither another network, nor link-local addresses, nor the denied CIDRs; transit
+// addresses leave masqueraded to the node's. With an overlay, the VXLAN port takes packets
+// only from the nodes of each network (set vxlan-peers).
+func (h *Host) nodeRules() []rule {
+	from := func() []expr.Any { return ifname(expr.MetaKeyIIFNAME, egressPrefix, false) }
+	egress := fmt.Sprintf("iifname \"%s*\"", egressPrefix)
+	rs := []rule{
+		{nodeInput, egress + " counter drop", cat(from(), drop())},
+		{nodeForward, egress + fmt.Sprintf(" oifname \"%s*\" counter drop", egressPrefix),
+			cat(from(), ifname(expr.MetaKeyOIFNAME, egressPrefix, false), drop())},
+		{nodeForward, egress + " meta nfproto != ipv4 counter drop",
+			cat(from(), []expr.Any{&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1}, &expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{unix.NFPROTO_IPV4}}}, drop())},
+	}
+	for _, p := range append([]netip.Prefix{linkLocal}, h.opts.DeniedEgress...) {
+		p = p.Masked()
+		rs = append(rs, rule{nodeForward, fmt.Sprintf("%s ip daddr %s counter drop", egress, p), cat(from(), prefixCmp(16, p, expr.CmpOpEq), drop())})
+	}
+	t := h.opts.TransitCIDR
+	rs = append(rs, rule{natChain, fmt.Sprintf("ip saddr %s oifname != \"%s*\" counter masquerade", t, egressPrefix),
+		cat(ipv4(), prefixCmp(12, t, expr.CmpOpEq), []expr.Any{&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
+			&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte(egressPrefix)}}, []expr.Any{&expr.Counter{}, &expr.Masq{}})})
+	if h.opts.VTEP.IsValid() {
+		rs = append(rs, rule{nodeInput, fmt.Sprintf("udp dport %d %s . @th,96,32 != @vxlan-peers counter drop", h.opts.VXLANPort, h.peerAddr()),
+			cat(h.vxlanFilter(), drop())})
 	}
 	return rs
 }
@@ -166,11 +230,8 @@ func drop() []expr.Any {
 
 func verdict(k expr.VerdictKind) []expr.Any { return []expr.Any{&expr.Verdict{Kind: k}} }
 
-func (h *Host) ensureRules(n Network, overlay bool) error {
-	if err := h.replaceRules(n.BridgeName(), networkRules(n, overlay)); err != nil {
-		return fmt.Errorf("rules of network %s: %w", n.Key(), err)
-	}
-	return h.syncForwarding()
+func l4proto(p byte) []expr.Any {
+	return []expr.Any{&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1}, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{p}}}
 }
 
 func comment(r *nftables.Rule) string {
@@ -178,60 +239,41 @@ func comment(r *nftables.Rule) string {
 	return s
 }
 
-// ensureTables creates IMP's tables and chains when missing.
-func (h *Host) ensureTables() error {
-	have := map[string]bool{}
-	cs, err := h.nft.ListChains()
-	if err != nil {
-		return fmt.Errorf("listing nftables chains: %w", err)
-	}
-	for _, c := range cs {
-		have[fmt.Sprint(c.Table.Family, c.Table.Name, c.Name)] = true
-	}
-	missing := false
-	for _, c := range chains {
-		if !have[fmt.Sprint(c.Table.Family, c.Table.Name, c.Name)] {
-			missing = true
-		}
-	}
-	if !missing {
-		return nil
-	}
-	h.nft.AddTable(inetTable)
-	h.nft.AddTable(bridgeTable)
-	for _, c := range chains {
-		h.nft.AddChain(c)
-	}
-	if err := h.nft.Flush(); err != nil {
-		return fmt.Errorf("creating IMP's nftables tables: %w", err)
-	}
-	return nil
-}
-
-// replaceRules makes the rules tagged for link exactly want, in one batch, unless they already
-// are.
-func (h *Host) replaceRules(link string, want []rule) error {
-	if len(want) > 0 {
-		if err := h.ensureTables(); err != nil {
-			return err
-		}
-	}
+// tag is the comment of owner's rules when they are want.
+func tag(owner string, want []rule) string {
 	sum := sha256.New()
 	for _, r := range want {
 		fmt.Fprintln(sum, r.chain.Table.Family, r.chain.Name, r.text)
 	}
-	tag := "imp:" + link + ":" + hex.EncodeToString(sum.Sum(nil))[:12]
+	return "imp:" + owner + ":" + hex.EncodeToString(sum.Sum(nil))[:12]
+}
+
+// getRules lists a chain's rules; a missing table or chain has none. (The kernel answers
+// with a dump filtered by table and chain.)
+func getRules(conn *nftables.Conn, c *nftables.Chain) ([]*nftables.Rule, error) {
+	rs, err := conn.GetRules(c.Table, c)
+	if err != nil {
+		return nil, fmt.Errorf("listing rules of %s: %w", c.Name, err)
+	}
+	return rs, nil
+}
+
+// replaceRules makes the rules of owner in chains exactly want, in one batch, unless they
+// already are. The batch first adds the tables and chains (create), which leaves those that
+// exist as they are.
+func replaceRules(conn *nftables.Conn, chains []*nftables.Chain, create func(), owner string, want []rule) error {
+	t := tag(owner, want)
 	var mine []*nftables.Rule
 	current := 0
 	for _, c := range chains {
-		rs, err := h.getRules(c)
+		rs, err := getRules(conn, c)
 		if err != nil {
 			return err
 		}
 		for _, r := range rs {
-			if cm := comment(r); strings.HasPrefix(cm, "imp:"+link+":") {
+			if cm := comment(r); strings.HasPrefix(cm, "imp:"+owner+":") {
 				mine = append(mine, r)
-				if cm == tag {
+				if cm == t {
 					current++
 				}
 			}
@@ -240,110 +282,167 @@ func (h *Host) replaceRules(link string, want []rule) error {
 	if current == len(want) && len(mine) == current {
 		return nil
 	}
+	if len(want) > 0 {
+		create()
+	}
 	for _, r := range mine {
-		if err := h.nft.DelRule(r); err != nil {
+		if err := conn.DelRule(r); err != nil {
 			return err
 		}
 	}
 	for _, r := range want {
-		h.nft.AddRule(&nftables.Rule{Table: r.chain.Table, Chain: r.chain, Exprs: r.exprs,
-			UserData: userdata.AppendString(nil, userdata.TypeComment, tag)})
+		conn.AddRule(&nftables.Rule{Table: r.chain.Table, Chain: r.chain, Exprs: r.exprs,
+			UserData: userdata.AppendString(nil, userdata.TypeComment, t)})
 	}
-	if err := h.nft.Flush(); err != nil {
-		return fmt.Errorf("replacing the rules of %s: %w", link, err)
-	}
-	if len(want) == 0 {
-		return h.dropEmptyTables()
+	if err := conn.Flush(); err != nil {
+		return fmt.Errorf("replacing the rules of %s: %w", owner, err)
 	}
 	return nil
 }
 
-// getRules lists a chain's rules; a missing table or chain has none.
-func (h *Host) getRules(c *nftables.Chain) ([]*nftables.Rule, error) {
-	rs, err := h.nft.GetRules(c.Table, c)
-	var errno unix.Errno
-	if errors.As(err, &errno) && errno == unix.ENOENT {
-		return nil, nil
-	} else if err != nil {
-		return nil, fmt.Errorf("listing rules of %s: %w", c.Name, err)
+// createTables adds the namespace's tables, chains and map to conn's next batch (a table or
+// chain that exists is left as it is).
+func (s *space) createTables() {
+	s.nft.AddTable(inetTable)
+	s.nft.AddTable(bridgeTable)
+	for _, c := range spaceChains {
+		s.nft.AddChain(c)
 	}
-	return rs, nil
+	_ = s.nft.AddSet(tapsMap, nil)
 }
 
-// pruneRules removes IMP rules whose link is not in live.
-func (h *Host) pruneRules(live map[string]bool) error {
-	n := 0
-	for _, c := range chains {
-		rs, err := h.getRules(c)
-		if err != nil {
-			return err
+func (s *space) replaceRules(chains []*nftables.Chain, owner string, want []rule) error {
+	return replaceRules(s.nft, chains, s.createTables, owner, want)
+}
+
+func tapChain(tap string) *nftables.Chain {
+	return &nftables.Chain{Name: "tap-" + tap, Table: bridgeTable}
+}
+
+func tapElement(tap string) nftables.SetElement {
+	key := make([]byte, unix.IFNAMSIZ)
+	copy(key, tap)
+	return nftables.SetElement{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictGoto, Chain: tapChain(tap).Name}}
+}
+
+// ensureTapRules makes tap's chain hold its anti-spoofing rules and the taps map send the
+// tap's frames to it. It reads that chain alone, so its cost does not grow with the VMs of
+// the network.
+func (s *space) ensureTapRules(tap string, ip netip.Addr) error {
+	c := tapChain(tap)
+	want := tapRules(tap, ip)
+	t := tag(tap, want)
+	rs, err := getRules(s.nft, c)
+	if err != nil {
+		return err
+	}
+	ok := len(rs) == len(want)
+	for _, r := range rs {
+		ok = ok && comment(r) == t
+	}
+	if ok {
+		return nil
+	}
+	s.nft.AddChain(c)
+	s.nft.FlushChain(c)
+	for _, r := range want {
+		s.nft.AddRule(&nftables.Rule{Table: c.Table, Chain: c, Exprs: r.exprs, UserData: userdata.AppendString(nil, userdata.TypeComment, t)})
+	}
+	if err := s.nft.SetAddElements(tapsMap, []nftables.SetElement{tapElement(tap)}); err != nil {
+		return err
+	}
+	if err := s.nft.Flush(); err != nil {
+		return fmt.Errorf("replacing the rules of %s: %w", tap, err)
+	}
+	return nil
+}
+
+// removeTapRules removes tap's chain and its entry in the taps map.
+func (s *space) removeTapRules(tap string) error {
+	c := tapChain(tap)
+	if _, err := s.nft.ListChain(c.Table, c.Name); err != nil {
+		return nil // no such chain (the library keeps no error number to tell it apart)
+	}
+	if err := s.nft.SetDeleteElements(tapsMap, []nftables.SetElement{tapElement(tap)}); err != nil {
+		return err
+	}
+	s.nft.FlushChain(c)
+	s.nft.DelChain(c)
+	if err := s.nft.Flush(); err != nil {
+		// The map entry was already gone: the chain alone.
+		s.nft.FlushChain(c)
+		s.nft.DelChain(c)
+		if err2 := s.nft.Flush(); err2 != nil {
+			return fmt.Errorf("removing the rules of %s: %w", tap, errors.Join(err, err2))
 		}
-		for _, r := range rs {
-			link, _, _ := strings.Cut(strings.TrimPrefix(comment(r), "imp:"), ":")
-			if !live[link] {
-				if err := h.nft.DelRule(r); err != nil {
-					return err
+	}
+	return nil
+}
+
+// pruneTapChains removes the chains of taps that are gone.
+func (s *space) pruneTapChains() error {
+	chains, err := s.nft.ListChainsOfTableFamily(nftables.TableFamilyBridge)
+	if err != nil {
+		return fmt.Errorf("listing chains of %s: %w", s.path, err)
+	}
+	var errs []error
+	for _, c := range chains {
+		tap, ok := strings.CutPrefix(c.Name, "tap-")
+		if !ok || c.Table.Name != bridgeTable.Name {
+			continue
+		}
+		if _, err := s.nl.LinkByName(tap); isNotFound(err) {
+			errs = append(errs, s.removeTapRules(tap))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Rules lists IMP's rules in the node's namespace and in every network's, as nft prints their
+// comments, for tests and diagnostics.
+func (h *Host) Rules() ([]string, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out, err := listRules(h.nft, nodeChains, "node")
+	if err != nil {
+		return nil, err
+	}
+	spaces, err := h.openSpaces()
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range spaces {
+		rs, err := listRules(s.nft, spaceChains, nsPrefix+s.id)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, rs...)
+		chains, err := s.nft.ListChainsOfTableFamily(nftables.TableFamilyBridge)
+		if err != nil {
+			return nil, err
+		}
+		for _, c := range chains {
+			if strings.HasPrefix(c.Name, "tap-") {
+				rs, err := listRules(s.nft, []*nftables.Chain{c}, nsPrefix+s.id)
+				if err != nil {
+					return nil, err
 				}
-				// Flush in batches: the kernel acknowledges each message, and a socket
-				// buffer holds a few hundred acknowledgements.
-				if n++; n%100 == 0 {
-					if err := h.nft.Flush(); err != nil {
-						return fmt.Errorf("removing stale rules: %w", err)
-					}
-				}
+				out = append(out, rs...)
 			}
 		}
 	}
-	if n > 0 {
-		if err := h.nft.Flush(); err != nil {
-			return fmt.Errorf("removing stale rules: %w", err)
-		}
-	}
-	return h.dropEmptyTables()
+	return out, nil
 }
 
-// dropEmptyTables removes IMP's tables when no rule is left in them.
-func (h *Host) dropEmptyTables() error {
-	rules, err := h.Rules()
-	if err != nil || len(rules) > 0 {
-		return err
-	}
-	tables, err := h.nft.ListTables()
-	if err != nil {
-		return fmt.Errorf("listing nftables tables: %w", err)
-	}
-	n := 0
-	for _, t := range tables {
-		if t.Name == "imp" && (t.Family == inetTable.Family || t.Family == bridgeTable.Family) {
-			h.nft.DelTable(t)
-			n++
-		}
-	}
-	if n == 0 {
-		return nil
-	}
-	if err := h.nft.Flush(); err != nil {
-		return fmt.Errorf("removing IMP's empty nftables tables: %w", err)
-	}
-	return nil
-}
-
-// natPresent says whether any network's masquerade rule is in place.
-func (h *Host) natPresent() (bool, error) {
-	rs, err := h.getRules(natChain)
-	return len(rs) > 0, err
-}
-
-// Rules lists IMP's rules as nft prints their comments, for tests and diagnostics.
-func (h *Host) Rules() ([]string, error) {
+func listRules(conn *nftables.Conn, chains []*nftables.Chain, where string) ([]string, error) {
 	var out []string
 	for _, c := range chains {
-		rs, err := h.getRules(c)
+		rs, err := getRules(conn, c)
 		if err != nil {
 			return nil, err
 		}
 		for _, r := range rs {
-			out = append(out, c.Name+" "+comment(r))
+			out = append(out, where+" "+c.Name+" "+comment(r))
 		}
 	}
 	return out, nil

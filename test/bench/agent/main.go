@@ -102,7 +102,7 @@ func run(b *testing.B, n int, agentBin string) error {
 		return err
 	}
 	stateDir := filepath.Join(tmp, "state")
-	agent := exec.Command(agentBin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir,
+	agent := exec.Command(agentBin, "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir, "--netns-dir", filepath.Join(tmp, "netns"),
 		"--kernel", kernel, "--initramfs", initrd, "--reserve-vcpus", "0", "--vcpu-overcommit", "8",
 		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
 	agent.Stderr = os.Stderr
