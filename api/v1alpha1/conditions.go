@@ -111,4 +111,8 @@ const (
 	ReasonInvalidGateway = "InvalidGateway"
 	// ReasonAddressesExhausted: every address of the network is allocated.
 	ReasonAddressesExhausted = "AddressesExhausted"
+	// ReasonReservedCIDR: the network's CIDR overlaps a range the cluster reserves (the
+	// operator's --reserved-cidrs, chart value network.reservedCIDRs); the message names it. A
+	// VM on such a network is not placed, with the same reason.
+	ReasonReservedCIDR = "ReservedCIDR"
 )

@@ -40,13 +40,17 @@ type DNSSpec struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.gateway) || !isCIDR(self.cidr) || !isIP(self.gateway) || self.gateway != string(cidr(self.cidr).ip())",message="gateway must not be the network address of cidr",fieldPath=".gateway"
 type ImpNetworkSpec struct {
 	// cidr is the network's IPv4 range in canonical form, such as 10.100.0.0/24, from /8 to /30.
-	// It cannot change while any address of it is allocated.
+	// It must not overlap 0.0.0.0/8, loopback, link-local, multicast or 240.0.0.0/4, nor a
+	// range the cluster reserves (network.reservedCIDRs). Networks with the same CIDR may
+	// coexist, on the same nodes too: each node keeps every network in a network namespace of
+	// its own. It cannot change while any address of it is allocated.
 	// +required
 	// +kubebuilder:validation:MinLength=9
 	// +kubebuilder:validation:MaxLength=18
 	// +kubebuilder:validation:XValidation:rule="isCIDR(self) && cidr(self).ip().family() == 4",message="cidr must be an IPv4 CIDR such as 10.100.0.0/24"
 	// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || cidr(self) == cidr(self).masked()",message="cidr must be a network address with no host bits set, such as 10.100.0.0/24"
 	// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || (cidr(self).prefixLength() >= 8 && cidr(self).prefixLength() <= 30)",message="cidr prefix length must be between /8 and /30"
+	// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || !['0.0.0.0/8', '127.0.0.0/8', '169.254.0.0/16', '224.0.0.0/4', '240.0.0.0/4'].exists(r, cidr(r).containsCIDR(cidr(self)) || cidr(self).containsCIDR(cidr(r)))",message="cidr must not overlap 0.0.0.0/8, loopback (127.0.0.0/8), link-local (169.254.0.0/16), multicast (224.0.0.0/4) or reserved (240.0.0.0/4) addresses"
 	CIDR string `json:"cidr"`
 
 	// gateway is the address the nodes' bridges hold on this network; VMs route through it.

@@ -64,3 +64,17 @@ func (s *ImpNetworkSpec) HostCapacity() (int64, error) {
 	}
 	return int64(1)<<(32-p.Bits()) - 3, nil
 }
+
+// ReservedOverlap returns the first of reserved that the network's CIDR overlaps, if any.
+func (s *ImpNetworkSpec) ReservedOverlap(reserved []netip.Prefix) (netip.Prefix, bool) {
+	p, err := s.Prefix()
+	if err != nil {
+		return netip.Prefix{}, false
+	}
+	for _, r := range reserved {
+		if r.Overlaps(p) {
+			return r, true
+		}
+	}
+	return netip.Prefix{}, false
+}

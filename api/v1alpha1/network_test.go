@@ -57,3 +57,27 @@ func TestBroadcast(t *testing.T) {
 		}
 	}
 }
+
+func TestReservedOverlap(t *testing.T) {
+	reserved := []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12"), netip.MustParsePrefix("192.168.1.0/24")}
+	tests := []struct {
+		cidr string
+		want string // the overlapped range; "" for none
+	}{
+		{"10.100.0.0/24", "10.96.0.0/12"},    // inside
+		{"10.0.0.0/8", "10.96.0.0/12"},       // around
+		{"10.112.0.0/24", ""},                // just after
+		{"192.168.0.0/16", "192.168.1.0/24"}, // around the second
+		{"192.168.2.0/24", ""},
+		{"garbage", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.cidr, func(t *testing.T) {
+			spec := ImpNetworkSpec{CIDR: tt.cidr}
+			got, ok := spec.ReservedOverlap(reserved)
+			if ok != (tt.want != "") || (ok && got.String() != tt.want) {
+				t.Errorf("ReservedOverlap(%s) = %v, %v; want %q", tt.cidr, got, ok, tt.want)
+			}
+		})
+	}
+}

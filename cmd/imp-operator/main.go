@@ -6,7 +6,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/netip"
 	"os"
+	"strings"
 	"time"
 
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -48,6 +50,19 @@ func run() error {
 	fs.DurationVar(&vmOpts.AgentHeartbeatTimeout, "agent-heartbeat-timeout", vmOpts.AgentHeartbeatTimeout, "how long a node's agent may go without a heartbeat before the node takes no more VMs")
 	fs.DurationVar(&vmOpts.RestartBackoffBase, "restart-backoff-base", vmOpts.RestartBackoffBase, "first delay before restarting a VM that exited; doubles per restart")
 	fs.DurationVar(&vmOpts.RestartBackoffMax, "restart-backoff-max", vmOpts.RestartBackoffMax, "longest delay before restarting a VM that exited")
+	fs.Func("reserved-cidrs", "IPv4 CIDRs, comma-separated, that no ImpNetwork may overlap: such a network is Ready=False (ReservedCIDR) and none of its VMs is placed", func(s string) error {
+		for _, c := range strings.Split(s, ",") {
+			if c = strings.TrimSpace(c); c == "" {
+				continue
+			}
+			p, err := netip.ParsePrefix(c)
+			if err != nil || !p.Addr().Is4() {
+				return fmt.Errorf("not an IPv4 CIDR: %q", c)
+			}
+			vmOpts.ReservedCIDRs = append(vmOpts.ReservedCIDRs, p.Masked())
+		}
+		return nil
+	})
 	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")
 	fs.DurationVar(&pressureSettle, "pressure-settle", 15*time.Second, "with --pressure-lifecycle: how long after a VM's memory is freed before the node's MemoryPressure is trusted again")
 	fs.DurationVar(&pressureTimeout, "pressure-timeout", 2*time.Minute, "with --pressure-lifecycle: how long a suspension may take before the next VM is considered")

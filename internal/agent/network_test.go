@@ -33,15 +33,22 @@ import (
 )
 
 // TestNetworksAcrossNodes simulates two nodes, each a network namespace with its own agent,
-// joined by a veth underlay; node A also has an uplink to an "outside" namespace. Three guests
-// boot under QEMU/TCG: a1 (node A) and b1 (node B) on ImpNetwork blue, which has NAT; a2
-// (node A) on red, which has none. Each guest pings the addresses of both networks and
-// connects to a server outside.
+// joined by a veth underlay; node A also has an uplink to an "outside" namespace, which holds
+// a metadata server on 169.254.169.254 that node A routes to. Node A listens on every address
+// (0.0.0.0:9100). Four guests boot under QEMU/TCG: a1 (node A) and b1 (node B) on ImpNetwork
+// blue, which has NAT; a2 (node A) on red, which has none; c1 (node A) on another namespace's
+// ImpNetwork, also named blue, with blue's CIDR. Each guest pings and connects to addresses of
+// the networks, the node and the outside.
 //
-//   - a1 and b1 reach each other across the VXLAN overlay; neither reaches a2, nor a2 them;
-//   - a1 reaches the outside server, which sees node A's address; a2 does not reach it,
+//   - a1 and b1 reach each other across the VXLAN overlay, and each greets the other by name;
+//     neither reaches a2, nor a2 them; c1 reaches its own gateway and never a1 or b1, whose
+//     addresses are also its network's;
+//   - a1 and c1 reach the outside server, which sees node A's address; a2 does not reach it,
 //     although the outside has a route back to both networks;
-//   - after the VMs are deleted, neither node namespace holds an IMP link, address or rule.
+//   - no VM on node A reaches node A's listener, by gateway, node or transit address, nor the
+//     metadata server; node A's routing table holds neither network's CIDR;
+//   - after the VMs are deleted, neither node namespace holds an IMP link, address or rule,
+//     and no network namespace is left pinned.
 func TestNetworksAcrossNodes(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
@@ -64,6 +71,19 @@ func TestNetworksAcrossNodes(t *testing.T) {
 		}
 	}
 	seen := serveOutside(t, out, "203.0.113.2:9000")
+	// The cloud's metadata server, which node A reaches, and node A's own services.
+	lo, _ := ho.LinkByName("lo")
+	if err := ho.AddrAdd(lo, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("169.254.169.254"), Mask: net.CIDRMask(32, 32)}}); err != nil {
+		t.Fatal(err)
+	}
+	ha := testnetns.Handle(t, nsA)
+	upA, _ := ha.LinkByName("uplink0")
+	if err := ha.RouteAdd(&netlink.Route{LinkIndex: upA.Attrs().Index, Dst: &net.IPNet{IP: net.ParseIP("169.254.169.254"), Mask: net.CIDRMask(32, 32)},
+		Gw: net.ParseIP("203.0.113.2")}); err != nil {
+		t.Fatal(err)
+	}
+	metadata := serveOutside(t, out, "169.254.169.254:80")
+	onNode := serveOutside(t, nsA, "0.0.0.0:9100")
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, n := range []string{nsA, nsB} {
@@ -77,26 +97,38 @@ func TestNetworksAcrossNodes(t *testing.T) {
 	readyNode(t, c, nodeA)
 	readyNode(t, c, nodeB)
 	startOperator(t, c)
+	pins := map[string]string{}
 	for _, n := range []struct{ node, netns, vtep string }{{nodeA, nsA, "192.168.77.1"}, {nodeB, nsB, "192.168.77.2"}} {
+		pins[n.node] = testnetns.PinDir(t)
 		startAgent(t, c, agent.Options{NodeName: n.node, StateDir: filepath.Join(tmp, n.node), Kernel: kernel, Initramfs: initrd,
-			NetNS: n.netns, OverlayAddress: netip.MustParseAddr(n.vtep)})
+			NetNS: n.netns, NetNSDir: pins[n.node], OverlayAddress: netip.MustParseAddr(n.vtep)})
 	}
+	other := c.Namespace(t)
 	for _, n := range []impv1.ImpNetwork{
 		{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "blue"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.90.0.0/24", NAT: impv1.NATSpec{Enabled: true}}},
 		{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "red"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.91.0.0/24"}},
+		{ObjectMeta: metav1.ObjectMeta{Namespace: other, Name: "blue"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.90.0.0/24", NAT: impv1.NATSpec{Enabled: true}}},
 	} {
 		if err := c.Client.Create(ctx, &n); err != nil {
 			t.Fatal(err)
 		}
 	}
 	w := &world{c: c, ns: ns, host: host}
-	probe := "icmp:10.90.0.2-3,icmp:10.91.0.2,tcp:203.0.113.2:9000"
+	probe := "icmp:10.90.0.1-3,icmp:10.91.0.1-2,tcp:203.0.113.2:9000,who:10.90.0.2:7000,who:10.90.0.3:7000"
+	// Node A's services, by every address a VM on node A could aim at.
+	nodeTargets := []string{"tcp:10.90.0.1:9100", "tcp:10.91.0.1:9100", "tcp:192.168.77.1:9100", "tcp:203.0.113.1:9100",
+		"tcp:169.254.210.1:9100", "tcp:169.254.210.2:9100", "tcp:169.254.169.254:80"}
 	vms := map[string]*impv1.ImpVM{}
-	for _, v := range []struct{ name, node, network string }{{"a1", nodeA, "blue"}, {"a2", nodeA, "red"}, {"b1", nodeB, "blue"}} {
+	for _, v := range []struct{ name, node, network, ns string }{{"a1", nodeA, "blue", ns}, {"a2", nodeA, "red", ns}, {"b1", nodeB, "blue", ns}, {"c1", nodeA, "blue", other}} {
 		w.node = v.node
 		vm := w.vm(v.name, "net")
+		vm.Namespace = v.ns
 		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: v.network}
-		vm.Spec.Env = []impv1.EnvVar{{Name: "PROBE", Value: probe}}
+		p := probe
+		if v.node == nodeA {
+			p += "," + strings.Join(nodeTargets, ",")
+		}
+		vm.Spec.Env = []impv1.EnvVar{{Name: "PROBE", Value: p}}
 		if err := c.Client.Create(ctx, vm); err != nil {
 			t.Fatal(err)
 		}
@@ -106,10 +138,13 @@ func TestNetworksAcrossNodes(t *testing.T) {
 	ips := map[string]string{}
 	// latest is the last state a guest printed for a probe target.
 
-	for name := range vms {
+	for name, vm := range vms {
 		g.Eventually(func() string {
-			v := w.get(name)
-			// Ready: the guest runs its workload (three TCG guests on two cores, beside other
+			v := &impv1.ImpVM{}
+			if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), v); err != nil {
+				return ""
+			}
+			// Ready: the guest runs its workload (four TCG guests on two cores, beside other
 			// suites' guests in CI, boot slowly).
 			if v == nil || v.Status.Phase != impv1.VMRunning || !meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition) {
 				return ""
@@ -154,8 +189,54 @@ func TestNetworksAcrossNodes(t *testing.T) {
 			t.Errorf("%s reached %s:\n%s", bad.from, bad.target, console(bad.from))
 		}
 	}
+	// Same CIDR, same name, another namespace: c1 has its own gateway and NAT, and nothing of
+	// blue's; a1 and b1 greet each other, not c1.
+	g.Eventually(latest("a1", "who:"+ips["b1"]+":7000")).WithTimeout(6*time.Minute).Should(Equal("ok b1"), func() string { return "a1 greets b1:\n" + console("a1") })
+	g.Eventually(latest("b1", "who:"+ips["a1"]+":7000")).WithTimeout(6*time.Minute).Should(Equal("ok a1"), func() string { return "b1 greets a1:\n" + console("b1") })
+	g.Eventually(latest("c1", "icmp:10.90.0.1")).WithTimeout(6*time.Minute).Should(Equal("ok"), func() string { return "c1 → its gateway:\n" + console("c1") })
+	g.Eventually(latest("c1", outside)).WithTimeout(6*time.Minute).Should(Equal("ok"), func() string { return "c1 → outside with NAT:\n" + console("c1") })
+	for _, other := range []string{"a1", "b1"} {
+		if ips[other] == ips["c1"] {
+			continue // c1 greets itself there
+		}
+		g.Eventually(latest("c1", "who:"+ips[other]+":7000")).WithTimeout(6*time.Minute).Should(Equal("fail"), func() string { return "c1 never tried " + other + ":\n" + console("c1") })
+	}
+	for name, from := range map[string]string{"a1": "c1", "b1": "c1", "c1": "a1"} {
+		if c := console(from); strings.Contains(c, " ok "+name+"\n") && name != from {
+			t.Errorf("%s greeted %s, a VM of another network with the same CIDR:\n%s", from, name, c)
+		}
+	}
+	if c := console("a1") + console("b1"); strings.Contains(c, " ok c1") {
+		t.Errorf("a VM of blue greeted c1:\n%s", c)
+	}
+	// Nothing of node A answers a VM on it, whatever address it aims at.
+	for _, from := range []string{"a1", "a2", "c1"} {
+		for _, target := range nodeTargets {
+			g.Eventually(latest(from, target)).WithTimeout(6*time.Minute).Should(Equal("fail"), func() string {
+				return from + " → " + target + " never tried:\n" + console(from)
+			})
+			if strings.Contains(console(from), "probe "+target+" ok") {
+				t.Errorf("%s reached node A's %s:\n%s", from, target, console(from))
+			}
+		}
+	}
+	if got := onNode(); len(got) > 0 {
+		t.Errorf("node A's listener accepted connections from %v", got)
+	}
+	if got := metadata(); len(got) > 0 {
+		t.Errorf("the metadata server accepted connections from %v", got)
+	}
 	if got := seen(); len(got) == 0 || len(got) != strings.Count(strings.Join(got, ","), "203.0.113.1") {
 		t.Errorf("the outside server saw %v; want only node A's address 203.0.113.1", got)
+	}
+	routes, err := ha.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range routes {
+		if r.Dst != nil && (strings.HasPrefix(r.Dst.String(), "10.90.") || strings.HasPrefix(r.Dst.String(), "10.91.")) {
+			t.Errorf("node A routes a tenant's CIDR: %s", r)
+		}
 	}
 
 	// Delete everything: nothing of IMP stays in either node's namespace.
@@ -166,6 +247,16 @@ func TestNetworksAcrossNodes(t *testing.T) {
 	}
 	for _, n := range []string{nsA, nsB} {
 		g.Eventually(func() []string { return impLeftovers(t, n) }).WithTimeout(6*time.Minute).WithPolling(250*time.Millisecond).Should(BeEmpty(), "in %s", n)
+	}
+	for node, dir := range pins {
+		g.Eventually(func() []string {
+			entries, _ := os.ReadDir(dir)
+			var names []string
+			for _, e := range entries {
+				names = append(names, e.Name())
+			}
+			return names
+		}).WithTimeout(time.Minute).Should(BeEmpty(), "network namespaces left pinned on %s", node)
 	}
 }
 

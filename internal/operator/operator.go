@@ -64,6 +64,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		APIReader: mgr.GetAPIReader(),
 		Recorder:  recorder,
 		IPAM:      alloc,
+		Reserved:  o.VM.ReservedCIDRs,
 	}
 	if err := nets.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpNetwork reconciler: %w", err)

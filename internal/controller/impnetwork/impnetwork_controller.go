@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"hash/fnv"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -50,6 +51,8 @@ type Reconciler struct {
 	APIReader client.Reader // uncached: a claim is deleted only when the API confirms its VM is gone
 	Recorder  EventRecorder
 	IPAM      Forgetter
+	// Reserved are ranges no network may overlap.
+	Reserved []netip.Prefix
 
 	vniMu sync.Mutex // one VNI assignment at a time
 }
@@ -88,7 +91,12 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	cond := metav1.Condition{Type: impv1.NetworkReadyCondition, ObservedGeneration: net.Generation}
 	gw, gwErr := net.Spec.GatewayAddr()
 	capacity, capErr := net.Spec.HostCapacity()
+	reserved, overlaps := net.Spec.ReservedOverlap(r.Reserved)
 	switch {
+	case overlaps:
+		st.Gateway, st.Free = "", 0
+		cond.Status, cond.Reason = metav1.ConditionFalse, impv1.ReasonReservedCIDR
+		cond.Message = fmt.Sprintf("cidr %s overlaps %s, which the cluster reserves (network.reservedCIDRs)", net.Spec.CIDR, reserved)
 	case gwErr != nil:
 		st.Gateway, st.Free = "", 0
 		cond.Status, cond.Reason, cond.Message = metav1.ConditionFalse, impv1.ReasonInvalidGateway, gwErr.Error()

@@ -64,6 +64,9 @@ type Options struct {
 	// DeletionTimeout is how long deletion waits for the node's agent to confirm the VM is gone
 	// before releasing the VM's address without it (with a Warning Event).
 	DeletionTimeout time.Duration
+	// ReservedCIDRs are ranges no ImpNetwork may overlap: VMs on such a network are not
+	// placed.
+	ReservedCIDRs []netip.Prefix
 }
 
 // DefaultOptions are the operator's defaults.
@@ -308,6 +311,10 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 				return nil
 			}
 			return fmt.Errorf("getting ImpNetwork %s: %w", ref.Name, err)
+		}
+		if reserved, ok := net.Spec.ReservedOverlap(r.Options.ReservedCIDRs); ok {
+			s.schedReason, s.schedMsg = impv1.ReasonReservedCIDR, fmt.Sprintf("ImpNetwork %s (%s) overlaps %s, which the cluster reserves", net.Name, net.Spec.CIDR, reserved)
+			return nil
 		}
 	}
 

@@ -3,6 +3,7 @@ package impvm_test
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -312,6 +313,43 @@ func TestMissingClassAndNetworkRecover(t *testing.T) {
 		if ev[r] == 0 {
 			t.Errorf("no %s Event; events: %v", r, ev)
 		}
+	}
+}
+
+// TestReservedCIDR: a network overlapping a range the cluster reserves is Ready=False naming
+// the range, and its VMs are not placed; a network beside the range serves its VM.
+func TestReservedCIDR(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.opts.VM.ReservedCIDRs = []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12")}
+	e.node("n", 8, 8)
+	e.startAgent(nil)
+	e.startOperator()
+	e.create(
+		&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "services"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.100.0.0/24"}},
+		&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "fine"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.112.0.0/24"}},
+	)
+	for name, net := range map[string]string{"on-reserved": "services", "beside": "fine"} {
+		vm := e.vm(name, 1, "256Mi")
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: net}
+		e.create(vm)
+	}
+	ready := func(name string) func() string {
+		return func() string {
+			n := &impv1.ImpNetwork{}
+			_ = e.c.Get(ctx, types.NamespacedName{Namespace: e.ns, Name: name}, n)
+			if c := findCond(n.Status.Conditions, impv1.NetworkReadyCondition); c != nil {
+				return c.Reason + ": " + c.Message
+			}
+			return ""
+		}
+	}
+	eventually(t, ready("services")).Should(HavePrefix(impv1.ReasonReservedCIDR + ": cidr 10.100.0.0/24 overlaps 10.96.0.0/12"))
+	eventually(t, ready("fine")).Should(HavePrefix(impv1.ReasonNetworkValid))
+	eventually(t, func() string { return scheduled(e.get("on-reserved")) }).Should(Equal(impv1.ReasonReservedCIDR))
+	eventually(t, func() string { return scheduled(e.get("beside")) }).Should(Equal("True"))
+	if ip := e.get("on-reserved").Status.IP; ip != "" {
+		t.Errorf("a VM on a reserved network holds address %s", ip)
 	}
 }
 

@@ -3,9 +3,10 @@
 //
 //	exit    leaves an orphan for PID 1 to reap and exits with code 3
 //	serve   prints a line a second until SIGTERM, then exits 0
-//	net     serves TCP on :7000 and probes the targets of $PROBE (comma-separated
-//	        icmp:A.B.C.D[-N] and tcp:HOST:PORT) twice a second, printing each change
-//	        "probe <target> ok|fail", and a tick a second, until SIGTERM
+//	net     serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
+//	        of $PROBE (comma-separated icmp:A.B.C.D[-N], tcp:HOST:PORT and who:HOST:PORT,
+//	        which reads another guest's greeting) twice a second, printing each change
+//	        "probe <target> ok|ok <greeter>|fail", and a tick a second, until SIGTERM
 package main
 
 import (

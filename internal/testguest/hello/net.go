@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/binary"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -60,6 +61,7 @@ func probeLoop(spec string) {
 	for seq := 1; ; seq++ {
 		for _, t := range ts {
 			var err error
+			var who string
 			if addr, ok := strings.CutPrefix(t, "icmp:"); ok {
 				err = ping(addr, seq)
 			} else if addr, ok := strings.CutPrefix(t, "tcp:"); ok {
@@ -67,10 +69,14 @@ func probeLoop(spec string) {
 				if c, err = net.DialTimeout("tcp", addr, 400*time.Millisecond); err == nil {
 					c.Close()
 				}
+			} else if addr, ok := strings.CutPrefix(t, "who:"); ok {
+				who, err = greeting(addr)
 			}
 			s := "ok"
 			if err != nil {
 				s = "fail"
+			} else if who != "" {
+				s = "ok " + who
 			}
 			if state[t] != s {
 				state[t] = s
@@ -79,6 +85,24 @@ func probeLoop(spec string) {
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
+}
+
+// greeting connects to another guest's server at addr and returns the host name it greets
+// with ("hello from NAME").
+func greeting(addr string) (string, error) {
+	c, err := net.DialTimeout("tcp", addr, 400*time.Millisecond)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(time.Second))
+	buf := make([]byte, 64)
+	n, _ := io.ReadAtLeast(c, buf, 1)
+	name, ok := strings.CutPrefix(strings.TrimSpace(string(buf[:n])), "hello from ")
+	if !ok || name == "" {
+		return "", fmt.Errorf("no greeting from %s", addr)
+	}
+	return name, nil
 }
 
 // ping sends one ICMP echo request to addr and waits briefly for its reply.
