@@ -37,12 +37,12 @@ import (
 
 // Names and aliases of IMP's links and namespaces. Interface names are at most 15 bytes.
 const (
-	nsPrefix     = "impn" // a network's namespace, under Options.NSDir
-	bridgePrefix = "impb" // in the network's namespace
-	vxlanPrefix  = "impx" // in the network's namespace; its socket in the node's
-	tapPrefix    = "impt" // in the network's namespace
-	egressPrefix = "impe" // the node's end of a NAT network's transit link
-	uplinkPrefix = "impu" // the network's end of it
+	nsPrefix     = "impn"     // a network's namespace, under Options.NSDir
+	bridgePrefix = "impb"     // in the network's namespace
+	vxlanPrefix  = "impx"     // in the network's namespace; its socket in the node's
+	tapPrefix    = "impt"     // in the network's namespace
+	egressPrefix = "impe"     // the node's end of a NAT network's transit link
+	uplinkPrefix = "impu"     // the network's end of it
 	netAlias     = "imp-net:" // + namespace/name
 	vmAlias      = "imp-vm:"  // + VM UID
 	// DefaultVXLANPort is the overlay's UDP port: not 4789 (IANA; Calico, Antrea, NSX) nor
