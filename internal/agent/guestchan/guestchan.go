@@ -1,0 +1,165 @@
+// Package guestchan reads the guest channel as the untrusted input it is. Everything on it comes
+// from inside the VM, where the workload runs as root and can take imp-init's end of the
+// channel: lines are bounded (longer ones are dropped whole), and a message counts only once
+// the channel has said hello with the VM's token, only if it is well formed, and only once
+// (the first ready, the first exit or error). Nothing a guest sends can make the reader stop,
+// allocate without bound, or produce a status the guest did not earn.
+package guestchan
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"io"
+	"strings"
+	"unicode"
+
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// MaxLine bounds one message; a longer line is dropped whole.
+const MaxLine = 4096
+
+// MaxMessage bounds the text of a guest's error that reaches the VM's status.
+const MaxMessage = 512
+
+// Kind is what a message means to the agent.
+type Kind int
+
+const (
+	// None: the line changed nothing the agent reports (a hello, a repeat, anything ignored).
+	None Kind = iota
+	// Ready: the guest's workload started.
+	Ready
+	// Exit: the workload exited with Event.Code.
+	Exit
+	// Error: imp-init failed, with Event.Message.
+	Error
+)
+
+// Event is a message the agent acts on.
+type Event struct {
+	Kind    Kind
+	Code    int32
+	Message string
+}
+
+// Session is one run's guest channel as the agent trusts it.
+type Session struct {
+	token  string
+	authed bool
+	ready  bool
+	ended  bool
+	// Ignored counts lines dropped: malformed, oversized, unauthenticated, out of order.
+	Ignored int
+	// Why says why the last line was dropped, for a log line.
+	Why string
+}
+
+// NewSession expects hello with token before anything else.
+func NewSession(token string) *Session { return &Session{token: token} }
+
+// Feed takes one line (without its newline) and returns the event it carries, if any.
+func (s *Session) Feed(line []byte) Event {
+	ev, why := s.feed(line)
+	if why != "" {
+		s.Ignored++
+		s.Why = why
+	}
+	return ev
+}
+
+func (s *Session) feed(line []byte) (Event, string) {
+	if len(line) > MaxLine {
+		return Event{}, "oversized"
+	}
+	var msg guestinit.Message
+	if err := json.NewDecoder(bytes.NewReader(line)).Decode(&msg); err != nil {
+		return Event{}, "malformed"
+	}
+	if msg.Event == "hello" {
+		// A hello with another token makes the channel untrusted again: whoever speaks
+		// next must prove the token anew.
+		s.authed = s.token != "" && subtle.ConstantTimeCompare([]byte(msg.Token), []byte(s.token)) == 1
+		if !s.authed {
+			return Event{}, "hello with the wrong token"
+		}
+		return Event{}, ""
+	}
+	if !s.authed {
+		return Event{}, "before hello"
+	}
+	if s.ended {
+		return Event{}, "after the run's end"
+	}
+	switch msg.Event {
+	case "ready":
+		if s.ready {
+			return Event{}, "ready again"
+		}
+		s.ready = true
+		return Event{Kind: Ready}, ""
+	case "exit":
+		if msg.Code == nil || *msg.Code < 0 || *msg.Code > 255 {
+			return Event{}, "exit without a code from 0 to 255"
+		}
+		s.ended = true
+		return Event{Kind: Exit, Code: int32(*msg.Code)}, ""
+	case "error":
+		s.ended = true
+		return Event{Kind: Error, Message: Sanitize(msg.Message)}, ""
+	}
+	return Event{}, "unknown event"
+}
+
+// Sanitize makes a guest's text fit for a status: printable, one line, at most MaxMessage
+// bytes.
+func Sanitize(s string) string {
+	s = strings.Map(func(r rune) rune {
+		switch {
+		case r == unicode.ReplacementChar:
+			return '?'
+		case !unicode.IsPrint(r):
+			return ' '
+		}
+		return r
+	}, strings.ToValidUTF8(s, "?"))
+	if len(s) > MaxMessage {
+		s = strings.ToValidUTF8(s[:MaxMessage], "") + "…"
+	}
+	return s
+}
+
+// tooLong stands for a line ReadLines dropped.
+var tooLong = make([]byte, MaxLine+1)
+
+// ReadLines calls f with each line of r, without its newline, dropping lines longer than
+// MaxLine whole (f sees an oversized placeholder instead, so it can count them). It returns
+// when r does, with r's error (nil at EOF).
+func ReadLines(r io.Reader, f func([]byte)) error {
+	br := bufio.NewReaderSize(r, MaxLine+1)
+	oversized := false
+	for {
+		line, err := br.ReadSlice('\n')
+		switch {
+		case errors.Is(err, bufio.ErrBufferFull):
+			oversized = true // the rest of this line is dropped too
+			continue
+		case err != nil && !errors.Is(err, io.EOF):
+			return err
+		}
+		if len(line) > 0 || err == nil {
+			if oversized {
+				f(tooLong)
+			} else {
+				f(bytes.TrimSuffix(line, []byte("\n")))
+			}
+			oversized = false
+		}
+		if err != nil {
+			return nil
+		}
+	}
+}

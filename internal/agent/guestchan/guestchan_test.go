@@ -1,0 +1,117 @@
+package guestchan
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+func TestSession(t *testing.T) {
+	const token = "t0k"
+	hello := `{"event":"hello","token":"t0k"}`
+	tests := []struct {
+		name  string
+		lines []string
+		want  []Event // the events, in order, that the lines produce
+	}{
+		{"a run", []string{hello, `{"event":"ready"}`, `{"event":"exit","code":3}`}, []Event{{Kind: Ready}, {Kind: Exit, Code: 3}}},
+		{"nothing before hello", []string{`{"event":"ready"}`, `{"event":"exit","code":0}`}, nil},
+		{"exit without a code", []string{hello, `{"event":"exit"}`}, nil},
+		{"exit code out of range", []string{hello, `{"event":"exit","code":-1}`, `{"event":"exit","code":256}`, `{"event":"exit","code":4294967296}`}, nil},
+		{"ready once", []string{hello, `{"event":"ready"}`, `{"event":"ready"}`}, []Event{{Kind: Ready}}},
+		{"the first end counts", []string{hello, `{"event":"exit","code":1}`, `{"event":"exit","code":2}`, `{"event":"error","message":"x"}`}, []Event{{Kind: Exit, Code: 1}}},
+		{"a wrong hello untrusts the channel", []string{hello, `{"event":"hello","token":"guess"}`, `{"event":"ready"}`}, nil},
+		{"the right hello trusts it again", []string{`{"event":"hello","token":"guess"}`, hello, `{"event":"ready"}`}, []Event{{Kind: Ready}}},
+		{"a hello without a token", []string{`{"event":"hello"}`, `{"event":"ready"}`}, nil},
+		{"not JSON", []string{hello, `ready`, `{"event":`, `[]`, `null`}, nil},
+		{"oversized", []string{hello, `{"event":"ready","message":"` + strings.Repeat("x", MaxLine) + `"}`}, nil},
+		{"unknown events", []string{hello, `{"event":"reboot"}`, `{"event":""}`}, nil},
+		{"an error's text is tamed", []string{hello, `{"event":"error","message":"bad\u001b[2J\nthing` + strings.Repeat("é", 400) + `"}`},
+			[]Event{{Kind: Error, Message: "bad [2J thing" + strings.Repeat("é", 249) + "…"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := NewSession(token)
+			var got []Event
+			for _, l := range tt.lines {
+				if ev := s.Feed([]byte(l)); ev.Kind != None {
+					got = append(got, ev)
+				}
+			}
+			if len(got) != len(tt.want) {
+				t.Fatalf("events %+v, want %+v", got, tt.want)
+			}
+			for i := range got {
+				if got[i] != tt.want[i] {
+					t.Errorf("event %d = %+v, want %+v", i, got[i], tt.want[i])
+				}
+			}
+		})
+	}
+	if s := NewSession(""); s.Feed([]byte(`{"event":"hello","token":""}`)) != (Event{}) || s.authed {
+		t.Error("a session without a token trusted a hello without one")
+	}
+}
+
+func TestReadLines(t *testing.T) {
+	in := "a\n" + strings.Repeat("x", 3*MaxLine) + "\nb\n" + strings.Repeat("y", MaxLine) + "\nc"
+	var got []string
+	if err := ReadLines(strings.NewReader(in), func(l []byte) {
+		if len(l) > MaxLine {
+			got = append(got, "<oversized>")
+		} else {
+			got = append(got, string(l))
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"a", "<oversized>", "b", strings.Repeat("y", MaxLine), "c"}
+	if strings.Join(got, ",") != strings.Join(want, ",") {
+		t.Errorf("lines = %.80q…, want %.80q…", got, want)
+	}
+}
+
+// FuzzGuestChannel feeds whatever a guest could write through the line reader into a session:
+// no panic, at most one ready and one end, nothing before the hello, codes in range, texts
+// bounded and printable. make test runs it for a bounded time.
+func FuzzGuestChannel(f *testing.F) {
+	f.Add([]byte(`{"event":"hello","token":"t0k"}` + "\n" + `{"event":"ready"}` + "\n" + `{"event":"exit","code":0}` + "\n"))
+	f.Add([]byte(`{"event":"exit"}` + "\n"))
+	f.Add([]byte(`{"event":"hello","token":"t0k"}` + "\n" + `{"event":"error","message":"\u0000\u001b"}`))
+	f.Add(bytes.Repeat([]byte("{"), 2*MaxLine))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		s := NewSession("t0k")
+		authed, ready, ends := false, 0, 0
+		_ = ReadLines(bytes.NewReader(data), func(line []byte) {
+			var m struct{ Event, Token string }
+			if len(line) <= MaxLine && json.NewDecoder(bytes.NewReader(line)).Decode(&m) == nil && m.Event == "hello" {
+				authed = m.Token == "t0k"
+			}
+			ev := s.Feed(line)
+			switch ev.Kind {
+			case None:
+				return
+			case Ready:
+				ready++
+			case Exit:
+				ends++
+				if ev.Code < 0 || ev.Code > 255 {
+					t.Fatalf("exit code %d", ev.Code)
+				}
+			case Error:
+				ends++
+				if len(ev.Message) > MaxMessage+len("…") || !utf8.ValidString(ev.Message) || strings.ContainsAny(ev.Message, "\n\r\x1b\x00") {
+					t.Fatalf("error text %q", ev.Message)
+				}
+			}
+			if !authed {
+				t.Fatalf("event %+v from an unauthenticated channel: %q", ev, line)
+			}
+		})
+		if ready > 1 || ends > 1 {
+			t.Fatalf("%d ready and %d ends", ready, ends)
+		}
+	})
+}
