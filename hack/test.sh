@@ -8,6 +8,7 @@
 # Env: IMP_CACHE [~/.cache/imp]   where built binaries live (kept between runs)
 #      KUBEBUILDER_ASSETS         use these etcd/kube-apiserver/kubectl instead of building them
 #      GO_TEST_FLAGS              extra flags for go test (e.g. -run Foo, -v)
+#      IMP_FUZZTIME [20s]         how long the guest channel's fuzzer runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export IMP_CACHE=${IMP_CACHE:-$HOME/.cache/imp}
@@ -47,5 +48,10 @@ done
 # TCG and needs more than that on a 2-core machine whose cores are busy with something else.
 # shellcheck disable=SC2086
 go test -count=1 -timeout 45m ${GO_TEST_FLAGS:-} ./...
+
+step "fuzz"
+# Everything a guest writes on its channel is untrusted: a bounded run of the fuzzer on top of
+# the seed corpus the unit tests already ran (IMP_FUZZTIME, default 20s).
+go test -run '^$' -fuzz '^FuzzGuestChannel$' -fuzztime "${IMP_FUZZTIME:-20s}" ./internal/agent/guestchan/
 
 step "done in $((SECONDS - t0))s"

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"net"
@@ -12,7 +11,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 
+	"github.com/go-logr/logr"
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/guestinit"
@@ -60,30 +61,69 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token}
 	a.monitors[vm.UID] = m
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
+	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
+	w := watch{
+		dial:  func() (net.Conn, error) { return a.dialChannel(dir, rec) },
+		alive: rec.Alive,
+		report: func(ctx context.Context, rt impv1.RuntimeStatus) {
+			vm := &impv1.ImpVM{}
+			vm.Namespace, vm.Name = key.Namespace, key.Name
+			if err := a.report(ctx, vm, rt); err != nil {
+				log.Error(err, "reporting the VM's state")
+			}
+		},
+		capConsole: func() error { return qemu.CapConsole(dir, a.Opts.ConsoleLogBytes) },
+		ended:      func() { a.endRun(meta.UID) },
+		tail:       func() string { return a.logTail(dir, rec) },
+	}
 	go func() {
 		defer close(m.done)
-		a.follow(ctx, m, key, dir, meta, rec)
+		m.follow(ctx, w, meta, log)
 	}()
 }
 
-func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName, dir string, meta *meta, rec *vmm.Record) {
-	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
+// watch is what a monitor follows of a run: how to reach its guest channel, whether its VMM
+// lives, and what to do with what it learns.
+type watch struct {
+	dial       func() (net.Conn, error)
+	alive      func() bool
+	report     func(context.Context, impv1.RuntimeStatus)
+	capConsole func() error
+	ended      func()
+	tail       func() string
+}
+
+// follow reports the run's state until its VMM is gone (or ctx ends): Running once the guest
+// says ready, then how it ended. Everything the guest sends goes through a guestchan.Session;
+// the console is capped on a ticker of its own, whatever the channel does.
+func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logger) {
 	base := impv1.RuntimeStatus{Instance: meta.Instance, Run: meta.Run}
 	started := metav1.NewTime(meta.Started)
 	base.StartedAt = &started
-	report := func(rt impv1.RuntimeStatus) {
-		vm := &impv1.ImpVM{}
-		vm.Namespace, vm.Name = key.Namespace, key.Name
-		if err := a.report(context.WithoutCancel(ctx), vm, rt); err != nil {
-			log.Error(err, "reporting the VM's state")
-		}
-	}
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
 
-	msgs := make(chan guestinit.Message, 8)
 	go func() {
-		defer close(msgs)
-		for ctx.Err() == nil && rec.Alive() {
-			conn, err := a.dialChannel(dir, rec)
+		tick := time.NewTicker(250 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				if err := w.capConsole(); err != nil {
+					log.Error(err, "capping the console log")
+				}
+			}
+		}
+	}()
+
+	events := make(chan guestchan.Event, 4) // a session yields at most a ready and an end
+	go func() {
+		defer close(events)
+		sess := guestchan.NewSession(meta.Token)
+		for ctx.Err() == nil && w.alive() {
+			conn, err := w.dial()
 			if err != nil {
 				time.Sleep(100 * time.Millisecond)
 				continue
@@ -91,84 +131,90 @@ func (a *Agent) follow(ctx context.Context, m *monitor, key types.NamespacedName
 			m.mu.Lock()
 			m.conn = conn
 			m.mu.Unlock()
-			go func() { <-ctx.Done(); conn.Close() }()
-			sc := bufio.NewScanner(conn)
-			for sc.Scan() {
-				var msg guestinit.Message
-				if json.Unmarshal(sc.Bytes(), &msg) == nil {
-					msgs <- msg
+			closed := make(chan struct{})
+			go func() {
+				select {
+				case <-ctx.Done():
+				case <-closed:
 				}
-			}
-			return
+				conn.Close()
+			}()
+			_ = guestchan.ReadLines(conn, func(line []byte) {
+				before := sess.Ignored
+				if ev := sess.Feed(line); ev.Kind != guestchan.None {
+					events <- ev
+				}
+				// Logged at the 1st, 2nd, 4th, 8th… so a flood costs a few lines.
+				if n := sess.Ignored; n > before && n&(n-1) == 0 {
+					log.Info("ignoring the guest channel's messages", "why", sess.Why, "ignored", n)
+				}
+			})
+			close(closed)
+			m.mu.Lock()
+			m.conn = nil
+			m.mu.Unlock()
+			time.Sleep(100 * time.Millisecond) // the guest closed its end; it may open it again
 		}
 	}()
 
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
-	var exit *guestinit.Message
+	var end *guestchan.Event
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case msg, ok := <-msgs:
+		case ev, ok := <-events:
 			if !ok {
-				msgs = nil
+				events = nil
 				continue
 			}
-			switch msg.Event {
-			case "hello":
-				if msg.Token != meta.Token {
-					log.Info("guest channel hello with the wrong token; ignoring the channel")
-					return
-				}
-			case "ready":
+			switch ev.Kind {
+			case guestchan.Ready:
 				rt := base
 				boot := time.Since(meta.Started).Milliseconds()
 				rt.State, rt.GuestReady, rt.BootMilliseconds, rt.Message = impv1.RuntimeRunning, true, &boot, "the guest is ready"
-				report(rt)
-			case "exit", "error":
-				exit = &msg
+				w.report(context.WithoutCancel(ctx), rt)
+			case guestchan.Exit, guestchan.Error:
+				end = &ev
 			}
 		case <-tick.C:
-			if rec.Alive() {
-				if err := qemu.CapConsole(dir, a.Opts.ConsoleLogBytes); err != nil {
-					log.Error(err, "capping the console log")
-				}
+			if w.alive() {
 				continue
 			}
 			// The guest's last words may still be in the channel: read it to its end.
 			drain := time.After(2 * time.Second)
 		drained:
-			for msgs != nil {
+			for events != nil {
 				select {
-				case msg, ok := <-msgs:
+				case ev, ok := <-events:
 					if !ok {
 						break drained
 					}
-					if msg.Event == "exit" || msg.Event == "error" {
-						exit = &msg
+					if ev.Kind == guestchan.Exit || ev.Kind == guestchan.Error {
+						end = &ev
 					}
 				case <-drain:
 					break drained
 				}
 			}
-			a.endRun(meta.UID)
+			w.ended()
 			rt := base
 			now := metav1.Now()
 			rt.State, rt.FinishedAt = impv1.RuntimeExited, &now
 			switch {
-			case exit != nil && exit.Event == "exit":
-				code := int32(*exit.Code)
+			case end != nil && end.Kind == guestchan.Exit:
+				code := end.Code
 				rt.ExitCode, rt.Reason, rt.Message = &code, "WorkloadExited", "the workload exited"
-			case exit != nil:
-				rt.Reason, rt.Message = "GuestError", exit.Message
+			case end != nil:
+				rt.Reason, rt.Message = "GuestError", end.Message
 			default:
 				rt.Reason, rt.Message = "VMMExited", "the VMM exited without the guest reporting an exit"
-				if tail := a.logTail(dir, rec); tail != "" {
-					rt.Message += ": " + tail
+				if tail := w.tail(); tail != "" {
+					rt.Message += ": " + guestchan.Sanitize(tail) // the VMM's log holds what its guest made it say
 				}
 			}
-			report(rt)
+			w.report(context.WithoutCancel(ctx), rt)
 			return
 		}
 	}

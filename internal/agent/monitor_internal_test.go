@@ -1,0 +1,159 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+)
+
+// TestMonitorUnderAHostileGuest plays a guest that does everything wrong on its channel: a hello
+// with the wrong token, then megabytes on the console, an exit without a code, 10,000 random
+// messages and lines, a ready before any good hello. The monitor stays up, keeps the console
+// under its cap, reports Running only after the right hello and a ready, and, when the VMM
+// dies with no valid exit, reports that the VMM exited — not a code the guest never gave.
+func TestMonitorUnderAHostileGuest(t *testing.T) {
+	dir := t.TempDir()
+	const token, capBytes = "the-token", 64 << 10
+	sock := filepath.Join(dir, "channel.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	console := filepath.Join(dir, qemu.ConsoleLog)
+	if err := os.WriteFile(console, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	var alive atomic.Bool
+	alive.Store(true)
+	var mu sync.Mutex
+	var reports []impv1.RuntimeStatus
+	w := watch{
+		dial:  func() (net.Conn, error) { return net.Dial("unix", sock) },
+		alive: alive.Load,
+		report: func(_ context.Context, rt impv1.RuntimeStatus) {
+			mu.Lock()
+			defer mu.Unlock()
+			reports = append(reports, rt)
+		},
+		capConsole: func() error { return qemu.CapConsole(dir, capBytes) },
+		ended:      func() {},
+		tail:       func() string { return "" },
+	}
+	m := &monitor{token: token}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		m.follow(context.Background(), w, &meta{Token: token, Started: time.Now()}, logr.Discard())
+	}()
+
+	guest, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer guest.Close()
+	send := func(lines ...string) {
+		t.Helper()
+		for _, line := range lines {
+			if _, err := guest.Write([]byte(line + "\n")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	running := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		n := 0
+		for _, r := range reports {
+			if r.State == impv1.RuntimeRunning {
+				n++
+			}
+		}
+		return n
+	}
+
+	send(`{"event":"hello","token":"guessed"}`, `{"event":"ready"}`)
+	// Megabytes on the console after the wrong hello: the cap still holds.
+	f, err := os.OpenFile(console, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := []byte(strings.Repeat("flood ", 1000) + "\n")
+	for written := 0; written < 4<<20; written += len(chunk) {
+		if _, err := f.Write(chunk); err != nil {
+			t.Fatal(err)
+		}
+		if written%(256<<10) < len(chunk) {
+			time.Sleep(300 * time.Millisecond) // a tick of the cap
+		}
+	}
+	f.Close()
+	waitFor(t, "the console capped", func() bool {
+		fi, err := os.Stat(console)
+		return err == nil && fi.Size() <= capBytes
+	})
+
+	send(`{"event":"exit"}`)
+	r := rand.New(rand.NewPCG(1, 2))
+	events := []string{"hello", "ready", "exit", "error", "", "reboot"}
+	for i := 0; i < 10000; i++ {
+		switch i % 3 {
+		case 0:
+			b, _ := json.Marshal(map[string]any{"event": events[r.IntN(len(events))], "token": fmt.Sprint(r.Int()), "code": r.Int64() - r.Int64()})
+			send(string(b))
+		case 1:
+			raw := make([]byte, r.IntN(200))
+			for j := range raw {
+				raw[j] = byte(r.IntN(256))
+				if raw[j] == '\n' {
+					raw[j] = ' '
+				}
+			}
+			send(string(raw))
+		default:
+			send(`{"event":"exit","code":` + fmt.Sprint(r.IntN(1000)-500) + `}`)
+		}
+	}
+	if running() != 0 {
+		t.Fatalf("Running reported from an unauthenticated channel: %+v", reports)
+	}
+	send(`{"event":"hello","token":"`+token+`"}`, `{"event":"ready"}`, `{"event":"ready"}`)
+	waitFor(t, "Running after the right hello", func() bool { return running() == 1 })
+
+	alive.Store(false)
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the monitor did not end with its VMM")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	last := reports[len(reports)-1]
+	if len(reports) != 2 || last.State != impv1.RuntimeExited || last.Reason != "VMMExited" || last.ExitCode != nil {
+		t.Errorf("reports %+v; want Running, then Exited for VMMExited without an exit code", reports)
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
