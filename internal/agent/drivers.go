@@ -181,9 +181,18 @@ func waitGone(rec *vmm.Record, d time.Duration) {
 }
 
 // logTail is the end of the VMM's own log, on one line.
+// capConsole keeps the console log of the VM in dir under its cap: Firecracker's in its jail,
+// where the VMM could have replaced it, opened through vmm.OpenIn.
+func (a *Agent) capConsole(dir string, rec *vmm.Record) error {
+	if rec != nil && rec.Kind == string(impv1.VMMFirecracker) {
+		return vmm.CapFile(a.jailRoot(types.UID(filepath.Base(dir))), firecracker.ConsoleFile, a.Opts.ConsoleLogBytes)
+	}
+	return qemu.CapConsole(dir, a.Opts.ConsoleLogBytes)
+}
+
 func (a *Agent) logTail(dir string, rec *vmm.Record) string {
 	if rec != nil && rec.Kind == string(impv1.VMMFirecracker) {
-		return vmm.Tail(filepath.Join(a.jailRoot(types.UID(filepath.Base(dir))), "logs/firecracker.log"), 300)
+		return vmm.Tail(a.jailRoot(types.UID(filepath.Base(dir))), firecracker.LogFile, 300)
 	}
 	return qemu.LogTail(dir, 300)
 }

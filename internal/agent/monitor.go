@@ -15,7 +15,6 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
-	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -72,7 +71,7 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 				log.Error(err, "reporting the VM's state")
 			}
 		},
-		capConsole: func() error { return qemu.CapConsole(dir, a.Opts.ConsoleLogBytes) },
+		capConsole: func() error { return a.capConsole(dir, rec) },
 		ended:      func() { a.endRun(meta.UID) },
 		tail:       func() string { return a.logTail(dir, rec) },
 	}

@@ -97,25 +97,6 @@ func DialUnix(path string) (net.Conn, error) {
 	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path)))
 }
 
-// Tail returns up to n bytes of the end of the file at path, on one line ("" when unreadable).
-func Tail(path string, n int64) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return ""
-	}
-	off := max(fi.Size()-n, 0)
-	buf := make([]byte, fi.Size()-off)
-	if _, err := f.ReadAt(buf, off); err != nil {
-		return ""
-	}
-	return strings.Join(strings.Fields(string(buf)), " ")
-}
-
 // IntentFile marks, in a VM's state directory, a VMM being started whose record is not
 // written yet: a crash between the two leaves a VMM that only its marker (Marked) can find.
 const IntentFile = "vmm.intent"

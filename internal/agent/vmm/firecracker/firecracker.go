@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -23,6 +24,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"golang.org/x/sys/unix"
 )
 
 // Paths inside the jail, as the jailed Firecracker sees them.
@@ -37,6 +39,10 @@ const (
 	jailLog       = "/logs/firecracker.log"
 	jailMetrics   = "/logs/metrics.json"
 	jailConsole   = "/logs/console.log"
+	// LogFile and ConsoleFile are Firecracker's log and the serial console, relative to the
+	// jail's root.
+	LogFile     = "logs/firecracker.log"
+	ConsoleFile = "logs/console.log"
 	// A suspended VM's snapshot, in the jail.
 	jailSnapshotState = "/snapshot/vm.state"
 	jailSnapshotMem   = "/snapshot/vm.mem"
@@ -136,14 +142,28 @@ func (s Spec) BootArgs() string {
 // where the file system allows, copies otherwise. The root, /run, /logs and the writable disk
 // belong to the VM's uid; the shared kernel, initramfs and base disk stay root's and
 // read-only. Nothing else of the host is in the jail.
+//
+// The jail belongs to the VM's uid, so a compromised VMM may have replaced anything in it with a
+// symbolic or hard link to a host file or to the shared base disk. Everything here goes through
+// os.Root, never follows a link at the last component, and replaces any file that is not the
+// one the jail should hold: the agent never chowns, truncates or writes through what the VMM
+// planted.
 func PrepareChroot(s Spec) error {
-	root := s.ChrootDir()
-	if err := os.MkdirAll(root, 0o750); err != nil {
+	if err := os.MkdirAll(s.ChrootDir(), 0o750); err != nil {
 		return fmt.Errorf("creating the jail: %w", err)
 	}
-	for _, d := range []string{"boot", "disks", "run", "logs", "snapshot"} {
-		if err := os.MkdirAll(filepath.Join(root, d), 0o750); err != nil {
-			return err
+	root, err := os.OpenRoot(s.ChrootDir())
+	if err != nil {
+		return fmt.Errorf("opening the jail: %w", err)
+	}
+	defer root.Close()
+	dirs := []string{"boot", "disks", "run", "logs", "snapshot"}
+	for _, d := range dirs {
+		if err := root.Mkdir(d, 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("creating /%s in the jail: %w", d, err)
+		}
+		if fi, err := root.Lstat(d); err != nil || !fi.IsDir() {
+			return fmt.Errorf("the jail's /%s is not a directory (%v): refusing the jail", d, err)
 		}
 	}
 	// The run's configuration replaces the previous run's.
@@ -157,36 +177,86 @@ func PrepareChroot(s Spec) error {
 		{s.Kernel, jailKernel, false}, {s.Initramfs, jailInitramfs, false},
 		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true}, {s.ConfigDisk, jailConfig, true},
 	} {
-		dst := filepath.Join(root, f.dst)
-		if _, err := os.Stat(dst); err != nil {
-			if err := linkOrCopy(f.src, dst); err != nil {
-				return fmt.Errorf("putting %s in the jail: %w", f.src, err)
-			}
+		name := strings.TrimPrefix(f.dst, "/")
+		if err := placeIn(root, name, f.src); err != nil {
+			return fmt.Errorf("putting %s in the jail: %w", f.src, err)
 		}
 		if f.owned {
-			if err := os.Chown(dst, s.UID, s.GID); err != nil {
+			if err := root.Lchown(name, s.UID, s.GID); err != nil {
 				return err
 			}
 		}
 	}
 	for _, f := range []string{jailLog, jailMetrics, jailConsole} {
-		p := filepath.Join(root, f)
-		if _, err := os.Stat(p); err == nil {
+		name := strings.TrimPrefix(f, "/")
+		fi, err := root.Lstat(name)
+		if err == nil && fi.Mode().IsRegular() && fi.Sys().(*syscall.Stat_t).Nlink == 1 {
 			continue // kept across restarts of the VM: the console log above all
 		}
-		if err := os.WriteFile(p, nil, 0o640); err != nil {
+		if err == nil {
+			if err := root.Remove(name); err != nil {
+				return fmt.Errorf("removing what replaced the jail's %s: %w", f, err)
+			}
+		}
+		out, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o640)
+		if err != nil {
 			return err
 		}
-		if err := os.Chown(p, s.UID, s.GID); err != nil {
+		out.Close()
+		if err := root.Lchown(name, s.UID, s.GID); err != nil {
 			return err
 		}
 	}
-	for _, d := range []string{"", "boot", "disks", "run", "logs", "snapshot"} {
-		if err := os.Chown(filepath.Join(root, d), s.UID, s.GID); err != nil {
+	for _, d := range append([]string{"."}, dirs...) {
+		if err := root.Lchown(d, s.UID, s.GID); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// placeIn makes name inside root the file src: left alone when it is src already (a hard
+// link), or a copy of it made earlier; otherwise whatever is there goes and src is linked (or,
+// across file systems, copied) in its place.
+func placeIn(root *os.Root, name, src string) error {
+	want, err := os.Stat(src)
+	if err != nil {
+		return err
+	}
+	if fi, err := root.Lstat(name); err == nil {
+		if os.SameFile(fi, want) {
+			return nil
+		}
+		if fi.Mode().IsRegular() && fi.Sys().(*syscall.Stat_t).Nlink == 1 && fi.Size() == want.Size() && fi.Sys().(*syscall.Stat_t).Uid == 0 {
+			return nil // a copy made where links cannot be, and still root's
+		}
+		if err := root.Remove(name); err != nil {
+			return fmt.Errorf("removing what replaced %s: %w", name, err)
+		}
+	}
+	dir, base := path.Split(name)
+	d, err := root.Open(path.Clean("./" + dir))
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	if err := unix.Linkat(unix.AT_FDCWD, src, int(d.Fd()), base, 0); err == nil {
+		return nil
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, want.Mode().Perm())
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
 }
 
 // RemoveConfig removes the run's configuration disk from the jail at chroot. The jail's
@@ -205,30 +275,6 @@ func RemoveConfig(chroot string) error {
 		return fmt.Errorf("removing the run's configuration from the jail: %w", err)
 	}
 	return nil
-}
-
-func linkOrCopy(src, dst string) error {
-	if err := os.Link(src, dst); err == nil {
-		return nil
-	}
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	fi, err := in.Stat()
-	if err != nil {
-		return err
-	}
-	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, fi.Mode().Perm())
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
 }
 
 // Start builds the jail, launches the jailer detached from the caller (own session; the

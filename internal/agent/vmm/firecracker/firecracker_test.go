@@ -378,3 +378,73 @@ func TestConfigRemovalStaysInTheJail(t *testing.T) {
 		t.Fatalf("the host's file behind the jail's symlink was removed or changed: %q, %v", b, err)
 	}
 }
+
+// TestJailLinksAreNotFollowed: a compromised VMM replaces files of its jail with links — its
+// writable disk with a symlink to a host file and to the jail's shared base disk, its log with
+// a symlink to a host file, its console with a hard link to the host file. Preparing the jail
+// again changes neither the host file nor the base disk; the jail holds the VM's own files
+// again; capping or reading the planted console refuses it.
+func TestJailLinksAreNotFollowed(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("chown needs root")
+	}
+	s := spec(t)
+	if err := firecracker.PrepareChroot(s); err != nil {
+		t.Fatal(err)
+	}
+	root := s.ChrootDir()
+	victim := filepath.Join(t.TempDir(), "shadow")
+	secret := strings.Repeat("host secret\n", 10000)
+	if err := os.WriteFile(victim, []byte(secret), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	replace := func(name string, link func(string) error) {
+		t.Helper()
+		p := filepath.Join(root, name)
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+		if err := link(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	replace("disks/rw.ext4", func(p string) error { return os.Symlink("../disks/base.ext4", p) })
+	replace("disks/config.img", func(p string) error { return os.Symlink(victim, p) })
+	replace("logs/firecracker.log", func(p string) error { return os.Symlink(victim, p) })
+	replace("logs/console.log", func(p string) error { return os.Link(victim, p) })
+
+	if err := vmm.CapFile(root, firecracker.ConsoleFile, 1024); err == nil {
+		t.Error("capping a console that is a hard link to a host file did not refuse it")
+	}
+	if tail := vmm.Tail(root, firecracker.LogFile, 300); tail != "" {
+		t.Errorf("the log's tail read through a symlink: %q", tail)
+	}
+	if err := firecracker.PrepareChroot(s); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{victim, s.BaseDisk} {
+		fi, err := os.Stat(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := fi.Sys().(*syscall.Stat_t); st.Uid != 0 {
+			t.Errorf("%s now belongs to uid %d", f, st.Uid)
+		}
+	}
+	if b, _ := os.ReadFile(victim); string(b) != secret {
+		t.Error("the host file behind the jail's links changed")
+	}
+	for jail, host := range map[string]string{"disks/rw.ext4": s.WritableDisk, "disks/config.img": s.ConfigDisk, "disks/base.ext4": s.BaseDisk} {
+		a, _ := os.Lstat(filepath.Join(root, jail))
+		b, _ := os.Stat(host)
+		if a == nil || !os.SameFile(a, b) {
+			t.Errorf("the jail's %s is not %s again", jail, host)
+		}
+	}
+	for _, f := range []string{"logs/firecracker.log", "logs/console.log"} {
+		fi, err := os.Lstat(filepath.Join(root, f))
+		if err != nil || !fi.Mode().IsRegular() || fi.Sys().(*syscall.Stat_t).Nlink != 1 || fi.Size() != 0 {
+			t.Errorf("the jail's %s was not replaced by a file of its own: %v %v", f, fi, err)
+		}
+	}
+}

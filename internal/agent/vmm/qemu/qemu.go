@@ -169,32 +169,11 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 // DialChannel connects to the guest channel of the VM in dir.
 func DialChannel(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, ChannelSock)) }
 
-// CapConsole keeps the VM's console log under max bytes: past it, the log keeps its newest
-// half. QEMU appends (append=on), so its writes land after the cut.
-func CapConsole(dir string, max int64) error {
-	p := filepath.Join(dir, ConsoleLog)
-	fi, err := os.Stat(p)
-	if err != nil || fi.Size() <= max {
-		return nil
-	}
-	f, err := os.OpenFile(p, os.O_RDWR, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	keep := make([]byte, max/2)
-	if _, err := f.ReadAt(keep, fi.Size()-int64(len(keep))); err != nil {
-		return err
-	}
-	if err := f.Truncate(0); err != nil {
-		return err
-	}
-	_, err = f.WriteAt(append([]byte("[imp: console log capped; older output dropped]\n"), keep...), 0)
-	return err
-}
+// CapConsole keeps the VM's console log under max bytes (vmm.CapFile).
+func CapConsole(dir string, max int64) error { return vmm.CapFile(dir, ConsoleLog, max) }
 
 // LogTail returns up to n bytes of the end of the VMM's own log, on one line.
-func LogTail(dir string, n int64) string { return vmm.Tail(filepath.Join(dir, qemuLog), n) }
+func LogTail(dir string, n int64) string { return vmm.Tail(dir, qemuLog, n) }
 
 // Accel returns "kvm" when this host's KVM can run QEMU guests (kvm.Check), else "tcg".
 func Accel() string {

@@ -1,0 +1,81 @@
+package vmm
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+)
+
+// OpenIn opens name inside dir for the agent, which runs as root, in a place a VMM can write
+// to (a jail, a VM's directory): never through a symbolic link — none out of dir (os.Root),
+// none at all at the last component (O_NOFOLLOW) — and only a regular file with one link, so a
+// file a compromised VMM swapped for a link to a host file or a shared disk is refused.
+func OpenIn(dir, name string, flag int) (*os.File, error) {
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer root.Close()
+	f, err := root.OpenFile(name, flag|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !fi.Mode().IsRegular() || !ok || st.Nlink != 1 {
+		f.Close()
+		return nil, fmt.Errorf("refusing %s in %s: not a regular file of its own (mode %s, %d links)", name, dir, fi.Mode(), st.Nlink)
+	}
+	return f, nil
+}
+
+// Tail returns up to n bytes of the end of the file name in dir, on one line ("" when it
+// cannot be read: missing, or refused by OpenIn).
+func Tail(dir, name string, n int64) string {
+	f, err := OpenIn(dir, name, os.O_RDONLY)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return ""
+	}
+	off := max(fi.Size()-n, 0)
+	buf := make([]byte, fi.Size()-off)
+	if _, err := f.ReadAt(buf, off); err != nil {
+		return ""
+	}
+	return strings.Join(strings.Fields(string(buf)), " ")
+}
+
+// CapFile keeps the file name in dir (a console log) under max bytes: past it, the file keeps
+// its newest half. The VMM appends, so its writes land after the cut. A missing file is fine;
+// one OpenIn refuses is an error.
+func CapFile(dir, name string, max int64) error {
+	f, err := OpenIn(dir, name, os.O_RDWR)
+	if os.IsNotExist(err) {
+		return nil
+	} else if err != nil {
+		return err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil || fi.Size() <= max {
+		return err
+	}
+	keep := make([]byte, max/2)
+	if _, err := f.ReadAt(keep, fi.Size()-int64(len(keep))); err != nil {
+		return err
+	}
+	if err := f.Truncate(0); err != nil {
+		return err
+	}
+	_, err = f.WriteAt(append([]byte("[imp: console log capped; older output dropped]\n"), keep...), 0)
+	return err
+}
