@@ -19,9 +19,40 @@ const Root = "/sys/fs/cgroup"
 // Parent is IMP's cgroup below each hierarchy's root; every VM gets a child named for it.
 const Parent = "imp"
 
+// Limits bound what the processes of a VM's cgroup may use; zero leaves a resource unbounded.
+type Limits struct {
+	// MemoryBytes bounds memory, page cache included (the kernel reclaims cache first).
+	MemoryBytes int64
+	// Pids bounds processes and threads.
+	Pids int64
+	// CPUs bounds CPU time, in CPUs (1.5: one and a half CPUs' time per period).
+	CPUs float64
+}
+
+// files are the limits as each cgroup version spells them; a hierarchy takes those whose file
+// it has (v1: one controller per hierarchy).
+func (l Limits) files() map[string]string {
+	f := map[string]string{}
+	if l.MemoryBytes > 0 {
+		f["memory.max"] = strconv.FormatInt(l.MemoryBytes, 10)
+		f["memory.limit_in_bytes"] = strconv.FormatInt(l.MemoryBytes, 10)
+	}
+	if l.Pids > 0 {
+		f["pids.max"] = strconv.FormatInt(l.Pids, 10)
+	}
+	if l.CPUs > 0 {
+		const period = 100000
+		quota := int64(l.CPUs * period)
+		f["cpu.max"] = fmt.Sprintf("%d %d", quota, period)
+		f["cpu.cfs_period_us"] = strconv.Itoa(period)
+		f["cpu.cfs_quota_us"] = strconv.FormatInt(quota, 10)
+	}
+	return f
+}
+
 // Place moves process pid (all its threads) into the cgroup Parent/name of every hierarchy
-// under root, creating it; it returns the directories it used.
-func Place(root, name string, pid int) ([]string, error) {
+// under root, creating it with lim in place first; it returns the directories it used.
+func Place(root, name string, pid int, lim Limits) ([]string, error) {
 	var used []string
 	var errs []error
 	for _, h := range hierarchies(root) {
@@ -29,6 +60,19 @@ func Place(root, name string, pid int) ([]string, error) {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			errs = append(errs, err)
 			continue
+		}
+		// cgroup v2: the controllers must be enabled down to the VM's cgroup.
+		for _, d := range []string{h, filepath.Join(h, Parent)} {
+			_ = os.WriteFile(filepath.Join(d, "cgroup.subtree_control"), []byte("+memory +pids +cpu"), 0o644)
+		}
+		for file, v := range lim.files() {
+			p := filepath.Join(dir, file)
+			if _, err := os.Stat(p); err != nil {
+				continue
+			}
+			if err := os.WriteFile(p, []byte(v), 0o644); err != nil {
+				errs = append(errs, fmt.Errorf("setting %s to %s: %w", p, v, err))
+			}
 		}
 		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
 			errs = append(errs, fmt.Errorf("moving %d into %s: %w", pid, dir, err))

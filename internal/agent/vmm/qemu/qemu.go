@@ -95,15 +95,37 @@ func (s Spec) Args() []string {
 		"-qmp", "unix:" + QMPSock + ",server=on,wait=off",
 	}
 	if s.Incoming != "" {
-		args = append(args, "-incoming", "exec:cat "+shellQuote(s.Incoming))
+		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
 	}
 	if s.Tap != nil && s.Net != nil {
 		args = append(args,
-			"-netdev", "tap,id=net0,fd=3,vhost=off",
+			"-netdev", fmt.Sprintf("tap,id=net0,fd=%d,vhost=off", tapFD),
 			"-device", "virtio-net-device,netdev=net0,mac="+s.Net.MAC)
 	}
-	return args
+	// Confined like Firecracker's seccomp filters: no obsolete system calls, no setuid and
+	// friends, no fork or exec, no scheduler or CPU affinity changes.
+	return append(args, "-sandbox", Sandbox)
 }
+
+// Limits are the VMM's cgroup limits: the guest's memory plus QEMU's measured overhead
+// (vmm.MemoryOverhead); threads for the vCPUs and QEMU's own, and no more (QEMU may spawn
+// nothing); the vCPUs' time plus half a CPU for QEMU's I/O and emulation threads.
+func (s Spec) Limits() cgroup.Limits {
+	return cgroup.Limits{
+		MemoryBytes: s.MemoryMiB<<20 + vmm.MemoryOverhead("qemu", s.Accel),
+		Pids:        int64(128 + 2*s.VCPUs), // the block layer's thread pool alone may reach 64
+		CPUs:        float64(s.VCPUs) + 0.5,
+	}
+}
+
+// Sandbox is QEMU's seccomp policy for every VMM.
+const Sandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+// The descriptors QEMU inherits: the VM's tap, and the saved state it resumes from.
+const (
+	tapFD      = 3
+	incomingFD = 4
+)
 
 // tcgCacheMiB bounds TCG's translation cache, which would otherwise grow to 1 GiB per VM with
 // the code a guest runs; vmm.MemoryOverhead counts it.
@@ -136,8 +158,14 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	cmd := exec.Command(bin, s.Args()...)
 	cmd.Dir = s.Dir
 	cmd.Stdout, cmd.Stderr = logf, logf
-	if s.Tap != nil {
-		cmd.ExtraFiles = []*os.File{s.Tap} // fd 3
+	cmd.ExtraFiles = []*os.File{s.Tap, nil} // fd 3 (nil: /dev/null), fd 4
+	if s.Incoming != "" {
+		in, err := os.OpenFile(s.Incoming, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+		if err != nil {
+			return nil, fmt.Errorf("opening the saved state: %w", err)
+		}
+		defer in.Close()
+		cmd.ExtraFiles[incomingFD-3] = in
 	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -148,7 +176,7 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	go func() { _ = cmd.Wait() }()
 	failpoint.Crash("vmm-started")
 	if s.CgroupRoot != "" {
-		if _, err := cgroup.Place(s.CgroupRoot, filepath.Base(s.Dir), cmd.Process.Pid); err != nil {
+		if _, err := cgroup.Place(s.CgroupRoot, filepath.Base(s.Dir), cmd.Process.Pid, s.Limits()); err != nil {
 			_ = cmd.Process.Kill()
 			return nil, err
 		}

@@ -41,6 +41,7 @@ func TestArgs(t *testing.T) {
 		"tap,id=net0,fd=3,vhost=off",
 		"virtio-net-device,netdev=net0,mac=0a:58:0a:01:00:05",
 		"-no-reboot",
+		"-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)
@@ -101,6 +102,7 @@ func TestBootUnderQEMU(t *testing.T) {
 	if lines, _ := cgroup.Of(rec.Pid); !strings.Contains(strings.Join(lines, "\n"), "/"+cgroup.Parent+"/"+name) {
 		t.Errorf("the VMM is not in a cgroup of its own: %v", lines)
 	}
+	confined(t, rec.Pid, name, spec.Limits())
 
 	// The guest channel: hello with the token, ready, the exit code.
 	var conn net.Conn
@@ -276,6 +278,7 @@ func TestSuspendResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("resume: %v", time.Since(start).Round(time.Millisecond))
+	confined(t, rec.Pid, filepath.Base(vmDir), spec.Limits()) // resumed from a descriptor, spawning nothing
 	waitFor("no tick after resume", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > last+1 })
 	after := console()[len(before):]
 	if strings.Contains(after, "hello from imp") || hasLine(after, "hello: tick 0") {
@@ -320,4 +323,38 @@ func guestSpec(t *testing.T, cfg guestinit.Config) Spec {
 	}
 	return Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, ConfigDisk: config,
 		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root}
+}
+
+// confined asserts that QEMU (pid) runs under its seccomp sandbox and in cgroups that bound its
+// memory and threads as lim says, whichever cgroup version the host has.
+func confined(t *testing.T, pid int, name string, lim cgroup.Limits) {
+	t.Helper()
+	// QEMU installs its filter once its options are parsed, a moment after it starts.
+	var status []byte
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		var err error
+		if status, err = os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(status), "\nSeccomp:\t2\n") {
+			break
+		}
+	}
+	if !strings.Contains(string(status), "\nSeccomp:\t2\n") {
+		t.Errorf("QEMU runs without a seccomp filter:\n%s", status)
+	}
+	read := func(paths ...string) string {
+		for _, p := range paths {
+			if b, err := os.ReadFile(filepath.Join(cgroup.Root, p)); err == nil {
+				return strings.TrimSpace(string(b))
+			}
+		}
+		return ""
+	}
+	if got := read(filepath.Join("memory", cgroup.Parent, name, "memory.limit_in_bytes"), filepath.Join(cgroup.Parent, name, "memory.max")); got != fmt.Sprint(lim.MemoryBytes) {
+		t.Errorf("memory limit %q, want %d", got, lim.MemoryBytes)
+	}
+	if got := read(filepath.Join("pids", cgroup.Parent, name, "pids.max"), filepath.Join(cgroup.Parent, name, "pids.max")); got != fmt.Sprint(lim.Pids) {
+		t.Errorf("pids limit %q, want %d", got, lim.Pids)
+	}
 }

@@ -7,7 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
+	"syscall"
 	"time"
 
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -50,6 +50,16 @@ func (q *QMP) Close() error { return q.conn.Close() }
 
 // Execute runs a QMP command and returns its result, skipping asynchronous events.
 func (q *QMP) Execute(command string, args any) (json.RawMessage, error) {
+	return q.execute(command, args, nil)
+}
+
+// SendFD passes f to QEMU under name (QMP getfd), for a command that names it next.
+func (q *QMP) SendFD(name string, f *os.File) error {
+	_, err := q.execute("getfd", map[string]any{"fdname": name}, f)
+	return err
+}
+
+func (q *QMP) execute(command string, args any, f *os.File) (json.RawMessage, error) {
 	req := map[string]any{"execute": command}
 	if args != nil {
 		req["arguments"] = args
@@ -58,7 +68,15 @@ func (q *QMP) Execute(command string, args any) (json.RawMessage, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := q.conn.Write(append(data, '\n')); err != nil {
+	if f != nil {
+		uc, ok := q.conn.(*net.UnixConn)
+		if !ok {
+			return nil, fmt.Errorf("QMP %s: passing a file needs a unix socket", command)
+		}
+		if _, _, err := uc.WriteMsgUnix(append(data, '\n'), syscall.UnixRights(int(f.Fd())), nil); err != nil {
+			return nil, fmt.Errorf("QMP %s: %w", command, err)
+		}
+	} else if _, err := q.conn.Write(append(data, '\n')); err != nil {
 		return nil, fmt.Errorf("QMP %s: %w", command, err)
 	}
 	for {
@@ -103,8 +121,9 @@ func Quit(dir string) error {
 const StateFile = "suspend.state"
 
 // Suspend stops the guest's vCPUs, writes its memory and device state to StateFile in dir
-// (QEMU's migration to a file) and quits QEMU. When saving fails the guest is resumed and
-// QEMU keeps running: a failed suspend never leaves the VM half-dead.
+// (QEMU's migration to a file the agent opens and passes over QMP: QEMU's sandbox lets it spawn
+// nothing) and quits QEMU. When saving fails the guest is resumed and QEMU keeps running: a
+// failed suspend never leaves the VM half-dead.
 func Suspend(dir string, timeout time.Duration) error {
 	q, err := DialQMP(dir, 10*time.Second)
 	if err != nil {
@@ -124,7 +143,15 @@ func Suspend(dir string, timeout time.Duration) error {
 	}
 	state := filepath.Join(dir, StateFile)
 	_ = os.Remove(state)
-	if _, err := q.Execute("migrate", map[string]any{"uri": "exec:cat > " + shellQuote(state)}); err != nil {
+	out, err := os.OpenFile(state, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return fail(fmt.Errorf("creating the state file: %w", err))
+	}
+	defer out.Close()
+	if err := q.SendFD("imp-state", out); err != nil {
+		return fail(err)
+	}
+	if _, err := q.Execute("migrate", map[string]any{"uri": "fd:imp-state"}); err != nil {
 		return fail(err)
 	}
 	for {
@@ -184,5 +211,3 @@ func ResumeIncoming(dir string, timeout time.Duration) error {
 		return err
 	}
 }
-
-func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
