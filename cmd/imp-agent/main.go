@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -54,6 +55,7 @@ func run() error {
 	var (
 		opts                   agent.Options
 		metricsAddr, probeAddr string
+		metricsInsecure        bool
 		reserveMemory          string
 		reserveVCPUs           int
 		logOpts                logging.Options
@@ -109,8 +111,9 @@ func run() error {
 		opts.InsecureRegistries = append(opts.InsecureRegistries, s)
 		return nil
 	})
-	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint (0 disables it)")
-	fs.StringVar(&probeAddr, "health-probe-bind-address", ":8091", "address of the /healthz and /readyz endpoints")
+	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
+	fs.BoolVar(&metricsInsecure, "metrics-insecure", false, "serve metrics over plain HTTP to anyone who reaches the address (development only: bind it to loopback)")
+	fs.StringVar(&probeAddr, "health-probe-bind-address", "127.0.0.1:8091", "address of the /healthz and /readyz endpoints (the node's loopback: the kubelet probes a hostNetwork pod there)")
 	fs.Func("vmms", "VMMs this node offers, best first, comma-separated (firecracker, qemu); default: what probing finds", func(v string) error {
 		for _, k := range strings.Split(v, ",") {
 			switch kind := impv1.VMMKind(strings.TrimSpace(k)); kind {
@@ -170,10 +173,16 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("loading the kubeconfig: %w", err)
 	}
+	// The agent runs in the host's network: its metrics answer only callers the API server
+	// authenticates and authorizes (get on the non-resource URL /metrics), over TLS.
+	metrics := metricsserver.Options{BindAddress: metricsAddr}
+	if !metricsInsecure {
+		metrics.SecureServing, metrics.FilterProvider = true, filters.WithAuthenticationAndAuthorization
+	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                 scheme,
 		Cache:                  agent.CacheOptions(opts.NodeName),
-		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
+		Metrics:                metrics,
 		HealthProbeBindAddress: probeAddr,
 	})
 	if err != nil {

@@ -55,6 +55,8 @@ import (
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups="",resources=secrets;configmaps,verbs=get
+// +kubebuilder:rbac:groups=authentication.k8s.io,resources=tokenreviews,verbs=create
+// +kubebuilder:rbac:groups=authorization.k8s.io,resources=subjectaccessreviews,verbs=create
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // EventRecorder records Events about objects (k8s.io/client-go/tools/events).
@@ -132,6 +134,7 @@ type Agent struct {
 	reportNow chan struct{}
 	mu        sync.Mutex
 	monitors  map[types.UID]*monitor
+	stops     map[types.UID]*stopping // stops in progress
 }
 
 // CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
@@ -161,6 +164,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.vmms = a.probeVMMs(context.Background())
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes}
 	a.monitors = map[types.UID]*monitor{}
+	a.stops = map[types.UID]*stopping{}
 	a.reportNow = make(chan struct{}, 1)
 	for _, d := range []string{"vms", "net"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
@@ -248,7 +252,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, a.removeLeftovers(ctx, req.NamespacedName, vm)
 	}
 	if !vm.DeletionTimestamp.IsZero() {
-		return ctrl.Result{}, a.teardown(ctx, vm)
+		return a.teardown(ctx, vm)
 	}
 	if vm.Status.Phase == impv1.VMSucceeded || vm.Status.Phase == impv1.VMFailed {
 		return ctrl.Result{}, nil // final: no fresh read needed
@@ -264,7 +268,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			return ctrl.Result{}, client.IgnoreNotFound(err)
 		}
 		if !vm.DeletionTimestamp.IsZero() {
-			return ctrl.Result{}, a.teardown(ctx, vm)
+			return a.teardown(ctx, vm)
 		}
 		if vm.Status.NodeName != a.Opts.NodeName {
 			return ctrl.Result{}, nil // placed elsewhere meanwhile: the watch brings the removal
@@ -278,7 +282,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
 		if alive {
-			a.stopVMM(ctx, vm, rec)
+			if again := a.stopVMM(ctx, vm, rec); again > 0 {
+				return ctrl.Result{RequeueAfter: again}, nil
+			}
 		}
 		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
@@ -287,6 +293,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
 		}
 		a.ensureMonitor(vm, dir, m, rec) // re-attach after an agent restart
+		a.mu.Lock()
+		delete(a.stops, vm.UID) // a stop given up (the VM runs again): the next one starts afresh
+		a.mu.Unlock()
 		return ctrl.Result{}, nil
 	}
 	if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount {
@@ -316,7 +325,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		}
 	}
 	if alive { // a VMM of another run or instance: never two at once
-		a.stopVMM(ctx, vm, rec)
+		if again := a.stopVMM(ctx, vm, rec); again > 0 {
+			return ctrl.Result{RequeueAfter: again}, nil
+		}
 	}
 	return ctrl.Result{}, a.start(ctx, vm, dir, m)
 }
@@ -576,48 +587,80 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	return nil
 }
 
-// stopVMM asks the guest to stop, waits the VM's grace period, then has QEMU quit (QMP), and
-// kills the VMM if even that does not end it.
-func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) {
+// stopping is a stop in progress: the end of its grace period, and whether the guest was
+// asked to stop.
+type stopping struct {
+	deadline time.Time
+	asked    bool
+}
+
+// stopVMM moves the VM's VMM towards stopped without waiting on it, so no worker waits out a
+// tenant's grace period: the first call asks the guest to stop (its workload gets SIGTERM);
+// later calls find the VMM gone, or, past the grace period, quit and then kill it, each step
+// bounded by seconds. It returns 0 once the VMM is gone, else when to look again.
+func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) time.Duration {
+	if !rec.Alive() {
+		a.stopped(vm.UID, rec)
+		return 0
+	}
 	grace := 30 * time.Second
 	if g := vm.Spec.TerminationGracePeriodSeconds; g != nil {
 		grace = time.Duration(*g) * time.Second
 	}
 	a.mu.Lock()
+	st := a.stops[vm.UID]
+	if st == nil {
+		st = &stopping{deadline: time.Now().Add(grace)}
+		a.stops[vm.UID] = st
+	}
 	mon := a.monitors[vm.UID]
 	a.mu.Unlock()
-	if mon != nil {
-		mon.requestStop()
+	if !st.asked && mon != nil {
+		st.asked = mon.requestStop()
 	}
-	deadline := time.Now().Add(grace)
-	for rec.Alive() && time.Now().Before(deadline) && ctx.Err() == nil {
-		time.Sleep(100 * time.Millisecond)
+	if left := time.Until(st.deadline); left > 0 {
+		return min(left, 500*time.Millisecond)
 	}
-	if rec.Alive() {
-		if err := a.quitVMM(ctx, vm.UID, rec); err != nil {
-			ctrl.LoggerFrom(ctx).Info("quitting the VMM failed; killing it", "error", err.Error())
-		}
-		waitGone(rec, 2*time.Second)
+	if err := a.quitVMM(ctx, vm.UID, rec); err != nil {
+		ctrl.LoggerFrom(ctx).Info("quitting the VMM failed; killing it", "error", err.Error())
 	}
+	waitGone(rec, 2*time.Second)
 	if rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
-		for i := 0; i < 50 && rec.Alive(); i++ {
-			time.Sleep(100 * time.Millisecond)
-		}
+		waitGone(rec, 5*time.Second)
 	}
-	a.stopMonitor(vm.UID)
+	if rec.Alive() {
+		return time.Second
+	}
+	a.stopped(vm.UID, rec)
+	return 0
+}
+
+// stopped forgets a stop that ended, with the run's monitor and configuration.
+func (a *Agent) stopped(uid types.UID, rec *vmm.Record) {
+	a.mu.Lock()
+	delete(a.stops, uid)
+	a.mu.Unlock()
+	a.stopMonitor(uid)
 	if !rec.Alive() {
-		a.endRun(vm.UID)
+		a.endRun(uid)
 	}
 }
 
 // teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone
 // for the operator to release the VM.
-func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) error {
+func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
 	dir := a.vmDir(vm.UID)
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
-		a.stopVMM(ctx, vm, rec)
+		if again := a.stopVMM(ctx, vm, rec); again > 0 {
+			return ctrl.Result{RequeueAfter: again}, nil
+		}
 	}
+	return ctrl.Result{}, a.remove(ctx, vm, dir)
+}
+
+// remove removes what is left of a deleted VM whose VMM is gone, and reports it Gone.
+func (a *Agent) remove(ctx context.Context, vm *impv1.ImpVM, dir string) error {
 	a.killUnrecorded(ctx, dir, vm.UID)
 	a.stopMonitor(vm.UID)
 	a.removeCgroup(vm.UID)

@@ -157,7 +157,7 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) {
 	killVMMs(t, opts.StateDir)
 	mo := managerOptions(c)
 	mo.Cache = agent.CacheOptions(opts.NodeName)
-	agMgr, err := ctrl.NewManager(c.As(t, testcluster.Agent), mo)
+	agMgr, err := ctrl.NewManager(c.AsNode(t, testcluster.Agent, opts.NodeName), mo)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -382,7 +382,7 @@ func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
 		t.Fatalf("building imp-agent: %v\n%s", err, out)
 	}
-	kubeconfig := c.KubeconfigAs(t, testcluster.Agent)
+	kubeconfig := c.KubeconfigAs(t, testcluster.Agent, pw.node)
 	killVMMs(t, pw.stateDir)
 	nsDir := testnetns.PinDir(t)
 	pw.startAgent = func(env ...string) *exec.Cmd {
@@ -711,6 +711,67 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 			if strings.Contains(string(b), s) {
 				t.Errorf("%s holds the secret value %s after the VM stopped", filepath.Base(f), s)
 			}
+		}
+	}
+}
+
+// TestStopsDoNotHoldWorkers deletes four VMs whose workloads ignore SIGTERM, with a grace
+// period of an hour: as many as the agent has workers. A fifth VM created meanwhile still
+// starts and runs; the four keep their VMMs, and their ImpVMs (with the address and capacity
+// they hold) stay, Stopping, while the VMMs run.
+func TestStopsDoNotHoldWorkers(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	g := NewWithT(t)
+	var stubborn []*impv1.ImpVM
+	for i := range 4 {
+		vm := w.vm(fmt.Sprintf("stubborn-%d", i), "stubborn")
+		vm.Spec.Resources.Memory = ptr.To(resource.MustParse("128Mi"))
+		vm.Spec.TerminationGracePeriodSeconds = ptr.To[int64](3600)
+		if err := w.c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		stubborn = append(stubborn, vm)
+	}
+	running := func(name string) func() bool {
+		return func() bool {
+			v := w.get(name)
+			return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+		}
+	}
+	for _, vm := range stubborn {
+		g.Eventually(running(vm.Name)).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), vm.Name)
+	}
+	for i, vm := range stubborn {
+		stubborn[i] = w.get(vm.Name)
+		if err := w.c.Client.Delete(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g.Eventually(func() int {
+		n := 0
+		for _, vm := range stubborn {
+			if v := w.get(vm.Name); v != nil && v.Status.Phase == impv1.VMStopping {
+				n++
+			}
+		}
+		return n
+	}).WithTimeout(time.Minute).Should(Equal(4), "the four VMs being deleted are Stopping")
+
+	fifth := w.vm("fifth", "serve")
+	fifth.Spec.Resources.Memory = ptr.To(resource.MustParse("128Mi"))
+	if err := w.c.Client.Create(ctx, fifth); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(running("fifth")).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "a VM created while four stops wait out their grace period")
+	for _, vm := range stubborn {
+		rec, err := vmm.ReadRecord(filepath.Join(w.stateDir, "vms", string(vm.UID)))
+		if err != nil || !rec.Alive() {
+			t.Errorf("%s: the VMM of a VM within its grace period is gone (%v)", vm.Name, err)
+		}
+		v := w.get(vm.Name)
+		if v == nil || v.Status.Phase != impv1.VMStopping || v.Status.NodeName != w.node {
+			t.Errorf("%s was released while its VMM runs: %+v", vm.Name, v)
 		}
 	}
 }

@@ -29,13 +29,19 @@ type monitor struct {
 	token string
 }
 
-func (m *monitor) requestStop() {
+// requestStop asks the guest to stop its workload; it says whether the request went out (the
+// channel may not be connected yet).
+func (m *monitor) requestStop() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.conn != nil {
-		line, _ := json.Marshal(guestinit.Request{Op: "stop", Token: m.token})
-		_, _ = m.conn.Write(append(line, '\n'))
+	if m.conn == nil {
+		return false
 	}
+	line, _ := json.Marshal(guestinit.Request{Op: "stop", Token: m.token})
+	_ = m.conn.SetWriteDeadline(time.Now().Add(time.Second)) // a guest that reads nothing stalls no one
+	_, err := m.conn.Write(append(line, '\n'))
+	_ = m.conn.SetWriteDeadline(time.Time{})
+	return err == nil
 }
 
 func (a *Agent) stopMonitor(uid types.UID) {

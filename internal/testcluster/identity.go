@@ -57,8 +57,9 @@ func (c *Cluster) As(t testing.TB, component string) *rest.Config {
 }
 
 // KubeconfigAs writes a kubeconfig that acts as component's ServiceAccount (see As), for
-// components run as processes, and returns its path.
-func (c *Cluster) KubeconfigAs(t testing.TB, component string) string {
+// components run as processes, and returns its path. A node, when given, is the node claim of
+// the identity (see AsNode).
+func (c *Cluster) KubeconfigAs(t testing.TB, component string, node ...string) string {
 	t.Helper()
 	if err := c.installChartRBAC(); err != nil {
 		t.Fatalf("installing the chart's RBAC: %v", err)
@@ -78,6 +79,9 @@ func (c *Cluster) KubeconfigAs(t testing.TB, component string) string {
 	imp := impersonation(component)
 	for _, a := range kc.AuthInfos {
 		a.Impersonate, a.ImpersonateGroups = imp.UserName, imp.Groups
+		if len(node) > 0 {
+			a.ImpersonateUserExtra = map[string][]string{NodeNameClaim: node}
+		}
 	}
 	path := filepath.Join(t.TempDir(), component+".kubeconfig")
 	if err := clientcmd.WriteToFile(*kc, path); err != nil {
@@ -85,6 +89,18 @@ func (c *Cluster) KubeconfigAs(t testing.TB, component string) string {
 	}
 	return path
 }
+
+// AsNode is As for a component bound to a node (the agent): its identity carries the node claim
+// a token bound to the node's pod carries (authentication.kubernetes.io/node-name).
+func (c *Cluster) AsNode(t testing.TB, component, node string) *rest.Config {
+	t.Helper()
+	cfg := c.As(t, component)
+	cfg.Impersonate.Extra = map[string][]string{NodeNameClaim: {node}}
+	return cfg
+}
+
+// NodeNameClaim is the user extra that names the node of a token bound to a pod.
+const NodeNameClaim = "authentication.kubernetes.io/node-name"
 
 func impersonation(component string) rest.ImpersonationConfig {
 	return rest.ImpersonationConfig{

@@ -287,9 +287,18 @@ kvm:
 		t.Fatalf("building: %v\n%s", err, out)
 	}
 	// Each runs as the ServiceAccount the chart made for it, with a token the API server issued:
-	// exactly the authority the chart grants, nothing of the admin's.
+	// exactly the authority the chart grants, nothing of the admin's. The agent's token is bound
+	// to the imp-runtime pod of this node, as the kubelet binds the pod's own, so it names the
+	// node and the chart's admission policy lets it write for this node alone.
+	runtimePod := strings.TrimSpace(must("kubectl -n imp-system get pod -l app.kubernetes.io/name=imp-runtime --field-selector spec.nodeName=" + host +
+		" -o jsonpath={.items[0].metadata.name}/{.items[0].metadata.uid}"))
+	podName, podUID, _ := strings.Cut(runtimePod, "/")
 	startProc := func(name string, args ...string) {
-		token := strings.TrimSpace(must("kubectl -n imp-system create token " + name + " --duration=1h"))
+		bind := ""
+		if name == "imp-agent" {
+			bind = " --bound-object-kind Pod --bound-object-name " + podName + " --bound-object-uid " + podUID
+		}
+		token := strings.TrimSpace(must("kubectl -n imp-system create token " + name + " --duration=1h" + bind))
 		kc := saKubeconfig(t, kubeconfig, token)
 		cmd := exec.Command(filepath.Join(procs, name), append([]string{"--kubeconfig", kc, "--metrics-bind-address", "0",
 			"--health-probe-bind-address", "0", "--log-level", "error"}, args...)...)

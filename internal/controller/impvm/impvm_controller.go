@@ -62,7 +62,8 @@ type Options struct {
 	// with each restart, up to max; a run that lasted 10 minutes resets it to base.
 	RestartBackoffBase, RestartBackoffMax time.Duration
 	// DeletionTimeout is how long deletion waits for the node's agent to confirm the VM is gone
-	// before releasing the VM's address without it (with a Warning Event).
+	// before each Warning Event saying it still waits; the address and capacity stay held until
+	// the agent confirms or the node is deleted or fenced.
 	DeletionTimeout time.Duration
 	// ReservedCIDRs are ranges no ImpNetwork may overlap: VMs on such a network are not
 	// placed.
@@ -613,27 +614,34 @@ func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl
 		return ctrl.Result{}, nil
 	}
 	if node := vm.Status.NodeName; node != "" && !agentConfirmedGone(vm) {
-		err := r.Client.Get(ctx, types.NamespacedName{Name: node}, &corev1.Node{})
+		n := &corev1.Node{}
+		err := r.Client.Get(ctx, types.NamespacedName{Name: node}, n)
 		switch {
 		case apierrors.IsNotFound(err):
 			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeGone", "Delete", "Node %s no longer exists; releasing the VM without its agent's confirmation", node)
 		case err != nil:
 			return ctrl.Result{}, fmt.Errorf("getting node %s: %w", node, err)
+		case outOfService(n):
+			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NodeGone", "Delete", "Node %s is out of service (taint %s); releasing the VM without its agent's confirmation", node, corev1.TaintNodeOutOfService)
 		default:
-			left := vm.DeletionTimestamp.Add(r.Options.DeletionTimeout).Sub(r.Clock.Now())
-			if left > 0 {
-				if vm.Status.Phase != impv1.VMStopping {
-					orig := vm.DeepCopy()
-					vm.Status.Phase = impv1.VMStopping
-					if err := r.patchStatus(ctx, orig, vm); err != nil {
-						return ctrl.Result{}, err
-					}
+			// Only the agent's word that the VMM is gone, or the node's end, releases the
+			// VM's address and capacity: a VMM that still runs keeps them, however long its
+			// grace period, and a timer never hands them to another VM.
+			if vm.Status.Phase != impv1.VMStopping {
+				orig := vm.DeepCopy()
+				vm.Status.Phase = impv1.VMStopping
+				if err := r.patchStatus(ctx, orig, vm); err != nil {
+					return ctrl.Result{}, err
 				}
-				return ctrl.Result{RequeueAfter: left}, nil
+			}
+			waited := r.Clock.Since(vm.DeletionTimestamp.Time)
+			if waited < r.Options.DeletionTimeout {
+				return ctrl.Result{RequeueAfter: r.Options.DeletionTimeout - waited}, nil
 			}
 			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "DeletionTimeout", "Delete",
-				"The agent of node %s did not confirm within %s that the VM is gone; releasing its address. The agent removes the VM when it sees the ImpVM is gone.",
-				node, r.Options.DeletionTimeout)
+				"The agent of node %s has not confirmed for %s that the VM is gone; its address and capacity stay held until it does, or until the node is deleted or tainted %s.",
+				node, waited.Round(time.Second), corev1.TaintNodeOutOfService)
+			return ctrl.Result{RequeueAfter: r.Options.DeletionTimeout}, nil
 		}
 	}
 	if err := r.IPAM.Release(ctx, vm); err != nil {

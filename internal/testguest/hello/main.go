@@ -3,6 +3,7 @@
 //
 //	exit    leaves an orphan for PID 1 to reap and exits with code 3
 //	serve   prints a line a second until SIGTERM, then exits 0
+//	stubborn prints a line a second and ignores SIGTERM
 //	net     serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
 //	        of $PROBE (comma-separated icmp:A.B.C.D[-N], tcp:HOST:PORT and who:HOST:PORT,
 //	        which reads another guest's greeting) twice a second, printing each change
@@ -46,6 +47,12 @@ func main() {
 			case <-time.After(time.Second):
 				fmt.Printf("hello: tick %d\n", i)
 			}
+		}
+	case "stubborn":
+		signal.Ignore(syscall.SIGTERM)
+		for i := 0; ; i++ {
+			time.Sleep(time.Second)
+			fmt.Printf("hello: tick %d\n", i)
 		}
 	case "net":
 		term := make(chan os.Signal, 1)

@@ -1,0 +1,102 @@
+package agent_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+// TestAgentWritesAreNodeScoped: with the chart's identity for the agent and its admission
+// policy, an agent whose token names node A writes the status of VMs placed on A and A's
+// ImpNode, and nothing else: not the status of a VM on node B, not a move of its own VM to B,
+// not B's ImpNode; and an agent token that names no node writes nothing.
+func TestAgentWritesAreNodeScoped(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	c.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	nodeA, nodeB := "imp-auth-a-"+sfx, "imp-auth-b-"+sfx
+	vms := map[string]*impv1.ImpVM{}
+	for name, node := range map[string]string{"on-a": nodeA, "on-b": nodeB} {
+		vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: impv1.ImpVMSpec{Image: "registry.example/app:v1"}}
+		vm.Spec.Resources = &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))}
+		if err := c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		vm.Status.NodeName = node
+		if err := c.Client.Status().Update(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		vms[name] = vm
+	}
+	if err := c.Client.Create(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: nodeB}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, n := range []string{nodeA, nodeB} {
+			_ = c.Client.Delete(context.Background(), &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: n}})
+		}
+	})
+	asA, err := client.New(c.AsNode(t, testcluster.Agent, nodeA), client.Options{Scheme: c.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	anyNode, err := client.New(c.As(t, testcluster.Agent), client.Options{Scheme: c.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	report := func(cl client.Client, name, node, message string) error {
+		return cl.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}, client.RawPatch(types.MergePatchType,
+			[]byte(`{"status":{"nodeName":"`+node+`","runtime":{"instance":1,"run":1,"state":"Starting","message":"`+message+`"}}}`)))
+	}
+	refused := func(err error, says string) bool {
+		return apierrors.IsForbidden(err) || apierrors.IsInvalid(err) && strings.Contains(err.Error(), says)
+	}
+	// The policy takes a moment to be in force: the first refusal is waited for.
+	deadline := time.Now().Add(time.Minute)
+	for err := report(asA, "on-b", nodeB, "not mine"); !refused(err, "VMs placed on its node only"); err = report(asA, "on-b", nodeB, "not mine") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent of %s wrote the status of a VM on %s: %v", nodeA, nodeB, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if err := report(asA, "on-a", nodeA, "mine"); err != nil {
+		t.Errorf("the agent of %s could not report its own VM: %v", nodeA, err)
+	}
+	if err := report(asA, "on-a", nodeB, "moved"); !refused(err, "VMs placed on its node only") {
+		t.Errorf("the agent of %s moved its VM to %s: %v", nodeA, nodeB, err)
+	}
+	if err := report(anyNode, "on-a", nodeA, "no node"); !refused(err, "names no node") {
+		t.Errorf("an agent token naming no node wrote a VM's status: %v", err)
+	}
+	if err := asA.Create(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: nodeA}}); err != nil {
+		t.Errorf("the agent of %s could not create its ImpNode: %v", nodeA, err)
+	}
+	other := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: nodeB}}
+	err = asA.Status().Patch(ctx, other, client.RawPatch(types.MergePatchType, []byte(`{"status":{"overlayAddress":"192.0.2.66"}}`)))
+	if !refused(err, "its own ImpNode only") {
+		t.Errorf("the agent of %s rewrote %s's overlay address: %v", nodeA, nodeB, err)
+	}
+	if err := asA.Create(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: "imp-auth-c-" + sfx}}); !refused(err, "its own ImpNode only") {
+		t.Errorf("the agent of %s created another node's ImpNode: %v", nodeA, err)
+	}
+	var got impv1.ImpVM
+	if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vms["on-b"]), &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Status.Runtime != nil {
+		t.Errorf("the VM on %s carries a report: %+v", nodeB, got.Status.Runtime)
+	}
+}
