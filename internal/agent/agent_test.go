@@ -741,6 +741,8 @@ func TestStopsDoNotHoldWorkers(t *testing.T) {
 	}
 	for _, vm := range stubborn {
 		g.Eventually(running(vm.Name)).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), vm.Name)
+		// Ready comes as the workload starts; it ignores SIGTERM once it ticks.
+		g.Eventually(func() string { return w.console(w.get(vm.Name)) }).WithTimeout(6*time.Minute).Should(ContainSubstring("hello: tick 0"), vm.Name)
 	}
 	for i, vm := range stubborn {
 		stubborn[i] = w.get(vm.Name)
@@ -757,6 +759,40 @@ func TestStopsDoNotHoldWorkers(t *testing.T) {
 		}
 		return n
 	}).WithTimeout(time.Minute).Should(Equal(4), "the four VMs being deleted are Stopping")
+
+	// What the stopping guests last said, for a failure's report.
+	last := map[string]string{}
+	stopWatch := make(chan struct{})
+	defer close(stopWatch)
+	var lastMu sync.Mutex
+	go func() {
+		for {
+			select {
+			case <-stopWatch:
+				return
+			case <-time.After(200 * time.Millisecond):
+			}
+			for _, vm := range stubborn {
+				dir := filepath.Join(w.stateDir, "vms", string(vm.UID))
+				c, err1 := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog))
+				q, err2 := os.ReadFile(filepath.Join(dir, "qemu.log"))
+				if err1 == nil || err2 == nil {
+					lastMu.Lock()
+					last[vm.Name] = string(c) + "\n--- qemu.log:\n" + string(q)
+					lastMu.Unlock()
+				}
+			}
+		}
+	}()
+	defer func() {
+		if t.Failed() {
+			lastMu.Lock()
+			defer lastMu.Unlock()
+			for name, l := range last {
+				t.Logf("%s last said:\n%s", name, l)
+			}
+		}
+	}()
 
 	fifth := w.vm("fifth", "serve")
 	fifth.Spec.Resources.Memory = ptr.To(resource.MustParse("128Mi"))

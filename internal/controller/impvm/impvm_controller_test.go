@@ -720,3 +720,44 @@ func TestNetworkVNIsAndNodeReports(t *testing.T) {
 	}
 	eventually(t, nodesReady).Should(Equal("True NodesReady plumbed on 1 nodes"))
 }
+
+// TestDeletionOutlastsItsTimeout: a deleted VM whose agent never confirms its VMM is gone keeps
+// its address and place past the deletion timeout, which only warns, until its node is fenced.
+func TestDeletionOutlastsItsTimeout(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.opts.VM.DeletionTimeout = time.Second
+	node := e.node("mute", 4, 4)
+	e.startOperator()
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.50.0.0/29"}})
+	vm := e.vm("held", 1, "256Mi")
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	e.create(vm)
+	eventually(t, func() string { return e.get("held").Status.IP }).Should(Equal("10.50.0.2"))
+	if err := e.c.Delete(ctx, e.get("held")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, e.events).Should(HaveKey("DeletionTimeout"))
+	claims := func() int {
+		var l impv1.ImpIPAddressList
+		_ = e.c.List(ctx, &l, client.InNamespace(e.ns))
+		return len(l.Items)
+	}
+	consistently(t, func() string {
+		v := e.get("held")
+		if v == nil {
+			return "released"
+		}
+		return fmt.Sprintf("%s %s %d", v.Status.Phase, v.Status.NodeName, claims())
+	}, 4*e.opts.VM.DeletionTimeout).Should(Equal(fmt.Sprintf("%s %s 1", impv1.VMStopping, node.Name)))
+
+	if err := e.c.Get(ctx, client.ObjectKeyFromObject(node), node); err != nil {
+		t.Fatal(err)
+	}
+	node.Spec.Taints = append(node.Spec.Taints, corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute})
+	if err := e.c.Update(ctx, node); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() bool { return e.get("held") == nil }).Should(BeTrue())
+	eventually(t, claims).Should(Equal(0))
+}
