@@ -82,6 +82,11 @@ type Options struct {
 	InsecureRegistries []string
 	// MaxImageBytes bounds the files of one image.
 	MaxImageBytes int64
+	// MaxImageEntries bounds the entries of one image (disk.DefaultMaxEntries when 0).
+	MaxImageEntries int64
+	// PullTimeout bounds resolving and pulling a VM's image from its registry, which the
+	// tenant chooses (5 minutes when 0).
+	PullTimeout time.Duration
 	// ConsoleLogBytes caps each VM's console log (default 1 MiB).
 	ConsoleLogBytes int64
 	// ReportInterval is how often the ImpNode report is refreshed (and unused base disks are
@@ -162,7 +167,10 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		a.Opts.KVMDevice = kvm.Device
 	}
 	a.vmms = a.probeVMMs(context.Background())
-	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes}
+	if a.Opts.PullTimeout == 0 {
+		a.Opts.PullTimeout = 5 * time.Minute
+	}
+	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*stopping{}
 	a.reportNow = make(chan struct{}, 1)
@@ -368,13 +376,16 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
 	}
+	// A registry the tenant chose answers within the pull timeout, or the start fails.
+	pullCtx, cancel := context.WithTimeout(ctx, a.Opts.PullTimeout)
+	defer cancel()
 	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
-	digest, err := disk.Resolve(ctx, ref, kc)
+	digest, err := disk.Resolve(pullCtx, ref, kc)
 	if err != nil {
 		return fail("ImagePullFailed", err)
 	}
 	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
-	baseDisk, release, err := a.images.Ensure(ctx, digest, kc)
+	baseDisk, release, err := a.images.Ensure(pullCtx, digest, kc)
 	defer release()
 	if err != nil {
 		reason := "ImagePullFailed"

@@ -1,8 +1,10 @@
 package cgroup
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -18,7 +20,8 @@ func TestPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait(); Remove(Root, "test-place") }()
-	used, err := Place(Root, "test-place", cmd.Process.Pid)
+	lim := Limits{MemoryBytes: 96 << 20, Pids: 42, CPUs: 1.5}
+	used, err := Place(Root, "test-place", cmd.Process.Pid, lim)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,6 +37,19 @@ func TestPlace(t *testing.T) {
 	}
 	if in == 0 || in < len(used) {
 		t.Errorf("placed in %v, but /proc says %v", used, lines)
+	}
+	// The limits, in whichever files the hierarchies have.
+	got := map[string]string{}
+	for _, dir := range used {
+		for _, f := range []string{"memory.max", "memory.limit_in_bytes", "pids.max", "cpu.max", "cpu.cfs_quota_us"} {
+			if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+				got[f] = strings.TrimSpace(string(b))
+			}
+		}
+	}
+	mem, pids, cpu := got["memory.max"]+got["memory.limit_in_bytes"], got["pids.max"], got["cpu.max"]+got["cpu.cfs_quota_us"]
+	if mem != fmt.Sprint(96<<20) || pids != "42" || (cpu != "150000 100000" && cpu != "150000") {
+		t.Errorf("limits memory %q, pids %q, cpu %q; want %d, 42, 1.5 CPUs", mem, pids, cpu, 96<<20)
 	}
 	self, _ := Of(os.Getpid())
 	for _, l := range self {

@@ -19,6 +19,10 @@ import (
 	"golang.org/x/sync/singleflight"
 )
 
+// DefaultMaxEntries bounds an image's entries unless BaseStore.MaxEntries says otherwise: far
+// above what real images hold (tens of thousands), far below a node's inodes.
+const DefaultMaxEntries = 500_000
+
 // BaseStore keeps one read-only ext4 base disk per image digest in Dir, named
 // "sha256-<hex>.ext4". A disk appears only complete: it is built in a temporary directory of Dir
 // and renamed into place.
@@ -30,6 +34,9 @@ type BaseStore struct {
 	Dir string
 	// MaxBytes bounds the file bytes of one image.
 	MaxBytes int64
+	// MaxEntries bounds the entries (files, directories, links) of one image
+	// (DefaultMaxEntries when 0).
+	MaxEntries int64
 	// Mkfs is the mkfs.ext4 to run (default: from PATH).
 	Mkfs string
 	// RemoteOptions are added to every registry request (transport, platform, ...).
@@ -138,7 +145,10 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 		return fmt.Errorf("listing the layers of %s: %w", d, err)
 	}
 	var rep ExtractReport // summed over layers: sizes the disk, overestimating what replaced files
-	budget := s.MaxBytes
+	budget := Budget{Bytes: s.MaxBytes, Entries: s.MaxEntries}
+	if budget.Entries == 0 {
+		budget.Entries = DefaultMaxEntries
+	}
 	for i, l := range layers {
 		r, err := l.Uncompressed() // verifies the layer's digest as it is read
 		if err != nil {

@@ -24,6 +24,15 @@ var ErrUnsafeLayer = errors.New("disk: unsafe layer entry")
 // ErrTooLarge is returned when an image's files exceed the extraction limit.
 var ErrTooLarge = errors.New("disk: image larger than the limit")
 
+// Budget bounds what an image puts on the node as it is extracted; ApplyLayer lowers it.
+type Budget struct {
+	// Bytes of file data still allowed.
+	Bytes int64
+	// Entries still allowed: files, directories, links and whiteouts, each an inode or a
+	// removal — millions of empty files exhaust a node's inodes, not its bytes.
+	Entries int64
+}
+
 // ExtractReport counts what an extraction wrote and skipped.
 type ExtractReport struct {
 	Files, Dirs, Symlinks, Hardlinks int
@@ -53,8 +62,8 @@ const (
 //
 // Modes are kept, setuid and setgid bits included (they matter inside the guest only; keep dir
 // private to root), and so are owners when running as root. Device nodes and FIFOs are not
-// created. *budget is the file bytes still allowed; ApplyLayer lowers it.
-func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
+// created. Past budget, in bytes or entries, it stops with ErrTooLarge.
+func ApplyLayer(r io.Reader, dir string, budget *Budget) (ExtractReport, error) {
 	var rep ExtractReport
 	root, err := os.OpenRoot(dir)
 	if err != nil {
@@ -81,6 +90,10 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 		if err != nil {
 			return rep, fmt.Errorf("reading layer: %w", err)
 		}
+		if budget.Entries <= 0 {
+			return rep, fmt.Errorf("%w: more entries than allowed, at %s", ErrTooLarge, hdr.Name)
+		}
+		budget.Entries--
 		name, err := entryName(hdr.Name)
 		if err != nil {
 			return rep, err
@@ -123,7 +136,7 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 			dirs = append(dirs, dirMeta{name, mode, hdr.ModTime, hdr.Uid, hdr.Gid})
 			rep.Dirs++
 		case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old tars still use TypeRegA
-			if hdr.Size > *budget {
+			if hdr.Size > budget.Bytes {
 				return rep, fmt.Errorf("%w: at %s", ErrTooLarge, hdr.Name)
 			}
 			f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
@@ -137,7 +150,7 @@ func ApplyLayer(r io.Reader, dir string, budget *int64) (ExtractReport, error) {
 			if err != nil {
 				return rep, fmt.Errorf("writing %s: %w", hdr.Name, err)
 			}
-			*budget -= n
+			budget.Bytes -= n
 			rep.Bytes += n
 			if err := setMeta(root, name, mode, hdr); err != nil {
 				return rep, err

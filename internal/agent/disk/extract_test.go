@@ -132,7 +132,7 @@ func TestApplyLayerRefusesEscapes(t *testing.T) {
 			root, outsideState := sandbox(t)
 			before := outsideState()
 			outside := filepath.Join(filepath.Dir(root), "outside")
-			budget := int64(1 << 20)
+			budget := Budget{Bytes: 1 << 20, Entries: DefaultMaxEntries}
 			_, err := ApplyLayer(bytes.NewReader(tarOf(t, tt.entries(outside)...)), root, &budget)
 			if !errors.Is(err, ErrUnsafeLayer) {
 				t.Errorf("error = %v, want ErrUnsafeLayer", err)
@@ -162,7 +162,7 @@ func TestApplyLayerFilesystem(t *testing.T) {
 		entry{name: "home/app", typ: tar.TypeDir, mode: 0o750, uid: 1000},
 		file("ro/inside", "written before ro's mode is applied"),
 	)
-	budget := int64(1 << 20)
+	budget := Budget{Bytes: 1 << 20, Entries: DefaultMaxEntries}
 	rep, err := ApplyLayer(bytes.NewReader(data), root, &budget)
 	if err != nil {
 		t.Fatal(err)
@@ -194,7 +194,7 @@ func TestApplyLayerFilesystem(t *testing.T) {
 // TestLayersStack applies layers bottom first: replacement, whiteouts, opaque directories.
 func TestLayersStack(t *testing.T) {
 	root, _ := sandbox(t)
-	budget := int64(1 << 20)
+	budget := Budget{Bytes: 1 << 20, Entries: DefaultMaxEntries}
 	for i, l := range [][]entry{
 		{dir("etc", 0o755), file("etc/a", "1"), file("etc/b", "1"), dir("opt", 0o755), file("opt/x", "1"), dir("d", 0o755), file("d/f", "1"), file("link", "1")},
 		{file("etc/a", "2"), file("etc/.wh.b", ""), file("opt/.wh..wh..opq", ""), file("opt/y", "2"), file("d", "a file now"), dir("link", 0o755)},
@@ -221,11 +221,23 @@ func TestLayersStack(t *testing.T) {
 }
 
 func TestExtractLimit(t *testing.T) {
-	root, _ := sandbox(t)
-	budget := int64(8)
-	_, err := ApplyLayer(bytes.NewReader(tarOf(t, file("a", "12345"), file("b", "67890"))), root, &budget)
-	if !errors.Is(err, ErrTooLarge) {
-		t.Errorf("error = %v, want ErrTooLarge", err)
+	for _, tt := range []struct {
+		name   string
+		budget Budget
+		want   error
+	}{
+		{"bytes", Budget{Bytes: 8, Entries: 100}, ErrTooLarge},
+		{"entries", Budget{Bytes: 100, Entries: 1}, ErrTooLarge},
+		{"within both", Budget{Bytes: 10, Entries: 2}, nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			root, _ := sandbox(t)
+			b := tt.budget
+			_, err := ApplyLayer(bytes.NewReader(tarOf(t, file("a", "12345"), file("b", "67890"))), root, &b)
+			if !errors.Is(err, tt.want) {
+				t.Errorf("error = %v, want %v", err, tt.want)
+			}
+		})
 	}
 }
 
@@ -238,7 +250,7 @@ func FuzzApplyLayer(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		root, outsideState := sandbox(t)
 		before := outsideState()
-		budget := int64(1 << 16)
+		budget := Budget{Bytes: 1 << 16, Entries: DefaultMaxEntries}
 		_, _ = ApplyLayer(bytes.NewReader(data), root, &budget)
 		if after := outsideState(); after != before {
 			t.Fatalf("outside the root changed:\nbefore:\n%s\nafter:\n%s", before, after)
