@@ -73,7 +73,7 @@ func run() error {
 	fs.StringVar(&opts.Accel, "qemu-accel", "", "QEMU accelerator: kvm or tcg (default: kvm when it works)")
 	fs.IntVar(&reserveVCPUs, "reserve-vcpus", 1, "vCPUs kept for the host, not offered to VMs")
 	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")
-	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each VM's console log; past it the log keeps its newest half")
+	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each file a VM writes on the node: its console, its VMM's log (and Firecracker's metrics and jailer output); past it a file keeps its newest half")
 	fs.Int64Var(&opts.MaxImageEntries, "max-image-entries", 500_000, "most entries (files, directories, links) one image may hold on the node")
 	fs.DurationVar(&opts.PullTimeout, "image-pull-timeout", 5*time.Minute, "longest time resolving and pulling a VM's image may take")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")

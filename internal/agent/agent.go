@@ -87,7 +87,8 @@ type Options struct {
 	// PullTimeout bounds resolving and pulling a VM's image from its registry, which the
 	// tenant chooses (5 minutes when 0).
 	PullTimeout time.Duration
-	// ConsoleLogBytes caps each VM's console log (default 1 MiB).
+	// ConsoleLogBytes caps each file a VM writes on the node: its console and its VMM's logs
+	// (default 1 MiB).
 	ConsoleLogBytes int64
 	// ReportInterval is how often the ImpNode report is refreshed (and unused base disks are
 	// collected).

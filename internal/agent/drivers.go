@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -181,13 +182,18 @@ func waitGone(rec *vmm.Record, d time.Duration) {
 }
 
 // logTail is the end of the VMM's own log, on one line.
-// capConsole keeps the console log of the VM in dir under its cap: Firecracker's in its jail,
-// where the VMM could have replaced it, opened through vmm.OpenIn.
-func (a *Agent) capConsole(dir string, rec *vmm.Record) error {
+// capLogs keeps every file a VM's VMM and guest write to under the one cap
+// (Options.ConsoleLogBytes): the console, the VMM's own log (and Firecracker's metrics and its
+// jailer's output). Those in a Firecracker jail, where the VMM could have replaced them, are
+// opened through vmm.OpenIn like the others.
+func (a *Agent) capLogs(dir string, rec *vmm.Record) error {
+	max := a.Opts.ConsoleLogBytes
 	if rec != nil && rec.Kind == string(impv1.VMMFirecracker) {
-		return vmm.CapFile(a.jailRoot(types.UID(filepath.Base(dir))), firecracker.ConsoleFile, a.Opts.ConsoleLogBytes)
+		jail := a.jailRoot(types.UID(filepath.Base(dir)))
+		return errors.Join(vmm.CapFile(jail, firecracker.ConsoleFile, max), vmm.CapFile(jail, firecracker.LogFile, max),
+			vmm.CapFile(jail, firecracker.MetricsFile, max), vmm.CapFile(dir, firecracker.JailerLog, max))
 	}
-	return qemu.CapConsole(dir, a.Opts.ConsoleLogBytes)
+	return errors.Join(qemu.CapConsole(dir, max), vmm.CapFile(dir, qemu.LogFile, max))
 }
 
 func (a *Agent) logTail(dir string, rec *vmm.Record) string {

@@ -77,9 +77,9 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 				log.Error(err, "reporting the VM's state")
 			}
 		},
-		capConsole: func() error { return a.capConsole(dir, rec) },
-		ended:      func() { a.endRun(meta.UID) },
-		tail:       func() string { return a.logTail(dir, rec) },
+		capLogs: func() error { return a.capLogs(dir, rec) },
+		ended:   func() { a.endRun(meta.UID) },
+		tail:    func() string { return a.logTail(dir, rec) },
 	}
 	go func() {
 		defer close(m.done)
@@ -90,17 +90,17 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 // watch is what a monitor follows of a run: how to reach its guest channel, whether its VMM
 // lives, and what to do with what it learns.
 type watch struct {
-	dial       func() (net.Conn, error)
-	alive      func() bool
-	report     func(context.Context, impv1.RuntimeStatus)
-	capConsole func() error
-	ended      func()
-	tail       func() string
+	dial    func() (net.Conn, error)
+	alive   func() bool
+	report  func(context.Context, impv1.RuntimeStatus)
+	capLogs func() error
+	ended   func()
+	tail    func() string
 }
 
 // follow reports the run's state until its VMM is gone (or ctx ends): Running once the guest
 // says ready, then how it ended. Everything the guest sends goes through a guestchan.Session;
-// the console is capped on a ticker of its own, whatever the channel does.
+// the console and the VMM's logs are capped on a ticker of their own, whatever the channel does.
 func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logger) {
 	base := impv1.RuntimeStatus{Instance: meta.Instance, Run: meta.Run}
 	started := metav1.NewTime(meta.Started)
@@ -116,8 +116,8 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			case <-ctx.Done():
 				return
 			case <-tick.C:
-				if err := w.capConsole(); err != nil {
-					log.Error(err, "capping the console log")
+				if err := w.capLogs(); err != nil {
+					log.Error(err, "capping the VM's logs")
 				}
 			}
 		}

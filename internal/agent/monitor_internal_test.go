@@ -17,6 +17,7 @@ import (
 	"github.com/go-logr/logr"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -51,9 +52,9 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 			defer mu.Unlock()
 			reports = append(reports, rt)
 		},
-		capConsole: func() error { return qemu.CapConsole(dir, capBytes) },
-		ended:      func() {},
-		tail:       func() string { return "" },
+		capLogs: func() error { return qemu.CapConsole(dir, capBytes) },
+		ended:   func() {},
+		tail:    func() string { return "" },
 	}
 	m := &monitor{token: token}
 	done := make(chan struct{})
@@ -154,6 +155,26 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// TestEveryLogIsCapped: the console and QEMU's own log of a VM are held under the one cap.
+func TestEveryLogIsCapped(t *testing.T) {
+	dir := t.TempDir()
+	const capBytes = 4096
+	for _, f := range []string{qemu.ConsoleLog, qemu.LogFile} {
+		if err := os.WriteFile(filepath.Join(dir, f), []byte(strings.Repeat("x", 100*capBytes)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := &Agent{Opts: Options{ConsoleLogBytes: capBytes}}
+	if err := a.capLogs(dir, &vmm.Record{Kind: "qemu"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{qemu.ConsoleLog, qemu.LogFile} {
+		if fi, err := os.Stat(filepath.Join(dir, f)); err != nil || fi.Size() > capBytes {
+			t.Errorf("%s: %v, %v bytes; want at most %d", f, err, fi.Size(), capBytes)
 		}
 	}
 }

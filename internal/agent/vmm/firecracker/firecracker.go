@@ -43,6 +43,9 @@ const (
 	// jail's root.
 	LogFile     = "logs/firecracker.log"
 	ConsoleFile = "logs/console.log"
+	MetricsFile = "logs/metrics.json"
+	// JailerLog is the jailer's output, in the VM's directory.
+	JailerLog = "jailer.log"
 	// A suspended VM's snapshot, in the jail.
 	jailSnapshotState = "/snapshot/vm.state"
 	jailSnapshotMem   = "/snapshot/vm.mem"
@@ -330,7 +333,7 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 		return nil, err
 	}
 	_ = os.Remove(s.APISocket())
-	logf, err := os.OpenFile(filepath.Join(s.Dir, "jailer.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	logf, err := os.OpenFile(filepath.Join(s.Dir, JailerLog), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, err
 	}

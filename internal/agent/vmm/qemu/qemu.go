@@ -55,7 +55,7 @@ const (
 	ConsoleLog  = "console.log"
 	ChannelSock = "channel.sock"
 	QMPSock     = "qmp.sock"
-	qemuLog     = "qemu.log"
+	qemuLog     = LogFile
 )
 
 // Args is QEMU's command line for s.
@@ -196,6 +196,9 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 
 // DialChannel connects to the guest channel of the VM in dir.
 func DialChannel(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, ChannelSock)) }
+
+// LogFile is QEMU's own output in the VM's directory.
+const LogFile = "qemu.log"
 
 // CapConsole keeps the VM's console log under max bytes (vmm.CapFile).
 func CapConsole(dir string, max int64) error { return vmm.CapFile(dir, ConsoleLog, max) }
