@@ -1,8 +1,11 @@
 package e2e
 
 import (
+	"crypto/tls"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -318,9 +321,53 @@ kvm:
 		}
 	})
 	startProc("imp-operator", "--leader-elect=false")
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metricsAddr := l.Addr().String()
+	l.Close()
 	startProc("imp-agent", "--node-name", host, "--state-dir", agentState, "--netns-dir", filepath.Join(tmp, "netns"), "--kernel", kernel, "--initramfs", initrd,
-		"--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4", "--cgroup-root", "")
+		"--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4", "--cgroup-root", "",
+		"--metrics-bind-address", metricsAddr)
 	t.Cleanup(func() { killVMMs(agentState) })
+
+	// The agent, in the host's network on a real node, serves its metrics to those the API
+	// server authorizes: nobody without a token, not the agent's own, a reader bound to the
+	// chart's imp-metrics-reader.
+	must("kubectl -n imp-system create serviceaccount prometheus", "serviceaccount/prometheus created")
+	must("kubectl create clusterrolebinding imp-metrics-prometheus --clusterrole imp-metrics-reader --serviceaccount imp-system:prometheus", "created")
+	scrape := func(token string) (int, string) {
+		c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // the agent's certificate is self-signed
+		req, _ := http.NewRequest("GET", "https://"+metricsAddr+"/metrics", nil)
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	reader := strings.TrimSpace(must("kubectl -n imp-system create token prometheus --duration=10m"))
+	var code int
+	var body string
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		if code, body = scrape(reader); code == http.StatusOK {
+			break
+		}
+	}
+	if code != http.StatusOK || !strings.Contains(body, "controller_runtime_reconcile_total") {
+		t.Errorf("the metrics reader got %d: %.300s", code, body)
+	}
+	if code, _ := scrape(""); code != http.StatusUnauthorized {
+		t.Errorf("a scrape without a token got %d, want 401", code)
+	}
+	if code, _ := scrape(strings.TrimSpace(must("kubectl -n imp-system create token imp-operator --duration=10m"))); code != http.StatusForbidden {
+		t.Errorf("a scrape with a token not allowed /metrics got %d, want 403", code)
+	}
 
 	sample, err := os.ReadFile(filepath.Join(root, "config/samples/imp_v1alpha1_impvm.yaml"))
 	if err != nil {
