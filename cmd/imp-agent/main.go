@@ -26,6 +26,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/logging"
+	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
 
@@ -86,6 +87,7 @@ func run() error {
 		opts.OverlayAddress = a
 		return nil
 	})
+	fs.StringVar(&opts.RunSecretNamespace, "run-secret-namespace", runsecret.DefaultNamespace, "IMP's namespace, where the operator writes each VM's run Secret: the only Secrets the agent reads")
 	fs.StringVar(&opts.NetNSDir, "netns-dir", hostnet.DefaultNSDir, "directory where each ImpNetwork's network namespace is pinned (a tmpfs that outlives the agent: in a pod, a hostPath with Bidirectional mount propagation)")
 	fs.Func("transit-cidr", "IPv4 range of NAT networks' transit addresses on each node, one per NAT network (default "+hostnet.DefaultTransitCIDR.String()+"); it must not be an address the node itself needs to reach", func(s string) error {
 		p, err := netip.ParsePrefix(s)

@@ -18,6 +18,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/logging"
 	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
 
@@ -63,6 +64,7 @@ func run() error {
 		}
 		return nil
 	})
+	fs.StringVar(&vmOpts.RunSecretNamespace, "run-secret-namespace", runsecret.DefaultNamespace, "IMP's namespace, where each VM's run Secret goes (what the VM needs of its namespace's Secrets and ConfigMaps, resolved for its node's agent)")
 	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")
 	fs.DurationVar(&pressureSettle, "pressure-settle", 15*time.Second, "with --pressure-lifecycle: how long after a VM's memory is freed before the node's MemoryPressure is trusted again")
 	fs.DurationVar(&pressureTimeout, "pressure-timeout", 2*time.Minute, "with --pressure-lifecycle: how long a suspension may take before the next VM is considered")

@@ -23,7 +23,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	corev1 "k8s.io/api/core/v1"
@@ -47,6 +46,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/failpoint"
+	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
@@ -54,7 +54,6 @@ import (
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes/status,verbs=get;update;patch
-// +kubebuilder:rbac:groups="",resources=secrets;configmaps,verbs=get
 // +kubebuilder:rbac:groups=authentication.k8s.io,resources=tokenreviews,verbs=create
 // +kubebuilder:rbac:groups=authorization.k8s.io,resources=subjectaccessreviews,verbs=create
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
@@ -84,6 +83,9 @@ type Options struct {
 	MaxImageBytes int64
 	// MaxImageEntries bounds the entries of one image (disk.DefaultMaxEntries when 0).
 	MaxImageEntries int64
+	// RunSecretNamespace is IMP's namespace, where the operator writes each VM's run Secret:
+	// the only Secrets this agent reads (runsecret.DefaultNamespace when empty).
+	RunSecretNamespace string
 	// PullTimeout bounds resolving and pulling a VM's image from its registry, which the
 	// tenant chooses (5 minutes when 0).
 	PullTimeout time.Duration
@@ -369,7 +371,15 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("StartFailed", fmt.Errorf("creating %s: %w", dir, err))
 	}
 	_ = os.Remove(filepath.Join(dir, qemu.StateFile)) // a new run boots: an old suspension's state is void
-	kc, err := a.keychain(ctx, vm)
+	ns := a.Opts.RunSecretNamespace
+	if ns == "" {
+		ns = runsecret.DefaultNamespace
+	}
+	run, err := runsecret.Read(ctx, a.APIReader, ns, vm)
+	if err != nil {
+		return fail("StartFailed", err)
+	}
+	kc, err := disk.NewPullSecretKeychain(run.PullConfigs(vm)...)
 	if err != nil {
 		return fail("StartFailed", err)
 	}
@@ -403,7 +413,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("ImagePullFailed", fmt.Errorf("reading the image config: %w", err))
 	}
-	cfg, err := workload(ctx, a.APIReader, vm, &cf.Config)
+	cfg, err := workload(vm, run, &cf.Config)
 	if err != nil {
 		return fail("StartFailed", err)
 	}
@@ -546,21 +556,6 @@ func (a *Agent) nameOptions(image string) []name.Option {
 		}
 	}
 	return nil
-}
-
-// keychain reads the VM's image pull secrets.
-func (a *Agent) keychain(ctx context.Context, vm *impv1.ImpVM) (authn.Keychain, error) {
-	var configs [][]byte
-	for _, ref := range vm.Spec.ImagePullSecrets {
-		var s corev1.Secret
-		if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, &s); err != nil {
-			return nil, fmt.Errorf("reading image pull secret %s: %w", ref.Name, err)
-		}
-		if d, ok := s.Data[corev1.DockerConfigJsonKey]; ok {
-			configs = append(configs, d)
-		}
-	}
-	return disk.NewPullSecretKeychain(configs...)
 }
 
 // report merge-patches status.runtime, and nothing else, when it differs.

@@ -16,6 +16,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -36,6 +37,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/runsecret"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
 	"github.com/syscode-labs/imp/internal/testnetns"
@@ -672,6 +674,19 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "config.img")); err != nil {
 		t.Errorf("the running VM has no configuration disk: %v", err)
 	}
+	// The agent got the value from the run Secret the operator wrote in IMP's namespace; with
+	// the chart's identity it can read that, and no Secret of the tenant's namespace.
+	asAgent, err := client.New(c.AsNode(t, testcluster.Agent, w.node), client.Options{Scheme: c.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := asAgent.Get(ctx, client.ObjectKeyFromObject(secret), &corev1.Secret{}); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent read the tenant's Secret: %v", err)
+	}
+	runKey := types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: runsecret.Name(uid)}
+	if err := asAgent.Get(ctx, runKey, &corev1.Secret{}); err != nil {
+		t.Errorf("the agent cannot read the VM's run Secret: %v", err)
+	}
 
 	// Rotate the Secret, change the arguments, restart: the next run sees both.
 	secret.StringData = map[string]string{"value": "second-s3cret"}
@@ -713,6 +728,11 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 			}
 		}
 	}
+	// Deleted: its run Secret goes with it.
+	if err := c.Client.Delete(ctx, w.get("rotates")); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool { return apierrors.IsNotFound(c.Client.Get(ctx, runKey, &corev1.Secret{})) }).WithTimeout(3 * time.Minute).Should(BeTrue())
 }
 
 // TestStopsDoNotHoldWorkers deletes four VMs whose workloads ignore SIGTERM, with a grace

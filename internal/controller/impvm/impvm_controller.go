@@ -32,8 +32,10 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/placement"
+	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
+// +kubebuilder:rbac:groups="",resources=secrets;configmaps,verbs=get
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch;update;patch;delete
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/finalizers,verbs=update
@@ -68,6 +70,9 @@ type Options struct {
 	// ReservedCIDRs are ranges no ImpNetwork may overlap: VMs on such a network are not
 	// placed.
 	ReservedCIDRs []netip.Prefix
+	// RunSecretNamespace is IMP's namespace, where each VM's run Secret goes
+	// (runsecret.DefaultNamespace when empty).
+	RunSecretNamespace string
 }
 
 // DefaultOptions are the operator's defaults.
@@ -165,6 +170,16 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 		computeStatus(s, r.Clock.Now())
 		if reterr == nil {
 			vm.Status.ObservedGeneration = vm.Generation
+		}
+		// A new run is published only with its run Secret written first: what it needs of the
+		// namespace's Secrets and ConfigMaps, which its node's agent cannot read itself. A
+		// failure is retried; the run goes out either way, and fails on the node with the
+		// reason if the Secret is still missing, for the runStrategy to retry.
+		st, was := vm.Status, orig.Status
+		if st.NodeName != "" && vm.DeletionTimestamp.IsZero() && (st.Instance != was.Instance || st.RestartCount != was.RestartCount) && runsecret.Needed(vm) {
+			if err := runsecret.Write(ctx, r.Client, r.APIReader, r.runSecretNamespace(), vm); err != nil {
+				reterr = errors.Join(reterr, err)
+			}
 		}
 		if err := r.patchStatus(ctx, orig, vm); err != nil {
 			reterr = errors.Join(reterr, err)
@@ -607,6 +622,13 @@ func exitText(rt *impv1.RuntimeStatus) string {
 	return "no exit code"
 }
 
+func (r *Reconciler) runSecretNamespace() string {
+	if ns := r.Options.RunSecretNamespace; ns != "" {
+		return ns
+	}
+	return runsecret.DefaultNamespace
+}
+
 // reconcileDelete waits for the node's agent to confirm the VM is gone, then releases the
 // VM's address and node and lets the API server delete it.
 func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
@@ -643,6 +665,9 @@ func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl
 				node, waited.Round(time.Second), corev1.TaintNodeOutOfService)
 			return ctrl.Result{RequeueAfter: r.Options.DeletionTimeout}, nil
 		}
+	}
+	if err := runsecret.Delete(ctx, r.Client, r.runSecretNamespace(), vm); err != nil {
+		return ctrl.Result{}, err
 	}
 	if err := r.IPAM.Release(ctx, vm); err != nil {
 		return ctrl.Result{}, err

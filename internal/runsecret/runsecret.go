@@ -1,0 +1,184 @@
+// Package runsecret carries what a VM's run needs from its namespace's Secrets and ConfigMaps
+// to the VM's node without the node's agent reading them. At each new run (a placement, a
+// restart) the operator, which alone may read Secrets and ConfigMaps cluster-wide, resolves
+// the VM's image pull secrets and env valueFrom references and writes them into one Secret per
+// VM in IMP's own namespace, before it publishes the run. The agent may read Secrets in that
+// namespace only: a compromised node learns what ImpVMs reference, never any other Secret.
+package runsecret
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// DefaultNamespace is IMP's namespace, where the chart installs it.
+const DefaultNamespace = "imp-system"
+
+// Keys and annotations of a run's Secret.
+const (
+	pullPrefix = "pull."       // + index in spec.imagePullSecrets: a .dockerconfigjson
+	envPrefix  = "env."        // + index in spec.env: the resolved value
+	errKey     = "error"       // why the run's references could not be resolved
+	runAnno    = "imp.dev/run" // "<instance>.<restartCount>": the run it was made for
+	vmAnno     = "imp.dev/vm"  // namespace/name of the VM
+)
+
+// Needed says whether vm references anything of its namespace a run needs: without, no run
+// Secret is written or read.
+func Needed(vm *impv1.ImpVM) bool {
+	if len(vm.Spec.ImagePullSecrets) > 0 {
+		return true
+	}
+	for _, e := range vm.Spec.Env {
+		if e.ValueFrom != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// Name is the Secret of the VM with uid.
+func Name(uid types.UID) string { return "imp-run-" + string(uid) }
+
+func runOf(vm *impv1.ImpVM) string {
+	return fmt.Sprintf("%d.%d", vm.Status.Instance, vm.Status.RestartCount)
+}
+
+// Write resolves vm's references with r (an uncached reader: the operator watches no Secret)
+// and writes the VM's run Secret into ns for its current run. A reference that cannot be resolved
+// is no error here: the Secret says why, and the agent fails the run with it.
+func Write(ctx context.Context, c client.Client, r client.Reader, ns string, vm *impv1.ImpVM) error {
+	s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: Name(vm.UID),
+		Labels:      map[string]string{"app.kubernetes.io/managed-by": "imp", "imp.dev/node": vm.Status.NodeName},
+		Annotations: map[string]string{runAnno: runOf(vm), vmAnno: vm.Namespace + "/" + vm.Name}},
+		Type: corev1.SecretTypeOpaque, Data: map[string][]byte{}}
+	if err := resolve(ctx, r, vm, s.Data); err != nil {
+		if apierrors.IsNotFound(err) || isMissingKey(err) {
+			s.Data = map[string][]byte{errKey: []byte(err.Error())}
+		} else {
+			return err
+		}
+	}
+	cur := &corev1.Secret{}
+	switch err := r.Get(ctx, client.ObjectKeyFromObject(s), cur); {
+	case apierrors.IsNotFound(err):
+		if err := c.Create(ctx, s); err != nil {
+			return fmt.Errorf("writing the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
+		}
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
+	}
+	cur.Labels, cur.Annotations, cur.Data = s.Labels, s.Annotations, s.Data
+	if err := c.Update(ctx, cur); err != nil {
+		return fmt.Errorf("writing the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
+	}
+	return nil
+}
+
+type missingKeyError struct{ msg string }
+
+func (e missingKeyError) Error() string { return e.msg }
+
+func isMissingKey(err error) bool { _, ok := err.(missingKeyError); return ok }
+
+func resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM, data map[string][]byte) error {
+	for i, ref := range vm.Spec.ImagePullSecrets {
+		var s corev1.Secret
+		if err := r.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, &s); err != nil {
+			return fmt.Errorf("reading image pull secret %s: %w", ref.Name, err)
+		}
+		if d, ok := s.Data[corev1.DockerConfigJsonKey]; ok {
+			data[pullPrefix+strconv.Itoa(i)] = d
+		}
+	}
+	for i, e := range vm.Spec.Env {
+		src := e.ValueFrom
+		if src == nil {
+			continue
+		}
+		switch {
+		case src.SecretKeyRef != nil:
+			ref := src.SecretKeyRef
+			var s corev1.Secret
+			if err := r.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, &s); err != nil {
+				return fmt.Errorf("env %s: reading Secret %s: %w", e.Name, ref.Name, err)
+			}
+			v, ok := s.Data[ref.Key]
+			if !ok {
+				return missingKeyError{fmt.Sprintf("env %s: Secret %s has no key %s", e.Name, ref.Name, ref.Key)}
+			}
+			data[envPrefix+strconv.Itoa(i)] = v
+		case src.ConfigMapKeyRef != nil:
+			ref := src.ConfigMapKeyRef
+			var cm corev1.ConfigMap
+			if err := r.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, &cm); err != nil {
+				return fmt.Errorf("env %s: reading ConfigMap %s: %w", e.Name, ref.Name, err)
+			}
+			v, ok := cm.Data[ref.Key]
+			if !ok {
+				return missingKeyError{fmt.Sprintf("env %s: ConfigMap %s has no key %s", e.Name, ref.Name, ref.Key)}
+			}
+			data[envPrefix+strconv.Itoa(i)] = []byte(v)
+		}
+	}
+	return nil
+}
+
+// Delete removes the run Secret of vm, if there.
+func Delete(ctx context.Context, c client.Client, ns string, vm *impv1.ImpVM) error {
+	err := c.Delete(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: Name(vm.UID)}})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("removing the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
+	}
+	return nil
+}
+
+// Run is what the agent reads of a VM's run Secret.
+type Run struct{ data map[string][]byte }
+
+// Read returns the run Secret of vm's current run, read with r from ns (none to read when the
+// VM references nothing). A Secret of another run, or one that says the references could not
+// be resolved, is an error.
+func Read(ctx context.Context, r client.Reader, ns string, vm *impv1.ImpVM) (*Run, error) {
+	if !Needed(vm) {
+		return &Run{}, nil
+	}
+	var s corev1.Secret
+	if err := r.Get(ctx, types.NamespacedName{Namespace: ns, Name: Name(vm.UID)}, &s); err != nil {
+		return nil, fmt.Errorf("reading the run's Secret %s/%s: %w", ns, Name(vm.UID), err)
+	}
+	if got := s.Annotations[runAnno]; got != runOf(vm) {
+		return nil, fmt.Errorf("the run's Secret is for run %q, not %q", got, runOf(vm))
+	}
+	if msg, ok := s.Data[errKey]; ok {
+		return nil, fmt.Errorf("%s", msg)
+	}
+	return &Run{data: s.Data}, nil
+}
+
+// PullConfigs are the VM's image pull secrets' .dockerconfigjson, in order.
+func (r *Run) PullConfigs(vm *impv1.ImpVM) [][]byte {
+	var out [][]byte
+	for i := range vm.Spec.ImagePullSecrets {
+		if d, ok := r.data[pullPrefix+strconv.Itoa(i)]; ok {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// Env is the resolved value of spec.env[i].
+func (r *Run) Env(i int) (string, bool) {
+	v, ok := r.data[envPrefix+strconv.Itoa(i)]
+	return string(v), ok
+}
