@@ -3,6 +3,7 @@ package v1alpha1
 import (
 	"fmt"
 	"net/netip"
+	"strings"
 )
 
 // Prefix parses spec.cidr, which must be a canonical IPv4 prefix from /8 to /30.
@@ -77,4 +78,20 @@ func (s *ImpNetworkSpec) ReservedOverlap(reserved []netip.Prefix) (netip.Prefix,
 		}
 	}
 	return netip.Prefix{}, false
+}
+
+// ParseIPv4CIDRs parses a comma-separated list of IPv4 CIDRs (a flag's value), masked.
+func ParseIPv4CIDRs(s string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, c := range strings.Split(s, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(c)
+		if err != nil || !p.Addr().Is4() {
+			return nil, fmt.Errorf("not an IPv4 CIDR: %q", c)
+		}
+		out = append(out, p.Masked())
+	}
+	return out, nil
 }

@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	"fmt"
 	"net/netip"
 	"testing"
 )
@@ -79,5 +80,23 @@ func TestReservedOverlap(t *testing.T) {
 				t.Errorf("ReservedOverlap(%s) = %v, %v; want %q", tt.cidr, got, ok, tt.want)
 			}
 		})
+	}
+}
+
+func TestParseIPv4CIDRs(t *testing.T) {
+	for _, tt := range []struct {
+		in   string
+		want string
+		err  bool
+	}{
+		{"", "[]", false},
+		{"10.96.0.0/12, 10.244.1.7/16,", "[10.96.0.0/12 10.244.0.0/16]", false},
+		{"10.0.0.0/8,fd00::/8", "", true},
+		{"ten", "", true},
+	} {
+		got, err := ParseIPv4CIDRs(tt.in)
+		if (err != nil) != tt.err || (!tt.err && fmt.Sprint(got) != tt.want) {
+			t.Errorf("ParseIPv4CIDRs(%q) = %v, %v; want %s (error %v)", tt.in, got, err, tt.want, tt.err)
+		}
 	}
 }

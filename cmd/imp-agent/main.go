@@ -98,17 +98,9 @@ func run() error {
 		return nil
 	})
 	fs.Func("egress-deny-cidrs", "IPv4 CIDRs, comma-separated, that NAT egress from VMs never reaches, beyond the node itself and link-local addresses (set the cluster's pod and service ranges)", func(s string) error {
-		for _, c := range strings.Split(s, ",") {
-			if c = strings.TrimSpace(c); c == "" {
-				continue
-			}
-			p, err := netip.ParsePrefix(c)
-			if err != nil || !p.Addr().Is4() {
-				return fmt.Errorf("not an IPv4 CIDR: %q", c)
-			}
-			opts.DeniedEgress = append(opts.DeniedEgress, p.Masked())
-		}
-		return nil
+		ps, err := impv1.ParseIPv4CIDRs(s)
+		opts.DeniedEgress = append(opts.DeniedEgress, ps...)
+		return err
 	})
 	fs.IntVar(&opts.VXLANPort, "vxlan-port", hostnet.DefaultVXLANPort, "UDP port of the VXLAN overlay (not 4789 or 8472, which CNIs use)")
 	fs.IntVar(&opts.MTU, "vm-mtu", hostnet.DefaultMTU, "MTU of VM interfaces, taps and overlay devices (underlay MTU minus 50)")

@@ -6,10 +6,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"net/netip"
 	"os"
-	"strings"
 	"time"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
@@ -52,17 +52,9 @@ func run() error {
 	fs.DurationVar(&vmOpts.RestartBackoffBase, "restart-backoff-base", vmOpts.RestartBackoffBase, "first delay before restarting a VM that exited; doubles per restart")
 	fs.DurationVar(&vmOpts.RestartBackoffMax, "restart-backoff-max", vmOpts.RestartBackoffMax, "longest delay before restarting a VM that exited")
 	fs.Func("reserved-cidrs", "IPv4 CIDRs, comma-separated, that no ImpNetwork may overlap: such a network is Ready=False (ReservedCIDR) and none of its VMs is placed", func(s string) error {
-		for _, c := range strings.Split(s, ",") {
-			if c = strings.TrimSpace(c); c == "" {
-				continue
-			}
-			p, err := netip.ParsePrefix(c)
-			if err != nil || !p.Addr().Is4() {
-				return fmt.Errorf("not an IPv4 CIDR: %q", c)
-			}
-			vmOpts.ReservedCIDRs = append(vmOpts.ReservedCIDRs, p.Masked())
-		}
-		return nil
+		ps, err := impv1.ParseIPv4CIDRs(s)
+		vmOpts.ReservedCIDRs = append(vmOpts.ReservedCIDRs, ps...)
+		return err
 	})
 	fs.StringVar(&vmOpts.RunSecretNamespace, "run-secret-namespace", runsecret.DefaultNamespace, "IMP's namespace, where each VM's run Secret goes (what the VM needs of its namespace's Secrets and ConfigMaps, resolved for its node's agent)")
 	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")

@@ -24,7 +24,6 @@ import (
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
-	"github.com/google/go-containerregistry/pkg/v1/remote"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -46,7 +45,6 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/failpoint"
-	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
@@ -142,6 +140,7 @@ type Agent struct {
 	reportNow chan struct{}
 	mu        sync.Mutex
 	monitors  map[types.UID]*monitor
+	fetches   map[types.UID]*fetch    // images being fetched for a run
 	stops     map[types.UID]*stopping // stops in progress
 }
 
@@ -176,6 +175,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*stopping{}
+	a.fetches = map[types.UID]*fetch{}
 	a.reportNow = make(chan struct{}, 1)
 	for _, d := range []string{"vms", "net"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
@@ -340,8 +340,16 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			return ctrl.Result{RequeueAfter: again}, nil
 		}
 	}
-	return ctrl.Result{}, a.start(ctx, vm, dir, m)
+	if err := a.start(ctx, vm, dir, m); errors.Is(err, errFetching) {
+		return ctrl.Result{RequeueAfter: 250 * time.Millisecond}, nil
+	} else if err != nil {
+		return ctrl.Result{}, err
+	}
+	return ctrl.Result{}, nil
 }
+
+// errFetching: the run's image is still being fetched; the start resumes on a later pass.
+var errFetching = errors.New("the image is being fetched")
 
 // start runs the plan for the VM's current run: state directory, base disk, writable disk,
 // VMM, monitor. A failure ends the run as Exited with reason StartFailed, so the operator's
@@ -371,49 +379,22 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("StartFailed", fmt.Errorf("creating %s: %w", dir, err))
 	}
 	_ = os.Remove(filepath.Join(dir, qemu.StateFile)) // a new run boots: an old suspension's state is void
-	ns := a.Opts.RunSecretNamespace
-	if ns == "" {
-		ns = runsecret.DefaultNamespace
-	}
-	run, err := runsecret.Read(ctx, a.APIReader, ns, vm)
-	if err != nil {
-		return fail("StartFailed", err)
-	}
-	kc, err := disk.NewPullSecretKeychain(run.PullConfigs(vm)...)
-	if err != nil {
-		return fail("StartFailed", err)
-	}
 	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
 	if err != nil {
 		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
 	}
-	// A registry the tenant chose answers within the pull timeout, or the start fails.
-	pullCtx, cancel := context.WithTimeout(ctx, a.Opts.PullTimeout)
-	defer cancel()
-	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
-	digest, err := disk.Resolve(pullCtx, ref, kc)
-	if err != nil {
-		return fail("ImagePullFailed", err)
+	// The image, off the workers and within the pull timeout: a registry the tenant chose
+	// holds no worker, however slow.
+	f := a.takeFetch(vm.UID, a.fetchImage(vm, ref))
+	if f == nil {
+		return errFetching
 	}
-	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
-	baseDisk, release, err := a.images.Ensure(pullCtx, digest, kc)
-	defer release()
-	if err != nil {
-		reason := "ImagePullFailed"
-		if errors.Is(err, disk.ErrUnsafeLayer) {
-			reason = "ImageRefused"
-		}
-		return fail(reason, err)
+	defer f.release()
+	if f.err != nil {
+		return fail(f.reason, f.err)
 	}
-	img, err := remote.Image(digest, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))
-	if err != nil {
-		return fail("ImagePullFailed", err)
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return fail("ImagePullFailed", fmt.Errorf("reading the image config: %w", err))
-	}
-	cfg, err := workload(vm, run, &cf.Config)
+	digest, baseDisk := f.digest, f.baseDisk
+	cfg, err := workload(vm, f.secrets, f.config)
 	if err != nil {
 		return fail("StartFailed", err)
 	}
@@ -657,6 +638,7 @@ func (a *Agent) stopped(uid types.UID, rec *vmm.Record) {
 // teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone
 // for the operator to release the VM.
 func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
+	a.dropFetch(vm.UID)
 	dir := a.vmDir(vm.UID)
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		if again := a.stopVMM(ctx, vm, rec); again > 0 {

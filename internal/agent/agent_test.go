@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
@@ -830,4 +831,61 @@ func TestStopsDoNotHoldWorkers(t *testing.T) {
 			t.Errorf("%s was released while its VMM runs: %+v", vm.Name, v)
 		}
 	}
+}
+
+// TestSlowRegistryHoldsNoWorker: four VMs of an image whose registry sends its blobs at one
+// byte a second — as many VMs as the agent has workers — keep pulling, Starting, while a fifth
+// VM of another registry starts and runs.
+func TestSlowRegistryHoldsNoWorker(t *testing.T) {
+	// No timeout ends the pulls meanwhile: a worker that waited on one would wait the test out.
+	w := newWorld(t, func(o *agent.Options) { o.PullTimeout = time.Hour })
+	ctx := context.Background()
+	slowHost, slow := testregistry.StartSlow(t)
+	testregistry.Push(t, slowHost, "slow", authn.DefaultKeychain, testregistry.FilesLayer(t, testregistry.File{Name: "slow", Mode: 0o644, Data: []byte("a tenant's image")}))
+	slow()
+	for i := range 4 {
+		vm := w.vm(fmt.Sprintf("slow-%d", i))
+		vm.Spec.Image = slowHost + "/slow:v1"
+		if err := w.c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g := NewWithT(t)
+	g.Eventually(func() int {
+		n := 0
+		for i := range 4 {
+			if v := w.get(fmt.Sprintf("slow-%d", i)); v != nil && v.Status.Runtime != nil && v.Status.Runtime.State == impv1.RuntimeStarting {
+				n++
+			}
+		}
+		return n
+	}).WithTimeout(3*time.Minute).Should(Equal(4), "the four VMs of the slow registry are Starting")
+	fifth := w.vm("fifth", "serve")
+	if err := w.c.Client.Create(ctx, fifth); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("fifth")
+		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "a VM created while four pulls crawl")
+	for i := range 4 {
+		if v := w.get(fmt.Sprintf("slow-%d", i)); v == nil || v.Status.Runtime == nil || v.Status.Runtime.State != impv1.RuntimeStarting {
+			t.Errorf("slow-%d: %+v, want still Starting", i, v)
+		}
+	}
+	// Deleted while pulling: the pulls end with them.
+	for i := range 4 {
+		if err := w.c.Client.Delete(ctx, w.get(fmt.Sprintf("slow-%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g.Eventually(func() int {
+		n := 0
+		for i := range 4 {
+			if w.get(fmt.Sprintf("slow-%d", i)) != nil {
+				n++
+			}
+		}
+		return n
+	}).WithTimeout(time.Minute).Should(BeZero())
 }

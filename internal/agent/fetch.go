@@ -1,0 +1,128 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/runsecret"
+)
+
+// fetch is a run's image being resolved and built into its base disk, off the reconcile
+// workers: the registry is the tenant's choice and may be slow, and no worker waits on it.
+// The reconcile that starts the run finds it done on a later pass.
+type fetch struct {
+	run    string // the run it is for: "<instance>.<restartCount>"
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	// Set when done.
+	secrets  *runsecret.Run
+	digest   name.Digest
+	baseDisk string
+	release  func() // the base disk's lease, held until the VM's meta records the digest
+	config   *v1.Config
+	reason   string // why it failed, as an Event reason
+	err      error
+}
+
+func runID(vm *impv1.ImpVM) string {
+	return fmt.Sprintf("%d.%d", vm.Status.Instance, vm.Status.RestartCount)
+}
+
+// fetchImage returns the fetch of the VM's current run, starting it unless it runs already;
+// a fetch for another run of the VM is cancelled.
+func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) *fetch {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if f := a.fetches[vm.UID]; f != nil {
+		if f.run == runID(vm) {
+			return f
+		}
+		a.dropFetchLocked(vm.UID)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), a.Opts.PullTimeout)
+	f := &fetch{run: runID(vm), cancel: cancel, done: make(chan struct{}), release: func() {}}
+	a.fetches[vm.UID] = f
+	vm = vm.DeepCopy()
+	go func() {
+		defer close(f.done)
+		f.reason, f.err = a.doFetch(ctx, vm, ref, f)
+	}()
+	return f
+}
+
+func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
+	ns := a.Opts.RunSecretNamespace
+	if ns == "" {
+		ns = runsecret.DefaultNamespace
+	}
+	var err error
+	if f.secrets, err = runsecret.Read(ctx, a.APIReader, ns, vm); err != nil {
+		return "StartFailed", err
+	}
+	kc, err := disk.NewPullSecretKeychain(f.secrets.PullConfigs(vm)...)
+	if err != nil {
+		return "StartFailed", err
+	}
+	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
+	if f.digest, err = disk.Resolve(ctx, ref, kc); err != nil {
+		return "ImagePullFailed", err
+	}
+	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
+	if f.baseDisk, f.release, err = a.images.Ensure(ctx, f.digest, kc); err != nil {
+		if errors.Is(err, disk.ErrUnsafeLayer) {
+			return "ImageRefused", err
+		}
+		return "ImagePullFailed", err
+	}
+	img, err := remote.Image(f.digest, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))
+	if err != nil {
+		return "ImagePullFailed", err
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		return "ImagePullFailed", fmt.Errorf("reading the image config: %w", err)
+	}
+	f.config = &cf.Config
+	return "", nil
+}
+
+// takeFetch hands a finished fetch to its run's start and forgets it; nil while it runs.
+func (a *Agent) takeFetch(uid types.UID, f *fetch) *fetch {
+	select {
+	case <-f.done:
+	default:
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.fetches[uid] == f {
+		delete(a.fetches, uid)
+	}
+	return f
+}
+
+// dropFetch cancels the VM's fetch, if any, and lets go of what it holds.
+func (a *Agent) dropFetch(uid types.UID) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.dropFetchLocked(uid)
+}
+
+func (a *Agent) dropFetchLocked(uid types.UID) {
+	f := a.fetches[uid]
+	if f == nil {
+		return
+	}
+	delete(a.fetches, uid)
+	f.cancel()
+	go func() { <-f.done; f.release() }()
+}
