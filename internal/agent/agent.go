@@ -122,7 +122,7 @@ type Options struct {
 	KVMDevice, Firecracker, Jailer string
 	// VMMs, when set, are the VMMs the node offers, best first, instead of what probing finds.
 	VMMs []impv1.VMMKind
-	// JailUIDBase is the first of the 65536 uids Firecracker VMs run as (default 300000).
+	// JailUIDBase is the first of the 65536 uids VMMs run as, one per VM (default 300000).
 	JailUIDBase int
 }
 
@@ -217,7 +217,8 @@ type meta struct {
 	Started   time.Time `json:"started"`
 	// Digest is the image the VM's base disk was built from.
 	Digest string `json:"digest"`
-	// VMM runs the VM; JailUID is its uid under Firecracker's jailer.
+	// VMM runs the VM; JailUID is the uid it runs as (Firecracker in its jail, QEMU by
+	// descriptors).
 	VMM     impv1.VMMKind `json:"vmm,omitempty"`
 	JailUID int           `json:"jailUID,omitempty"`
 }
@@ -422,10 +423,8 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	} else {
 		m.Token = randomToken()
 	}
-	a.mu.Lock() // the jail uid is allocated and recorded at once
-	if kind == impv1.VMMFirecracker {
-		m.JailUID, err = a.allocJailUID(vm.UID)
-	}
+	a.mu.Lock() // the VM's own uid (either VMM runs as it) is allocated and recorded at once
+	m.JailUID, err = a.allocJailUID(vm.UID)
 	if err == nil {
 		err = writeMeta(dir, m)
 	}
@@ -473,7 +472,7 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	} else {
 		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw, ConfigDisk: filepath.Join(dir, configDisk),
 			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-			CgroupRoot: a.Opts.CgroupRoot, Tap: at.Tap, Net: gnet, Incoming: incoming}
+			CgroupRoot: a.Opts.CgroupRoot, Tap: at.Tap, Net: gnet, Incoming: incoming, UID: m.JailUID, GID: m.JailUID}
 		rec, err = qemu.Start(spec, m.Digest)
 	}
 	if err != nil {

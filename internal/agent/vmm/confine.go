@@ -2,7 +2,9 @@ package vmm
 
 import (
 	"fmt"
+	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 )
@@ -78,4 +80,37 @@ func CapFile(dir, name string, max int64) error {
 	}
 	_, err = f.WriteAt(append([]byte("[imp: console log capped; older output dropped]\n"), keep...), 0)
 	return err
+}
+
+// ListenUnix makes a listening unix socket at path (replacing what is there) and returns it as
+// a file, to hand to a VMM. A path too long for a socket address is bound through its
+// directory's descriptor, as DialUnix connects.
+func ListenUnix(path string) (*os.File, error) {
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		return nil, err
+	}
+	addr := path
+	if len(path) >= 100 {
+		d, err := os.Open(filepath.Dir(path))
+		if err != nil {
+			return nil, err
+		}
+		defer d.Close()
+		addr = fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path))
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: addr, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("listening on %s: %w", path, err)
+	}
+	l.SetUnlinkOnClose(false) // the VMM listens on it from now on
+	defer l.Close()
+	f, err := l.File()
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }

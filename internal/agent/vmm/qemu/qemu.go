@@ -48,6 +48,10 @@ type Spec struct {
 	CgroupRoot string
 	// Incoming, when set, starts the VM from the state a Suspend saved in this file.
 	Incoming string
+	// UID and GID, when not 0, are the VM's own uid and gid (the jail range), which QEMU runs
+	// as. QEMU then reaches nothing by path: the agent opens its files and sockets and passes
+	// them as descriptors; those it writes (the writable disk, the console) belong to UID.
+	UID, GID int
 }
 
 // Files of a VM's state directory.
@@ -78,21 +82,21 @@ func (s Spec) Args() []string {
 		"-M", "microvm", "-accel", accel(s.Accel), "-cpu", cpu,
 		"-smp", strconv.Itoa(s.VCPUs), "-m", fmt.Sprintf("%dM", s.MemoryMiB),
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-		"-kernel", s.Kernel, "-initrd", s.Initramfs, "-append", strings.Join(cmdline, " "),
-		"-drive", "id=base,file=" + s.BaseDisk + ",format=raw,if=none,readonly=on",
+		"-kernel", fdPath(kernelFD), "-initrd", fdPath(initrdFD), "-append", strings.Join(cmdline, " "),
+		"-drive", "id=base,file=" + fdPath(baseFD) + ",format=raw,if=none,readonly=on",
 		"-device", "virtio-blk-device,drive=base",
-		"-drive", "id=rw,file=" + s.WritableDisk + ",format=raw,if=none",
+		"-drive", "id=rw,file=" + fdPath(rwFD) + ",format=raw,if=none",
 		"-device", "virtio-blk-device,drive=rw",
-		"-drive", "id=config,file=" + s.ConfigDisk + ",format=raw,if=none,readonly=on",
+		"-drive", "id=config,file=" + fdPath(configFD) + ",format=raw,if=none,readonly=on",
 		"-device", "virtio-blk-device,drive=config",
-		"-chardev", "file,id=console,path=" + filepath.Join(dir, ConsoleLog) + ",append=on",
+		"-chardev", "file,id=console,path=" + fdPath(consoleFD) + ",append=on",
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device",
-		// Sockets relative to the state directory (QEMU runs in it): a unix socket path must
-		// be shorter than 108 bytes, which a deep state directory would not be.
-		"-chardev", "socket,id=channel,path=" + ChannelSock + ",server=on,wait=off",
+		// Sockets the agent made in the state directory, passed listening.
+		"-chardev", fmt.Sprintf("socket,id=channel,fd=%d,server=on,wait=off", channelFD),
 		"-device", "virtserialport,chardev=channel,name=" + guestinit.ChannelName,
-		"-qmp", "unix:" + QMPSock + ",server=on,wait=off",
+		"-chardev", fmt.Sprintf("socket,id=qmp,fd=%d,server=on,wait=off", qmpFD),
+		"-mon", "chardev=qmp,mode=control",
 	}
 	if s.Incoming != "" {
 		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
@@ -118,14 +122,82 @@ func (s Spec) Limits() cgroup.Limits {
 	}
 }
 
+// files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
+// files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
+func (s Spec) files() ([]*os.File, error) {
+	files := make([]*os.File, consoleFD-tapFD+1)
+	files[tapFD-3] = s.Tap
+	open := func(fd int, path string, flag int) error {
+		f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return fmt.Errorf("opening %s for the VMM: %w", path, err)
+		}
+		files[fd-3] = f
+		if s.UID != 0 && (fd == rwFD || fd == configFD || fd == consoleFD) {
+			if err := f.Chown(s.UID, s.GID); err != nil {
+				return fmt.Errorf("giving %s to uid %d: %w", path, s.UID, err)
+			}
+		}
+		return nil
+	}
+	if s.Incoming != "" {
+		if err := open(incomingFD, s.Incoming, os.O_RDONLY); err != nil {
+			return files, err
+		}
+	}
+	for _, o := range []struct {
+		fd   int
+		path string
+		flag int
+	}{
+		{kernelFD, s.Kernel, os.O_RDONLY}, {initrdFD, s.Initramfs, os.O_RDONLY}, {baseFD, s.BaseDisk, os.O_RDONLY},
+		{rwFD, s.WritableDisk, os.O_RDWR}, {configFD, s.ConfigDisk, os.O_RDONLY},
+		{consoleFD, filepath.Join(s.Dir, ConsoleLog), os.O_WRONLY | os.O_APPEND | os.O_CREATE},
+	} {
+		if err := open(o.fd, o.path, o.flag); err != nil {
+			return files, err
+		}
+	}
+	for fd, name := range map[int]string{channelFD: ChannelSock, qmpFD: QMPSock} {
+		f, err := vmm.ListenUnix(filepath.Join(s.Dir, name))
+		if err != nil {
+			return files, err
+		}
+		files[fd-3] = f
+	}
+	return files, nil
+}
+
+// kvmGroup is the group owning /dev/kvm under KVM, which a VMM of its own uid needs.
+func kvmGroup(accel string) []uint32 {
+	fi, err := os.Stat(kvm.Device)
+	if accel != "kvm" || err != nil {
+		return []uint32{}
+	}
+	return []uint32{fi.Sys().(*syscall.Stat_t).Gid}
+}
+
 // Sandbox is QEMU's seccomp policy for every VMM.
 const Sandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
-// The descriptors QEMU inherits: the VM's tap, and the saved state it resumes from.
+// The descriptors QEMU inherits, in order from 3: the VM's tap, the saved state it resumes
+// from, the listening sockets of the guest channel and QMP, the kernel, the initramfs, the
+// disks and the console. QEMU opens files by /proc/self/fd, which no directory's permissions
+// stand in the way of; it creates nothing on the host.
 const (
-	tapFD      = 3
-	incomingFD = 4
+	tapFD = 3 + iota
+	incomingFD
+	channelFD
+	qmpFD
+	kernelFD
+	initrdFD
+	baseFD
+	rwFD
+	configFD
+	consoleFD
 )
+
+func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }
 
 // tcgCacheMiB bounds TCG's translation cache, which would otherwise grow to 1 GiB per VM with
 // the code a guest runs; vmm.MemoryOverhead counts it.
@@ -147,27 +219,33 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	if bin == "" {
 		bin = "qemu-system-x86_64"
 	}
-	for _, f := range []string{ChannelSock, QMPSock} {
-		_ = os.Remove(filepath.Join(s.Dir, f))
-	}
 	logf, err := os.OpenFile(filepath.Join(s.Dir, qemuLog), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("opening the VMM log: %w", err)
 	}
 	defer logf.Close()
-	cmd := exec.Command(bin, s.Args()...)
-	cmd.Dir = s.Dir
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.ExtraFiles = []*os.File{s.Tap, nil} // fd 3 (nil: /dev/null), fd 4
-	if s.Incoming != "" {
-		in, err := os.OpenFile(s.Incoming, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-		if err != nil {
-			return nil, fmt.Errorf("opening the saved state: %w", err)
+	files, err := s.files()
+	defer func() {
+		for _, f := range files {
+			if f != nil && f != s.Tap {
+				f.Close()
+			}
 		}
-		defer in.Close()
-		cmd.ExtraFiles[incomingFD-3] = in
+	}()
+	if err != nil {
+		return nil, err
 	}
+	cmd := exec.Command(bin, s.Args()...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.ExtraFiles = files
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if s.UID != 0 {
+		// Its own uid and nothing else: no supplementary group, no capability. (KVM: the
+		// group that owns /dev/kvm.)
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(s.UID), Gid: uint32(s.GID), Groups: kvmGroup(s.Accel)}
+	} else {
+		cmd.Dir = s.Dir
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", bin, err)
 	}

@@ -31,11 +31,14 @@ func TestArgs(t *testing.T) {
 	for _, want := range []string{
 		"-M microvm -accel tcg,tb-size=64 -cpu max -smp 2 -m 256M",
 		"-append console=ttyS0 reboot=t panic=-1 quiet imp.token=tok tsc_early_khz=2000000 tsc=reliable",
-		"id=base,file=/b,format=raw,if=none,readonly=on",
-		"id=rw,file=/w,format=raw,if=none -device virtio-blk-device,drive=rw",
-		"id=config,file=/c,format=raw,if=none,readonly=on -device virtio-blk-device,drive=config",
-		"path=/var/lib/imp/vms/u1/console.log,append=on",
-		"socket,id=channel,path=channel.sock,server=on,wait=off",
+		// Every file and socket by descriptor: QEMU opens nothing by a path of the host.
+		"-kernel /proc/self/fd/7 -initrd /proc/self/fd/8",
+		"id=base,file=/proc/self/fd/9,format=raw,if=none,readonly=on",
+		"id=rw,file=/proc/self/fd/10,format=raw,if=none -device virtio-blk-device,drive=rw",
+		"id=config,file=/proc/self/fd/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=config",
+		"file,id=console,path=/proc/self/fd/12,append=on",
+		"socket,id=channel,fd=5,server=on,wait=off",
+		"socket,id=qmp,fd=6,server=on,wait=off -mon chardev=qmp,mode=control",
 		"virtserialport,chardev=channel,name=imp.channel",
 		"tsc=reliable imp.net=10.1.0.5/24,10.1.0.1,1450,0a:58:0a:01:00:05 -drive",
 		"tap,id=net0,fd=3,vhost=off",
@@ -322,8 +325,12 @@ func guestSpec(t *testing.T, cfg guestinit.Config) Spec {
 		t.Fatal(err)
 	}
 	return Spec{Dir: vmDir, Kernel: kernel, Initramfs: initrd, BaseDisk: base, WritableDisk: rw, ConfigDisk: config,
-		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root}
+		VCPUs: 1, MemoryMiB: 256, Token: "t", Accel: "tcg", TSCkHz: TSCkHz(), CgroupRoot: cgroup.Root,
+		UID: guestUID, GID: guestUID}
 }
+
+// guestUID is the uid test guests' QEMU runs as: one of no account, as a VM's jail uid is.
+const guestUID = 399_977
 
 // confined asserts that QEMU (pid) runs under its seccomp sandbox and in cgroups that bound its
 // memory and threads as lim says, whichever cgroup version the host has.
@@ -342,6 +349,10 @@ func confined(t *testing.T, pid int, name string, lim cgroup.Limits) {
 	}
 	if !strings.Contains(string(status), "\nSeccomp:\t2\n") {
 		t.Errorf("QEMU runs without a seccomp filter:\n%s", status)
+	}
+	uid := fmt.Sprintf("\nUid:\t%d\t%d\t%d\t%d\n", guestUID, guestUID, guestUID, guestUID)
+	if !strings.Contains(string(status), uid) || !strings.Contains(string(status), "\nCapEff:\t0000000000000000\n") {
+		t.Errorf("QEMU does not run as uid %d without capabilities:\n%s", guestUID, status)
 	}
 	read := func(paths ...string) string {
 		for _, p := range paths {
