@@ -43,8 +43,10 @@ func (e *env) setQuota(name string, vcpus int32, mem string) {
 	if err := e.c.Get(context.Background(), client.ObjectKey{Namespace: e.ns, Name: name}, q); err != nil {
 		e.t.Fatal(err)
 	}
+	orig := q.DeepCopy()
 	q.Spec.Hard.VCPUs, q.Spec.Hard.Memory = ptr.To(vcpus), ptr.To(resource.MustParse(mem))
-	if err := e.c.Update(context.Background(), q); err != nil {
+	// A patch: the quota controller writes the status meanwhile, which an update would race.
+	if err := e.c.Patch(context.Background(), q, client.MergeFrom(orig)); err != nil {
 		e.t.Fatal(err)
 	}
 }
