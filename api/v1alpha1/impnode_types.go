@@ -5,13 +5,17 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// NodeResources are vCPUs and memory of a node.
+// NodeResources are vCPUs, memory and disk of a node.
 type NodeResources struct {
 	// vcpus is a number of virtual CPUs.
 	// +kubebuilder:validation:Minimum=0
 	VCPUs int32 `json:"vcpus"`
 	// memory is an amount of memory.
 	Memory resource.Quantity `json:"memory"`
+	// disk is space of the file system holding the agent's state (VMs' writable disks). A
+	// report without it (an older agent) bounds no VM's disk.
+	// +optional
+	Disk *resource.Quantity `json:"disk,omitempty"`
 }
 
 // VMMCapability is a VMM a node can run.

@@ -57,6 +57,7 @@ func run() error {
 	var (
 		opts                   agent.Options
 		metricsAddr, probeAddr string
+		reserveDisk            string
 		metricsInsecure        bool
 		reserveMemory          string
 		reserveVCPUs           int
@@ -74,6 +75,7 @@ func run() error {
 	fs.StringVar(&opts.Accel, "qemu-accel", "", "QEMU accelerator: kvm or tcg (default: kvm when it works)")
 	fs.IntVar(&reserveVCPUs, "reserve-vcpus", 1, "vCPUs kept for the host, not offered to VMs")
 	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")
+	fs.StringVar(&reserveDisk, "reserve-disk", "20Gi", "space of the state directory's file system kept for base images, logs and the host, not offered to VMs' writable disks")
 	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each file a VM writes on the node: its console, its VMM's log (and Firecracker's metrics and jailer output); past it a file keeps its newest half")
 	fs.Int64Var(&opts.MaxImageEntries, "max-image-entries", 500_000, "most entries (files, directories, links) one image may hold on the node")
 	fs.DurationVar(&opts.PullTimeout, "image-pull-timeout", 5*time.Minute, "longest time resolving and pulling a VM's image may take")
@@ -161,6 +163,11 @@ func run() error {
 		return fmt.Errorf("--reserve-memory: %w", err)
 	}
 	opts.ReserveVCPUs, opts.ReserveMemory = int32(reserveVCPUs), mem.Value()
+	disk, err := resource.ParseQuantity(reserveDisk)
+	if err != nil {
+		return fmt.Errorf("--reserve-disk: %w", err)
+	}
+	opts.ReserveDisk = disk.Value()
 
 	scheme, err := impscheme.New()
 	if err != nil {

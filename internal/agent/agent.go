@@ -73,6 +73,9 @@ type Options struct {
 	// ReserveVCPUs and ReserveMemory are kept for the host; the rest is offered to VMs.
 	ReserveVCPUs  int32
 	ReserveMemory int64
+	// ReserveDisk is kept of the state directory's file system for base images, logs and the
+	// node; the rest is offered to VMs' writable disks.
+	ReserveDisk int64
 	// VCPUOvercommit multiplies the vCPUs offered to VMs (default 1: none).
 	VCPUOvercommit float64
 	// InsecureRegistries may be reached over plain HTTP (loopback registries always may).

@@ -229,6 +229,11 @@ func TestVMLifecycle(t *testing.T) {
 		report.OwnerReferences[0].Kind != "Node" || report.OwnerReferences[0].Name != w.node {
 		t.Errorf("ImpNode %s: owners %+v, %v; want its Node", w.node, report.OwnerReferences, err)
 	}
+	// Its disk, for placement to count the VMs' diskSize against.
+	if st := report.Status; st.Capacity == nil || st.Capacity.Disk == nil || st.Capacity.Disk.Value() <= 0 ||
+		st.Allocatable == nil || st.Allocatable.Disk == nil || st.Allocatable.Disk.Cmp(*st.Capacity.Disk) > 0 {
+		t.Errorf("ImpNode %s reports no usable disk: capacity %+v, allocatable %+v", w.node, st.Capacity, st.Allocatable)
+	}
 	v := get()
 	t.Logf("create→Running+Ready %v (boot %dms under TCG); runtime %+v", time.Since(created).Round(time.Millisecond), ptr.Deref(v.Status.Runtime.BootMilliseconds, -1), *v.Status.Runtime)
 

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
@@ -120,6 +121,15 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	node.Status.Allocatable = &impv1.NodeResources{
 		VCPUs:  int32(float64(max(cpus-a.Opts.ReserveVCPUs, 0)) * max(a.Opts.VCPUOvercommit, 1)),
 		Memory: *resource.NewQuantity(max(mem-a.Opts.ReserveMemory, 0), resource.BinarySI),
+	}
+	// Disk: the file system of the state directory, where the VMs' writable disks live; the
+	// reserve keeps room for base images, logs and the node. Placement sums the VMs' diskSize
+	// against it (sparse files: a bound, not a measure of what is written).
+	var fs unix.Statfs_t
+	if err := unix.Statfs(a.Opts.StateDir, &fs); err == nil {
+		total := int64(fs.Blocks) * fs.Bsize
+		node.Status.Capacity.Disk = resource.NewQuantity(total, resource.BinarySI)
+		node.Status.Allocatable.Disk = resource.NewQuantity(max(total-a.Opts.ReserveDisk, 0), resource.BinarySI)
 	}
 	node.Status.VMMs = vmms
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd

@@ -106,6 +106,7 @@ const (
 	whyNoVMM       = "do not offer the VMM the VM asks for"
 	whyNoCPU       = "have too few free vCPUs"
 	whyNoMemory    = "have too little free memory"
+	whyNoDisk      = "have too little free disk for the VM's diskSize"
 )
 
 // Fits reports whether n can take a VM asking for req, ignoring capacity, and if not, why.
@@ -228,7 +229,7 @@ type Holding struct {
 type Ledger struct {
 	mu      sync.Mutex
 	byVM    map[types.UID]holding
-	usage   map[string]holding // per node: vcpus and memory held
+	usage   map[string]holding // per node: vcpus, memory and disk held
 	nsUsage map[string]Usage   // per namespace
 }
 
@@ -283,6 +284,7 @@ func (l *Ledger) hold(uid types.UID, h holding) {
 	u := l.usage[h.node]
 	u.vcpus += h.vcpus
 	u.memory += h.memory
+	u.disk += h.disk
 	l.usage[h.node] = u
 	n := l.nsUsage[h.namespace]
 	n.VMs++
@@ -318,7 +320,8 @@ func (l *Ledger) release(uid types.UID) {
 	u := l.usage[h.node]
 	u.vcpus -= h.vcpus
 	u.memory -= h.memory
-	if u.vcpus == 0 && u.memory == 0 {
+	u.disk -= h.disk
+	if u.vcpus == 0 && u.memory == 0 && u.disk == 0 {
 		delete(l.usage, h.node)
 	} else {
 		l.usage[h.node] = u
@@ -399,6 +402,8 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 				ok, reason = false, whyNoCPU
 			case freeMem < req.MemoryBytes+Overhead(n, req.VMM):
 				ok, reason = false, whyNoMemory
+			case alloc.Disk != nil && alloc.Disk.Value()-used.disk < req.DiskBytes:
+				ok, reason = false, whyNoDisk
 			case freeMem > bestFree || (freeMem == bestFree && n.Node.Name < best):
 				best, bestFree = n.Node.Name, freeMem
 			}

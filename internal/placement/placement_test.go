@@ -316,3 +316,45 @@ func TestPlaceEnforcesQuotas(t *testing.T) {
 		t.Errorf("usage %+v", u)
 	}
 }
+
+// TestPlaceCountsDisk: a node whose report carries disk takes VMs while their diskSizes fit in
+// it, and says so when one does not; a node that reports no disk (an older agent) bounds none.
+func TestPlaceCountsDisk(t *testing.T) {
+	withDisk := func(giB int64) nodeOpt {
+		return func(n *Node) { n.Report.Status.Allocatable.Disk = resource.NewQuantity(giB*gi, resource.BinarySI) }
+	}
+	disk := func(r Request, giB int64) Request { r.DiskBytes = giB * gi; return r }
+	tests := []struct {
+		name   string
+		nodes  []Node
+		placed []int64 // diskSizes of VMs placed first, in GiB
+		ask    int64
+		want   string // node, or "" when unschedulable
+	}{
+		{"fits", []Node{node("a", 8, 8, withDisk(10))}, []int64{4, 4}, 2, "a"},
+		{"full", []Node{node("a", 8, 8, withDisk(10))}, []int64{4, 4}, 3, ""},
+		{"the other node fits", []Node{node("a", 8, 8, withDisk(10)), node("b", 8, 2, withDisk(100))}, []int64{9}, 5, "b"},
+		{"no disk reported", []Node{node("a", 8, 8)}, []int64{400}, 400, "a"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			l := NewLedger()
+			for i, d := range tt.placed {
+				if _, err := l.Place(types.UID(fmt.Sprint("vm", i)), disk(req(1, 1), d), tt.nodes[:1]); err != nil {
+					t.Fatal(err)
+				}
+			}
+			got, err := l.Place("new", disk(req(1, 1), tt.ask), tt.nodes)
+			if tt.want == "" {
+				var u *Unschedulable
+				if !errors.As(err, &u) || !strings.Contains(u.Message, "too little free disk") {
+					t.Errorf("Place = %q, %v; want unschedulable for disk", got, err)
+				}
+				return
+			}
+			if err != nil || got != tt.want {
+				t.Errorf("Place = %q, %v; want %q", got, err, tt.want)
+			}
+		})
+	}
+}
