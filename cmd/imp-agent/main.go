@@ -78,6 +78,7 @@ func run() error {
 	fs.StringVar(&reserveDisk, "reserve-disk", "20Gi", "space of the state directory's file system kept for base images, logs and the host, not offered to VMs' writable disks")
 	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each file a VM writes on the node: its console, its VMM's log (and Firecracker's metrics and jailer output); past it a file keeps its newest half")
 	fs.Int64Var(&opts.MaxImageEntries, "max-image-entries", 500_000, "most entries (files, directories, links) one image may hold on the node")
+	fs.DurationVar(&opts.FinishedDiskRetention, "finished-disk-retention", 24*time.Hour, "how long a VM that finished (Succeeded or Failed) keeps its disks on the node (0: until it is deleted)")
 	fs.DurationVar(&opts.PullTimeout, "image-pull-timeout", 5*time.Minute, "longest time resolving and pulling a VM's image may take")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")
 	fs.StringVar(&opts.NetNS, "netns", "", "network namespace (path) holding the node's VM networking (default: the agent's own)")

@@ -87,6 +87,9 @@ type Options struct {
 	// RunSecretNamespace is IMP's namespace, where the operator writes each VM's run Secret:
 	// the only Secrets this agent reads (runsecret.DefaultNamespace when empty).
 	RunSecretNamespace string
+	// FinishedDiskRetention is how long a VM that finished (Succeeded or Failed) keeps its
+	// disks on the node; 0 keeps them until the VM is deleted.
+	FinishedDiskRetention time.Duration
 	// PullTimeout bounds resolving and pulling a VM's image from its registry, which the
 	// tenant chooses (5 minutes when 0).
 	PullTimeout time.Duration
@@ -270,7 +273,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return a.teardown(ctx, vm)
 	}
 	if vm.Status.Phase == impv1.VMSucceeded || vm.Status.Phase == impv1.VMFailed {
-		return ctrl.Result{}, nil // final: no fresh read needed
+		return a.retire(vm) // final: no fresh read needed
 	}
 	dir := a.vmDir(vm.UID)
 	m, _ := readMeta(dir)
@@ -350,6 +353,29 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, err
 	}
 	return ctrl.Result{}, nil
+}
+
+// retire removes the disks of a VM that finished (Succeeded or Failed) once it has been
+// finished for Options.FinishedDiskRetention; its console stays for kubectl imp logs until the
+// VM is deleted.
+func (a *Agent) retire(vm *impv1.ImpVM) (ctrl.Result, error) {
+	rt := vm.Status.Runtime
+	if a.Opts.FinishedDiskRetention <= 0 || rt == nil || rt.FinishedAt == nil {
+		return ctrl.Result{}, nil
+	}
+	if left := a.Opts.FinishedDiskRetention - time.Since(rt.FinishedAt.Time); left > 0 {
+		return ctrl.Result{RequeueAfter: left}, nil
+	}
+	dir := a.vmDir(vm.UID)
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
+		return ctrl.Result{}, nil // never under a running VMM
+	}
+	for _, f := range []string{"rw.ext4", configDisk} {
+		if err := os.Remove(filepath.Join(dir, f)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return ctrl.Result{}, fmt.Errorf("removing the disks of finished VM %s: %w", vm.Name, err)
+		}
+	}
+	return ctrl.Result{}, a.removeJail(vm.UID)
 }
 
 // errFetching: the run's image is still being fetched; the start resumes on a later pass.

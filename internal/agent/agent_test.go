@@ -894,3 +894,30 @@ func TestSlowRegistryHoldsNoWorker(t *testing.T) {
 		return n
 	}).WithTimeout(time.Minute).Should(BeZero())
 }
+
+// TestFinishedVMsLoseTheirDisks: a VM that finished keeps its disks on the node for the
+// retention only; its console stays, and so does the ImpVM.
+func TestFinishedVMsLoseTheirDisks(t *testing.T) {
+	w := newWorld(t, func(o *agent.Options) { o.FinishedDiskRetention = 3 * time.Second })
+	ctx := context.Background()
+	vm := w.vm("done", "exit")
+	vm.Spec.RunStrategy = impv1.RunStrategyOnce
+	if err := w.c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	g.Eventually(func() impv1.VMPhase {
+		if v := w.get("done"); v != nil {
+			return v.Status.Phase
+		}
+		return ""
+	}).WithTimeout(9 * time.Minute).WithPolling(200 * time.Millisecond).Should(Equal(impv1.VMFailed))
+	dir := filepath.Join(w.stateDir, "vms", string(w.get("done").UID))
+	g.Eventually(func() error { _, err := os.Stat(filepath.Join(dir, "rw.ext4")); return err }).WithTimeout(time.Minute).Should(MatchError(os.ErrNotExist))
+	if b, err := os.ReadFile(filepath.Join(dir, qemu.ConsoleLog)); err != nil || !strings.Contains(string(b), "hello from imp") {
+		t.Errorf("the finished VM's console went with its disks: %v", err)
+	}
+	if w.get("done") == nil {
+		t.Error("the finished ImpVM is gone")
+	}
+}
