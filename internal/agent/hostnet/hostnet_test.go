@@ -240,15 +240,7 @@ func TestNetworkLifecycle(t *testing.T) {
 // vxlanPeers lists the node's overlay admissions as "address VNI".
 func vxlanPeers(t *testing.T, ns string) []string {
 	t.Helper()
-	h, err := netns.GetFromPath(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	conn, err := nftables.New(nftables.WithNetNSFd(int(h)))
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn := nftConn(t, ns)
 	set, err := conn.GetSetByName(&nftables.Table{Family: nftables.TableFamilyINet, Name: "imp"}, "vxlan-peers")
 	if err != nil {
 		return nil
@@ -708,15 +700,7 @@ func TestVXLANFromPeersOnly(t *testing.T) {
 // vxlanDrops reads the counter of the node's rule that drops VXLAN from non-peers.
 func vxlanDrops(t *testing.T, ns string) uint64 {
 	t.Helper()
-	h, err := netns.GetFromPath(ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	conn, err := nftables.New(nftables.WithNetNSFd(int(h)))
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn := nftConn(t, ns)
 	table := &nftables.Table{Family: nftables.TableFamilyINet, Name: "imp"}
 	rs, err := conn.GetRules(table, &nftables.Chain{Name: "input", Table: table})
 	if err != nil {
@@ -788,4 +772,19 @@ func TestMigrationFromTheNodeNamespace(t *testing.T) {
 	if got, _ := h.Present(); !slices.Equal(got, []string{"ns/old"}) {
 		t.Errorf("Present = %q", got)
 	}
+}
+
+// nftConn is an nftables connection in the namespace at path, closed when the test ends.
+func nftConn(t *testing.T, path string) *nftables.Conn {
+	t.Helper()
+	h, err := netns.GetFromPath(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() }) // each request opens its socket through it
+	conn, err := nftables.New(nftables.WithNetNSFd(int(h)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return conn
 }
