@@ -399,10 +399,14 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		failed.State, failed.Reason, failed.Message, failed.FinishedAt = impv1.RuntimeExited, reason, err.Error(), &now
 		return a.report(ctx, vm, failed)
 	}
-	// Provenance first: nothing of the VM is made while a pinned artifact differs.
-	for _, p := range a.Opts.Pins {
-		if err := p.Verify(); err != nil {
-			return fail("PinMismatch", fmt.Errorf("pinned %s: %w", p.Name, err))
+	// Provenance first: nothing of the VM is made while a pinned artifact differs. Checked as
+	// the run's image fetch begins and again once it is done, not on every pass in between.
+	if f := a.fetchOf(vm); f == nil || f.finished() {
+		for _, p := range a.Opts.Pins {
+			if err := p.Verify(); err != nil {
+				a.dropFetch(vm.UID)
+				return fail("PinMismatch", fmt.Errorf("pinned %s: %w", p.Name, err))
+			}
 		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {

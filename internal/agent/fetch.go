@@ -95,11 +95,28 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 	return "", nil
 }
 
-// takeFetch hands a finished fetch to its run's start and forgets it; nil while it runs.
-func (a *Agent) takeFetch(uid types.UID, f *fetch) *fetch {
+// fetchOf is the fetch of the VM's current run, if one was started.
+func (a *Agent) fetchOf(vm *impv1.ImpVM) *fetch {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if f := a.fetches[vm.UID]; f != nil && f.run == runID(vm) {
+		return f
+	}
+	return nil
+}
+
+func (f *fetch) finished() bool {
 	select {
 	case <-f.done:
+		return true
 	default:
+		return false
+	}
+}
+
+// takeFetch hands a finished fetch to its run's start and forgets it; nil while it runs.
+func (a *Agent) takeFetch(uid types.UID, f *fetch) *fetch {
+	if !f.finished() {
 		return nil
 	}
 	a.mu.Lock()
