@@ -336,7 +336,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			ended.State, ended.FinishedAt, ended.GuestReady = impv1.RuntimeExited, &now, false
 			ended.Reason, ended.Message = "VMMExited", "the VMM exited while the agent was not watching"
 			a.endRun(vm.UID)
-			if tail := a.logTail(dir, rec); tail != "" {
+			if tail := a.driver(recKind(rec)).logTail(dir); tail != "" {
 				ended.Message += ": " + tail
 			}
 			return ctrl.Result{}, a.report(ctx, vm, ended)
@@ -465,7 +465,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail("StartFailed", err)
 	}
-	rec, reason, err := a.launch(ctx, vm, dir, m, baseDisk, "")
+	rec, reason, err := a.launch(ctx, vm, dir, m, baseDisk, false)
 	if err != nil {
 		return fail(reason, err)
 	}
@@ -479,12 +479,10 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	return nil
 }
 
-// launch attaches the VM to its network and starts its VMM, resuming it from a suspension's
-// saved state when incoming is set (QEMU: the state file; Firecracker: the jail's snapshot).
-// On failure it returns the reason to report.
-func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, baseDisk, incoming string) (*vmm.Record, string, error) {
-	res := vm.Status.Resources
-	rw := filepath.Join(dir, "rw.ext4")
+// launch attaches the VM to its network and starts its VMM through its driver, resuming it
+// from a suspension's saved state when resume is set. On failure it returns the reason to
+// report.
+func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, baseDisk string, resume bool) (*vmm.Record, string, error) {
 	// An earlier start that crashed between starting a VMM and recording it left it running
 	// unrecorded, holding the VM's disks and tap: it goes first.
 	a.killUnrecorded(ctx, dir, vm.UID)
@@ -499,15 +497,7 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 		defer at.Tap.Close() // the VMM holds its own copy
 	}
 	failpoint.Crash("network-attached")
-	var rec *vmm.Record
-	if m.VMM == impv1.VMMFirecracker {
-		rec, err = a.startFirecracker(ctx, vm, dir, m, baseDisk, at, gnet, incoming != "")
-	} else {
-		spec := qemu.Spec{Dir: dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: baseDisk, WritableDisk: rw, ConfigDisk: filepath.Join(dir, configDisk),
-			VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-			CgroupRoot: a.Opts.CgroupRoot, Tap: at.Tap, Net: gnet, Incoming: incoming, UID: m.JailUID, GID: m.JailUID}
-		rec, err = qemu.Start(spec, m.Digest)
-	}
+	rec, err := a.driver(string(m.VMM)).start(ctx, launchSpec{vm: vm, dir: dir, m: m, baseDisk: baseDisk, at: at, net: gnet, resume: resume})
 	if err != nil {
 		return nil, "StartFailed", err
 	}
@@ -641,7 +631,7 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) t
 	if left := time.Until(st.deadline); left > 0 {
 		return min(left, 500*time.Millisecond)
 	}
-	if err := a.quitVMM(ctx, vm.UID, rec); err != nil {
+	if err := a.driver(rec.Kind).quit(ctx, vm.UID); err != nil {
 		ctrl.LoggerFrom(ctx).Info("quitting the VMM failed; killing it", "error", err.Error())
 	}
 	waitGone(rec, 2*time.Second)

@@ -2,9 +2,7 @@ package agent
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"time"
@@ -13,14 +11,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent/cgroup"
-	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
-	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
-	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
 // Jail uids: each Firecracker VM of a node runs as its own uid (and gid) from this range.
@@ -109,63 +103,6 @@ func (a *Agent) allocJailUID(uid types.UID) (int, error) {
 	return 0, fmt.Errorf("all %d jail uids from %d are in use", jailUIDCount, base)
 }
 
-// firecrackerSpec is the VM as the Firecracker driver runs it.
-func (a *Agent) firecrackerSpec(vm *impv1.ImpVM, dir string, m *meta, base string, at hostnet.Attachment, gnet *guestinit.Net) firecracker.Spec {
-	res := vm.Status.Resources
-	s := firecracker.Spec{ID: string(vm.UID), Dir: dir, Firecracker: a.Opts.Firecracker, Jailer: a.Opts.Jailer,
-		UID: m.JailUID, GID: m.JailUID, ChrootBase: a.jailBase(), NetNS: a.Opts.NetNS, CgroupVersion: cgroup.Version(a.Opts.CgroupRoot),
-		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, configDisk),
-		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: m.Token}
-	if gnet != nil {
-		// The jailer joins the network's namespace, where Firecracker opens the tap by name.
-		s.Tap, s.Net, s.NetNS = hostnet.TapName(string(vm.UID)), gnet, at.NetNS
-	}
-	return s
-}
-
-// startFirecracker runs the VM under Firecracker's jailer: booted, or resumed from its
-// snapshot.
-func (a *Agent) startFirecracker(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, base string,
-	at hostnet.Attachment, gnet *guestinit.Net, resume bool) (*vmm.Record, error) {
-	s := a.firecrackerSpec(vm, dir, m, base, at, gnet)
-	if at.Tap != nil {
-		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name.
-		if err := hostnet.SetOwner(at.Tap, m.JailUID); err != nil {
-			return nil, err
-		}
-	}
-	// The console where every driver's is, for kubectl imp logs and the console cap.
-	console := filepath.Join(dir, qemu.ConsoleLog)
-	if err := os.Remove(console); err != nil && !os.IsNotExist(err) {
-		return nil, err
-	}
-	if err := os.Symlink(s.ConsoleLog(), console); err != nil {
-		return nil, err
-	}
-	if resume {
-		return firecracker.ResumeSnapshot(ctx, s, m.Digest)
-	}
-	return firecracker.Start(ctx, s, m.Digest)
-}
-
-// quitVMM ends a VMM that outlived the grace period: QMP quit for QEMU, Ctrl-Alt-Del for
-// Firecracker (which exits on the guest's reset); the caller kills what is still alive.
-func (a *Agent) quitVMM(ctx context.Context, uid types.UID, rec *vmm.Record) error {
-	if rec.Kind == string(impv1.VMMFirecracker) {
-		c := firecracker.NewClient(filepath.Join(a.jailRoot(uid), "run/firecracker.socket"))
-		return c.Do(ctx, "PUT", "/actions", firecracker.Action{ActionType: "SendCtrlAltDel"}, nil)
-	}
-	return qemu.Quit(a.vmDir(uid))
-}
-
-// dialChannel connects to the guest channel of the VM in dir.
-func (a *Agent) dialChannel(dir string, rec *vmm.Record) (net.Conn, error) {
-	if rec.Kind == string(impv1.VMMFirecracker) {
-		return firecracker.DialChannel(a.jailRoot(types.UID(filepath.Base(dir))))
-	}
-	return qemu.DialChannel(dir)
-}
-
 // removeJail removes a VM's Firecracker jail, if it has one.
 func (a *Agent) removeJail(uid types.UID) error {
 	if a.Opts.Firecracker == "" {
@@ -179,26 +116,4 @@ func waitGone(rec *vmm.Record, d time.Duration) {
 	for deadline := time.Now().Add(d); rec.Alive() && time.Now().Before(deadline); {
 		time.Sleep(50 * time.Millisecond)
 	}
-}
-
-// logTail is the end of the VMM's own log, on one line.
-// capLogs keeps every file a VM's VMM and guest write to under the one cap
-// (Options.ConsoleLogBytes): the console, the VMM's own log (and Firecracker's metrics and its
-// jailer's output). Those in a Firecracker jail, where the VMM could have replaced them, are
-// opened through vmm.OpenIn like the others.
-func (a *Agent) capLogs(dir string, rec *vmm.Record) error {
-	max := a.Opts.ConsoleLogBytes
-	if rec != nil && rec.Kind == string(impv1.VMMFirecracker) {
-		jail := a.jailRoot(types.UID(filepath.Base(dir)))
-		return errors.Join(vmm.CapFile(jail, firecracker.ConsoleFile, max), vmm.CapFile(jail, firecracker.LogFile, max),
-			vmm.CapFile(jail, firecracker.MetricsFile, max), vmm.CapFile(dir, firecracker.JailerLog, max))
-	}
-	return errors.Join(qemu.CapConsole(dir, max), vmm.CapFile(dir, qemu.LogFile, max))
-}
-
-func (a *Agent) logTail(dir string, rec *vmm.Record) string {
-	if rec != nil && rec.Kind == string(impv1.VMMFirecracker) {
-		return vmm.Tail(a.jailRoot(types.UID(filepath.Base(dir))), firecracker.LogFile, 300)
-	}
-	return qemu.LogTail(dir, 300)
 }

@@ -67,8 +67,9 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	a.monitors[vm.UID] = m
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
+	drv := a.driver(recKind(rec))
 	w := watch{
-		dial:  func() (net.Conn, error) { return a.dialChannel(dir, rec) },
+		dial:  func() (net.Conn, error) { return drv.dial(dir) },
 		alive: rec.Alive,
 		report: func(ctx context.Context, rt impv1.RuntimeStatus) {
 			vm := &impv1.ImpVM{}
@@ -77,9 +78,9 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 				log.Error(err, "reporting the VM's state")
 			}
 		},
-		capLogs: func() error { return a.capLogs(dir, rec) },
+		capLogs: func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
 		ended:   func() { a.endRun(meta.UID) },
-		tail:    func() string { return a.logTail(dir, rec) },
+		tail:    func() string { return drv.logTail(dir) },
 	}
 	go func() {
 		defer close(m.done)

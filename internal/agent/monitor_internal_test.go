@@ -17,7 +17,6 @@ import (
 	"github.com/go-logr/logr"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -169,7 +168,7 @@ func TestEveryLogIsCapped(t *testing.T) {
 		}
 	}
 	a := &Agent{Opts: Options{ConsoleLogBytes: capBytes}}
-	if err := a.capLogs(dir, &vmm.Record{Kind: "qemu"}); err != nil {
+	if err := a.driver("qemu").capLogs(dir, a.Opts.ConsoleLogBytes); err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range []string{qemu.ConsoleLog, qemu.LogFile} {

@@ -15,9 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
-	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -55,13 +53,7 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	}
 	a.stopMonitor(vm.UID) // the VMM exits on purpose
 	start := time.Now()
-	var err error
-	if m.VMM == impv1.VMMFirecracker {
-		err = firecracker.Suspend(ctx, a.firecrackerSpec(vm, dir, m, "", hostnet.Attachment{}, nil), rec)
-	} else {
-		err = qemu.Suspend(dir, 5*time.Minute)
-	}
-	if err != nil {
+	if err := a.driver(string(m.VMM)).suspend(ctx, vm, dir, m, rec); err != nil {
 		return a.suspendFailure(ctx, vm, dir, m, rec, err)
 	}
 	waitGone(rec, 30*time.Second)
@@ -119,13 +111,9 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if m == nil {
 		return end("ResumeFailed", errors.New("no record of the suspended VM on its node"))
 	}
-	state := filepath.Join(dir, qemu.StateFile)
-	if m.VMM == impv1.VMMFirecracker {
-		if !firecracker.Snapshotted(a.firecrackerSpec(vm, dir, m, "", hostnet.Attachment{}, nil)) {
-			return end("ResumeFailed", errors.New("no snapshot in the VM's jail"))
-		}
-	} else if _, err := os.Stat(state); err != nil {
-		return end("ResumeFailed", fmt.Errorf("no saved state: %w", err))
+	drv := a.driver(string(m.VMM))
+	if !drv.saved(vm, dir, m) {
+		return end("ResumeFailed", errors.New("no saved state of the VM on its node"))
 	}
 	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
 	if err != nil {
@@ -133,21 +121,15 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	}
 	d := ref.Context().Digest(m.Digest)
 	start := time.Now()
-	rec, reason, err := a.launch(ctx, vm, dir, m, a.images.Path(d), state)
+	rec, reason, err := a.launch(ctx, vm, dir, m, a.images.Path(d), true)
 	if err != nil {
 		if reason == "StartFailed" {
 			reason = "ResumeFailed"
 		}
 		return end(reason, err)
 	}
-	if m.VMM != impv1.VMMFirecracker { // Firecracker resumed with the snapshot's load
-		if err := qemu.ResumeIncoming(dir, 5*time.Minute); err != nil {
-			if rec.Alive() {
-				_ = qemu.Quit(dir)
-			}
-			return end("ResumeFailed", err)
-		}
-		_ = os.Remove(state)
+	if err := drv.resumed(ctx, dir, rec); err != nil {
+		return end("ResumeFailed", err)
 	}
 	took := time.Since(start)
 	resumeSeconds.Observe(took.Seconds())

@@ -1,0 +1,190 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// launchSpec is one start of a VM's VMM: its run's meta, base disk, network, and, for a
+// resume, the saved state.
+type launchSpec struct {
+	vm       *impv1.ImpVM
+	dir      string
+	m        *meta
+	baseDisk string
+	at       hostnet.Attachment
+	net      *guestinit.Net
+	resume   bool
+}
+
+// driver is one kind of VMM as the agent runs it. The agent never asks which kind it has:
+// each driver confines its VMM its own way (QEMU: seccomp sandbox, the VM's uid, descriptors;
+// Firecracker: its jailer) and knows where its VMM keeps its channel, logs and saved state.
+type driver interface {
+	// start boots the VM, or, with resume, brings it back from its saved state.
+	start(ctx context.Context, l launchSpec) (*vmm.Record, error)
+	// saved says whether the VM in dir has a saved state to resume from.
+	saved(vm *impv1.ImpVM, dir string, m *meta) bool
+	// resumed finishes a resume start began, once the VMM runs.
+	resumed(ctx context.Context, dir string, rec *vmm.Record) error
+	// suspend saves the running VM's state and ends its VMM.
+	suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error
+	// quit asks the VMM to end at once (the step before a signal).
+	quit(ctx context.Context, uid types.UID) error
+	// dial connects to the guest channel.
+	dial(dir string) (net.Conn, error)
+	// capLogs holds every file the VM writes on the node under max bytes.
+	capLogs(dir string, max int64) error
+	// logTail is the end of the VMM's own log, on one line.
+	logTail(dir string) string
+}
+
+// driver is the driver of a VMM kind; an unknown or empty kind (records of agents before
+// Firecracker) is QEMU.
+func (a *Agent) driver(kind string) driver {
+	if kind == string(impv1.VMMFirecracker) {
+		return firecrackerDriver{a}
+	}
+	return qemuDriver{a}
+}
+
+// recKind is the VMM kind of a record, "" for none.
+func recKind(rec *vmm.Record) string {
+	if rec == nil {
+		return ""
+	}
+	return rec.Kind
+}
+
+type qemuDriver struct{ a *Agent }
+
+func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) {
+	a, res := d.a, l.vm.Status.Resources
+	spec := qemu.Spec{Dir: l.dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: l.baseDisk,
+		WritableDisk: filepath.Join(l.dir, "rw.ext4"), ConfigDisk: filepath.Join(l.dir, configDisk),
+		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: l.m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
+		CgroupRoot: a.Opts.CgroupRoot, Tap: l.at.Tap, Net: l.net, UID: l.m.JailUID, GID: l.m.JailUID}
+	if l.resume {
+		spec.Incoming = filepath.Join(l.dir, qemu.StateFile)
+	}
+	return qemu.Start(spec, l.m.Digest)
+}
+
+func (qemuDriver) saved(_ *impv1.ImpVM, dir string, _ *meta) bool {
+	_, err := os.Stat(filepath.Join(dir, qemu.StateFile))
+	return err == nil
+}
+
+func (qemuDriver) resumed(_ context.Context, dir string, rec *vmm.Record) error {
+	if err := qemu.ResumeIncoming(dir, 5*time.Minute); err != nil {
+		if rec.Alive() {
+			_ = qemu.Quit(dir)
+		}
+		return err
+	}
+	_ = os.Remove(filepath.Join(dir, qemu.StateFile)) // the VM runs from it no more
+	return nil
+}
+
+func (qemuDriver) suspend(_ context.Context, _ *impv1.ImpVM, dir string, _ *meta, _ *vmm.Record) error {
+	return qemu.Suspend(dir, 5*time.Minute)
+}
+
+func (d qemuDriver) quit(_ context.Context, uid types.UID) error { return qemu.Quit(d.a.vmDir(uid)) }
+
+func (qemuDriver) dial(dir string) (net.Conn, error) { return qemu.DialChannel(dir) }
+
+func (qemuDriver) capLogs(dir string, max int64) error {
+	return errors.Join(qemu.CapConsole(dir, max), vmm.CapFile(dir, qemu.LogFile, max))
+}
+
+func (qemuDriver) logTail(dir string) string { return qemu.LogTail(dir, 300) }
+
+type firecrackerDriver struct{ a *Agent }
+
+// spec is the VM as the Firecracker driver runs it.
+func (d firecrackerDriver) spec(vm *impv1.ImpVM, dir string, m *meta, base string, at hostnet.Attachment, gnet *guestinit.Net) firecracker.Spec {
+	a, res := d.a, vm.Status.Resources
+	s := firecracker.Spec{ID: string(vm.UID), Dir: dir, Firecracker: a.Opts.Firecracker, Jailer: a.Opts.Jailer,
+		UID: m.JailUID, GID: m.JailUID, ChrootBase: a.jailBase(), NetNS: a.Opts.NetNS, CgroupVersion: cgroup.Version(a.Opts.CgroupRoot),
+		Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, configDisk),
+		Token: m.Token}
+	if res != nil {
+		s.VCPUs, s.MemoryMiB = int(res.VCPUs), res.Memory.Value()>>20
+	}
+	if gnet != nil {
+		// The jailer joins the network's namespace, where Firecracker opens the tap by name.
+		s.Tap, s.Net, s.NetNS = hostnet.TapName(string(vm.UID)), gnet, at.NetNS
+	}
+	return s
+}
+
+// start runs the VM under Firecracker's jailer: booted, or resumed from its snapshot.
+func (d firecrackerDriver) start(ctx context.Context, l launchSpec) (*vmm.Record, error) {
+	s := d.spec(l.vm, l.dir, l.m, l.baseDisk, l.at, l.net)
+	if l.at.Tap != nil {
+		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name.
+		if err := hostnet.SetOwner(l.at.Tap, l.m.JailUID); err != nil {
+			return nil, err
+		}
+	}
+	// The console where every driver's is, for kubectl imp logs.
+	console := filepath.Join(l.dir, qemu.ConsoleLog)
+	if err := os.Remove(console); err != nil && !os.IsNotExist(err) {
+		return nil, err
+	}
+	if err := os.Symlink(s.ConsoleLog(), console); err != nil {
+		return nil, err
+	}
+	if l.resume {
+		return firecracker.ResumeSnapshot(ctx, s, l.m.Digest)
+	}
+	return firecracker.Start(ctx, s, l.m.Digest)
+}
+
+func (d firecrackerDriver) saved(vm *impv1.ImpVM, dir string, m *meta) bool {
+	return firecracker.Snapshotted(d.spec(vm, dir, m, "", hostnet.Attachment{}, nil))
+}
+
+// resumed: Firecracker's snapshot load resumed the guest already.
+func (firecrackerDriver) resumed(context.Context, string, *vmm.Record) error { return nil }
+
+func (d firecrackerDriver) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error {
+	return firecracker.Suspend(ctx, d.spec(vm, dir, m, "", hostnet.Attachment{}, nil), rec)
+}
+
+// quit sends Ctrl-Alt-Del, on which Firecracker exits with the guest's reset.
+func (d firecrackerDriver) quit(ctx context.Context, uid types.UID) error {
+	c := firecracker.NewClient(filepath.Join(d.a.jailRoot(uid), "run/firecracker.socket"))
+	return c.Do(ctx, "PUT", "/actions", firecracker.Action{ActionType: "SendCtrlAltDel"}, nil)
+}
+
+func (d firecrackerDriver) dial(dir string) (net.Conn, error) {
+	return firecracker.DialChannel(d.a.jailRoot(types.UID(filepath.Base(dir))))
+}
+
+// capLogs: the files in the jail, where the VMM could have replaced them, are opened through
+// vmm.OpenIn like the others.
+func (d firecrackerDriver) capLogs(dir string, max int64) error {
+	jail := d.a.jailRoot(types.UID(filepath.Base(dir)))
+	return errors.Join(vmm.CapFile(jail, firecracker.ConsoleFile, max), vmm.CapFile(jail, firecracker.LogFile, max),
+		vmm.CapFile(jail, firecracker.MetricsFile, max), vmm.CapFile(dir, firecracker.JailerLog, max))
+}
+
+func (d firecrackerDriver) logTail(dir string) string {
+	return vmm.Tail(d.a.jailRoot(types.UID(filepath.Base(dir))), firecracker.LogFile, 300)
+}
