@@ -299,6 +299,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	current := m != nil && m.Instance == st.Instance && m.Run == st.RestartCount
 
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
+		a.dropFetch(vm.UID) // a start under way is not wanted any more
 		if alive {
 			if again := a.stopVMM(ctx, vm, rec); again > 0 {
 				return ctrl.Result{RequeueAfter: again}, nil
@@ -815,6 +816,7 @@ func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 	}
 	a.killUnrecorded(ctx, dir, m.UID)
+	a.dropFetch(m.UID)
 	a.stopMonitor(m.UID)
 	a.removeCgroup(m.UID)
 	if err := a.net.Detach(string(m.UID)); err != nil {

@@ -8,6 +8,7 @@ package runsecret
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -89,7 +90,10 @@ type missingKeyError struct{ msg string }
 
 func (e missingKeyError) Error() string { return e.msg }
 
-func isMissingKey(err error) bool { _, ok := err.(missingKeyError); return ok }
+func isMissingKey(err error) bool {
+	var m missingKeyError
+	return errors.As(err, &m)
+}
 
 func resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM, data map[string][]byte) error {
 	for i, ref := range vm.Spec.ImagePullSecrets {

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"strings"
 	"syscall"
 )
@@ -29,9 +28,9 @@ func OpenIn(dir, name string, flag int) (*os.File, error) {
 		return nil, err
 	}
 	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !fi.Mode().IsRegular() || !ok || st.Nlink != 1 {
+	if !ok || !fi.Mode().IsRegular() || st.Nlink != 1 {
 		f.Close()
-		return nil, fmt.Errorf("refusing %s in %s: not a regular file of its own (mode %s, %d links)", name, dir, fi.Mode(), st.Nlink)
+		return nil, fmt.Errorf("refusing %s in %s: not a regular file of its own (mode %s)", name, dir, fi.Mode())
 	}
 	return f, nil
 }
@@ -83,22 +82,16 @@ func CapFile(dir, name string, max int64) error {
 }
 
 // ListenUnix makes a listening unix socket at path (replacing what is there) and returns it as
-// a file, to hand to a VMM. A path too long for a socket address is bound through its
-// directory's descriptor, as DialUnix connects.
+// a file, to hand to a VMM. A long path is bound as DialUnix connects (unixAddr).
 func ListenUnix(path string) (*os.File, error) {
 	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
 		return nil, err
 	}
-	addr := path
-	if len(path) >= 100 {
-		d, err := os.Open(filepath.Dir(path))
-		if err != nil {
-			return nil, err
-		}
-		defer d.Close()
-		addr = fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path))
-	}
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: addr, Net: "unix"})
+	var l *net.UnixListener
+	err := unixAddr(path, func(addr string) (err error) {
+		l, err = net.ListenUnix("unix", &net.UnixAddr{Name: addr, Net: "unix"})
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("listening on %s: %w", path, err)
 	}

@@ -83,18 +83,25 @@ func StartTime(pid int) (uint64, error) {
 	return strconv.ParseUint(fields[19], 10, 64)
 }
 
-// DialUnix connects to the unix socket at path. A path too long for a socket address (108
-// bytes) is reached through its directory's descriptor in /proc/self/fd.
+// DialUnix connects to the unix socket at path (see unixAddr).
 func DialUnix(path string) (net.Conn, error) {
+	var c net.Conn
+	err := unixAddr(path, func(addr string) (err error) { c, err = net.Dial("unix", addr); return err })
+	return c, err
+}
+
+// unixAddr calls f with a socket address for path: path itself, or, when it is too long for a
+// socket address (108 bytes), the path through its directory's descriptor in /proc/self/fd.
+func unixAddr(path string, f func(addr string) error) error {
 	if len(path) < 100 {
-		return net.Dial("unix", path)
+		return f(path)
 	}
 	d, err := os.Open(filepath.Dir(path))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer d.Close()
-	return net.Dial("unix", fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path)))
+	return f(fmt.Sprintf("/proc/self/fd/%d/%s", d.Fd(), filepath.Base(path)))
 }
 
 // IntentFile marks, in a VM's state directory, a VMM being started whose record is not
