@@ -51,13 +51,19 @@ func (l Limits) files() map[string]string {
 }
 
 // Place moves process pid (all its threads) into the cgroup Parent/name of every hierarchy
-// under root, creating it with lim in place first; it returns the directories it used.
+// under root, creating it with lim in place first; it returns the directories it used. A
+// hierarchy it cannot move the process into is an error: a VMM left in the agent container's
+// cgroup there is ended with the agent's pod.
 func Place(root, name string, pid int, lim Limits) ([]string, error) {
 	var used []string
 	var errs []error
 	for _, h := range hierarchies(root) {
 		dir := filepath.Join(h, Parent, name)
 		if err := os.MkdirAll(dir, 0o755); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := inheritCpuset(filepath.Join(h, Parent), dir); err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -80,10 +86,31 @@ func Place(root, name string, pid int, lim Limits) ([]string, error) {
 		}
 		used = append(used, dir)
 	}
-	if len(used) == 0 {
-		return nil, fmt.Errorf("placing process %d in a cgroup of its own: %w", pid, errors.Join(errs...))
+	if len(errs) > 0 || len(used) == 0 {
+		return used, fmt.Errorf("placing process %d in cgroups of its own: %w", pid, errors.Join(errs...))
 	}
 	return used, nil
+}
+
+// inheritCpuset gives each of dirs, parents first, its parent's CPUs and memory nodes when it
+// is a cgroup v1 cpuset without them: no process may join a cpuset until it has both.
+func inheritCpuset(dirs ...string) error {
+	for _, dir := range dirs {
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			cur, err := os.ReadFile(filepath.Join(dir, f))
+			if err != nil || strings.TrimSpace(string(cur)) != "" {
+				continue // not a cpuset, or one that has them
+			}
+			v, err := os.ReadFile(filepath.Join(filepath.Dir(dir), f))
+			if err != nil {
+				return fmt.Errorf("reading the parent's %s of %s: %w", f, dir, err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, f), v, 0o644); err != nil {
+				return fmt.Errorf("setting %s of %s: %w", f, dir, err)
+			}
+		}
+	}
+	return nil
 }
 
 // Remove deletes the cgroups of name; a cgroup still holding a process is left.
