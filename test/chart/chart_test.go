@@ -135,13 +135,19 @@ func TestDefaults(t *testing.T) {
 	for _, v := range agent.VolumeMounts {
 		mounts[v.MountPath] = v.Name
 	}
-	for _, p := range []string{"/var/lib/imp", "/dev/kvm", "/dev/net/tun", "/sys/fs/cgroup", "/usr/local/bin"} {
+	for _, p := range []string{"/var/lib/imp", "/dev/kvm", "/dev/net/tun", "/sys/fs/cgroup", "/host/usr/local/bin", "/host/var/lib/imp/boot"} {
 		if mounts[p] == "" {
 			t.Errorf("the agent does not mount %s (mounts %v)", p, mounts)
 		}
 	}
+	// Host artifacts never hide the image's own files: firecracker's directory on the host is
+	// where imp-agent lives in the image.
+	if mounts["/usr/local/bin"] != "" {
+		t.Errorf("the agent mounts the host's /usr/local/bin over the image's, where imp-agent is")
+	}
 	args := strings.Join(agent.Args, " ")
-	for _, want := range []string{"--overlay-address=$(HOST_IP)", "--kernel=/var/lib/imp/boot/vmlinuz", "--initramfs=/usr/share/imp/initramfs.cpio.gz"} {
+	for _, want := range []string{"--overlay-address=$(HOST_IP)", "--kernel=/host/var/lib/imp/boot/vmlinuz", "--initramfs=/usr/share/imp/initramfs.cpio.gz",
+		"--firecracker=/host/usr/local/bin/firecracker"} {
 		if !strings.Contains(args, want) {
 			t.Errorf("agent args lack %s: %s", want, args)
 		}

@@ -29,13 +29,19 @@ the chart's, the opt-in label put back whatever the user gave. */}}
 {{- toYaml $sel -}}
 {{- end }}
 
-{{/* The agent's guest initramfs: the configured host path or the one in the agent image. */}}
+{{/* The agent's guest initramfs: the configured host path (as mounted) or the one in the agent
+image. */}}
 {{- define "imp.initramfs" -}}
-{{- default "/usr/share/imp/initramfs.cpio.gz" .Values.guest.initramfs.hostPath -}}
+{{- if .Values.guest.initramfs.hostPath -}}
+{{- printf "/host%s" .Values.guest.initramfs.hostPath -}}
+{{- else -}}
+/usr/share/imp/initramfs.cpio.gz
+{{- end -}}
 {{- end }}
 
 {{/* Host paths imp-runtime and the preflight mount read-only, by directory: the guest kernel's,
-the initramfs' (when on the host), firecracker's and the jailer's. */}}
+the initramfs' (when on the host), firecracker's and the jailer's. Each is mounted below /host,
+never over the image's own directories (firecracker in /usr/local/bin would hide imp-agent). */}}
 {{- define "imp.hostDirs" -}}
 {{- $dirs := list (dir .Values.guest.kernel.hostPath) (dir .Values.firecracker.binary.hostPath) (dir .Values.firecracker.jailer.hostPath) -}}
 {{- if .Values.guest.initramfs.hostPath -}}
@@ -60,9 +66,9 @@ the initramfs' (when on the host), firecracker's and the jailer's. */}}
 {{- end }}
 
 {{- define "imp.artifactArgs" -}}
-- --kernel={{ .Values.guest.kernel.hostPath }}
+- --kernel=/host{{ .Values.guest.kernel.hostPath }}
 - --initramfs={{ include "imp.initramfs" . }}
-- --firecracker={{ .Values.firecracker.binary.hostPath }}
-- --jailer={{ .Values.firecracker.jailer.hostPath }}
+- --firecracker=/host{{ .Values.firecracker.binary.hostPath }}
+- --jailer=/host{{ .Values.firecracker.jailer.hostPath }}
 {{- include "imp.pins" . }}
 {{- end }}
