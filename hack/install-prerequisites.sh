@@ -7,6 +7,8 @@ packages=(
   e2fsprogs                              # mkfs.ext4 -d builds base disks; debugfs reads them in tests
   qemu-system-x86                        # the qemu VMM driver (TCG without KVM)
   debootstrap                            # the agent image's Debian base (hack/agent-rootfs.sh)
+  containerd runc                        # the real node of the end-to-end tests (hack/real-node.sh)
+  util-linux                             # nsenter, mountpoint (the end-to-end tests)
 )
 missing=()
 for p in "${packages[@]}"; do

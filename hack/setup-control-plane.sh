@@ -2,7 +2,7 @@
 # Build (from the Go module proxy only) and install the binaries of a local
 # Kubernetes control plane for integration tests:
 #   etcd, etcdctl                      go.etcd.io/etcd/{server,etcdctl}/v3
-#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet
 #                                      k8s.io/kubernetes (throwaway module + replaces)
 #   kwok                               sigs.k8s.io/kwok/cmd/kwok
 #   helm                               helm.sh/helm/v3/cmd/helm
@@ -93,14 +93,15 @@ EOF
 }
 
 build_k8s() {
-  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl) b missing=()
+  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet) b missing=()
   for b in "${bins[@]}"; do have "$b" || missing+=("$b"); done
   if ((${#missing[@]} == 0)); then log "kubernetes binaries: present, skipping"; return; fi
   local dir="$CP_BUILD_DIR/k8s-v$K8S_VERSION"
   local minor=${K8S_VERSION#*.}; minor=${minor%%.*}
   local staging_version="v0.${K8S_VERSION#*.}"          # 1.37.2 -> v0.37.2
   mkdir -p "$dir"
-  if [[ ! -f "$dir/go.sum" ]]; then
+  # The kubelet joined the list later: a module resolved without it is resolved again.
+  if [[ ! -f "$dir/go.sum" ]] || ! grep -q cmd/kubelet "$dir/tools.go" 2>/dev/null; then
     # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
     # ./staging/...; `go install k8s.io/kubernetes/cmd/...@v` is therefore refused.
     # Replace every v0.0.0 staging requirement with the published staging version.
@@ -123,6 +124,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 EOF
     log "resolving k8s.io/kubernetes v$K8S_VERSION dependencies (go mod tidy)"

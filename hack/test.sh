@@ -9,6 +9,9 @@
 #      KUBEBUILDER_ASSETS         use these etcd/kube-apiserver/kubectl instead of building them
 #      GO_TEST_FLAGS              extra flags for go test (e.g. -run Foo, -v)
 #      IMP_FUZZTIME [20s]         how long the guest channel's fuzzer runs
+#      IMP_E2E_VMM                firecracker: the end-to-end VM runs under Firecracker (a KVM
+#                                 host with firecracker and jailer in /usr/local/bin); default
+#                                 QEMU under TCG
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export IMP_CACHE=${IMP_CACHE:-$HOME/.cache/imp}
@@ -46,6 +49,9 @@ for pid in $(pgrep -f 'k8s_test_framework' || true); do
 done
 # go test's default cap is 10 minutes per package; the agent package boots a dozen guests under
 # TCG and needs more than that on a 2-core machine whose cores are busy with something else.
+# The end-to-end tests join this machine to their control plane as a real node; their TestMain
+# undoes that, and this undoes it too when a test binary crashed before it could.
+trap 'go test -short -count=1 -run "^$" ./test/e2e/ >/dev/null || echo "cleaning up the real node failed: hack/real-node.sh down /tmp/imp-e2e-node" >&2' EXIT
 # shellcheck disable=SC2086
 go test -count=1 -timeout 45m ${GO_TEST_FLAGS:-} ./...
 

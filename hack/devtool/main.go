@@ -5,6 +5,8 @@
 //	devtool image REGISTRY/REPO:TAG BINARY ARGS...  push an image holding BINARY as /bin/app
 //	devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS
 //	                                               push imp-operator and imp-agent, print digests
+//	devtool pause                                  a pod sandbox's process: sleep, reap, exit on TERM
+//	devtool service-nat up|down ...                the local node's stand-in for kube-proxy
 package main
 
 import (
@@ -13,6 +15,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -46,8 +50,13 @@ func run(args []string) error {
 		return pushImage(args[1], args[2], args[3:])
 	case len(args) == 7 && args[0] == "images":
 		return pushIMPImages(args[1], args[2], args[3], args[4], args[5], args[6])
+	case len(args) == 1 && args[0] == "pause":
+		pause()
+		return nil
+	case len(args) >= 1 && args[0] == "service-nat":
+		return serviceNAT(args[1:])
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS")
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ...")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {
@@ -83,8 +92,14 @@ func pushImage(refStr, binary string, cmd []string) error {
 	if err != nil {
 		return err
 	}
-	img, err = mutate.Config(img, v1.Config{Entrypoint: []string{"/bin/app"}, Cmd: cmd, Env: []string{"PATH=/bin"}})
+	cf, err := img.ConfigFile()
 	if err != nil {
+		return err
+	}
+	cf = cf.DeepCopy()
+	// A runtime refuses an image whose config names no platform.
+	cf.Config, cf.OS, cf.Architecture = v1.Config{Entrypoint: []string{"/bin/app"}, Cmd: cmd, Env: []string{"PATH=/bin"}}, "linux", "amd64"
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
 		return err
 	}
 	ref, err := name.ParseReference(refStr, name.Insecure)
@@ -97,4 +112,22 @@ func pushImage(refStr, binary string, cmd []string) error {
 	d, _ := img.Digest()
 	fmt.Printf("%s@%s\n", ref.Context(), d)
 	return nil
+}
+
+// pause is the process of a pod sandbox of the local node (hack/real-node.sh): it holds the
+// pod's namespaces, reaps what is reparented to it and exits on SIGINT or SIGTERM.
+func pause() {
+	c := make(chan os.Signal, 8)
+	signal.Notify(c, syscall.SIGINT, syscall.SIGTERM, syscall.SIGCHLD)
+	for s := range c {
+		if s != syscall.SIGCHLD {
+			return
+		}
+		for {
+			var ws syscall.WaitStatus
+			if pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+				break
+			}
+		}
+	}
 }

@@ -19,12 +19,9 @@ import (
 	"github.com/syscode-labs/imp/internal/testregistry"
 )
 
-// Artifacts builds imp-init and an initramfs into dir and returns the kernel and initramfs.
-func Artifacts(t testing.TB, dir string) (kernel, initrd string) {
+// Kernel returns the guest kernel hack/guest-kernel.sh fetched into $IMP_CACHE.
+func Kernel(t testing.TB) string {
 	t.Helper()
-	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
-		t.Fatal("qemu-system-x86_64 not found (Debian package qemu-system-x86; hack/install-prerequisites.sh installs it)")
-	}
 	cache := os.Getenv("IMP_CACHE")
 	if cache == "" {
 		home, _ := os.UserHomeDir()
@@ -34,8 +31,17 @@ func Artifacts(t testing.TB, dir string) (kernel, initrd string) {
 	if len(ks) == 0 {
 		t.Fatalf("no guest kernel in %s/guest (run hack/guest-kernel.sh)", cache)
 	}
-	kernel = ks[0]
-	modules := filepath.Join(cache, "guest/kernel/lib/modules", strings.TrimPrefix(filepath.Base(kernel), "vmlinuz-"))
+	return ks[0]
+}
+
+// Artifacts builds imp-init and an initramfs into dir and returns the kernel and initramfs.
+func Artifacts(t testing.TB, dir string) (kernel, initrd string) {
+	t.Helper()
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Fatal("qemu-system-x86_64 not found (Debian package qemu-system-x86; hack/install-prerequisites.sh installs it)")
+	}
+	kernel = Kernel(t)
+	modules := filepath.Join(filepath.Dir(filepath.Dir(kernel)), "lib/modules", strings.TrimPrefix(filepath.Base(kernel), "vmlinuz-"))
 	init := filepath.Join(dir, "imp-init")
 	build(t, init, "github.com/syscode-labs/imp/cmd/imp-init")
 	initrd = filepath.Join(dir, "initramfs.cpio.gz")

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -10,8 +9,6 @@ import (
 )
 
 var shared *testcluster.Cluster
-
-func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared, testcluster.WithoutCRDs())) }
 
 // TestAPIWithKubectl installs the CRDs and samples the way a person would, with kubectl, and
 // checks what kubectl shows.
