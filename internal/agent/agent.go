@@ -34,6 +34,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
@@ -140,10 +143,12 @@ type Agent struct {
 	Opts      Options
 
 	images    *disk.BaseStore
+	writables *disk.Writables
 	vmms      []impv1.VMMCapability // what the node runs, best first
 	net       *hostnet.Host
 	networks  *networks
 	reportNow chan struct{}
+	fetched   chan event.GenericEvent // VMs whose image fetch is done: their start goes on
 	mu        sync.Mutex
 	monitors  map[types.UID]*monitor
 	fetches   map[types.UID]*fetch    // images being fetched for a run
@@ -179,9 +184,11 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		a.Opts.PullTimeout = 5 * time.Minute
 	}
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries}
+	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*stopping{}
 	a.fetches = map[types.UID]*fetch{}
+	a.fetched = make(chan event.GenericEvent, 1024)
 	a.reportNow = make(chan struct{}, 1)
 	for _, d := range []string{"vms", "net"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
@@ -207,6 +214,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	}
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&impv1.ImpVM{}).
+		WatchesRawSource(source.Channel(a.fetched, &handler.EnqueueRequestForObject{})).
 		Named("imp-agent").
 		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
 		Complete(a)
@@ -388,11 +396,6 @@ var errFetching = errors.New("the image is being fetched")
 func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *meta) error {
 	st := vm.Status
 	base := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount}
-	starting := base
-	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
-	if err := a.report(ctx, vm, starting); err != nil {
-		return err
-	}
 	fail := func(reason string, err error) error {
 		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Start", "%v", err)
 		failed := base
@@ -419,8 +422,14 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
 	}
 	// The image, off the workers and within the pull timeout: a registry the tenant chose
-	// holds no worker, however slow.
-	f := a.takeFetch(vm.UID, a.fetchImage(vm, ref))
+	// holds no worker, however slow. It begins before the report that the run is starting.
+	fetching := a.fetchImage(vm, ref)
+	starting := base
+	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
+	if err := a.report(ctx, vm, starting); err != nil {
+		return err
+	}
+	f := a.takeFetch(vm.UID, fetching)
 	if f == nil {
 		return errFetching
 	}
@@ -438,13 +447,15 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("StartFailed", errors.New("the VM has no resources recorded by its placement"))
 	}
 	// The run's workload, secrets and all, on a disk of its own that goes when the run ends.
+	step := stepTimer()
 	if err := disk.WriteConfig(filepath.Join(dir, configDisk), cfg); err != nil {
 		return fail("StartFailed", err)
 	}
 	rw := filepath.Join(dir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, res.DiskSize.Value(), ""); err != nil {
+	if err := a.writables.Ensure(rw, res.DiskSize.Value()); err != nil {
 		return fail("StartFailed", err)
 	}
+	step("writable_disk")
 
 	kind, err := a.chooseVMM(vm)
 	if err != nil {
@@ -470,6 +481,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err != nil {
 		return fail(reason, err)
 	}
+	startStepSeconds.WithLabelValues("total").Observe(time.Since(f.began).Seconds())
 	started := base
 	t := metav1.NewTime(m.Started)
 	started.State, started.StartedAt, started.Message = impv1.RuntimeRunning, &t, "the guest is booting"
@@ -490,10 +502,15 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if err := vmm.WriteIntent(dir); err != nil {
 		return nil, "StartFailed", err
 	}
+	step := stepTimer()
+	if resume {
+		step = func(string) {} // a resume is timed as a whole (imp_agent_vm_resume_duration_seconds)
+	}
 	at, gnet, err := a.attach(ctx, vm)
 	if err != nil {
 		return nil, "NetworkFailed", err
 	}
+	step("network")
 	if at.Tap != nil {
 		defer at.Tap.Close() // the VMM holds its own copy
 	}
@@ -502,6 +519,7 @@ func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if err != nil {
 		return nil, "StartFailed", err
 	}
+	step("exec")
 	if err := vmm.ClearIntent(dir); err != nil {
 		return nil, "StartFailed", err
 	}

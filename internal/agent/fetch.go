@@ -4,11 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/disk"
@@ -20,6 +21,7 @@ import (
 // The reconcile that starts the run finds it done on a later pass.
 type fetch struct {
 	run    string // the run it is for: "<instance>.<restartCount>"
+	began  time.Time
 	cancel context.CancelFunc
 	done   chan struct{}
 
@@ -49,12 +51,17 @@ func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) *fetch {
 		a.dropFetchLocked(vm.UID)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), a.Opts.PullTimeout)
-	f := &fetch{run: runID(vm), cancel: cancel, done: make(chan struct{}), release: func() {}}
+	f := &fetch{run: runID(vm), began: time.Now(), cancel: cancel, done: make(chan struct{}), release: func() {}}
 	a.fetches[vm.UID] = f
 	vm = vm.DeepCopy()
 	go func() {
-		defer close(f.done)
 		f.reason, f.err = a.doFetch(ctx, vm, ref, f)
+		close(f.done)
+		// The start goes on at once, not at its next requeue.
+		select {
+		case a.fetched <- event.GenericEvent{Object: vm}:
+		default:
+		}
 	}()
 	return f
 }
@@ -65,6 +72,7 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 		ns = runsecret.DefaultNamespace
 	}
 	var err error
+	step := stepTimer()
 	if f.secrets, err = runsecret.Read(ctx, a.APIReader, ns, vm); err != nil {
 		return "StartFailed", err
 	}
@@ -72,10 +80,16 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 	if err != nil {
 		return "StartFailed", err
 	}
+	step("secrets")
 	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
+	// A digest costs no request; a tag one, whose answer also says these credentials reach it.
 	if f.digest, err = disk.Resolve(ctx, ref, kc); err != nil {
 		return "ImagePullFailed", err
 	}
+	if _, tag := ref.(name.Tag); tag {
+		a.images.Verified(f.digest, kc)
+	}
+	step("image_resolve")
 	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
 	if f.baseDisk, f.release, err = a.images.Ensure(ctx, f.digest, kc); err != nil {
 		if errors.Is(err, disk.ErrUnsafeLayer) {
@@ -83,15 +97,16 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 		}
 		return "ImagePullFailed", err
 	}
-	img, err := remote.Image(f.digest, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))
-	if err != nil {
+	step("base_disk")
+	// A disk that is there may have been pulled with another tenant's credentials: these must
+	// reach the image too (asked once per credentials and digest).
+	if err := a.images.Authorize(ctx, f.digest, kc); err != nil {
 		return "ImagePullFailed", err
 	}
-	cf, err := img.ConfigFile()
-	if err != nil {
+	if f.config, err = a.images.Config(ctx, f.digest, kc); err != nil {
 		return "ImagePullFailed", fmt.Errorf("reading the image config: %w", err)
 	}
-	f.config = &cf.Config
+	step("image_config")
 	return "", nil
 }
 

@@ -44,8 +44,9 @@ type BaseStore struct {
 
 	builds singleflight.Group
 	mu     sync.Mutex
-	active map[string]bool // build directories in use, which GC leaves alone
-	leases map[string]int  // digest → leases held (Ensure until its release)
+	active map[string]bool            // build directories in use, which GC leaves alone
+	leases map[string]int             // digest → leases held (Ensure until its release)
+	access map[string]map[string]bool // digest → credentials the registry let pull it (Authorize)
 }
 
 // Resolve returns the digest r names (r itself when it is one), asking the registry for a tag.
@@ -79,7 +80,11 @@ func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain
 		if _, err := os.Stat(target); err == nil {
 			return nil, nil
 		}
-		return nil, s.build(ctx, d, kc, target)
+		if err := s.build(ctx, d, kc, target); err != nil {
+			return nil, err
+		}
+		s.Verified(d, kc)
+		return nil, nil
 	})
 	if err != nil {
 		release()
@@ -187,6 +192,10 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 	if err := os.Chmod(tmp, 0o444); err != nil {
 		return err
 	}
+	// Its config beside it, kept only for an image the node accepted.
+	if _, err := s.keepConfig(d, img); err != nil {
+		return err
+	}
 	if err := os.Rename(tmp, target); err != nil {
 		return fmt.Errorf("installing the base disk of %s: %w", d, err)
 	}
@@ -233,6 +242,14 @@ func (s *BaseStore) GC(inUse func() map[string]bool) (removed []string, err erro
 		switch {
 		case strings.HasPrefix(n, ".build-") && !s.active[n]:
 		case strings.HasSuffix(n, ".ext4") && !keep[digest] && s.leases[digest] == 0:
+			// The image's config and the credentials known to reach it go with its disk.
+			_ = os.Remove(filepath.Join(s.Dir, strings.TrimSuffix(n, ".ext4")+".config.json"))
+			delete(s.access, digest)
+		case strings.HasSuffix(n, ".config.json") && s.leases[strings.Replace(strings.TrimSuffix(n, ".config.json"), "-", ":", 1)] == 0:
+			// A config whose disk is gone (a crash between the two).
+			if _, err := os.Stat(filepath.Join(s.Dir, strings.TrimSuffix(n, ".config.json")+".ext4")); err == nil {
+				continue
+			}
 		default:
 			continue
 		}

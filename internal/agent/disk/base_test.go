@@ -6,6 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -323,5 +326,64 @@ func TestGCDuringManyStarts(t *testing.T) {
 			}
 			time.Sleep(time.Millisecond)
 		}
+	}
+}
+
+// TestAuthorizeAnotherTenantsDisk: a private image's base disk on the node, pulled with one
+// tenant's credentials, is refused to credentials the registry refuses, and to none; the
+// credentials that pulled it, and others the registry accepts, are asked about once, after
+// which neither the access check nor the image config costs a request. A tenant that never
+// had access cannot use the cache of one that did.
+func TestAuthorizeAnotherTenantsDisk(t *testing.T) {
+	requireTools(t)
+	backend := testregistry.Start(t, "puller", "s3cret")
+	var requests atomic.Int64
+	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: backend})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { requests.Add(1); rp.ServeHTTP(w, r) }))
+	t.Cleanup(srv.Close)
+	host := strings.TrimPrefix(srv.URL, "http://")
+	secret := func(user, pass string) PullSecretKeychain {
+		auth := base64.StdEncoding.EncodeToString([]byte(user + ":" + pass))
+		kc, err := NewPullSecretKeychain([]byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kc
+	}
+	good := secret("puller", "s3cret")
+	d := testregistry.Push(t, host, "private", good, layer(t, file("f", "private\n")))
+	ctx := context.Background()
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+	if _, _, err := store.Ensure(ctx, d, good); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		kc       PullSecretKeychain
+		allowed  bool
+		requests int64 // asking twice
+	}{
+		{"the credentials that pulled it", good, true, 0},
+		{"no credentials", anonymous, false, 4},
+		{"wrong credentials", secret("puller", "wrong"), false, 4},
+		{"other accepted credentials", secret("puller", "s3cret"), true, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := requests.Load()
+			for i := 0; i < 2; i++ {
+				err := store.Authorize(ctx, d, tc.kc)
+				if (err == nil) != tc.allowed {
+					t.Fatalf("Authorize: %v, allowed %v", err, tc.allowed)
+				}
+				if tc.allowed {
+					if cfg, err := store.Config(ctx, d, tc.kc); err != nil || cfg == nil {
+						t.Fatalf("Config: %v", err)
+					}
+				}
+			}
+			if got := requests.Load() - n; got > tc.requests {
+				t.Errorf("%d registry requests, want at most %d", got, tc.requests)
+			}
+		})
 	}
 }

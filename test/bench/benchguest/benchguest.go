@@ -65,7 +65,7 @@ func (h *Host) Boot(name string, memMiB int64) (qemu.Spec, *vmm.Record, error) {
 		return qemu.Spec{}, nil, err
 	}
 	rw, config := filepath.Join(dir, "rw.ext4"), filepath.Join(dir, "config.img")
-	if err := disk.EnsureWritable(rw, 64<<20, ""); err != nil {
+	if err := (&disk.Writables{Dir: filepath.Join(filepath.Dir(rw), "templates")}).Ensure(rw, 64<<20); err != nil {
 		return qemu.Spec{}, nil, err
 	}
 	if err := disk.WriteConfig(config, guestinit.Config{Argv: []string{"/bin/hello", "serve"}, Hostname: "bench"}); err != nil {

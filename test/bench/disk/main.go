@@ -47,7 +47,7 @@ func run(mb, runs int) error {
 	srv := httptest.NewServer(registry.New(registry.Logger(log.New(io.Discard, "", 0))))
 	defer srv.Close()
 	host := strings.TrimPrefix(srv.URL, "http://")
-	var cold, second []time.Duration
+	var cold, second, writable []time.Duration
 	for r := 0; r < runs; r++ {
 		img, err := image(mb)
 		if err != nil {
@@ -73,13 +73,20 @@ func run(mb, runs int) error {
 			return err
 		}
 		cold = append(cold, time.Since(t0))
+		// The first VM of a disk size makes that size's template (mkfs, once).
+		w := &disk.Writables{Dir: filepath.Join(dir, "templates")}
+		if err := w.Ensure(filepath.Join(dir, "vm1.ext4"), 1<<30); err != nil {
+			return err
+		}
 		t1 := time.Now()
 		if _, _, err := store.Ensure(context.Background(), d, kc); err != nil {
 			return err
 		}
-		if err := disk.EnsureWritable(filepath.Join(dir, "vm2.ext4"), 1<<30, ""); err != nil {
+		t2 := time.Now()
+		if err := w.Ensure(filepath.Join(dir, "vm2.ext4"), 1<<30); err != nil {
 			return err
 		}
+		writable = append(writable, time.Since(t2))
 		if err := disk.WriteConfig(filepath.Join(dir, "vm2.config"), guestinit.Config{Argv: []string{"/bin/app"}}); err != nil {
 			return err
 		}
@@ -94,6 +101,7 @@ func run(mb, runs int) error {
 	fmt.Printf("disk benchmark: %d MiB image (3 layers, incompressible), %d runs, medians\n", mb, runs)
 	fmt.Printf("  cold image → base disk     %v  (%.0f MB/s of image content: pull, verify, apply layers, mkfs.ext4 -d)\n", c.Round(time.Millisecond), float64(mb)*1.048576/c.Seconds())
 	fmt.Printf("  second VM disk preparation %v  (base disk present; 1Gi writable disk with its config)\n", med(second).Round(time.Millisecond))
+	fmt.Printf("  of which the writable disk %v  (a copy of the 1Gi template, synced; no mkfs)\n", med(writable).Round(100*time.Microsecond))
 	return nil
 }
 

@@ -317,7 +317,7 @@ func guestSpec(t *testing.T, cfg guestinit.Config) Spec {
 		t.Fatal(err)
 	}
 	rw := filepath.Join(vmDir, "rw.ext4")
-	if err := disk.EnsureWritable(rw, 64<<20, ""); err != nil {
+	if err := (&disk.Writables{Dir: filepath.Join(filepath.Dir(rw), "templates")}).Ensure(rw, 64<<20); err != nil {
 		t.Fatal(err)
 	}
 	config := filepath.Join(vmDir, "config.img")

@@ -1,0 +1,31 @@
+package agent
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
+)
+
+// startStepSeconds times a VM's start on its node, from the reconcile that first sees its run
+// to the VMM's execve, step by step.
+var startStepSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+	Name: "imp_agent_vm_start_step_seconds",
+	Help: "Time of each step of a VM's start on its node: secrets (its run Secret), image_resolve (a tag's digest), " +
+		"base_disk (pulled and built, or found), image_config, writable_disk (with the run's config disk), network " +
+		"(tap and rules), exec (the VMM started and placed in its cgroups), and total (from the run first seen).",
+	Buckets: prometheus.ExponentialBuckets(0.00025, 2, 20),
+}, []string{"step"})
+
+func init() { metrics.Registry.MustRegister(startStepSeconds) }
+
+// stepTimer returns a function that observes, as the step it names, the time since its
+// previous call or, the first time, since stepTimer.
+func stepTimer() func(step string) {
+	last := time.Now()
+	return func(step string) {
+		now := time.Now()
+		startStepSeconds.WithLabelValues(step).Observe(now.Sub(last).Seconds())
+		last = now
+	}
+}
