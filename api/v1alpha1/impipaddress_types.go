@@ -13,8 +13,9 @@ type VMReference struct {
 	UID types.UID `json:"uid"`
 }
 
-// ImpIPAddressSpec says which VM holds which address of which network.
-// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="an ImpIPAddress is immutable"
+// ImpIPAddressSpec says which VM holds which address of which network, and on which node it
+// runs.
+// +kubebuilder:validation:XValidation:rule="self.network == oldSelf.network && self.address == oldSelf.address && self.vmRef == oldSelf.vmRef",message="an ImpIPAddress's network, address and vmRef are immutable"
 type ImpIPAddressSpec struct {
 	// network is the ImpNetwork the address belongs to.
 	// +kubebuilder:validation:MinLength=1
@@ -26,6 +27,12 @@ type ImpIPAddressSpec struct {
 	Address string `json:"address"`
 	// vmRef is the VM holding the address.
 	VMRef VMReference `json:"vmRef"`
+	// nodeName is the node the VM is placed on, set by the operator as it places the VM and
+	// changed only when the VM moves: each node's agent routes the network's overlay from
+	// these, and so hears of a VM of another node only when its address or node changes.
+	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	NodeName string `json:"nodeName,omitempty"`
 }
 
 // ImpIPAddress records that one VM holds one address of an ImpNetwork. The operator creates it
@@ -37,6 +44,7 @@ type ImpIPAddressSpec struct {
 // +kubebuilder:printcolumn:name="Network",type=string,JSONPath=`.spec.network`
 // +kubebuilder:printcolumn:name="Address",type=string,JSONPath=`.spec.address`
 // +kubebuilder:printcolumn:name="VM",type=string,JSONPath=`.spec.vmRef.name`
+// +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.nodeName`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImpIPAddress struct {
 	metav1.TypeMeta   `json:",inline"`

@@ -694,6 +694,7 @@ func (a *Agent) remove(ctx context.Context, vm *impv1.ImpVM, dir string) error {
 	a.killUnrecorded(ctx, dir, vm.UID)
 	a.stopMonitor(vm.UID)
 	a.removeCgroup(vm.UID)
+	defer a.networks.kick(types.NamespacedName{})
 	if err := a.net.Detach(string(vm.UID)); err != nil {
 		return fmt.Errorf("removing the network attachment of %s: %w", vm.Name, err)
 	}
@@ -783,6 +784,7 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 	log := ctrl.LoggerFrom(ctx).WithValues("dir", dir, "cause", cause.Error())
 	if vm == nil {
 		a.removeCgroup(uid)
+		defer a.networks.kick(types.NamespacedName{})
 		if err := a.net.Detach(string(uid)); err != nil {
 			return fmt.Errorf("removing the network attachment of %s: %w", dir, err)
 		}
@@ -837,6 +839,7 @@ func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
 	a.dropFetch(m.UID)
 	a.stopMonitor(m.UID)
 	a.removeCgroup(m.UID)
+	defer a.networks.kick(types.NamespacedName{})
 	if err := a.net.Detach(string(m.UID)); err != nil {
 		return fmt.Errorf("removing the network attachment of %s/%s: %w", m.Namespace, m.Name, err)
 	}

@@ -15,6 +15,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/source"
@@ -25,49 +26,39 @@ import (
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impnetworks,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impipaddresses,verbs=get;list;watch
 
-// networkIndex indexes the fleet's VMs by the name of their ImpNetwork.
-const networkIndex = "spec.networkRef.name"
+// networkIndex indexes the fleet's addresses by the name of their ImpNetwork.
+const networkIndex = "spec.network"
 
 // networks is the agent's network controller: for each ImpNetwork with VMs on this node it
 // keeps the node's bridge, rules and overlay device current, the overlay's forwarding entries
 // pointing at the network's VMs on other nodes; when the last local VM leaves, it removes them.
-// It reads the other nodes' VMs from fleet, a cache of every ImpVM stripped to what the
-// overlay needs.
+// It reads the other nodes' VMs from fleet, a cache of the ImpIPAddresses: each names its VM's
+// address and node and changes only when one of them does, so that no agent hears of the
+// status changes of every VM of the cluster.
 type networks struct {
 	a     *Agent
 	fleet cache.Cache
+
+	// kicks asks for a network's reconcile when a VM of this node attaches to or detaches from
+	// it: the addresses of the fleet change at placement, before the VM is attached here.
+	kicks chan event.GenericEvent
 
 	mu    sync.Mutex
 	known map[types.NamespacedName]hostnet.Network // plumbed here, for removal after deletion
 	state map[types.NamespacedName]impv1.NodeNetwork
 }
 
-// stripVM keeps of an ImpVM only what the overlay needs.
-func stripVM(o any) (any, error) {
-	vm, ok := o.(*impv1.ImpVM)
-	if !ok {
-		return o, nil
-	}
-	return &impv1.ImpVM{
-		ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, ResourceVersion: vm.ResourceVersion},
-		Spec:       impv1.ImpVMSpec{NetworkRef: vm.Spec.NetworkRef},
-		Status:     impv1.ImpVMStatus{NodeName: vm.Status.NodeName, IP: vm.Status.IP},
-	}, nil
-}
-
 func (n *networks) setup(mgr ctrl.Manager) error {
 	var err error
 	n.fleet, err = cache.New(mgr.GetConfig(), cache.Options{Scheme: mgr.GetScheme(), Mapper: mgr.GetRESTMapper(),
-		ByObject: map[client.Object]cache.ByObject{&impv1.ImpVM{}: {Transform: stripVM}}})
+		ByObject: map[client.Object]cache.ByObject{&impv1.ImpIPAddress{}: {}}})
 	if err != nil {
 		return fmt.Errorf("creating the fleet cache: %w", err)
 	}
-	if err := n.fleet.IndexField(context.Background(), &impv1.ImpVM{}, networkIndex, func(o client.Object) []string {
-		if ref := o.(*impv1.ImpVM).Spec.NetworkRef; ref != nil {
-			return []string{ref.Name}
-		}
-		return nil
+	if err := n.fleet.IndexField(context.Background(), &impv1.ImpIPAddress{}, networkIndex, func(o client.Object) []string {
+		return []string{o.(*impv1.ImpIPAddress).Spec.Network}
 	}); err != nil {
 		return err
 	}
@@ -75,22 +66,39 @@ func (n *networks) setup(mgr ctrl.Manager) error {
 		return err
 	}
 	n.known = map[types.NamespacedName]hostnet.Network{}
+	n.kicks = make(chan event.GenericEvent, 1024)
 	n.state = map[types.NamespacedName]impv1.NodeNetwork{}
-	vmToNetwork := handler.TypedEnqueueRequestsFromMapFunc(func(_ context.Context, vm *impv1.ImpVM) []reconcile.Request {
-		if vm.Spec.NetworkRef == nil {
-			return nil
-		}
-		return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.NetworkRef.Name}}}
+	addressToNetwork := handler.TypedEnqueueRequestsFromMapFunc(func(_ context.Context, ip *impv1.ImpIPAddress) []reconcile.Request {
+		return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: ip.Namespace, Name: ip.Spec.Network}}}
 	})
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("imp-agent-network").
 		For(&impv1.ImpNetwork{}).
-		WatchesRawSource(source.Kind(n.fleet, &impv1.ImpVM{}, vmToNetwork)).
+		WatchesRawSource(source.Kind(n.fleet, &impv1.ImpIPAddress{}, addressToNetwork)).
+		WatchesRawSource(source.Channel(n.kicks, &handler.EnqueueRequestForObject{})).
 		// Another node's overlay address changing moves its VMs' forwarding entries.
 		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
 			return n.all()
 		})).
 		Complete(n)
+}
+
+// kick asks for the reconcile of network key, or of every network plumbed here when key is
+// empty (a VM left and its network is not known).
+func (n *networks) kick(key types.NamespacedName) {
+	keys := []types.NamespacedName{key}
+	if key.Name == "" {
+		keys = nil
+		for _, r := range n.all() {
+			keys = append(keys, r.NamespacedName)
+		}
+	}
+	for _, k := range keys {
+		select {
+		case n.kicks <- event.GenericEvent{Object: &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: k.Namespace, Name: k.Name}}}:
+		default: // full: the next address or node change reconciles it
+		}
+	}
 }
 
 func (n *networks) all() []reconcile.Request {
@@ -154,17 +162,17 @@ func (n *networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result
 	return ctrl.Result{}, nil
 }
 
-// peers are the network's VMs on other nodes that have an overlay address.
+// peers are the network's VMs on other nodes that have an overlay address, by their addresses.
 func (n *networks) peers(ctx context.Context, key types.NamespacedName) ([]hostnet.Peer, error) {
-	var vms impv1.ImpVMList
-	if err := n.fleet.List(ctx, &vms, client.InNamespace(key.Namespace), client.MatchingFields{networkIndex: key.Name}); err != nil {
-		return nil, fmt.Errorf("listing the network's VMs: %w", err)
+	var ips impv1.ImpIPAddressList
+	if err := n.fleet.List(ctx, &ips, client.InNamespace(key.Namespace), client.MatchingFields{networkIndex: key.Name}); err != nil {
+		return nil, fmt.Errorf("listing the network's addresses: %w", err)
 	}
 	vteps := map[string]netip.Addr{}
 	var peers []hostnet.Peer
-	for _, vm := range vms.Items {
-		node := vm.Status.NodeName
-		ip, err := netip.ParseAddr(vm.Status.IP)
+	for _, c := range ips.Items {
+		node := c.Spec.NodeName
+		ip, err := netip.ParseAddr(c.Spec.Address)
 		if node == "" || node == n.a.Opts.NodeName || err != nil {
 			continue
 		}
@@ -244,6 +252,7 @@ func (a *Agent) attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment
 	if err != nil {
 		return none, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
 	}
+	a.networks.kick(types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name})
 	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: a.net.MTU(), MAC: hostnet.MAC(ip).String()}
 	if dns := net.Spec.DNS; dns != nil {
 		gn.Nameservers, gn.Searches = dns.Nameservers, dns.Searches

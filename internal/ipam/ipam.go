@@ -25,9 +25,10 @@ import (
 // ErrExhausted is returned when a network has no free address.
 var ErrExhausted = errors.New("ipam: network has no free address")
 
-// Writer creates and deletes ImpIPAddress objects.
+// Writer creates, patches and deletes ImpIPAddress objects.
 type Writer interface {
 	Create(ctx context.Context, obj client.Object, opts ...client.CreateOption) error
+	Patch(ctx context.Context, obj client.Object, patch client.Patch, opts ...client.PatchOption) error
 	Delete(ctx context.Context, obj client.Object, opts ...client.DeleteOption) error
 }
 
@@ -46,6 +47,7 @@ type network struct {
 	synced bool
 	used   map[netip.Addr]types.UID // holder, empty when unknown
 	byVM   map[types.UID]netip.Addr
+	nodeOf map[types.UID]string // the node each holder's address names
 }
 
 // New returns an allocator. reader must read from the API server, not from a cache (a
@@ -73,6 +75,7 @@ func (a *Allocator) sync(ctx context.Context, key types.NamespacedName, n *netwo
 	}
 	n.used = make(map[netip.Addr]types.UID, len(list.Items))
 	n.byVM = make(map[types.UID]netip.Addr, len(list.Items))
+	n.nodeOf = make(map[types.UID]string, len(list.Items))
 	for _, c := range list.Items {
 		addr, err := netip.ParseAddr(c.Spec.Address)
 		if err != nil {
@@ -80,13 +83,16 @@ func (a *Allocator) sync(ctx context.Context, key types.NamespacedName, n *netwo
 		}
 		n.used[addr] = c.Spec.VMRef.UID
 		n.byVM[c.Spec.VMRef.UID] = addr
+		n.nodeOf[c.Spec.VMRef.UID] = c.Spec.NodeName
 	}
 	n.synced = true
 	return nil
 }
 
-// Allocate returns the address vm holds on net, allocating one when it holds none.
-func (a *Allocator) Allocate(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM) (netip.Addr, error) {
+// Allocate returns the address vm holds on net, allocating one when it holds none, and makes
+// the address name node, where vm is being placed. The address changes only when the VM's
+// node does: agents route the overlay from addresses, not from every change of every VM.
+func (a *Allocator) Allocate(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM, node string) (netip.Addr, error) {
 	prefix, err := net.Spec.Prefix()
 	if err != nil {
 		return netip.Addr{}, err
@@ -105,10 +111,10 @@ func (a *Allocator) Allocate(ctx context.Context, net *impv1.ImpNetwork, vm *imp
 		}
 	}
 	if addr, ok := n.byVM[vm.UID]; ok && prefix.Contains(addr) {
-		return addr, nil
+		return addr, a.locate(ctx, net, vm.UID, n, addr, node)
 	}
 	for attempt := 0; attempt < 2; attempt++ {
-		addr, err := a.claimFree(ctx, net, vm, n, prefix, gw)
+		addr, err := a.claimFree(ctx, net, vm, node, n, prefix, gw)
 		if !errors.Is(err, ErrExhausted) || attempt == 1 {
 			return addr, err
 		}
@@ -117,13 +123,27 @@ func (a *Allocator) Allocate(ctx context.Context, net *impv1.ImpNetwork, vm *imp
 			return netip.Addr{}, err
 		}
 		if addr, ok := n.byVM[vm.UID]; ok && prefix.Contains(addr) {
-			return addr, nil
+			return addr, a.locate(ctx, net, vm.UID, n, addr, node)
 		}
 	}
 	return netip.Addr{}, ErrExhausted
 }
 
-func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM, n *network, prefix netip.Prefix, gw netip.Addr) (netip.Addr, error) {
+// locate makes the address addr that uid holds name node, when it names another.
+func (a *Allocator) locate(ctx context.Context, net *impv1.ImpNetwork, uid types.UID, n *network, addr netip.Addr, node string) error {
+	if n.nodeOf[uid] == node {
+		return nil
+	}
+	claim := &impv1.ImpIPAddress{ObjectMeta: metav1.ObjectMeta{Namespace: net.Namespace, Name: impv1.IPAddressName(net.Name, addr.String())}}
+	patch := client.RawPatch(types.MergePatchType, []byte(fmt.Sprintf(`{"spec":{"nodeName":%q}}`, node)))
+	if err := a.writer.Patch(ctx, claim, patch); err != nil {
+		return fmt.Errorf("moving address %s of network %s to node %s: %w", addr, net.Name, node, err)
+	}
+	n.nodeOf[uid] = node
+	return nil
+}
+
+func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM, node string, n *network, prefix netip.Prefix, gw netip.Addr) (netip.Addr, error) {
 	bcast := impv1.Broadcast(prefix)
 	for addr := prefix.Addr().Next(); addr.IsValid() && addr != bcast; addr = addr.Next() {
 		if addr == gw {
@@ -139,9 +159,10 @@ func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *im
 				Labels:    map[string]string{impv1.NetworkLabel: net.Name, impv1.VMUIDLabel: string(vm.UID)},
 			},
 			Spec: impv1.ImpIPAddressSpec{
-				Network: net.Name,
-				Address: addr.String(),
-				VMRef:   impv1.VMReference{Name: vm.Name, UID: vm.UID},
+				Network:  net.Name,
+				Address:  addr.String(),
+				VMRef:    impv1.VMReference{Name: vm.Name, UID: vm.UID},
+				NodeName: node,
 			},
 		}
 		if err := controllerutil.SetOwnerReference(vm, claim, a.scheme); err != nil {
@@ -157,6 +178,7 @@ func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *im
 		}
 		n.used[addr] = vm.UID
 		n.byVM[vm.UID] = addr
+		n.nodeOf[vm.UID] = node
 		return addr, nil
 	}
 	return netip.Addr{}, ErrExhausted
@@ -181,10 +203,39 @@ func (a *Allocator) Release(ctx context.Context, vm *impv1.ImpVM) error {
 		if addr, ok := n.byVM[vm.UID]; ok {
 			delete(n.used, addr)
 			delete(n.byVM, vm.UID)
+			delete(n.nodeOf, vm.UID)
 		}
 		n.mu.Unlock()
 	}
 	return nil
+}
+
+// Backfill names, in each address that names no node, the node its VM is placed on: addresses
+// an operator made before addresses named nodes. The operator runs it once as it starts to
+// lead; agents route the overlay from addresses alone.
+func (a *Allocator) Backfill(ctx context.Context) (int, error) {
+	var list impv1.ImpIPAddressList
+	if err := a.reader.List(ctx, &list); err != nil {
+		return 0, fmt.Errorf("listing addresses: %w", err)
+	}
+	done := 0
+	for i := range list.Items {
+		c := &list.Items[i]
+		if c.Spec.NodeName != "" {
+			continue
+		}
+		var vm impv1.ImpVM
+		if err := a.reader.Get(ctx, types.NamespacedName{Namespace: c.Namespace, Name: c.Spec.VMRef.Name}, &vm); err != nil ||
+			vm.UID != c.Spec.VMRef.UID || vm.Status.NodeName == "" {
+			continue // gone, another VM of that name, or not placed: nothing to route
+		}
+		patch := client.RawPatch(types.MergePatchType, []byte(fmt.Sprintf(`{"spec":{"nodeName":%q}}`, vm.Status.NodeName)))
+		if err := a.writer.Patch(ctx, c, patch); err != nil && !apierrors.IsNotFound(err) {
+			return done, fmt.Errorf("naming the node of address %s: %w", c.Name, err)
+		}
+		done++
+	}
+	return done, nil
 }
 
 // Forget drops the allocator's memory of a network (it was deleted or its CIDR changed).

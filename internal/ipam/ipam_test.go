@@ -6,8 +6,10 @@ import (
 	"os"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -39,7 +41,7 @@ func setup(t *testing.T, cidr, gateway string) (*testcluster.Cluster, *impv1.Imp
 
 func allocate(t *testing.T, a *ipam.Allocator, net *impv1.ImpNetwork, v *impv1.ImpVM) string {
 	t.Helper()
-	addr, err := a.Allocate(context.Background(), net, v)
+	addr, err := a.Allocate(context.Background(), net, v, "node-a")
 	if err != nil {
 		t.Fatalf("allocating for %s: %v", v.Name, err)
 	}
@@ -63,7 +65,7 @@ func TestAllocateSkipsReservedAddressesUntilExhausted(t *testing.T) {
 	if again := allocate(t, a, net, vm(net.Namespace, "c")); again != "10.9.0.4" {
 		t.Errorf("a VM asking again got %s, want its own 10.9.0.4", again)
 	}
-	if _, err := a.Allocate(context.Background(), net, vm(net.Namespace, "f")); !errors.Is(err, ipam.ErrExhausted) {
+	if _, err := a.Allocate(context.Background(), net, vm(net.Namespace, "f"), "node-a"); !errors.Is(err, ipam.ErrExhausted) {
 		t.Errorf("sixth allocation: %v, want ErrExhausted", err)
 	}
 }
@@ -121,5 +123,70 @@ func TestReleaseDeletesOnlyTheVMsClaims(t *testing.T) {
 	// one's address is free again.
 	if got := allocate(t, a, net, vm(net.Namespace, "three")); got != "10.9.3.2" {
 		t.Errorf("next allocation %s, want the released 10.9.3.2", got)
+	}
+}
+
+// TestAddressNamesItsNode: an address names the node of its VM from its creation, is written
+// again only when the VM moves (not when it is placed again on the same node, nor by another
+// operator's allocator), and Backfill names the node in an address made before addresses did.
+func TestAddressNamesItsNode(t *testing.T) {
+	c, net, alloc := setup(t, "10.9.5.0/24", "")
+	ctx := context.Background()
+	get := func(addr string) *impv1.ImpIPAddress {
+		t.Helper()
+		claim := &impv1.ImpIPAddress{}
+		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: net.Namespace, Name: impv1.IPAddressName("net", addr)}, claim); err != nil {
+			t.Fatal(err)
+		}
+		return claim
+	}
+	v := vm(net.Namespace, "mover")
+	addr := allocate(t, alloc(), net, v)
+	first := get(addr)
+	if first.Spec.NodeName != "node-a" {
+		t.Fatalf("a new address names node %q, want node-a", first.Spec.NodeName)
+	}
+	for _, a := range []*ipam.Allocator{alloc(), alloc()} { // placed again, by a restarted operator
+		if got := allocate(t, a, net, v); got != addr {
+			t.Fatalf("placed again, the VM got %s, want %s", got, addr)
+		}
+	}
+	if again := get(addr); again.ResourceVersion != first.ResourceVersion {
+		t.Errorf("placing the VM again on its node wrote its address (resourceVersion %s → %s)", first.ResourceVersion, again.ResourceVersion)
+	}
+	a := alloc()
+	if got, err := a.Allocate(ctx, net, v, "node-b"); err != nil || got.String() != addr {
+		t.Fatalf("moving the VM: %v %v", got, err)
+	}
+	if moved := get(addr); moved.Spec.NodeName != "node-b" {
+		t.Errorf("the moved VM's address names %q, want node-b", moved.Spec.NodeName)
+	}
+
+	// An address from before: no node, its VM placed on node-c.
+	old := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: net.Namespace, Name: "old"},
+		Spec: impv1.ImpVMSpec{Image: "registry.example/app:1", Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))}}}
+	if err := c.Client.Create(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	old.Status.NodeName = "node-c"
+	if err := c.Client.Status().Update(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	legacy := &impv1.ImpIPAddress{ObjectMeta: metav1.ObjectMeta{Namespace: net.Namespace, Name: impv1.IPAddressName("net", "10.9.5.200")},
+		Spec: impv1.ImpIPAddressSpec{Network: "net", Address: "10.9.5.200", VMRef: impv1.VMReference{Name: "old", UID: old.UID}}}
+	if err := c.Client.Create(ctx, legacy); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := alloc().Backfill(ctx); err != nil || n < 1 {
+		t.Fatalf("Backfill: %d, %v", n, err)
+	}
+	if got := get("10.9.5.200"); got.Spec.NodeName != "node-c" {
+		t.Errorf("after Backfill the old address names %q, want node-c", got.Spec.NodeName)
+	}
+	// The rest of an address stays immutable.
+	moved := get(addr)
+	moved.Spec.Address = "10.9.5.201"
+	if err := c.Client.Update(ctx, moved); err == nil {
+		t.Errorf("an address's address changed")
 	}
 }

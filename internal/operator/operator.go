@@ -13,6 +13,7 @@ import (
 
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/manager"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
@@ -55,6 +56,17 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		Ledger:    placement.NewLedger(),
 		IPAM:      alloc,
 		Options:   o.VM,
+	}
+	// Addresses made before they named their node get it, once, by the leader.
+	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
+		if n, err := alloc.Backfill(ctx); err != nil {
+			ctrl.Log.WithName("ipam").Error(err, "naming the nodes of existing addresses", "named", n)
+		} else if n > 0 {
+			ctrl.Log.WithName("ipam").Info("named the nodes of existing addresses", "named", n)
+		}
+		return nil
+	})); err != nil {
+		return err
 	}
 	if err := vms.SetupWithManager(ctx, mgr, o.Concurrency); err != nil {
 		return fmt.Errorf("setting up the ImpVM reconciler: %w", err)

@@ -42,7 +42,7 @@ import (
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmclasses;impnodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impnetworks,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impquotas,verbs=get;list;watch
-// +kubebuilder:rbac:groups=imp.dev,resources=impipaddresses,verbs=get;list;watch;create;delete
+// +kubebuilder:rbac:groups=imp.dev,resources=impipaddresses,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
@@ -377,7 +377,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	// Address.
 	var addr netip.Addr
 	if net != nil {
-		addr, err = r.IPAM.Allocate(ctx, net, vm)
+		addr, err = r.IPAM.Allocate(ctx, net, vm, node)
 		if err != nil {
 			r.Ledger.Release(vm.UID)
 			if errors.Is(err, ipam.ErrExhausted) {
