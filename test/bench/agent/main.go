@@ -23,6 +23,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -39,6 +40,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -367,14 +369,12 @@ func accelOf() string {
 	return strings.TrimSpace(string(out))
 }
 
+// killVMMs kills the VMMs the agent recorded under stateDir: they outlive the agent by design.
 func killVMMs(stateDir string) {
-	out, _ := exec.Command("sh", "-c", "pgrep -f 'qemu-system-x86_64 -name' ").Output()
-	for _, f := range strings.Fields(string(out)) {
-		pid, _ := strconv.Atoi(f)
-		cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if strings.Contains(string(cmd), stateDir) {
-			p, _ := os.FindProcess(pid)
-			_ = p.Kill()
+	recs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*", vmm.RecordFile))
+	for _, p := range recs {
+		if rec, err := vmm.ReadRecord(filepath.Dir(p)); err == nil && rec.Alive() {
+			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 		}
 	}
 }
