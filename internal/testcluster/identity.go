@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -48,12 +49,25 @@ type onceErr struct {
 // groups its token would carry. Components under test use it instead of the cluster admin.
 func (c *Cluster) As(t testing.TB, component string) *rest.Config {
 	t.Helper()
+	cfg, err := c.ConfigAs(component, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+// ConfigAs is As outside a test; a node, when not empty, is the identity's node claim (see
+// AsNode).
+func (c *Cluster) ConfigAs(component, node string) (*rest.Config, error) {
 	if err := c.installChartRBAC(); err != nil {
-		t.Fatalf("installing the chart's RBAC: %v", err)
+		return nil, fmt.Errorf("installing the chart's RBAC: %w", err)
 	}
 	cfg := rest.CopyConfig(c.Config)
 	cfg.Impersonate = impersonation(component)
-	return cfg
+	if node != "" {
+		cfg.Impersonate.Extra = map[string][]string{NodeNameClaim: {node}}
+	}
+	return cfg, nil
 }
 
 // KubeconfigAs writes a kubeconfig that acts as component's ServiceAccount (see As), for
@@ -61,20 +75,29 @@ func (c *Cluster) As(t testing.TB, component string) *rest.Config {
 // the identity (see AsNode).
 func (c *Cluster) KubeconfigAs(t testing.TB, component string, node ...string) string {
 	t.Helper()
+	path, err := c.WriteKubeconfigAs(t.TempDir(), component, node...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// WriteKubeconfigAs is KubeconfigAs outside a test: it writes the kubeconfig into dir.
+func (c *Cluster) WriteKubeconfigAs(dir, component string, node ...string) (string, error) {
 	if err := c.installChartRBAC(); err != nil {
-		t.Fatalf("installing the chart's RBAC: %v", err)
+		return "", fmt.Errorf("installing the chart's RBAC: %w", err)
 	}
 	user, err := c.Env.AddUser(envtest.User{Name: "impersonator", Groups: []string{"system:masters"}}, nil)
 	if err != nil {
-		t.Fatalf("adding a user: %v", err)
+		return "", fmt.Errorf("adding a user: %w", err)
 	}
 	raw, err := user.KubeConfig()
 	if err != nil {
-		t.Fatalf("rendering a kubeconfig: %v", err)
+		return "", fmt.Errorf("rendering a kubeconfig: %w", err)
 	}
 	kc, err := clientcmd.Load(raw)
 	if err != nil {
-		t.Fatalf("reading the kubeconfig: %v", err)
+		return "", fmt.Errorf("reading the kubeconfig: %w", err)
 	}
 	imp := impersonation(component)
 	for _, a := range kc.AuthInfos {
@@ -83,19 +106,21 @@ func (c *Cluster) KubeconfigAs(t testing.TB, component string, node ...string) s
 			a.ImpersonateUserExtra = map[string][]string{NodeNameClaim: node}
 		}
 	}
-	path := filepath.Join(t.TempDir(), component+".kubeconfig")
+	path := filepath.Join(dir, component+".kubeconfig")
 	if err := clientcmd.WriteToFile(*kc, path); err != nil {
-		t.Fatalf("writing %s: %v", path, err)
+		return "", fmt.Errorf("writing %s: %w", path, err)
 	}
-	return path
+	return path, nil
 }
 
 // AsNode is As for a component bound to a node (the agent): its identity carries the node claim
 // a token bound to the node's pod carries (authentication.kubernetes.io/node-name).
 func (c *Cluster) AsNode(t testing.TB, component, node string) *rest.Config {
 	t.Helper()
-	cfg := c.As(t, component)
-	cfg.Impersonate.Extra = map[string][]string{NodeNameClaim: {node}}
+	cfg, err := c.ConfigAs(component, node)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return cfg
 }
 
@@ -120,13 +145,21 @@ func (c *Cluster) installChartRBAC() error {
 // kinds, such as its admission policies.
 func (c *Cluster) InstallChartObjects(t testing.TB, kinds ...string) {
 	t.Helper()
+	if err := c.ApplyChartObjects(context.Background(), kinds...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// ApplyChartObjects is InstallChartObjects outside a test.
+func (c *Cluster) ApplyChartObjects(ctx context.Context, kinds ...string) error {
 	want := map[string]bool{}
 	for _, k := range kinds {
 		want[k] = true
 	}
-	if err := c.applyChart(context.Background(), want); err != nil {
-		t.Fatalf("installing the chart's %v: %v", kinds, err)
+	if err := c.applyChart(ctx, want); err != nil {
+		return fmt.Errorf("installing the chart's %v: %w", kinds, err)
 	}
+	return nil
 }
 
 func (c *Cluster) applyChart(ctx context.Context, kinds map[string]bool) error {
@@ -163,13 +196,17 @@ func (c *Cluster) applyChart(ctx context.Context, kinds map[string]bool) error {
 }
 
 // ChartManifests renders the chart in dir with values (nil: its defaults) as an install into
-// ChartNamespace, with Helm's own engine, and returns its manifests.
+// ChartNamespace, with Helm's own engine, and returns its manifests. It renders for a cluster
+// with the APIs of the control plane the tests run (Kubernetes 1.37): Helm's defaults, plus
+// the kinds the chart asks the cluster for.
 func ChartManifests(dir string, values map[string]any) ([]string, error) {
 	ch, err := loader.Load(dir)
 	if err != nil {
 		return nil, fmt.Errorf("loading the chart %s: %w", dir, err)
 	}
-	rv, err := chartutil.ToRenderValues(ch, values, chartutil.ReleaseOptions{Name: "imp", Namespace: ChartNamespace, IsInstall: true}, chartutil.DefaultCapabilities)
+	caps := *chartutil.DefaultCapabilities
+	caps.APIVersions = append(slices.Clone(caps.APIVersions), "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+	rv, err := chartutil.ToRenderValues(ch, values, chartutil.ReleaseOptions{Name: "imp", Namespace: ChartNamespace, IsInstall: true}, &caps)
 	if err != nil {
 		return nil, fmt.Errorf("values of the chart: %w", err)
 	}
