@@ -58,6 +58,8 @@ func run() error {
 	})
 	fs.StringVar(&vmOpts.RunSecretNamespace, "run-secret-namespace", runsecret.DefaultNamespace, "IMP's namespace, where each VM's run Secret goes (what the VM needs of its namespace's Secrets and ConfigMaps, resolved for its node's agent)")
 	fs.DurationVar(&vmOpts.DeletionTimeout, "deletion-timeout", vmOpts.DeletionTimeout, "how long deleting a VM waits for its node to confirm it is gone")
+	fs.DurationVar(&vmOpts.StartingReportDelay, "starting-report-delay", vmOpts.StartingReportDelay,
+		"how long an agent's report that a VM is starting or booting waits before the VM's phase shows it; a report the guest's readiness overtakes is never written (0: at once)")
 	fs.DurationVar(&pressureSettle, "pressure-settle", 15*time.Second, "with --pressure-lifecycle: how long after a VM's memory is freed before the node's MemoryPressure is trusted again")
 	fs.DurationVar(&pressureTimeout, "pressure-timeout", 2*time.Minute, "with --pressure-lifecycle: how long a suspension may take before the next VM is considered")
 	fs.BoolVar(&pressureLifecycle, "pressure-lifecycle", false, "suspend resident ImpVMs, largest memory first, on nodes reporting MemoryPressure (chart value pressureLifecycle.enabled)")

@@ -70,6 +70,12 @@ type Options struct {
 	// ReservedCIDRs are ranges no ImpNetwork may overlap: VMs on such a network are not
 	// placed.
 	ReservedCIDRs []netip.Prefix
+	// StartingReportDelay is how long an agent's report that a run is starting, or that its
+	// guest is booting, waits before the VM's phase shows it. A report overtaken meanwhile
+	// (the guest ready, the run failed) is never written on its own: a VM that boots within
+	// the delay goes from Scheduled to Running in one status write. 0 shows each report at
+	// once.
+	StartingReportDelay time.Duration
 	// RunSecretNamespace is IMP's namespace, where each VM's run Secret goes
 	// (runsecret.DefaultNamespace when empty).
 	RunSecretNamespace string
@@ -83,6 +89,7 @@ func DefaultOptions() Options {
 		RestartBackoffBase:    10 * time.Second,
 		RestartBackoffMax:     5 * time.Minute,
 		DeletionTimeout:       5 * time.Minute,
+		StartingReportDelay:   time.Second,
 	}
 }
 
@@ -397,12 +404,15 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	vm.Status.Resources = &res
 	vm.Status.Instance++
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)
+	placementLatency.Observe(r.Clock.Since(firstSeen(vm, start)).Seconds())
+	// One Event tells the placement and the address: each Event is a write to the API server.
 	if addr.IsValid() {
 		vm.Status.IP = addr.String()
-		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "IPAllocated", "Allocate", "Allocated %s on ImpNetwork %s", addr, net.Name)
+		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory) with address %s on ImpNetwork %s",
+			node, res.VCPUs, res.Memory.String(), addr, net.Name)
+	} else {
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory)", node, res.VCPUs, res.Memory.String())
 	}
-	placementLatency.Observe(r.Clock.Since(firstSeen(vm, start)).Seconds())
-	r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory)", node, res.VCPUs, res.Memory.String())
 	log.FromContext(ctx).V(1).Info("placed", "node", klog.KRef("", node), "instance", vm.Status.Instance)
 	return nil
 }
@@ -669,8 +679,12 @@ func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl
 	if err := runsecret.Delete(ctx, r.Client, r.runSecretNamespace(), vm); err != nil {
 		return ctrl.Result{}, err
 	}
-	if err := r.IPAM.Release(ctx, vm); err != nil {
-		return ctrl.Result{}, err
+	// Only a VM on a network has addresses (networkRef is immutable): the others skip the
+	// uncached list.
+	if vm.Spec.NetworkRef != nil {
+		if err := r.IPAM.Release(ctx, vm); err != nil {
+			return ctrl.Result{}, err
+		}
 	}
 	r.Ledger.Release(vm.UID)
 	orig := vm.DeepCopy()

@@ -309,7 +309,7 @@ func TestMissingClassAndNetworkRecover(t *testing.T) {
 		t.Errorf("placed with ip %s, resources %+v; want 10.30.0.2 (after the gateway), 2 vCPUs, 512Mi", got.Status.IP, got.Status.Resources)
 	}
 	ev := e.events()
-	for _, r := range []string{"Unschedulable", "Scheduled", "IPAllocated"} {
+	for _, r := range []string{"Unschedulable", "Scheduled"} {
 		if ev[r] == 0 {
 			t.Errorf("no %s Event; events: %v", r, ev)
 		}

@@ -8,6 +8,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/workqueue"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -60,8 +61,11 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 	}
 	r.freed = make(chan event.GenericEvent, 1)
 
+	delay := r.Options.StartingReportDelay
 	return ctrl.NewControllerManagedBy(mgr).
-		For(&impv1.ImpVM{}).
+		For(&impv1.ImpVM{}, builder.WithPredicates(predicate.Not(startingReport(delay)))).
+		// An agent's Starting or booting report waits: what overtakes it is written instead.
+		Watches(&impv1.ImpVM{}, enqueueAfter(delay), builder.WithPredicates(startingReport(delay))).
 		Named("impvm").
 		WithOptions(controller.Options{MaxConcurrentReconciles: concurrency}).
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(nodeChanged())).
@@ -161,5 +165,37 @@ func reportChanged(silence time.Duration) predicate.Predicate {
 			}
 		}
 		return !equality.Semantic.DeepEqual(o, n)
+	}}
+}
+
+// startingReport passes the updates that only bring an agent's report of a run starting, or
+// of its guest booting (status.runtime and nothing else changed), when delay is not 0.
+func startingReport(delay time.Duration) predicate.Predicate {
+	return predicate.Funcs{
+		CreateFunc:  func(event.CreateEvent) bool { return false },
+		DeleteFunc:  func(event.DeleteEvent) bool { return false },
+		GenericFunc: func(event.GenericEvent) bool { return false },
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			o, n := e.ObjectOld.(*impv1.ImpVM), e.ObjectNew.(*impv1.ImpVM)
+			rt := n.Status.Runtime
+			if delay == 0 || rt == nil || !(rt.State == impv1.RuntimeStarting || rt.State == impv1.RuntimeRunning && !rt.GuestReady) {
+				return false
+			}
+			if equality.Semantic.DeepEqual(o.Status.Runtime, rt) || o.Generation != n.Generation || !n.DeletionTimestamp.IsZero() ||
+				!equality.Semantic.DeepEqual(o.Annotations, n.Annotations) || !equality.Semantic.DeepEqual(o.Labels, n.Labels) ||
+				!equality.Semantic.DeepEqual(o.Finalizers, n.Finalizers) {
+				return false
+			}
+			was, now := o.Status, n.Status
+			was.Runtime, now.Runtime = nil, nil
+			return equality.Semantic.DeepEqual(was, now)
+		},
+	}
+}
+
+// enqueueAfter enqueues the object's own request after delay.
+func enqueueAfter(delay time.Duration) handler.EventHandler {
+	return handler.Funcs{UpdateFunc: func(_ context.Context, e event.UpdateEvent, q workqueue.TypedRateLimitingInterface[reconcile.Request]) {
+		q.AddAfter(reconcile.Request{NamespacedName: client.ObjectKeyFromObject(e.ObjectNew)}, delay)
 	}}
 }
