@@ -102,6 +102,11 @@ type Options struct {
 	// ReportInterval is how often the ImpNode report is refreshed (and unused base disks are
 	// collected).
 	ReportInterval time.Duration
+	// StartingReportDelay is how long the reports that a run is starting, and that its guest
+	// boots, wait before they are written: one that a later report overtakes meanwhile (the
+	// guest ready, the start failed, the VM deleted) is never written, so a VM that boots
+	// within it costs one write. Negative writes each at once; 0 means one second.
+	StartingReportDelay time.Duration
 	// CgroupRoot is the host's cgroup mount (cgroup.Root) where VMMs get cgroups of their own;
 	// empty leaves them in the agent's (development only: they then end with the agent's pod).
 	CgroupRoot string
@@ -153,6 +158,7 @@ type Agent struct {
 	monitors  map[types.UID]*monitor
 	fetches   map[types.UID]*fetch    // images being fetched for a run
 	stops     map[types.UID]*stopping // stops in progress
+	reports   map[types.NamespacedName]uint64 // reports made or begun, by VM: a later one voids a deferred one
 }
 
 // CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
@@ -176,6 +182,10 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if a.Opts.ReportInterval == 0 {
 		a.Opts.ReportInterval = 30 * time.Second
 	}
+	if a.Opts.StartingReportDelay == 0 {
+		a.Opts.StartingReportDelay = time.Second
+	}
+	a.reports = map[types.NamespacedName]uint64{}
 	if a.Opts.KVMDevice == "" {
 		a.Opts.KVMDevice = kvm.Device
 	}
@@ -275,6 +285,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		} else if err == nil && vm.Status.NodeName == a.Opts.NodeName {
 			return ctrl.Result{Requeue: true}, nil // the cache is behind
 		}
+		a.mu.Lock()
+		delete(a.reports, req.NamespacedName)
+		a.mu.Unlock()
 		return ctrl.Result{}, a.removeLeftovers(ctx, req.NamespacedName, vm)
 	}
 	if !vm.DeletionTimestamp.IsZero() {
@@ -316,6 +329,15 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
+		if rt := st.Runtime; (rt == nil || rt.Instance != st.Instance || rt.Run != st.RestartCount || rt.State == impv1.RuntimeStarting) && !a.reportedSince(vm) {
+			// Started by an agent that stopped before its deferred report: the run is
+			// reported now, before anything else is done with it.
+			t := metav1.NewTime(m.Started)
+			booting := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting"}
+			if err := a.report(ctx, vm, booting); err != nil {
+				return ctrl.Result{}, err
+			}
+		}
 		if st.Suspension != nil && !suspendFailed(st.Runtime) {
 			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
 		}
@@ -426,9 +448,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	fetching := a.fetchImage(vm, ref)
 	starting := base
 	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
-	if err := a.report(ctx, vm, starting); err != nil {
-		return err
-	}
+	a.reportLater(vm, starting)
 	f := a.takeFetch(vm.UID, fetching)
 	if f == nil {
 		return errFetching
@@ -485,9 +505,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	started := base
 	t := metav1.NewTime(m.Started)
 	started.State, started.StartedAt, started.Message = impv1.RuntimeRunning, &t, "the guest is booting"
-	if err := a.report(ctx, vm, started); err != nil {
-		return err
-	}
+	a.reportLater(vm, started)
 	a.ensureMonitor(vm, dir, m, rec)
 	return nil
 }
@@ -580,28 +598,50 @@ func (a *Agent) nameOptions(image string) []name.Option {
 	return nil
 }
 
+// reportLater makes report rt of vm after Options.StartingReportDelay, unless another report
+// of the VM is made or begun meanwhile.
+func (a *Agent) reportLater(vm *impv1.ImpVM, rt impv1.RuntimeStatus) {
+	if a.Opts.StartingReportDelay < 0 {
+		_ = a.report(context.Background(), vm, rt)
+		return
+	}
+	key := client.ObjectKeyFromObject(vm)
+	a.mu.Lock()
+	a.reports[key]++
+	seq := a.reports[key]
+	a.mu.Unlock()
+	obj := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name}}
+	time.AfterFunc(a.Opts.StartingReportDelay, func() {
+		a.mu.Lock()
+		current := a.reports[key] == seq
+		a.mu.Unlock()
+		if !current {
+			return // overtaken
+		}
+		if err := a.report(context.Background(), obj, rt); err != nil {
+			ctrl.Log.WithName("agent").Error(err, "reporting the VM's state", "vm", key)
+		}
+	})
+}
+
+// reportedSince: this agent process has made or deferred a report of vm since it started.
+func (a *Agent) reportedSince(vm *impv1.ImpVM) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.reports[client.ObjectKeyFromObject(vm)] > 0
+}
+
 // report merge-patches status.runtime, and nothing else, when it differs.
 func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	key := client.ObjectKeyFromObject(vm)
+	a.mu.Lock()
+	a.reports[key]++ // voids a deferred report
+	a.mu.Unlock()
 	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
 		cur.GuestReady == rt.GuestReady && cur.Message == rt.Message {
 		return nil
 	}
-	// A merge patch keeps fields it does not name: name every field, null when unset, so the
-	// report replaces the previous one whole.
-	fields := map[string]any{}
-	raw, err := json.Marshal(rt)
-	if err != nil {
-		return err
-	}
-	if err := json.Unmarshal(raw, &fields); err != nil {
-		return err
-	}
-	for _, f := range []string{"startedAt", "bootMilliseconds", "guestReady", "finishedAt", "exitCode", "reason", "message"} {
-		if _, ok := fields[f]; !ok {
-			fields[f] = nil
-		}
-	}
-	patch, err := json.Marshal(map[string]any{"status": map[string]any{"runtime": fields}})
+	patch, err := RuntimePatch(rt)
 	if err != nil {
 		return err
 	}
@@ -614,6 +654,26 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	}
 	vm.Status.Runtime = &rt
 	return nil
+}
+
+// RuntimePatch is the merge patch of an ImpVM's status that reports rt: it names every field
+// of status.runtime, null when unset, so that the report replaces the previous one whole (a
+// merge patch keeps the fields it does not name), and touches nothing else.
+func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) {
+	fields := map[string]any{}
+	raw, err := json.Marshal(rt)
+	if err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(raw, &fields); err != nil {
+		return nil, err
+	}
+	for _, f := range []string{"startedAt", "bootMilliseconds", "guestReady", "finishedAt", "exitCode", "reason", "message"} {
+		if _, ok := fields[f]; !ok {
+			fields[f] = nil
+		}
+	}
+	return json.Marshal(map[string]any{"status": map[string]any{"runtime": fields}})
 }
 
 // stopping is a stop in progress: the end of its grace period, and whether the guest was

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -197,6 +198,44 @@ func (w *world) get(name string) *impv1.ImpVM {
 	return v
 }
 
+// watchReports returns the runtime reports of the world's VMs, in order, from a watch that
+// sees every write: "State" or "State/ready".
+func (w *world) watchReports(t *testing.T) func() []string {
+	wc, err := client.NewWithWatch(w.c.Config, client.Options{Scheme: w.c.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watch, err := wc.Watch(context.Background(), &impv1.ImpVMList{}, client.InNamespace(w.ns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(watch.Stop)
+	var mu sync.Mutex
+	var seen []string
+	go func() {
+		for ev := range watch.ResultChan() {
+			vm, ok := ev.Object.(*impv1.ImpVM)
+			if !ok || vm.Status.Runtime == nil {
+				continue
+			}
+			r := string(vm.Status.Runtime.State)
+			if vm.Status.Runtime.GuestReady {
+				r += "/ready"
+			}
+			mu.Lock()
+			if len(seen) == 0 || seen[len(seen)-1] != r {
+				seen = append(seen, r)
+			}
+			mu.Unlock()
+		}
+	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(seen)
+	}
+}
+
 func (w *world) console(vm *impv1.ImpVM) string {
 	b, _ := os.ReadFile(filepath.Join(w.stateDir, "vms", string(vm.UID), qemu.ConsoleLog))
 	return string(b)
@@ -204,10 +243,13 @@ func (w *world) console(vm *impv1.ImpVM) string {
 
 // TestVMLifecycle: an ImpVM becomes a guest booted under QEMU/TCG on this machine, reaches
 // Running with Ready=True from the guest channel, shows its workload's output on its console,
-// and on deletion its VMM, disks and state go and its finalizer is released.
+// and on deletion its VMM, disks and state go and its finalizer is released. With a starting
+// report delay longer than the boot, the guest's readiness is the run's first report: the
+// Starting and booting reports it overtook were never written.
 func TestVMLifecycle(t *testing.T) {
-	w := newWorld(t)
+	w := newWorld(t, func(o *agent.Options) { o.StartingReportDelay = 10 * time.Minute })
 	c, ns, ctx, stateDir, ref := w.c, w.ns, context.Background(), w.stateDir, w.ref
+	reports := w.watchReports(t)
 	vm := w.vm("hello", "serve")
 	vm.Spec.Env = []impv1.EnvVar{{Name: "GREETING", Value: "from-the-api"}}
 	created := time.Now()
@@ -236,6 +278,9 @@ func TestVMLifecycle(t *testing.T) {
 	}
 	v := get()
 	t.Logf("create→Running+Ready %v (boot %dms under TCG); runtime %+v", time.Since(created).Round(time.Millisecond), ptr.Deref(v.Status.Runtime.BootMilliseconds, -1), *v.Status.Runtime)
+	if got := reports(); !slices.Equal(got, []string{"Running/ready"}) {
+		t.Errorf("the run's reports were %v, want only Running/ready", got)
+	}
 
 	dir := filepath.Join(stateDir, "vms", string(v.UID))
 	g.Eventually(func() string {
