@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-placement bench-disk bench-agent bench-net bench-suspend bench-overhead images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-net bench-suspend bench-overhead images chart-push
 
 all: build
 
@@ -46,9 +46,10 @@ dev-down: ## Tear down what make dev started.
 
 N ?= 1000
 M ?= 100
-bench-placement: ## Place N VMs over M nodes; print latency, throughput, API writes/VM, operator RSS.
+RUNS ?= 3
+bench-controlplane: ## N VMs over M simulated nodes, RUNS runs: create→Scheduled/Running, VMs/s, requests/VM, memory.
 	go build -o bin/ ./cmd/imp-operator
-	go run ./test/bench/placement -n $(N) -m $(M)
+	go run ./test/bench/controlplane -n $(N) -m $(M) -runs $(RUNS)
 
 bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 	go run ./test/bench/disk -mb 64 -runs 3

@@ -1,0 +1,253 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	toolscache "k8s.io/client-go/tools/cache"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+)
+
+// simAgent is one node's agent as the API server sees it: it reports its ImpNode and
+// heartbeats, watches what the real agent watches (its node's ImpVMs; with fleet, every
+// ImpNetwork, ImpIPAddress and ImpNode, for the overlay), and answers each run placed on its
+// node with the real agent's reports: Starting, then Running (booting) after start, then
+// Running with the guest ready after boot; and a deletion with Gone. It makes the real agent's
+// patches (agent.RuntimePatch).
+type simAgent struct {
+	node      string
+	c         client.Client
+	start     time.Duration // placement seen → VMM started
+	boot      time.Duration // VMM started → guest ready
+	delay     time.Duration // the real agent's StartingReportDelay
+	heartbeat time.Duration
+
+	events *eventCounts
+
+	mu   sync.Mutex
+	seen map[types.UID]string // the last run reported for each VM: "instance/run/state"
+	kick chan struct{}
+	vms  cache.Cache
+}
+
+// eventCounts are the watch events the simulated agents received, by resource.
+type eventCounts struct {
+	vms, addresses, networks, nodes atomic.Int64
+}
+
+// newSimAgent connects an agent for node with its own connection to the API server, as a real
+// agent on its own host has: agents sharing one HTTP/2 connection would share its stream
+// limit.
+func newSimAgent(cfg *rest.Config, scheme *runtime.Scheme, node string, fleet bool, ev *eventCounts) (*simAgent, *cache.Options, error) {
+	cfg = rest.CopyConfig(cfg)
+	cfg.Dial = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext // no shared transport
+	cfg.UserAgent = "imp-agent-sim/" + node
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, nil, err
+	}
+	a := &simAgent{node: node, c: c, events: ev, seen: map[types.UID]string{}, kick: make(chan struct{}, 1)}
+	byObject := map[client.Object]cache.ByObject{&impv1.ImpVM{}: {Field: fields.OneTermEqualSelector("status.nodeName", node)}}
+	if fleet {
+		byObject[&impv1.ImpIPAddress{}] = cache.ByObject{}
+		byObject[&impv1.ImpNetwork{}] = cache.ByObject{}
+		byObject[&impv1.ImpNode{}] = cache.ByObject{}
+	}
+	opts := &cache.Options{Scheme: scheme, ByObject: byObject}
+	a.vms, err = cache.New(cfg, *opts)
+	if err != nil {
+		return nil, nil, err
+	}
+	return a, opts, nil
+}
+
+// run registers the node's report and serves its VMs until ctx ends.
+func (a *simAgent) run(ctx context.Context, fleet bool) error {
+	if err := a.report(ctx, true); err != nil {
+		return err
+	}
+	counted := func(n *atomic.Int64, f func()) toolscache.ResourceEventHandlerFuncs {
+		return toolscache.ResourceEventHandlerFuncs{
+			AddFunc:    func(any) { n.Add(1); f() },
+			UpdateFunc: func(any, any) { n.Add(1); f() },
+			DeleteFunc: func(any) { n.Add(1); f() },
+		}
+	}
+	inf, err := a.vms.GetInformer(ctx, &impv1.ImpVM{})
+	if err != nil {
+		return err
+	}
+	if _, err := inf.AddEventHandler(counted(&a.events.vms, a.poke)); err != nil {
+		return err
+	}
+	if fleet {
+		for obj, n := range map[client.Object]*atomic.Int64{&impv1.ImpIPAddress{}: &a.events.addresses, &impv1.ImpNetwork{}: &a.events.networks, &impv1.ImpNode{}: &a.events.nodes} {
+			inf, err := a.vms.GetInformer(ctx, obj)
+			if err != nil {
+				return err
+			}
+			if _, err := inf.AddEventHandler(counted(n, func() {})); err != nil {
+				return err
+			}
+		}
+	}
+	go func() { _ = a.vms.Start(ctx) }()
+	if !a.vms.WaitForCacheSync(ctx) {
+		return fmt.Errorf("agent %s: syncing its cache", a.node)
+	}
+	beat := time.NewTicker(a.heartbeat)
+	defer beat.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-beat.C:
+			if err := a.report(ctx, false); err != nil && ctx.Err() == nil {
+				return err
+			}
+		case <-a.kick:
+			a.sync(ctx)
+		}
+	}
+}
+
+func (a *simAgent) poke() {
+	select {
+	case a.kick <- struct{}{}:
+	default:
+	}
+}
+
+// report creates the node's ImpNode (first) or renews its heartbeat, with the real agent's
+// requests: the Node read, then a status patch.
+func (a *simAgent) report(ctx context.Context, first bool) error {
+	var n corev1.Node
+	if err := a.c.Get(ctx, types.NamespacedName{Name: a.node}, &n); err != nil {
+		return fmt.Errorf("agent %s: reading its Node: %w", a.node, err)
+	}
+	now := metav1.Now()
+	rep := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: a.node}}
+	if first {
+		rep.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}}
+		if err := a.c.Create(ctx, rep); err != nil {
+			return fmt.Errorf("agent %s: creating its ImpNode: %w", a.node, err)
+		}
+		rep.Status = impv1.ImpNodeStatus{
+			Capacity:    &impv1.NodeResources{VCPUs: 64, Memory: resource.MustParse("256Gi")},
+			Allocatable: &impv1.NodeResources{VCPUs: 64, Memory: resource.MustParse("256Gi")},
+			VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm"}},
+			Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "simulated", LastTransitionTime: now}},
+		}
+	}
+	rep.Status.HeartbeatTime = &now
+	patch := client.MergeFrom(&impv1.ImpNode{ObjectMeta: rep.ObjectMeta})
+	if !first {
+		patch = client.RawPatch(types.MergePatchType, fmt.Appendf(nil, `{"status":{"heartbeatTime":%q}}`, now.UTC().Format(time.RFC3339)))
+	}
+	if err := a.c.Status().Patch(ctx, rep, patch); err != nil {
+		return fmt.Errorf("agent %s: reporting: %w", a.node, err)
+	}
+	return nil
+}
+
+// sync answers every VM of the node whose run has not been answered yet.
+func (a *simAgent) sync(ctx context.Context) {
+	var list impv1.ImpVMList
+	if err := a.vms.List(ctx, &list); err != nil {
+		return
+	}
+	for i := range list.Items {
+		vm := &list.Items[i]
+		st := vm.Status
+		if st.NodeName != a.node {
+			continue
+		}
+		key := fmt.Sprintf("%d/%d", st.Instance, st.RestartCount)
+		base := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount}
+		switch {
+		case !vm.DeletionTimestamp.IsZero():
+			if a.answer(vm.UID, key+"/gone") {
+				base.State = impv1.RuntimeGone
+				go a.patch(ctx, vm, base, 0)
+			}
+		case vm.Labels[noStartLabel] == "true":
+		case a.answer(vm.UID, key+"/start"):
+			go a.startRun(ctx, vm, base)
+		}
+	}
+}
+
+// answer records that the VM's run key is being answered; false when it already was.
+func (a *simAgent) answer(uid types.UID, key string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.seen[uid] == key {
+		return false
+	}
+	a.seen[uid] = key
+	return true
+}
+
+// startRun reports a run as the real agent does: Starting and booting each only when the next
+// report does not overtake it within the report delay (agent.Options.StartingReportDelay).
+func (a *simAgent) startRun(ctx context.Context, vm *impv1.ImpVM, base impv1.RuntimeStatus) {
+	rt := base
+	if a.start >= a.delay {
+		rt.State, rt.Message = impv1.RuntimeStarting, "preparing disks"
+		if !a.patch(ctx, vm, rt, a.delay) {
+			return
+		}
+	}
+	if !a.sleep(ctx, a.start-min(a.start, a.delay)) {
+		return
+	}
+	started := metav1.Now()
+	rt.State, rt.StartedAt, rt.Message = impv1.RuntimeRunning, &started, "the guest is booting"
+	if a.boot >= a.delay {
+		if !a.patch(ctx, vm, rt, a.delay) {
+			return
+		}
+	}
+	boot := a.boot.Milliseconds()
+	rt.GuestReady, rt.BootMilliseconds, rt.Message = true, &boot, "the guest is ready"
+	a.patch(ctx, vm, rt, a.boot-min(a.boot, a.delay))
+}
+
+func (a *simAgent) sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return true
+	}
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(d):
+		return true
+	}
+}
+
+func (a *simAgent) patch(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus, after time.Duration) bool {
+	if !a.sleep(ctx, after) {
+		return false
+	}
+	p, err := agent.RuntimePatch(rt)
+	if err != nil {
+		return false
+	}
+	obj := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name}}
+	return a.c.Status().Patch(ctx, obj, client.RawPatch(types.MergePatchType, p)) == nil
+}

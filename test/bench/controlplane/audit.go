@@ -1,0 +1,139 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+// The API server's audit log, at Metadata level, is where the benchmark counts requests: it
+// names the user, verb, resource and subresource of every request, whoever makes it.
+const auditPolicy = `apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+- level: Metadata
+`
+
+// withAudit makes the API server write its audit log to dir/audit.log.
+func withAudit(dir string) (testcluster.Option, string, error) {
+	policy := filepath.Join(dir, "audit-policy.yaml")
+	if err := os.WriteFile(policy, []byte(auditPolicy), 0o600); err != nil {
+		return nil, "", err
+	}
+	log := filepath.Join(dir, "audit.log")
+	return func(e *envtest.Environment) {
+		e.ControlPlane.GetAPIServer().Configure().
+			Set("audit-policy-file", policy).
+			Set("audit-log-path", log).
+			Set("audit-log-format", "json").
+			Set("audit-log-mode", "blocking")
+	}, log, nil
+}
+
+type auditEvent struct {
+	Verb string `json:"verb"`
+	User struct {
+		Username string `json:"username"`
+	} `json:"user"`
+	ImpersonatedUser *struct {
+		Username string `json:"username"`
+	} `json:"impersonatedUser"`
+	ObjectRef *struct {
+		Resource    string `json:"resource"`
+		Subresource string `json:"subresource"`
+	} `json:"objectRef"`
+}
+
+// requests counts requests by who ("operator", "agents", "bench") and "verb resource[/sub]".
+type requests map[string]map[string]int
+
+// countRequests reads the audit log from offset from to offset to.
+func countRequests(path string, from, to int64) (requests, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	out := requests{}
+	sc := bufio.NewScanner(io.NewSectionReader(f, from, to-from))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var ev auditEvent
+		if json.Unmarshal(sc.Bytes(), &ev) != nil || ev.ObjectRef == nil {
+			continue
+		}
+		user := ev.User.Username
+		if ev.ImpersonatedUser != nil {
+			user = ev.ImpersonatedUser.Username
+		}
+		who := "bench"
+		switch {
+		case strings.HasSuffix(user, ":"+testcluster.Operator):
+			who = "operator"
+		case strings.HasSuffix(user, ":"+testcluster.Agent):
+			who = "agents"
+		}
+		what := ev.ObjectRef.Resource
+		if ev.ObjectRef.Subresource != "" {
+			what += "/" + ev.ObjectRef.Subresource
+		}
+		if out[who] == nil {
+			out[who] = map[string]int{}
+		}
+		out[who][ev.Verb+" "+what]++
+	}
+	return out, sc.Err()
+}
+
+func size(path string) int64 {
+	st, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	return st.Size()
+}
+
+// isWrite: a request that changes something.
+func isWrite(verbAndResource string) bool {
+	verb, _, _ := strings.Cut(verbAndResource, " ")
+	return verb != "get" && verb != "list" && verb != "watch"
+}
+
+// writes is who's writes, and of them those to Events.
+func (r requests) writes(who string) (all, events int) {
+	for k, n := range r[who] {
+		if isWrite(k) {
+			all += n
+			if strings.HasSuffix(k, " events") {
+				events += n
+			}
+		}
+	}
+	return all, events
+}
+
+// describe lists who's requests per VM, most first.
+func (r requests) describe(who string, vms int) string {
+	keys := make([]string, 0, len(r[who]))
+	for k := range r[who] {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		return r[who][keys[i]] > r[who][keys[j]] || r[who][keys[i]] == r[who][keys[j]] && keys[i] < keys[j]
+	})
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s %.2f", k, float64(r[who][k])/float64(vms)))
+	}
+	return strings.Join(parts, ", ")
+}

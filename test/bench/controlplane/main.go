@@ -1,0 +1,684 @@
+// Command controlplane benchmarks IMP's whole control-plane path on a real API server: the
+// operator as a process, and M simulated nodes whose agents make the real agent's requests
+// (ImpNode report and heartbeats; Starting → Running → guest ready; Gone on deletion), in this
+// process, except one, run as a child process so that an agent's memory can be measured.
+//
+// Each run starts its own control plane and measures, for N VMs created by C clients at once:
+//   - bare: the API server alone, the same creates each followed by one status patch from a
+//     watcher, with no IMP: the floor IMP's placement is compared with;
+//   - placement: create → Scheduled, on nodes whose agents do not start these VMs;
+//   - run: create → Scheduled and create → Running with the guest ready;
+//   - delete: every VM deleted → gone (the agents' Gone handshake).
+//
+// It prints latencies (P50, P99, max), VMs/s, API requests per VM by verb and resource split
+// operator / agents (from the API server's audit log), the operator's CPU seconds and memory,
+// an agent's memory, and the watch events the agents received per VM; then, over the runs,
+// each figure's median and range.
+//
+//	go run ./test/bench/controlplane -n 1000 -m 100 -runs 3      (make bench-controlplane)
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/scheme"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+type options struct {
+	n, m, creators, runs, concurrency int
+	start, boot, heartbeat, delay     time.Duration
+	fleet, bare                       bool
+	operator, operatorArgs            string
+}
+
+func main() {
+	var o options
+	flag.IntVar(&o.n, "n", 1000, "VMs per phase")
+	flag.IntVar(&o.m, "m", 100, "nodes, each with a simulated agent")
+	flag.IntVar(&o.creators, "creators", 32, "concurrent clients creating (and deleting) VMs")
+	flag.IntVar(&o.runs, "runs", 3, "runs, each on a new control plane")
+	flag.IntVar(&o.concurrency, "vm-concurrency", 0, "the operator's --vm-concurrency (0: its default)")
+	flag.DurationVar(&o.start, "start", 50*time.Millisecond, "a simulated agent's placement seen → VMM started")
+	flag.DurationVar(&o.boot, "boot", 150*time.Millisecond, "a simulated guest's VMM started → ready")
+	flag.DurationVar(&o.delay, "report-delay", time.Second, "the agents' --starting-report-delay")
+	flag.DurationVar(&o.heartbeat, "heartbeat", 30*time.Second, "the agents' report interval (the real agent's default)")
+	flag.BoolVar(&o.fleet, "fleet", true, "agents also watch every ImpNetwork, ImpIPAddress and ImpNode, as the real agent does for the overlay")
+	flag.BoolVar(&o.bare, "bare", true, "measure the bare API server first")
+	flag.StringVar(&o.operator, "operator", "bin/imp-operator", "imp-operator binary")
+	flag.StringVar(&o.operatorArgs, "operator-args", "", "more flags for the operator, space-separated")
+	agentNode := flag.String("agent-node", "", "internal: run one simulated agent for this node")
+	agentKubeconfig := flag.String("agent-kubeconfig", "", "internal: its kubeconfig")
+	flag.Parse()
+	if *agentNode != "" {
+		if err := runChildAgent(o, *agentNode, *agentKubeconfig); err != nil {
+			fmt.Fprintln(os.Stderr, "simulated agent:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	var all []figures
+	for i := 1; i <= o.runs; i++ {
+		fmt.Printf("run %d of %d: N=%d VMs per phase, M=%d nodes, %d creators, start %v, boot %v, report delay %v, heartbeat %v, fleet watches %v\n",
+			i, o.runs, o.n, o.m, o.creators, o.start, o.boot, o.delay, o.heartbeat, o.fleet)
+		f, err := run(o)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench-controlplane:", err)
+			os.Exit(1)
+		}
+		all = append(all, f)
+	}
+	summarize(all)
+}
+
+// figures are one run's measurements, by name, in the order measured.
+type figures struct {
+	names  []string
+	values map[string]float64
+	units  map[string]string
+}
+
+func (f *figures) set(name, unit string, v float64) {
+	if f.values == nil {
+		f.values, f.units = map[string]float64{}, map[string]string{}
+	}
+	if _, ok := f.values[name]; !ok {
+		f.names = append(f.names, name)
+	}
+	f.values[name], f.units[name] = v, unit
+}
+
+func (f *figures) latencies(name string, lat []time.Duration) {
+	if len(lat) == 0 {
+		return
+	}
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	pct := func(p float64) float64 { return lat[min(len(lat)-1, int(p*float64(len(lat))))].Seconds() * 1000 }
+	f.set(name+" P50", "ms", pct(.50))
+	f.set(name+" P99", "ms", pct(.99))
+	f.set(name+" max", "ms", lat[len(lat)-1].Seconds()*1000)
+	fmt.Printf("  %-34s P50 %.0f ms  P99 %.0f ms  max %.0f ms\n", name, pct(.50), pct(.99), lat[len(lat)-1].Seconds()*1000)
+}
+
+func summarize(all []figures) {
+	if len(all) == 0 {
+		return
+	}
+	fmt.Printf("\nover %d runs: median (min–max)\n", len(all))
+	for _, name := range all[0].names {
+		var vs []float64
+		for _, f := range all {
+			if v, ok := f.values[name]; ok {
+				vs = append(vs, v)
+			}
+		}
+		sort.Float64s(vs)
+		unit := all[0].units[name]
+		fmt.Printf("  %-44s %s (%s–%s) %s\n", name, num(vs[len(vs)/2]), num(vs[0]), num(vs[len(vs)-1]), unit)
+	}
+}
+
+func num(v float64) string {
+	if v >= 100 || v == float64(int64(v)) {
+		return strconv.FormatFloat(v, 'f', 0, 64)
+	}
+	return strconv.FormatFloat(v, 'f', 2, 64)
+}
+
+func run(o options) (figures, error) {
+	var f figures
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dir, err := os.MkdirTemp("", "bench-controlplane")
+	if err != nil {
+		return f, err
+	}
+	defer os.RemoveAll(dir)
+	audit, auditLog, err := withAudit(dir)
+	if err != nil {
+		return f, err
+	}
+	cl, err := testcluster.Start(audit)
+	if err != nil {
+		return f, err
+	}
+	defer func() { _ = cl.Stop() }()
+	c := cl.Client
+
+	for i := 0; i < o.m; i++ {
+		if err := addNode(ctx, c, nodeName(i)); err != nil {
+			return f, err
+		}
+	}
+	for _, ns := range []string{"bare", "place", "run"} {
+		if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
+			return f, err
+		}
+	}
+	tr, err := track(ctx, cl)
+	if err != nil {
+		return f, err
+	}
+
+	if o.bare {
+		if err := bareRun(ctx, cl, o, tr, &f); err != nil {
+			return f, err
+		}
+	}
+
+	// IMP, as the chart installs it: its RBAC, admission policies and identities.
+	if err := cl.ApplyChartObjects(ctx, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+		"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "FlowSchema"); err != nil {
+		return f, err
+	}
+	op, err := startOperator(cl, dir, o)
+	if err != nil {
+		return f, err
+	}
+	defer func() { _ = op.Process.Kill(); _ = op.Wait() }()
+
+	var ev eventCounts
+	var agents sync.WaitGroup
+	agentErr := make(chan error, o.m)
+	for i := 1; i < o.m; i++ {
+		cfg, err := cl.ConfigAs(testcluster.Agent, nodeName(i))
+		if err != nil {
+			return f, err
+		}
+		a, _, err := newSimAgent(cfg, cl.Scheme, nodeName(i), o.fleet, &ev)
+		if err != nil {
+			return f, err
+		}
+		a.start, a.boot, a.delay, a.heartbeat = o.start, o.boot, o.delay, jitter(o.heartbeat, i)
+		agents.Add(1)
+		go func() {
+			defer agents.Done()
+			if err := a.run(ctx, o.fleet); err != nil && ctx.Err() == nil {
+				agentErr <- err
+			}
+		}()
+	}
+	child, err := startChildAgent(cl, dir, o, nodeName(0))
+	if err != nil {
+		return f, err
+	}
+	defer func() { _ = child.Process.Kill(); _ = child.Wait() }()
+	if err := waitReports(ctx, c, o.m, agentErr); err != nil {
+		return f, err
+	}
+	agentRSSIdle, _ := memory(child.Process.Pid)
+
+	// Placement alone.
+	from, cpu0 := size(auditLog), cpuSeconds(op.Process.Pid)
+	start := time.Now()
+	createdIn, err := create(ctx, c, "place", o, tr)
+	if err != nil {
+		return f, err
+	}
+	if err := tr.wait(ctx, "place", "scheduled", o.n, agentErr); err != nil {
+		return f, err
+	}
+	elapsed := time.Since(start)
+	time.Sleep(2 * time.Second) // Events in flight
+	reqs, err := countRequests(auditLog, from, size(auditLog))
+	if err != nil {
+		return f, err
+	}
+	fmt.Printf("  placement (agents do not start these VMs): %d created in %v\n", o.n, createdIn.Round(time.Millisecond))
+	f.latencies("place: create→Scheduled", tr.latencies("place", "created", "scheduled"))
+	f.set("place: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
+	writes, events := reqs.writes("operator")
+	f.set("place: operator writes/VM", "", float64(writes)/float64(o.n))
+	f.set("place: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
+	fmt.Printf("  %-34s %.0f VMs/s; operator writes/VM %.2f (Events %.2f): %s\n", "place: throughput", float64(o.n)/elapsed.Seconds(),
+		float64(writes)/float64(o.n), float64(events)/float64(o.n), reqs.describe("operator", o.n))
+
+	// Create → Running, guest ready.
+	from, cpu0 = size(auditLog), cpuSeconds(op.Process.Pid)
+	watch0, err := scrapeAPIServer(ctx, cl.Config)
+	if err != nil {
+		return f, err
+	}
+	ev0 := ev.snapshot()
+	if path := os.Getenv("BENCH_APISERVER_PROFILE"); path != "" {
+		go profile(ctx, cl.Config, path, 10*time.Second)
+	}
+	start = time.Now()
+	createdIn, err = create(ctx, c, "run", o, tr)
+	if err != nil {
+		return f, err
+	}
+	if err := tr.wait(ctx, "run", "ready", o.n, agentErr); err != nil {
+		return f, err
+	}
+	elapsed = time.Since(start)
+	time.Sleep(2 * time.Second)
+	reqs, err = countRequests(auditLog, from, size(auditLog))
+	if err != nil {
+		return f, err
+	}
+	watch1, err := scrapeAPIServer(ctx, cl.Config)
+	if err != nil {
+		return f, err
+	}
+	ev1 := ev.snapshot()
+	fmt.Printf("  run (agents start the VMs): %d created in %v\n", o.n, createdIn.Round(time.Millisecond))
+	f.latencies("run: create→Scheduled", tr.latencies("run", "created", "scheduled"))
+	f.latencies("run: create→Running, guest ready", tr.latencies("run", "created", "ready"))
+	f.set("run: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
+	fmt.Printf("  %-34s %.0f VMs/s ready\n", "run: throughput", float64(o.n)/elapsed.Seconds())
+	for _, who := range []string{"operator", "agents"} {
+		writes, events := reqs.writes(who)
+		f.set("run: "+who+" writes/VM", "", float64(writes)/float64(o.n))
+		fmt.Printf("  run: %-29s writes/VM %.2f (Events %.2f); all requests/VM: %s\n", who, float64(writes)/float64(o.n), float64(events)/float64(o.n), reqs.describe(who, o.n))
+	}
+	f.set("run: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
+	rss, hwm := memory(op.Process.Pid)
+	agentRSS, _ := memory(child.Process.Pid)
+	f.set("operator RSS", "MiB", float64(rss)/1024)
+	f.set("operator peak RSS", "MiB", float64(hwm)/1024)
+	f.set("agent RSS idle", "MiB", float64(agentRSSIdle)/1024)
+	f.set("agent RSS", "MiB", float64(agentRSS)/1024)
+	fmt.Printf("  %-34s RSS %.0f MiB, peak %.0f MiB; one agent (child process) %.0f MiB before, %.0f MiB after\n", "operator memory",
+		float64(rss)/1024, float64(hwm)/1024, float64(agentRSSIdle)/1024, float64(agentRSS)/1024)
+	perAgent := func(a, b int64) float64 { return float64(b-a) / float64(o.m-1) / float64(o.n) }
+	f.set("run: watch events per agent per VM", "", perAgent(ev0.total(), ev1.total()))
+	fmt.Printf("  %-34s %.3f per agent per VM (ImpVM %.3f, ImpIPAddress %.3f, ImpNetwork %.3f, ImpNode %.3f)\n", "run: watch events to agents",
+		perAgent(ev0.total(), ev1.total()), perAgent(ev0.vms, ev1.vms), perAgent(ev0.addresses, ev1.addresses), perAgent(ev0.networks, ev1.networks), perAgent(ev0.nodes, ev1.nodes))
+	fmt.Printf("  %-34s %s\n", "run: API server watch events/VM", describeWatch(watch0.watch, watch1.watch, o.n))
+	fmt.Printf("  %-34s %s\n", "run: API server queue waits", describeWaits(watch0, watch1))
+
+	// Delete everything: the agents' Gone handshake.
+	from = size(auditLog)
+	if err := deleteAll(ctx, c, o, tr, "place", "run"); err != nil {
+		return f, err
+	}
+	for _, ns := range []string{"place", "run"} {
+		if err := tr.wait(ctx, ns, "gone", o.n, agentErr); err != nil {
+			return f, err
+		}
+	}
+	time.Sleep(2 * time.Second)
+	reqs, err = countRequests(auditLog, from, size(auditLog))
+	if err != nil {
+		return f, err
+	}
+	f.latencies("delete→gone", append(tr.latencies("place", "deleting", "gone"), tr.latencies("run", "deleting", "gone")...))
+	writes, _ = reqs.writes("operator")
+	awrites, _ := reqs.writes("agents")
+	fmt.Printf("  %-34s operator writes/VM %.2f (%s); agents %.2f\n", "delete", float64(writes)/float64(2*o.n), reqs.describe("operator", 2*o.n), float64(awrites)/float64(2*o.n))
+	select {
+	case err := <-agentErr:
+		return f, err
+	default:
+	}
+	cancel()
+	agents.Wait()
+	return f, nil
+}
+
+func nodeName(i int) string { return fmt.Sprintf("node-%04d", i) }
+
+// jitter spreads the agents' heartbeats over the interval, as independent hosts do.
+func jitter(d time.Duration, i int) time.Duration {
+	return d + time.Duration(i*7919%1000)*d/10000
+}
+
+func benchVM(ns, name string) *impv1.ImpVM {
+	vm := &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: impv1.ImpVMSpec{
+			Image:     "registry.test/app@sha256:" + strings.Repeat("ab", 32),
+			Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("256Mi"))},
+		},
+	}
+	return vm
+}
+
+func addNode(ctx context.Context, c client.Client, name string) error {
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{impv1.NodeEnabledLabel: "true"}}}
+	if err := c.Create(ctx, node); err != nil {
+		return err
+	}
+	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
+	return c.Status().Update(ctx, node)
+}
+
+func waitReports(ctx context.Context, c client.Client, m int, agentErr <-chan error) error {
+	deadline := time.Now().Add(5 * time.Minute)
+	for {
+		var list impv1.ImpNodeList
+		if err := c.List(ctx, &list); err != nil {
+			return err
+		}
+		if len(list.Items) == m {
+			return nil
+		}
+		select {
+		case err := <-agentErr:
+			return err
+		case <-time.After(200 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d agents reported", len(list.Items), m)
+		}
+	}
+}
+
+// create makes o.n VMs in ns with o.creators clients and returns how long it took.
+func create(ctx context.Context, c client.Client, ns string, o options, tr *tracker) (time.Duration, error) {
+	start := time.Now()
+	err := parallel(o.n, o.creators, func(i int) error {
+		vm := benchVM(ns, fmt.Sprintf("vm-%05d", i))
+		if ns == "place" {
+			vm.Labels = map[string]string{noStartLabel: "true"}
+		}
+		tr.mark(ns, vm.Name, "created", time.Now())
+		return c.Create(ctx, vm)
+	})
+	return time.Since(start), err
+}
+
+func deleteAll(ctx context.Context, c client.Client, o options, tr *tracker, namespaces ...string) error {
+	for _, ns := range namespaces {
+		err := parallel(o.n, o.creators, func(i int) error {
+			name := fmt.Sprintf("vm-%05d", i)
+			tr.mark(ns, name, "deleting", time.Now())
+			return client.IgnoreNotFound(c.Delete(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}))
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// parallel runs f(0..n-1) on workers goroutines; the first error stops it.
+func parallel(n, workers int, f func(int) error) error {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				if err := f(i); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+// bareRun is the floor: the same creates, each answered by one status patch from a watcher,
+// with no IMP installed.
+func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracker, f *figures) error {
+	c := cl.Client
+	informers, err := cache.New(cl.Config, cache.Options{Scheme: cl.Scheme, DefaultNamespaces: map[string]cache.Config{"bare": {}}})
+	if err != nil {
+		return err
+	}
+	bctx, stop := context.WithCancel(ctx)
+	defer stop()
+	inf, err := informers.GetInformer(bctx, &impv1.ImpVM{})
+	if err != nil {
+		return err
+	}
+	queue := make(chan types.NamespacedName, o.n)
+	if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
+		vm := obj.(*impv1.ImpVM)
+		queue <- client.ObjectKeyFromObject(vm)
+	}}); err != nil {
+		return err
+	}
+	go func() { _ = informers.Start(bctx) }()
+	informers.WaitForCacheSync(bctx)
+	for w := 0; w < o.creators; w++ {
+		go func() {
+			for {
+				select {
+				case <-bctx.Done():
+					return
+				case key := <-queue:
+					vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name}}
+					orig := vm.DeepCopy()
+					vm.Status.NodeName = nodeName(0)
+					meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed on node " + nodeName(0)})
+					_ = c.Status().Patch(bctx, vm, client.MergeFrom(orig))
+				}
+			}
+		}()
+	}
+	start := time.Now()
+	if _, err := create(ctx, c, "bare", o, tr); err != nil {
+		return err
+	}
+	if err := tr.wait(ctx, "bare", "scheduled", o.n, nil); err != nil {
+		return err
+	}
+	elapsed := time.Since(start)
+	fmt.Printf("  bare API server (create, then one status patch by a watcher; no IMP):\n")
+	f.latencies("bare: create→patched", tr.latencies("bare", "created", "scheduled"))
+	f.set("bare: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
+	fmt.Printf("  %-34s %.0f VMs/s\n", "bare: throughput", float64(o.n)/elapsed.Seconds())
+	if err := deleteAll(ctx, c, o, tr, "bare"); err != nil {
+		return err
+	}
+	return tr.wait(ctx, "bare", "gone", o.n, nil)
+}
+
+func startOperator(cl *testcluster.Cluster, dir string, o options) (*exec.Cmd, error) {
+	kubeconfig, err := cl.WriteKubeconfigAs(dir, testcluster.Operator)
+	if err != nil {
+		return nil, err
+	}
+	args := []string{"--kubeconfig", kubeconfig, "--leader-elect=false", "--metrics-bind-address", "0",
+		"--health-probe-bind-address", "0", "--log-level", "error"}
+	if o.concurrency > 0 {
+		args = append(args, "--vm-concurrency", strconv.Itoa(o.concurrency))
+	}
+	args = append(args, strings.Fields(o.operatorArgs)...)
+	op := exec.Command(o.operator, args...)
+	op.Stderr = os.Stderr
+	op.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := op.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s (make build): %w", o.operator, err)
+	}
+	return op, nil
+}
+
+// startChildAgent runs node's simulated agent as a child process, for its memory.
+func startChildAgent(cl *testcluster.Cluster, dir string, o options, node string) (*exec.Cmd, error) {
+	kubeconfig, err := cl.WriteKubeconfigAs(dir, testcluster.Agent, node)
+	if err != nil {
+		return nil, err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, "-agent-node", node, "-agent-kubeconfig", kubeconfig, "-start", o.start.String(), "-boot", o.boot.String(), "-report-delay", o.delay.String(),
+		"-heartbeat", o.heartbeat.String(), "-fleet="+strconv.FormatBool(o.fleet))
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	return cmd, cmd.Start()
+}
+
+func runChildAgent(o options, node, kubeconfig string) error {
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return err
+	}
+	cfg.QPS, cfg.Burst = 50, 100
+	s, err := scheme.New()
+	if err != nil {
+		return err
+	}
+	var ev eventCounts
+	a, _, err := newSimAgent(cfg, s, node, o.fleet, &ev)
+	if err != nil {
+		return err
+	}
+	a.start, a.boot, a.delay, a.heartbeat = o.start, o.boot, o.delay, o.heartbeat
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	return a.run(ctx, o.fleet)
+}
+
+// apiMetrics is what the benchmark reads of the API server's metrics: watch events sent
+// (apiserver_watch_events_total) by resource, and the time requests waited in API Priority
+// and Fairness queues by priority level.
+type apiMetrics struct {
+	watch          map[string]float64
+	waitSum, waits map[string]float64
+	seats          map[string]float64
+}
+
+func scrapeAPIServer(ctx context.Context, cfg *rest.Config) (apiMetrics, error) {
+	m := apiMetrics{watch: map[string]float64{}, waitSum: map[string]float64{}, waits: map[string]float64{}, seats: map[string]float64{}}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return m, err
+	}
+	raw, err := cs.RESTClient().Get().AbsPath("/metrics").DoRaw(ctx)
+	if err != nil {
+		return m, fmt.Errorf("reading the API server's metrics: %w", err)
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+		if err != nil {
+			continue
+		}
+		switch {
+		case strings.HasPrefix(line, "apiserver_watch_events_total{"):
+			res := label(line, "resource")
+			if res == "" {
+				res = label(line, "kind")
+			}
+			m.watch[res] += v
+		case strings.HasPrefix(line, "apiserver_flowcontrol_request_wait_duration_seconds_sum{"):
+			m.waitSum[label(line, "priority_level")] += v
+		case strings.HasPrefix(line, "apiserver_flowcontrol_request_wait_duration_seconds_count{"):
+			m.waits[label(line, "priority_level")] += v
+		case strings.HasPrefix(line, "apiserver_flowcontrol_current_limit_seats{"):
+			m.seats[label(line, "priority_level")] = v
+		}
+	}
+	return m, nil
+}
+
+// describeWaits is the mean wait in each priority level's queues between two scrapes.
+func describeWaits(before, after apiMetrics) string {
+	var parts []string
+	for pl, n := range after.waits {
+		if d := n - before.waits[pl]; d > 0 {
+			parts = append(parts, fmt.Sprintf("%s (%.0f seats) %.0f ms × %.0f", pl, after.seats[pl], (after.waitSum[pl]-before.waitSum[pl])/d*1000, d))
+		}
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, ", ")
+}
+
+func label(line, name string) string {
+	i := strings.Index(line, name+`="`)
+	if i < 0 {
+		return ""
+	}
+	v := line[i+len(name)+2:]
+	return v[:strings.IndexByte(v, '"')]
+}
+
+func describeWatch(before, after map[string]float64, n int) string {
+	var parts []string
+	for res, v := range after {
+		if d := v - before[res]; d >= float64(n)/10 {
+			parts = append(parts, fmt.Sprintf("%s %.1f", res, d/float64(n)))
+		}
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, ", ")
+}
+
+// cpuSeconds is the process's user and system CPU time.
+func cpuSeconds(pid int) float64 {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(raw)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(fields) < 13 {
+		return 0
+	}
+	u, _ := strconv.ParseFloat(fields[11], 64)
+	k, _ := strconv.ParseFloat(fields[12], 64)
+	return (u + k) / 100 // USER_HZ
+}
+
+// memory returns the process's resident and peak resident memory in KiB.
+func memory(pid int) (rss, hwm int64) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, 0
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		fields := strings.Fields(line)
+		if len(fields) < 2 {
+			continue
+		}
+		v, _ := strconv.ParseInt(fields[1], 10, 64)
+		switch fields[0] {
+		case "VmRSS:":
+			rss = v
+		case "VmHWM:":
+			hwm = v
+		}
+	}
+	return rss, hwm
+}
+
+// profile writes the API server's CPU profile over d to path (BENCH_APISERVER_PROFILE): where
+// its time goes during the run phase.
+func profile(ctx context.Context, cfg *rest.Config, path string, d time.Duration) {
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return
+	}
+	raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", strconv.Itoa(int(d.Seconds()))).Timeout(d+30*time.Second).DoRaw(ctx)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "profiling the API server:", err)
+		return
+	}
+	_ = os.WriteFile(path, raw, 0o600)
+}
