@@ -156,8 +156,8 @@ type Agent struct {
 	fetched   chan event.GenericEvent // VMs whose image fetch is done: their start goes on
 	mu        sync.Mutex
 	monitors  map[types.UID]*monitor
-	fetches   map[types.UID]*fetch    // images being fetched for a run
-	stops     map[types.UID]*stopping // stops in progress
+	fetches   map[types.UID]*fetch            // images being fetched for a run
+	stops     map[types.UID]*stopping         // stops in progress
 	reports   map[types.NamespacedName]uint64 // reports made or begun, by VM: a later one voids a deferred one
 }
 

@@ -83,7 +83,7 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 	step("secrets")
 	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
 	// A digest costs no request; a tag one, whose answer also says these credentials reach it.
-	if f.digest, err = disk.Resolve(ctx, ref, kc); err != nil {
+	if f.digest, err = a.images.Resolve(ctx, ref, kc); err != nil {
 		return "ImagePullFailed", err
 	}
 	if _, tag := ref.(name.Tag); tag {

@@ -25,14 +25,18 @@ import (
 // credential; after that, starting a VM of it needs no request at all. Credentials that
 // resolved or pulled the digest have that word already (Resolve, Ensure).
 func (s *BaseStore) Authorize(ctx context.Context, d name.Digest, kc authn.Keychain) error {
-	key, err := credentialKey(d, kc)
+	key, err := credentialKey(d.Context(), kc)
 	if err != nil {
 		return err
 	}
 	if s.verified(d.DigestStr(), key) {
 		return nil
 	}
-	if _, err := remote.Head(d, append(s.RemoteOptions, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...); err != nil {
+	p, err := s.puller(d.Context(), kc)
+	if err != nil {
+		return err
+	}
+	if _, err := p.Head(ctx, d); err != nil {
 		return fmt.Errorf("checking access to %s: %w", d, err)
 	}
 	s.verify(d.DigestStr(), key)
@@ -41,7 +45,7 @@ func (s *BaseStore) Authorize(ctx context.Context, d name.Digest, kc authn.Keych
 
 // Verified records that the credentials of kc pulled or resolved d.
 func (s *BaseStore) Verified(d name.Digest, kc authn.Keychain) {
-	if key, err := credentialKey(d, kc); err == nil {
+	if key, err := credentialKey(d.Context(), kc); err == nil {
 		s.verify(d.DigestStr(), key)
 	}
 }
@@ -66,21 +70,49 @@ func (s *BaseStore) verify(digest, key string) {
 
 // credentialKey names the credentials kc gives for d's registry (a hash of them; "anonymous"
 // without any).
-func credentialKey(d name.Digest, kc authn.Keychain) (string, error) {
-	a, err := kc.Resolve(d.Context())
+func credentialKey(repo name.Repository, kc authn.Keychain) (string, error) {
+	a, err := kc.Resolve(repo)
 	if err != nil {
-		return "", fmt.Errorf("credentials for %s: %w", d.Context(), err)
+		return "", fmt.Errorf("credentials for %s: %w", repo, err)
 	}
 	if a == authn.Anonymous {
 		return "anonymous", nil
 	}
 	cfg, err := a.Authorization()
 	if err != nil {
-		return "", fmt.Errorf("credentials for %s: %w", d.Context(), err)
+		return "", fmt.Errorf("credentials for %s: %w", repo, err)
 	}
 	data, _ := json.Marshal(cfg)
-	sum := sha256.Sum256(append([]byte(d.RegistryStr()+"\x00"), data...))
+	sum := sha256.Sum256(append([]byte(repo.RegistryStr()+"\x00"), data...))
 	return hex.EncodeToString(sum[:]), nil
+}
+
+// maxPullers bounds the registry sessions a store keeps (credentials × registries).
+const maxPullers = 256
+
+// puller returns the store's registry session for kc's credentials at repo's registry: a
+// remote.Puller, which keeps what the registry's authentication took (its ping, a bearer
+// token) for the requests after the first, so that resolving a tag again costs one request.
+func (s *BaseStore) puller(repo name.Repository, kc authn.Keychain) (*remote.Puller, error) {
+	key, err := credentialKey(repo, kc)
+	if err != nil {
+		return nil, err
+	}
+	key = repo.RegistryStr() + "\x00" + key // "anonymous" is per registry too
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p := s.pullers[key]; p != nil {
+		return p, nil
+	}
+	p, err := remote.NewPuller(append(s.RemoteOptions, remote.WithAuthFromKeychain(kc))...)
+	if err != nil {
+		return nil, err
+	}
+	if s.pullers == nil || len(s.pullers) >= maxPullers {
+		s.pullers = map[string]*remote.Puller{} // the sessions are made again as needed
+	}
+	s.pullers[key] = p
+	return p, nil
 }
 
 // configPath is where the config of image d is kept beside its base disk.

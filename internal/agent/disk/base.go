@@ -42,20 +42,27 @@ type BaseStore struct {
 	// RemoteOptions are added to every registry request (transport, platform, ...).
 	RemoteOptions []remote.Option
 
-	builds singleflight.Group
-	mu     sync.Mutex
-	active map[string]bool            // build directories in use, which GC leaves alone
-	leases map[string]int             // digest → leases held (Ensure until its release)
-	access map[string]map[string]bool // digest → credentials the registry let pull it (Authorize)
+	builds  singleflight.Group
+	mu      sync.Mutex
+	active  map[string]bool            // build directories in use, which GC leaves alone
+	leases  map[string]int             // digest → leases held (Ensure until its release)
+	access  map[string]map[string]bool // digest → credentials the registry let pull it (Authorize)
+	pullers map[string]*remote.Puller  // registry sessions, by registry and credentials
 }
 
-// Resolve returns the digest r names (r itself when it is one), asking the registry for a tag.
-// The digest keeps r's registry, and with it whether the registry is reached over plain HTTP.
-func Resolve(ctx context.Context, r name.Reference, kc authn.Keychain, opts ...remote.Option) (name.Digest, error) {
+// Resolve returns the digest r names (r itself when it is one), asking the registry for a tag:
+// one manifest HEAD, after the first request of these credentials to that registry (which
+// also authenticates). The digest keeps r's registry, and with it whether the registry is
+// reached over plain HTTP.
+func (s *BaseStore) Resolve(ctx context.Context, r name.Reference, kc authn.Keychain) (name.Digest, error) {
 	if d, ok := r.(name.Digest); ok {
 		return d, nil
 	}
-	desc, err := remote.Head(r, append(opts, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
+	p, err := s.puller(r.Context(), kc)
+	if err != nil {
+		return name.Digest{}, fmt.Errorf("resolving %s: %w", r, err)
+	}
+	desc, err := p.Head(ctx, r)
 	if err != nil {
 		return name.Digest{}, fmt.Errorf("resolving %s: %w", r, err)
 	}

@@ -189,15 +189,19 @@ func TestPullSecrets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Resolve(ctx, tag, anonymous, remote.WithTransport(http.DefaultTransport)); err == nil {
+	// One store: the registry session the anonymous attempt made is not the one of the
+	// credentials, and a refused attempt leaves nothing the next one could use.
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+	if _, err := store.Resolve(ctx, tag, anonymous); err == nil {
 		t.Error("resolved a private image anonymously")
 	}
-	resolved, err := Resolve(ctx, tag, good)
+	resolved, err := store.Resolve(ctx, tag, good)
 	if err != nil || resolved.DigestStr() != d.DigestStr() {
 		t.Fatalf("Resolve = %v, %v; want %s", resolved, err, d.DigestStr())
 	}
-
-	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+	if _, err := store.Resolve(ctx, tag, anonymous); err == nil {
+		t.Error("resolved a private image anonymously after the credentials did")
+	}
 	bad, _ := NewPullSecretKeychain(secret("puller", "wrong"))
 	if _, _, err := store.Ensure(ctx, d, bad); err == nil {
 		t.Error("pulled with a wrong password")
@@ -385,5 +389,38 @@ func TestAuthorizeAnotherTenantsDisk(t *testing.T) {
 				t.Errorf("%d registry requests, want at most %d", got, tc.requests)
 			}
 		})
+	}
+}
+
+// TestResolveTagCostsOneRequest: resolving a tag again with the same credentials costs one
+// registry request (the manifest HEAD); the registry's authentication happened once.
+func TestResolveTagCostsOneRequest(t *testing.T) {
+	backend := testregistry.Start(t, "puller", "s3cret")
+	var requests atomic.Int64
+	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: backend})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { requests.Add(1); rp.ServeHTTP(w, r) }))
+	t.Cleanup(srv.Close)
+	host := strings.TrimPrefix(srv.URL, "http://")
+	auth := base64.StdEncoding.EncodeToString([]byte("puller:s3cret"))
+	kc, err := NewPullSecretKeychain([]byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := testregistry.Push(t, host, "app", kc, layer(t, file("f", "app\n")))
+	tag, err := name.ParseReference(host+"/app:v1", name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
+	ctx := context.Background()
+	for i := range 3 {
+		n := requests.Load()
+		d, err := store.Resolve(ctx, tag, kc)
+		if err != nil || d.DigestStr() != want.DigestStr() {
+			t.Fatalf("resolve %d: %v, %v; want %s", i, d, err, want.DigestStr())
+		}
+		if got := requests.Load() - n; i > 0 && got != 1 {
+			t.Errorf("resolve %d cost %d registry requests, want 1", i, got)
+		}
 	}
 }
