@@ -35,6 +35,7 @@ type simAgent struct {
 	start     time.Duration // placement seen → VMM started
 	boot      time.Duration // VMM started → guest ready
 	delay     time.Duration // the real agent's StartingReportDelay
+	vcpus     int32         // the node's allocatable vCPUs
 	heartbeat time.Duration
 
 	events *eventCounts
@@ -148,8 +149,8 @@ func (a *simAgent) report(ctx context.Context, first bool) error {
 			return fmt.Errorf("agent %s: creating its ImpNode: %w", a.node, err)
 		}
 		rep.Status = impv1.ImpNodeStatus{
-			Capacity:    &impv1.NodeResources{VCPUs: 64, Memory: resource.MustParse("256Gi")},
-			Allocatable: &impv1.NodeResources{VCPUs: 64, Memory: resource.MustParse("256Gi")},
+			Capacity:    &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
+			Allocatable: &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
 			VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm"}},
 			Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "simulated", LastTransitionTime: now}},
 		}

@@ -53,6 +53,7 @@ import (
 
 type options struct {
 	n, m, creators, runs, concurrency int
+	nodeVCPUs, runN                   int
 	start, boot, heartbeat, delay     time.Duration
 	fleet, bare                       bool
 	operator, operatorArgs            string
@@ -67,6 +68,8 @@ func main() {
 	flag.IntVar(&o.concurrency, "vm-concurrency", 0, "the operator's --vm-concurrency (0: its default)")
 	flag.DurationVar(&o.start, "start", 50*time.Millisecond, "a simulated agent's placement seen → VMM started")
 	flag.DurationVar(&o.boot, "boot", 150*time.Millisecond, "a simulated guest's VMM started → ready")
+	flag.IntVar(&o.runN, "run-n", 0, "VMs of the run phase (0: n), for a scale run whose placement phase fills the cluster")
+	flag.IntVar(&o.nodeVCPUs, "node-vcpus", 64, "each node's allocatable vCPUs (each VM has 1): with 2N/M close to it, placement must spread and may not overbook")
 	flag.DurationVar(&o.delay, "report-delay", time.Second, "the agents' --starting-report-delay")
 	flag.DurationVar(&o.heartbeat, "heartbeat", 30*time.Second, "the agents' report interval (the real agent's default)")
 	flag.BoolVar(&o.fleet, "fleet", true, "agents also watch every ImpNetwork, ImpIPAddress and ImpNode, as the real agent does for the overlay")
@@ -76,6 +79,9 @@ func main() {
 	agentNode := flag.String("agent-node", "", "internal: run one simulated agent for this node")
 	agentKubeconfig := flag.String("agent-kubeconfig", "", "internal: its kubeconfig")
 	flag.Parse()
+	if o.runN == 0 {
+		o.runN = o.n
+	}
 	if *agentNode != "" {
 		if err := runChildAgent(o, *agentNode, *agentKubeconfig); err != nil {
 			fmt.Fprintln(os.Stderr, "simulated agent:", err)
@@ -85,8 +91,8 @@ func main() {
 	}
 	var all []figures
 	for i := 1; i <= o.runs; i++ {
-		fmt.Printf("run %d of %d: N=%d VMs per phase, M=%d nodes, %d creators, start %v, boot %v, report delay %v, heartbeat %v, fleet watches %v\n",
-			i, o.runs, o.n, o.m, o.creators, o.start, o.boot, o.delay, o.heartbeat, o.fleet)
+		fmt.Printf("run %d of %d: N=%d VMs placed, %d run, M=%d nodes, %d creators, start %v, boot %v, report delay %v, heartbeat %v, fleet watches %v\n",
+			i, o.runs, o.n, o.runN, o.m, o.creators, o.start, o.boot, o.delay, o.heartbeat, o.fleet)
 		f, err := run(o)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench-controlplane:", err)
@@ -215,7 +221,7 @@ func run(o options) (figures, error) {
 		if err != nil {
 			return f, err
 		}
-		a.start, a.boot, a.delay, a.heartbeat = o.start, o.boot, o.delay, jitter(o.heartbeat, i)
+		a.start, a.boot, a.delay, a.heartbeat, a.vcpus = o.start, o.boot, o.delay, jitter(o.heartbeat, i), int32(o.nodeVCPUs)
 		agents.Add(1)
 		go func() {
 			defer agents.Done()
@@ -237,7 +243,7 @@ func run(o options) (figures, error) {
 	// Placement alone.
 	from, cpu0 := size(auditLog), cpuSeconds(op.Process.Pid)
 	start := time.Now()
-	createdIn, err := create(ctx, c, "place", o, tr)
+	createdIn, err := create(ctx, c, "place", o.n, o, tr)
 	if err != nil {
 		return f, err
 	}
@@ -270,11 +276,11 @@ func run(o options) (figures, error) {
 		go profile(ctx, cl.Config, path, 10*time.Second)
 	}
 	start = time.Now()
-	createdIn, err = create(ctx, c, "run", o, tr)
+	createdIn, err = create(ctx, c, "run", o.runN, o, tr)
 	if err != nil {
 		return f, err
 	}
-	if err := tr.wait(ctx, "run", "ready", o.n, agentErr); err != nil {
+	if err := tr.wait(ctx, "run", "ready", o.runN, agentErr); err != nil {
 		return f, err
 	}
 	elapsed = time.Since(start)
@@ -288,15 +294,15 @@ func run(o options) (figures, error) {
 		return f, err
 	}
 	ev1 := ev.snapshot()
-	fmt.Printf("  run (agents start the VMs): %d created in %v\n", o.n, createdIn.Round(time.Millisecond))
+	fmt.Printf("  run (agents start the VMs): %d created in %v\n", o.runN, createdIn.Round(time.Millisecond))
 	f.latencies("run: create→Scheduled", tr.latencies("run", "created", "scheduled"))
 	f.latencies("run: create→Running, guest ready", tr.latencies("run", "created", "ready"))
-	f.set("run: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
-	fmt.Printf("  %-34s %.0f VMs/s ready\n", "run: throughput", float64(o.n)/elapsed.Seconds())
+	f.set("run: throughput", "VMs/s", float64(o.runN)/elapsed.Seconds())
+	fmt.Printf("  %-34s %.0f VMs/s ready\n", "run: throughput", float64(o.runN)/elapsed.Seconds())
 	for _, who := range []string{"operator", "agents"} {
 		writes, events := reqs.writes(who)
-		f.set("run: "+who+" writes/VM", "", float64(writes)/float64(o.n))
-		fmt.Printf("  run: %-29s writes/VM %.2f (Events %.2f); all requests/VM: %s\n", who, float64(writes)/float64(o.n), float64(events)/float64(o.n), reqs.describe(who, o.n))
+		f.set("run: "+who+" writes/VM", "", float64(writes)/float64(o.runN))
+		fmt.Printf("  run: %-29s writes/VM %.2f (Events %.2f); all requests/VM: %s\n", who, float64(writes)/float64(o.runN), float64(events)/float64(o.runN), reqs.describe(who, o.runN))
 	}
 	f.set("run: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
 	rss, hwm := memory(op.Process.Pid)
@@ -307,20 +313,28 @@ func run(o options) (figures, error) {
 	f.set("agent RSS", "MiB", float64(agentRSS)/1024)
 	fmt.Printf("  %-34s RSS %.0f MiB, peak %.0f MiB; one agent (child process) %.0f MiB before, %.0f MiB after\n", "operator memory",
 		float64(rss)/1024, float64(hwm)/1024, float64(agentRSSIdle)/1024, float64(agentRSS)/1024)
-	perAgent := func(a, b int64) float64 { return float64(b-a) / float64(o.m-1) / float64(o.n) }
+	perAgent := func(a, b int64) float64 { return float64(b-a) / float64(o.m-1) / float64(o.runN) }
 	f.set("run: watch events per agent per VM", "", perAgent(ev0.total(), ev1.total()))
 	fmt.Printf("  %-34s %.3f per agent per VM (ImpVM %.3f, ImpIPAddress %.3f, ImpNetwork %.3f, ImpNode %.3f)\n", "run: watch events to agents",
 		perAgent(ev0.total(), ev1.total()), perAgent(ev0.vms, ev1.vms), perAgent(ev0.addresses, ev1.addresses), perAgent(ev0.networks, ev1.networks), perAgent(ev0.nodes, ev1.nodes))
-	fmt.Printf("  %-34s %s\n", "run: API server watch events/VM", describeWatch(watch0.watch, watch1.watch, o.n))
+	fmt.Printf("  %-34s %s\n", "run: API server watch events/VM", describeWatch(watch0.watch, watch1.watch, o.runN))
 	fmt.Printf("  %-34s %s\n", "run: API server queue waits", describeWaits(watch0, watch1))
+
+	// Every VM placed, no node given more vCPUs than it has.
+	placed, overbooked, err := checkPlacement(ctx, c, o)
+	if err != nil {
+		return f, err
+	}
+	f.set("overbooked nodes", "", float64(overbooked))
+	fmt.Printf("  %-34s %d of %d VMs placed; %d of %d nodes overbooked (each has %d vCPUs)\n", "placement check", placed, o.n+o.runN, overbooked, o.m, o.nodeVCPUs)
 
 	// Delete everything: the agents' Gone handshake.
 	from = size(auditLog)
-	if err := deleteAll(ctx, c, o, tr, "place", "run"); err != nil {
+	if err := deleteAll(ctx, c, o, tr, map[string]int{"place": o.n, "run": o.runN}); err != nil {
 		return f, err
 	}
-	for _, ns := range []string{"place", "run"} {
-		if err := tr.wait(ctx, ns, "gone", o.n, agentErr); err != nil {
+	for ns, n := range map[string]int{"place": o.n, "run": o.runN} {
+		if err := tr.wait(ctx, ns, "gone", n, agentErr); err != nil {
 			return f, err
 		}
 	}
@@ -332,7 +346,7 @@ func run(o options) (figures, error) {
 	f.latencies("delete→gone", append(tr.latencies("place", "deleting", "gone"), tr.latencies("run", "deleting", "gone")...))
 	writes, _ = reqs.writes("operator")
 	awrites, _ := reqs.writes("agents")
-	fmt.Printf("  %-34s operator writes/VM %.2f (%s); agents %.2f\n", "delete", float64(writes)/float64(2*o.n), reqs.describe("operator", 2*o.n), float64(awrites)/float64(2*o.n))
+	fmt.Printf("  %-34s operator writes/VM %.2f (%s); agents %.2f\n", "delete", float64(writes)/float64(o.n+o.runN), reqs.describe("operator", o.n+o.runN), float64(awrites)/float64(o.n+o.runN))
 	select {
 	case err := <-agentErr:
 		return f, err
@@ -391,10 +405,10 @@ func waitReports(ctx context.Context, c client.Client, m int, agentErr <-chan er
 	}
 }
 
-// create makes o.n VMs in ns with o.creators clients and returns how long it took.
-func create(ctx context.Context, c client.Client, ns string, o options, tr *tracker) (time.Duration, error) {
+// create makes n VMs in ns with o.creators clients and returns how long it took.
+func create(ctx context.Context, c client.Client, ns string, n int, o options, tr *tracker) (time.Duration, error) {
 	start := time.Now()
-	err := parallel(o.n, o.creators, func(i int) error {
+	err := parallel(n, o.creators, func(i int) error {
 		vm := benchVM(ns, fmt.Sprintf("vm-%05d", i))
 		if ns == "place" {
 			vm.Labels = map[string]string{noStartLabel: "true"}
@@ -405,9 +419,10 @@ func create(ctx context.Context, c client.Client, ns string, o options, tr *trac
 	return time.Since(start), err
 }
 
-func deleteAll(ctx context.Context, c client.Client, o options, tr *tracker, namespaces ...string) error {
-	for _, ns := range namespaces {
-		err := parallel(o.n, o.creators, func(i int) error {
+// deleteAll deletes the VMs create made, by namespace and count.
+func deleteAll(ctx context.Context, c client.Client, o options, tr *tracker, vms map[string]int) error {
+	for ns, n := range vms {
+		err := parallel(n, o.creators, func(i int) error {
 			name := fmt.Sprintf("vm-%05d", i)
 			tr.mark(ns, name, "deleting", time.Now())
 			return client.IgnoreNotFound(c.Delete(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}))
@@ -481,7 +496,7 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		}()
 	}
 	start := time.Now()
-	if _, err := create(ctx, c, "bare", o, tr); err != nil {
+	if _, err := create(ctx, c, "bare", o.n, o, tr); err != nil {
 		return err
 	}
 	if err := tr.wait(ctx, "bare", "scheduled", o.n, nil); err != nil {
@@ -492,7 +507,7 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	f.latencies("bare: create→patched", tr.latencies("bare", "created", "scheduled"))
 	f.set("bare: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f VMs/s\n", "bare: throughput", float64(o.n)/elapsed.Seconds())
-	if err := deleteAll(ctx, c, o, tr, "bare"); err != nil {
+	if err := deleteAll(ctx, c, o, tr, map[string]int{"bare": o.n}); err != nil {
 		return err
 	}
 	return tr.wait(ctx, "bare", "gone", o.n, nil)
@@ -529,7 +544,7 @@ func startChildAgent(cl *testcluster.Cluster, dir string, o options, node string
 		return nil, err
 	}
 	cmd := exec.Command(self, "-agent-node", node, "-agent-kubeconfig", kubeconfig, "-start", o.start.String(), "-boot", o.boot.String(), "-report-delay", o.delay.String(),
-		"-heartbeat", o.heartbeat.String(), "-fleet="+strconv.FormatBool(o.fleet))
+		"-heartbeat", o.heartbeat.String(), "-node-vcpus", strconv.Itoa(o.nodeVCPUs), "-fleet="+strconv.FormatBool(o.fleet))
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	return cmd, cmd.Start()
@@ -550,7 +565,7 @@ func runChildAgent(o options, node, kubeconfig string) error {
 	if err != nil {
 		return err
 	}
-	a.start, a.boot, a.delay, a.heartbeat = o.start, o.boot, o.delay, o.heartbeat
+	a.start, a.boot, a.delay, a.heartbeat, a.vcpus = o.start, o.boot, o.delay, o.heartbeat, int32(o.nodeVCPUs)
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	return a.run(ctx, o.fleet)
@@ -681,4 +696,27 @@ func profile(ctx context.Context, cfg *rest.Config, path string, d time.Duration
 		return
 	}
 	_ = os.WriteFile(path, raw, 0o600)
+}
+
+// checkPlacement counts the VMs placed and the nodes whose VMs ask for more vCPUs than the
+// node has.
+func checkPlacement(ctx context.Context, c client.Client, o options) (placed, overbooked int, err error) {
+	var list impv1.ImpVMList
+	if err := c.List(ctx, &list); err != nil {
+		return 0, 0, err
+	}
+	used := map[string]int64{}
+	for _, vm := range list.Items {
+		if vm.Status.NodeName == "" || vm.Status.Resources == nil {
+			continue
+		}
+		placed++
+		used[vm.Status.NodeName] += int64(vm.Status.Resources.VCPUs)
+	}
+	for _, v := range used {
+		if v > int64(o.nodeVCPUs) {
+			overbooked++
+		}
+	}
+	return placed, overbooked, nil
 }
