@@ -340,12 +340,7 @@ func TestGCDuringManyStarts(t *testing.T) {
 // had access cannot use the cache of one that did.
 func TestAuthorizeAnotherTenantsDisk(t *testing.T) {
 	requireTools(t)
-	backend := testregistry.Start(t, "puller", "s3cret")
-	var requests atomic.Int64
-	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: backend})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { requests.Add(1); rp.ServeHTTP(w, r) }))
-	t.Cleanup(srv.Close)
-	host := strings.TrimPrefix(srv.URL, "http://")
+	host, requests := countedRegistry(t, "puller", "s3cret")
 	secret := func(user, pass string) PullSecretKeychain {
 		auth := base64.StdEncoding.EncodeToString([]byte(user + ":" + pass))
 		kc, err := NewPullSecretKeychain([]byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth)))
@@ -395,12 +390,7 @@ func TestAuthorizeAnotherTenantsDisk(t *testing.T) {
 // TestResolveTagCostsOneRequest: resolving a tag again with the same credentials costs one
 // registry request (the manifest HEAD); the registry's authentication happened once.
 func TestResolveTagCostsOneRequest(t *testing.T) {
-	backend := testregistry.Start(t, "puller", "s3cret")
-	var requests atomic.Int64
-	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: backend})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { requests.Add(1); rp.ServeHTTP(w, r) }))
-	t.Cleanup(srv.Close)
-	host := strings.TrimPrefix(srv.URL, "http://")
+	host, requests := countedRegistry(t, "puller", "s3cret")
 	auth := base64.StdEncoding.EncodeToString([]byte("puller:s3cret"))
 	kc, err := NewPullSecretKeychain([]byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth)))
 	if err != nil {
@@ -423,4 +413,15 @@ func TestResolveTagCostsOneRequest(t *testing.T) {
 			t.Errorf("resolve %d cost %d registry requests, want 1", i, got)
 		}
 	}
+}
+
+// countedRegistry starts a registry with user and password behind a proxy that counts the
+// requests it gets; it returns the proxy's host.
+func countedRegistry(t *testing.T, user, password string) (string, *atomic.Int64) {
+	backend := testregistry.Start(t, user, password)
+	requests := new(atomic.Int64)
+	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: backend})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { requests.Add(1); rp.ServeHTTP(w, r) }))
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://"), requests
 }
