@@ -690,7 +690,7 @@ func profile(ctx context.Context, cfg *rest.Config, path string, d time.Duration
 	if err != nil {
 		return
 	}
-	raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", strconv.Itoa(int(d.Seconds()))).Timeout(d+30*time.Second).DoRaw(ctx)
+	raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", strconv.Itoa(int(d.Seconds()))).Timeout(d + 30*time.Second).DoRaw(ctx)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "profiling the API server:", err)
 		return
