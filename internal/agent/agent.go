@@ -25,6 +25,7 @@ import (
 
 	"github.com/google/go-containerregistry/pkg/name"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -159,6 +160,13 @@ type Agent struct {
 	fetches   map[types.UID]*fetch            // images being fetched for a run
 	stops     map[types.UID]*stopping         // stops in progress
 	reports   map[types.NamespacedName]uint64 // reports made or begun, by VM: a later one voids a deferred one
+	deferred  map[types.NamespacedName]deferredReport
+}
+
+// deferredReport is a report waiting for Options.StartingReportDelay: number seq of its VM's.
+type deferredReport struct {
+	seq uint64
+	rt  impv1.RuntimeStatus
 }
 
 // CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
@@ -186,6 +194,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		a.Opts.StartingReportDelay = time.Second
 	}
 	a.reports = map[types.NamespacedName]uint64{}
+	a.deferred = map[types.NamespacedName]deferredReport{}
 	if a.Opts.KVMDevice == "" {
 		a.Opts.KVMDevice = kvm.Device
 	}
@@ -287,6 +296,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		}
 		a.mu.Lock()
 		delete(a.reports, req.NamespacedName)
+		delete(a.deferred, req.NamespacedName)
 		a.mu.Unlock()
 		return ctrl.Result{}, a.removeLeftovers(ctx, req.NamespacedName, vm)
 	}
@@ -607,13 +617,21 @@ func (a *Agent) reportLater(vm *impv1.ImpVM, rt impv1.RuntimeStatus) {
 	}
 	key := client.ObjectKeyFromObject(vm)
 	a.mu.Lock()
+	if p, ok := a.deferred[key]; ok && p.seq == a.reports[key] && equality.Semantic.DeepEqual(p.rt, rt) {
+		a.mu.Unlock()
+		return // the same report waits already: a start that passes again (a pull under way) does not push it back
+	}
 	a.reports[key]++
 	seq := a.reports[key]
+	a.deferred[key] = deferredReport{seq: seq, rt: rt}
 	a.mu.Unlock()
 	obj := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name}}
 	time.AfterFunc(a.Opts.StartingReportDelay, func() {
 		a.mu.Lock()
 		current := a.reports[key] == seq
+		if p, ok := a.deferred[key]; ok && p.seq == seq {
+			delete(a.deferred, key)
+		}
 		a.mu.Unlock()
 		if !current {
 			return // overtaken
