@@ -626,7 +626,8 @@ func (a *Agent) reportLater(vm *impv1.ImpVM, rt impv1.RuntimeStatus) {
 	a.deferred[key] = deferredReport{seq: seq, rt: rt}
 	a.mu.Unlock()
 	obj := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name}}
-	time.AfterFunc(a.Opts.StartingReportDelay, func() {
+	var attempt func(n int)
+	attempt = func(n int) {
 		a.mu.Lock()
 		current := a.reports[key] == seq
 		if p, ok := a.deferred[key]; ok && p.seq == seq {
@@ -636,10 +637,24 @@ func (a *Agent) reportLater(vm *impv1.ImpVM, rt impv1.RuntimeStatus) {
 		if !current {
 			return // overtaken
 		}
-		if err := a.report(context.Background(), obj, rt); err != nil {
-			ctrl.Log.WithName("agent").Error(err, "reporting the VM's state", "vm", key)
+		err := a.report(context.Background(), obj, rt) // makes a new report number of its own
+		if err == nil {
+			return
 		}
-	})
+		ctrl.Log.WithName("agent").Error(err, "reporting the VM's state", "vm", key, "attempt", n)
+		if n >= 5 {
+			return
+		}
+		a.mu.Lock()
+		overtaken := a.reports[key] != seq+1 // report took seq+1; another report came after it
+		seq++
+		a.mu.Unlock()
+		if overtaken {
+			return
+		}
+		time.AfterFunc(time.Duration(n)*time.Second, func() { attempt(n + 1) })
+	}
+	time.AfterFunc(a.Opts.StartingReportDelay, func() { attempt(1) })
 }
 
 // reportedSince: this agent process has made or deferred a report of vm since it started.
