@@ -458,7 +458,9 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	fetching := a.fetchImage(vm, ref)
 	starting := base
 	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
-	a.reportLater(vm, starting)
+	if err := a.reportLater(ctx, vm, starting); err != nil {
+		return err
+	}
 	f := a.takeFetch(vm.UID, fetching)
 	if f == nil {
 		return errFetching
@@ -515,7 +517,9 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	started := base
 	t := metav1.NewTime(m.Started)
 	started.State, started.StartedAt, started.Message = impv1.RuntimeRunning, &t, "the guest is booting"
-	a.reportLater(vm, started)
+	if err := a.reportLater(ctx, vm, started); err != nil {
+		return err
+	}
 	a.ensureMonitor(vm, dir, m, rec)
 	return nil
 }
@@ -609,17 +613,16 @@ func (a *Agent) nameOptions(image string) []name.Option {
 }
 
 // reportLater makes report rt of vm after Options.StartingReportDelay, unless another report
-// of the VM is made or begun meanwhile.
-func (a *Agent) reportLater(vm *impv1.ImpVM, rt impv1.RuntimeStatus) {
+// of the VM is made or begun meanwhile; with a negative delay, at once (its error returned).
+func (a *Agent) reportLater(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
 	if a.Opts.StartingReportDelay < 0 {
-		_ = a.report(context.Background(), vm, rt)
-		return
+		return a.report(ctx, vm, rt)
 	}
 	key := client.ObjectKeyFromObject(vm)
 	a.mu.Lock()
 	if p, ok := a.deferred[key]; ok && p.seq == a.reports[key] && equality.Semantic.DeepEqual(p.rt, rt) {
 		a.mu.Unlock()
-		return // the same report waits already: a start that passes again (a pull under way) does not push it back
+		return nil // the same report waits already: a start that passes again (a pull under way) does not push it back
 	}
 	a.reports[key]++
 	seq := a.reports[key]
@@ -655,6 +658,7 @@ func (a *Agent) reportLater(vm *impv1.ImpVM, rt impv1.RuntimeStatus) {
 		time.AfterFunc(time.Duration(n)*time.Second, func() { attempt(n + 1) })
 	}
 	time.AfterFunc(a.Opts.StartingReportDelay, func() { attempt(1) })
+	return nil
 }
 
 // reportedSince: this agent process has made or deferred a report of vm since it started.

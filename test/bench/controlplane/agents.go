@@ -40,10 +40,10 @@ type simAgent struct {
 
 	events *eventCounts
 
-	mu   sync.Mutex
-	seen map[types.UID]string // the last run reported for each VM: "instance/run/state"
-	kick chan struct{}
-	vms  cache.Cache
+	mu        sync.Mutex
+	seen      map[types.UID]string // the last run reported for each VM: "instance/run/state"
+	kick      chan struct{}
+	informers cache.Cache // its node's ImpVMs, and the fleet's objects with -fleet
 }
 
 // eventCounts are the watch events the simulated agents received, by resource.
@@ -54,13 +54,13 @@ type eventCounts struct {
 // newSimAgent connects an agent for node with its own connection to the API server, as a real
 // agent on its own host has: agents sharing one HTTP/2 connection would share its stream
 // limit.
-func newSimAgent(cfg *rest.Config, scheme *runtime.Scheme, node string, fleet bool, ev *eventCounts) (*simAgent, *cache.Options, error) {
+func newSimAgent(cfg *rest.Config, scheme *runtime.Scheme, node string, fleet bool, ev *eventCounts) (*simAgent, error) {
 	cfg = rest.CopyConfig(cfg)
 	cfg.Dial = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext // no shared transport
 	cfg.UserAgent = "imp-agent-sim/" + node
 	c, err := client.New(cfg, client.Options{Scheme: scheme})
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	a := &simAgent{node: node, c: c, events: ev, seen: map[types.UID]string{}, kick: make(chan struct{}, 1)}
 	byObject := map[client.Object]cache.ByObject{&impv1.ImpVM{}: {Field: fields.OneTermEqualSelector("status.nodeName", node)}}
@@ -69,12 +69,11 @@ func newSimAgent(cfg *rest.Config, scheme *runtime.Scheme, node string, fleet bo
 		byObject[&impv1.ImpNetwork{}] = cache.ByObject{}
 		byObject[&impv1.ImpNode{}] = cache.ByObject{}
 	}
-	opts := &cache.Options{Scheme: scheme, ByObject: byObject}
-	a.vms, err = cache.New(cfg, *opts)
+	a.informers, err = cache.New(cfg, cache.Options{Scheme: scheme, ByObject: byObject})
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	return a, opts, nil
+	return a, nil
 }
 
 // run registers the node's report and serves its VMs until ctx ends.
@@ -89,7 +88,7 @@ func (a *simAgent) run(ctx context.Context, fleet bool) error {
 			DeleteFunc: func(any) { n.Add(1); f() },
 		}
 	}
-	inf, err := a.vms.GetInformer(ctx, &impv1.ImpVM{})
+	inf, err := a.informers.GetInformer(ctx, &impv1.ImpVM{})
 	if err != nil {
 		return err
 	}
@@ -98,7 +97,7 @@ func (a *simAgent) run(ctx context.Context, fleet bool) error {
 	}
 	if fleet {
 		for obj, n := range map[client.Object]*atomic.Int64{&impv1.ImpIPAddress{}: &a.events.addresses, &impv1.ImpNetwork{}: &a.events.networks, &impv1.ImpNode{}: &a.events.nodes} {
-			inf, err := a.vms.GetInformer(ctx, obj)
+			inf, err := a.informers.GetInformer(ctx, obj)
 			if err != nil {
 				return err
 			}
@@ -107,8 +106,8 @@ func (a *simAgent) run(ctx context.Context, fleet bool) error {
 			}
 		}
 	}
-	go func() { _ = a.vms.Start(ctx) }()
-	if !a.vms.WaitForCacheSync(ctx) {
+	go func() { _ = a.informers.Start(ctx) }()
+	if !a.informers.WaitForCacheSync(ctx) {
 		return fmt.Errorf("agent %s: syncing its cache", a.node)
 	}
 	beat := time.NewTicker(a.heartbeat)
@@ -169,7 +168,7 @@ func (a *simAgent) report(ctx context.Context, first bool) error {
 // sync answers every VM of the node whose run has not been answered yet.
 func (a *simAgent) sync(ctx context.Context) {
 	var list impv1.ImpVMList
-	if err := a.vms.List(ctx, &list); err != nil {
+	if err := a.informers.List(ctx, &list); err != nil {
 		return
 	}
 	for i := range list.Items {

@@ -217,7 +217,7 @@ func run(o options) (figures, error) {
 		if err != nil {
 			return f, err
 		}
-		a, _, err := newSimAgent(cfg, cl.Scheme, nodeName(i), o.fleet, &ev)
+		a, err := newSimAgent(cfg, cl.Scheme, nodeName(i), o.fleet, &ev)
 		if err != nil {
 			return f, err
 		}
@@ -561,7 +561,7 @@ func runChildAgent(o options, node, kubeconfig string) error {
 		return err
 	}
 	var ev eventCounts
-	a, _, err := newSimAgent(cfg, s, node, o.fleet, &ev)
+	a, err := newSimAgent(cfg, s, node, o.fleet, &ev)
 	if err != nil {
 		return err
 	}
