@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
@@ -23,19 +24,35 @@ func TestFinalizerAddedAtAdmission(t *testing.T) {
 	cl.InstallChartObjects(t, "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")
 	ns := cl.Namespace(t)
 	ctx := context.Background()
-	create := func(finalizers ...string) []string {
+	tryCreate := func(finalizers ...string) ([]string, error) {
 		vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "vm", Finalizers: finalizers},
 			Spec: impv1.ImpVMSpec{Image: "registry.test/app:1", Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))}}}
-		if err := cl.Client.Create(ctx, vm, client.DryRunAll); err != nil {
+		err := cl.Client.Create(ctx, vm, client.DryRunAll)
+		return vm.Finalizers, err
+	}
+	create := func(finalizers ...string) []string {
+		got, err := tryCreate(finalizers...)
+		if err != nil {
 			t.Fatalf("creating (dry run) with finalizers %v: %v", finalizers, err)
 		}
-		return vm.Finalizers
+		return got
 	}
-	// The API server loads a new policy within a few seconds.
+	// The API server loads a new policy within a few seconds. Until its mutating policies have
+	// fetched the CRD's schema (they poll the OpenAPI paths every 5 s, so up to 5 s after the CRD
+	// is created), it refuses creates with 503, whatever the policy's failurePolicy: see
+	// docs/operator.md. Later tests of this package create VMs with the policy in place, so this
+	// waits that out too.
 	deadline := time.Now().Add(30 * time.Second)
-	for !slices.Contains(create(), impv1.VMFinalizer) {
+	for {
+		got, err := tryCreate()
+		if err != nil && !apierrors.IsServiceUnavailable(err) {
+			t.Fatalf("creating (dry run): %v", err)
+		}
+		if err == nil && slices.Contains(got, impv1.VMFinalizer) {
+			break
+		}
 		if time.Now().After(deadline) {
-			t.Fatalf("an ImpVM created 30 s after the policy was installed has finalizers %v, want %s", create(), impv1.VMFinalizer)
+			t.Fatalf("an ImpVM created 30 s after the policy was installed: finalizers %v, error %v; want %s", got, err, impv1.VMFinalizer)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
