@@ -3,6 +3,7 @@ module github.com/syscode-labs/imp
 go 1.26.8
 
 require (
+	github.com/creack/pty v1.1.24
 	github.com/go-logr/logr v1.4.3
 	github.com/google/go-containerregistry v0.22.1
 	github.com/google/nftables v0.3.0

@@ -1,0 +1,389 @@
+package guestsession
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/creack/pty"
+)
+
+// Server is imp-init's end: it answers the agent's requests on the session channel.
+type Server struct {
+	// Token is the VM's; requests without it are refused.
+	Token string
+	// Command prepares argv to run as the workload does (its user, environment and working
+	// directory); the server sets its standard streams and session.
+	Command func(argv []string) (*exec.Cmd, error)
+	// Start starts cmd and returns a function that waits for its exit code. imp-init, which
+	// reaps every process itself, supplies its own; the default is cmd.Start and cmd.Wait.
+	Start func(cmd *exec.Cmd) (wait func() int, err error)
+	// Dial connects to a TCP port of the guest (default: 127.0.0.1).
+	Dial func(ctx context.Context, port int) (net.Conn, error)
+}
+
+// http2Server serves h on prior-knowledge HTTP/2 only, with small flow-control windows: the
+// agent's end reads what it can, and a stalled peer holds at most a window per stream.
+func http2Server(h http.Handler) *http.Server {
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	return &http.Server{
+		Handler:   h,
+		Protocols: &p,
+		HTTP2: &http.HTTP2Config{
+			MaxConcurrentStreams:          32,
+			MaxReceiveBufferPerConnection: 1 << 20,
+			MaxReceiveBufferPerStream:     256 << 10,
+			SendPingTimeout:               30 * time.Second,
+			PingTimeout:                   15 * time.Second,
+		},
+		MaxHeaderBytes:    64 << 10,
+		ReadHeaderTimeout: 10 * time.Second,
+	}
+}
+
+// Serve answers requests on one connection until it ends.
+func (s *Server) Serve(c net.Conn) error {
+	l := &oneConn{c: c, closed: make(chan struct{})}
+	err := http2Server(s).Serve(l)
+	if errors.Is(err, net.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// ServeHTTP checks the token and dispatches.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if s.Token == "" || subtle.ConstantTimeCompare([]byte(r.Header.Get(TokenHeader)), []byte(s.Token)) != 1 {
+		http.Error(w, "wrong token", http.StatusUnauthorized)
+		return
+	}
+	if r.Method != http.MethodPost {
+		http.Error(w, "POST only", http.StatusMethodNotAllowed)
+		return
+	}
+	switch r.URL.Path {
+	case ExecPath:
+		s.exec(w, r)
+	case PortForwardPath:
+		s.portForward(w, r)
+	default:
+		http.NotFound(w, r)
+	}
+}
+
+// frameWriter writes frames to a response, one at a time, flushing each.
+type frameWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+	rc *http.ResponseController
+}
+
+func (f *frameWriter) write(typ byte, p []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := WriteFrame(f.w, typ, p); err != nil {
+		return err
+	}
+	return f.rc.Flush()
+}
+
+// pump sends what r yields as frames of typ until r ends.
+func (f *frameWriter) pump(typ byte, r io.Reader) {
+	buf := make([]byte, MaxFrame)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			if f.write(typ, buf[:n]) != nil {
+				// The host is gone: keep draining, so the command never blocks on a full pipe.
+				_, _ = io.Copy(io.Discard, r)
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	argv := q["cmd"]
+	tty := q.Get("tty") == "1"
+	if len(argv) == 0 {
+		http.Error(w, "no command", http.StatusBadRequest)
+		return
+	}
+	cmd, err := s.Command(argv)
+	if err != nil {
+		w.WriteHeader(http.StatusOK)
+		fw := &frameWriter{w: w, rc: http.NewResponseController(w)}
+		_ = fw.write(Error, []byte(err.Error()))
+		return
+	}
+	if cmd.SysProcAttr == nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
+	cmd.SysProcAttr.Setsid = true
+
+	// The command's streams are plain descriptors (a pty, or pipes), so that starting it
+	// needs no goroutine of os/exec's and Start's caller may reap it however it reaps.
+	var stdin io.WriteCloser
+	var outputs []struct {
+		typ byte
+		r   io.ReadCloser
+	}
+	var childEnds []*os.File
+	var ptmx *os.File
+	if tty {
+		var tt *os.File
+		ptmx, tt, err = pty.Open()
+		if err == nil {
+			cmd.Stdin, cmd.Stdout, cmd.Stderr = tt, tt, tt
+			cmd.SysProcAttr.Setctty = true
+			cmd.SysProcAttr.Ctty = 0
+			childEnds = append(childEnds, tt)
+			stdin = ptmx
+			outputs = append(outputs, struct {
+				typ byte
+				r   io.ReadCloser
+			}{Stdout, ptmx})
+		}
+	} else {
+		err = func() error {
+			inR, inW, err := os.Pipe()
+			if err != nil {
+				return err
+			}
+			outR, outW, err := os.Pipe()
+			if err != nil {
+				return err
+			}
+			errR, errW, err := os.Pipe()
+			if err != nil {
+				return err
+			}
+			cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, errW
+			childEnds = append(childEnds, inR, outW, errW)
+			stdin = inW
+			outputs = append(outputs, struct {
+				typ byte
+				r   io.ReadCloser
+			}{Stdout, outR}, struct {
+				typ byte
+				r   io.ReadCloser
+			}{Stderr, errR})
+			return nil
+		}()
+	}
+	closeAll := func() {
+		for _, f := range childEnds {
+			f.Close()
+		}
+		if stdin != nil {
+			stdin.Close()
+		}
+		for _, o := range outputs {
+			o.r.Close()
+		}
+	}
+	w.WriteHeader(http.StatusOK)
+	fw := &frameWriter{w: w, rc: http.NewResponseController(w)}
+	if err != nil {
+		closeAll()
+		_ = fw.write(Error, []byte(fmt.Sprintf("preparing the command's streams: %v", err)))
+		return
+	}
+	start := s.Start
+	if start == nil {
+		start = startAndWait
+	}
+	wait, err := start(cmd)
+	for _, f := range childEnds {
+		f.Close()
+	}
+	if err != nil {
+		closeAll()
+		_ = fw.write(Error, []byte(err.Error()))
+		return
+	}
+	pid := cmd.Process.Pid
+
+	// The host's frames: stdin, its end, terminal sizes. The request ending (the host gone)
+	// kills the command's session.
+	go func() {
+		fr := NewFrameReader(r.Body)
+		for {
+			typ, p, err := fr.Read()
+			if err != nil {
+				if !errors.Is(err, io.EOF) {
+					_ = syscall.Kill(-pid, syscall.SIGKILL)
+				}
+				return
+			}
+			switch typ {
+			case Stdin:
+				_, _ = stdin.Write(p)
+			case StdinEOF:
+				if !tty {
+					stdin.Close()
+				} else {
+					_, _ = stdin.Write([]byte{4}) // ^D, as a terminal's user would type it
+				}
+			case Resize:
+				if sz, ok := decodeSize(p); ok && ptmx != nil {
+					_ = pty.Setsize(ptmx, &pty.Winsize{Cols: sz.Width, Rows: sz.Height})
+				}
+			}
+		}
+	}()
+	go func() {
+		<-r.Context().Done()
+		_ = syscall.Kill(-pid, syscall.SIGKILL)
+	}()
+
+	var pumps sync.WaitGroup
+	for _, o := range outputs {
+		pumps.Add(1)
+		go func() {
+			defer pumps.Done()
+			fw.pump(o.typ, o.r)
+		}()
+	}
+	code := wait()
+	if tty {
+		// A pty's master reads EIO once the last holder of its slave is gone, which a
+		// background process of the command may never be: give the output a moment, then end.
+		done := make(chan struct{})
+		go func() { pumps.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(500 * time.Millisecond):
+			ptmx.Close()
+		}
+	}
+	pumps.Wait()
+	closeAll()
+	var b [4]byte
+	binary.BigEndian.PutUint32(b[:], uint32(int32(code)))
+	_ = fw.write(Exit, b[:])
+}
+
+// startAndWait is Server.Start's default.
+func startAndWait(cmd *exec.Cmd) (func() int, error) {
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	return func() int {
+		_ = cmd.Wait()
+		return ExitCode(cmd.ProcessState.Sys().(syscall.WaitStatus))
+	}, nil
+}
+
+// ExitCode is a shell's view of a process's end: its code, or 128 plus the signal that
+// killed it.
+func ExitCode(ws syscall.WaitStatus) int {
+	if ws.Signaled() {
+		return 128 + int(ws.Signal())
+	}
+	return ws.ExitStatus()
+}
+
+func (s *Server) portForward(w http.ResponseWriter, r *http.Request) {
+	port, err := strconv.Atoi(r.URL.Query().Get("port"))
+	if err != nil || port < 1 || port > 65535 {
+		http.Error(w, "port: want 1 to 65535", http.StatusBadRequest)
+		return
+	}
+	dial := s.Dial
+	if dial == nil {
+		dial = func(ctx context.Context, port int) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
+	conn, err := dial(ctx, port)
+	cancel()
+	if err != nil {
+		http.Error(w, fmt.Sprintf("connecting to port %d in the guest: %v", port, err), http.StatusBadGateway)
+		return
+	}
+	defer conn.Close()
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	_ = rc.Flush()
+	go func() {
+		_, _ = io.Copy(conn, r.Body)
+		if c, ok := conn.(interface{ CloseWrite() error }); ok {
+			_ = c.CloseWrite()
+		}
+	}()
+	buf := make([]byte, MaxFrame)
+	for {
+		n, err := conn.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return
+			}
+			if rc.Flush() != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// oneConn is a listener of one connection: Accept returns it once, then waits for it to be
+// closed and reports the listener closed, which ends Serve.
+type oneConn struct {
+	mu     sync.Mutex
+	c      net.Conn
+	closed chan struct{}
+}
+
+func (l *oneConn) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	c := l.c
+	l.c = nil
+	l.mu.Unlock()
+	if c != nil {
+		return &notifyClose{Conn: c, closed: l.closed}, nil
+	}
+	<-l.closed
+	return nil, net.ErrClosed
+}
+
+func (l *oneConn) Close() error { return nil }
+
+func (l *oneConn) Addr() net.Addr { return addr{} }
+
+type notifyClose struct {
+	net.Conn
+	once   sync.Once
+	closed chan struct{}
+}
+
+func (c *notifyClose) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() { close(c.closed) })
+	return err
+}
+
+type addr struct{}
+
+func (addr) Network() string { return "guest" }
+func (addr) String() string  { return "guest" }
