@@ -254,6 +254,9 @@ type meta struct {
 	// descriptors).
 	VMM     impv1.VMMKind `json:"vmm,omitempty"`
 	JailUID int           `json:"jailUID,omitempty"`
+	// Session: the run has the session channel (exec, port-forward). Runs booted by agents
+	// before it have none, and keep none through a suspension.
+	Session bool `json:"session,omitempty"`
 }
 
 func (a *Agent) vmDir(uid types.UID) string {
@@ -494,7 +497,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("VMMUnavailable", err)
 	}
 	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now(),
-		Digest: digest.DigestStr(), VMM: kind}
+		Digest: digest.DigestStr(), VMM: kind, Session: true}
 	if old != nil && old.Token != "" {
 		m.Token = old.Token
 	} else {

@@ -47,6 +47,10 @@ type driver interface {
 	quit(ctx context.Context, uid types.UID) error
 	// dial connects to the guest channel.
 	dial(dir string) (net.Conn, error)
+	// dialSession connects to the session channel.
+	dialSession(dir string) (net.Conn, error)
+	// consoleLog opens the console's log for reading.
+	consoleLog(dir string) (*os.File, error)
 	// capLogs holds every file the VM writes on the node under max bytes.
 	capLogs(dir string, max int64) error
 	// logTail is the end of the VMM's own log, on one line.
@@ -77,7 +81,7 @@ func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) 
 	spec := qemu.Spec{Dir: l.dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: l.baseDisk,
 		WritableDisk: filepath.Join(l.dir, "rw.ext4"), ConfigDisk: filepath.Join(l.dir, configDisk),
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: l.m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-		CgroupRoot: a.Opts.CgroupRoot, Tap: l.at.Tap, Net: l.net, UID: l.m.JailUID, GID: l.m.JailUID}
+		CgroupRoot: a.Opts.CgroupRoot, Tap: l.at.Tap, Net: l.net, UID: l.m.JailUID, GID: l.m.JailUID, Session: l.m.Session}
 	if l.resume {
 		spec.Incoming = filepath.Join(l.dir, qemu.StateFile)
 	}
@@ -107,6 +111,12 @@ func (qemuDriver) suspend(_ context.Context, _ *impv1.ImpVM, dir string, _ *meta
 func (d qemuDriver) quit(_ context.Context, uid types.UID) error { return qemu.Quit(d.a.vmDir(uid)) }
 
 func (qemuDriver) dial(dir string) (net.Conn, error) { return qemu.DialChannel(dir) }
+
+func (qemuDriver) dialSession(dir string) (net.Conn, error) { return qemu.DialSession(dir) }
+
+func (qemuDriver) consoleLog(dir string) (*os.File, error) {
+	return vmm.OpenIn(dir, qemu.ConsoleLog, os.O_RDONLY)
+}
 
 func (qemuDriver) capLogs(dir string, max int64) error {
 	return errors.Join(qemu.CapConsole(dir, max), vmm.CapFile(dir, qemu.LogFile, max))
@@ -175,6 +185,16 @@ func (d firecrackerDriver) quit(ctx context.Context, uid types.UID) error {
 
 func (d firecrackerDriver) dial(dir string) (net.Conn, error) {
 	return firecracker.DialChannel(d.a.jailRoot(types.UID(filepath.Base(dir))))
+}
+
+func (d firecrackerDriver) dialSession(dir string) (net.Conn, error) {
+	return firecracker.DialSession(d.a.jailRoot(types.UID(filepath.Base(dir))))
+}
+
+// consoleLog: the file in the jail, where the VMM could have replaced it, opened through
+// vmm.OpenIn.
+func (d firecrackerDriver) consoleLog(dir string) (*os.File, error) {
+	return vmm.OpenIn(d.a.jailRoot(types.UID(filepath.Base(dir))), firecracker.ConsoleFile, os.O_RDONLY)
 }
 
 // capLogs: the files in the jail, where the VMM could have replaced them, are opened through

@@ -3,7 +3,9 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -16,6 +18,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/guestsession"
 )
 
 // monitor follows one run of a VM: the guest channel's messages and the VMM process, reported
@@ -27,6 +30,10 @@ type monitor struct {
 	mu    sync.Mutex
 	conn  net.Conn
 	token string
+
+	// key and session: the VM, and its session channel (nil for a run without one).
+	key     types.NamespacedName
+	session *guestsession.Client
 }
 
 // requestStop asks the guest to stop its workload; it says whether the request went out (the
@@ -63,11 +70,14 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 		return
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token}
-	a.monitors[vm.UID] = m
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
+	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key}
+	a.monitors[vm.UID] = m
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
 	drv := a.driver(recKind(rec))
+	if meta.Session {
+		m.session = guestsession.NewClient(meta.Token, func(context.Context) (net.Conn, error) { return drv.dialSession(dir) })
+	}
 	w := watch{
 		dial:  func() (net.Conn, error) { return drv.dial(dir) },
 		alive: rec.Alive,
@@ -84,8 +94,28 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	}
 	go func() {
 		defer close(m.done)
+		if m.session != nil {
+			defer m.session.Close()
+		}
 		m.follow(ctx, w, meta, log)
 	}()
+}
+
+// ErrNotRunning: the VM has no run this agent follows.
+var ErrNotRunning = errors.New("the VM is not running on this node")
+
+// Session is the session channel (exec, port-forward) of the running VM key with uid.
+func (a *Agent) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
+	a.mu.Lock()
+	m := a.monitors[uid]
+	a.mu.Unlock()
+	if m == nil || m.key != key {
+		return nil, ErrNotRunning
+	}
+	if m.session == nil {
+		return nil, errors.New("this run of the VM has no session channel: an agent before exec started it; restart the VM")
+	}
+	return m.session, nil
 }
 
 // watch is what a monitor follows of a run: how to reach its guest channel, whether its VMM
@@ -224,4 +254,14 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			return
 		}
 	}
+}
+
+// ConsoleLog opens the console log of the VM key with uid, running or finished on this node.
+func (a *Agent) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error) {
+	dir := a.vmDir(uid)
+	m, err := readMeta(dir)
+	if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
+		return nil, ErrNotRunning
+	}
+	return a.driver(string(m.VMM)).consoleLog(dir)
 }

@@ -253,28 +253,37 @@ func switchRoot(dir string) error {
 	return unix.Chdir("/")
 }
 
-func runWorkload(cfg Config) (int, error) {
+// command prepares argv to run as cfg's workload: its environment, user and working directory.
+func command(cfg Config, argv []string) (*exec.Cmd, error) {
 	env := cfg.Env
 	if !hasEnv(env, "PATH") {
 		env = append(env, "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 	}
-	path, err := lookPath(cfg.Argv[0], env)
+	path, err := lookPath(argv[0], env)
 	if err != nil {
-		return ch.fail(err)
+		return nil, err
 	}
 	cred, err := credential(cfg.User)
 	if err != nil {
-		return ch.fail(err)
+		return nil, err
 	}
 	dir := cfg.WorkingDir
 	if dir == "" {
 		dir = "/"
 	}
-	cmd := &exec.Cmd{
-		Path: path, Args: cfg.Argv, Env: env, Dir: dir,
-		Stdout: os.Stdout, Stderr: os.Stderr,
+	return &exec.Cmd{
+		Path: path, Args: argv, Env: env, Dir: dir,
 		SysProcAttr: &syscall.SysProcAttr{Credential: cred, Setsid: true},
+	}, nil
+}
+
+func runWorkload(cfg Config) (int, error) {
+	cmd, err := command(cfg, cfg.Argv)
+	if err != nil {
+		return ch.fail(err)
 	}
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	serveSessions(cfg)
 	// Signals to PID 1 go to the workload.
 	sigs := make(chan os.Signal, 8)
 	signal.Notify(sigs, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGUSR1, unix.SIGUSR2)
@@ -306,7 +315,8 @@ func runWorkload(cfg Config) (int, error) {
 			return ch.fail(fmt.Errorf("waiting for the workload: %w", err))
 		}
 		if got != pid {
-			continue // an orphan, reaped
+			procs.reaped(got, ws) // an exec'd command's end, or an orphan's
+			continue
 		}
 		code := ws.ExitStatus()
 		if ws.Signaled() {
@@ -405,6 +415,7 @@ type channel struct {
 	// vsock: the host connects (and reconnects, after an agent restart); every message sent
 	// is replayed to each new connection.
 	vsock   bool
+	port    uint32 // vsock: the status channel's port
 	history [][]byte
 	pid     int           // the workload, once serving
 	out     chan []byte   // virtio-serial: lines for the writer goroutine
@@ -431,30 +442,38 @@ func openChannel(token, transport string) (*channel, error) {
 	if port, ok := strings.CutPrefix(transport, "vsock:"); ok {
 		return openVsockChannel(token, port)
 	}
-	var names []string
+	dev, err := virtioPort(ChannelName)
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		return nil, err
+	}
+	c := &channel{f: f, token: token, out: make(chan []byte, 64), flushed: make(chan struct{})}
+	go func(out chan []byte) {
+		defer close(c.flushed)
+		for line := range out {
+			_, _ = f.Write(line)
+		}
+	}(c.out)
+	c.send(Message{Event: "hello", Token: token})
+	return c, nil
+}
+
+// virtioPort is the device of the virtio-serial port named name, once the kernel shows it
+// (within a second).
+func virtioPort(name string) (string, error) {
 	for i := 0; i < 50; i++ {
-		names, _ = filepath.Glob("/sys/class/virtio-ports/*/name")
+		names, _ := filepath.Glob("/sys/class/virtio-ports/*/name")
 		for _, n := range names {
-			if b, _ := os.ReadFile(n); strings.TrimSpace(string(b)) == ChannelName {
-				dev := "/dev/" + filepath.Base(filepath.Dir(n))
-				f, err := os.OpenFile(dev, os.O_RDWR, 0)
-				if err != nil {
-					return nil, err
-				}
-				c := &channel{f: f, token: token, out: make(chan []byte, 64), flushed: make(chan struct{})}
-				go func(out chan []byte) {
-					defer close(c.flushed)
-					for line := range out {
-						_, _ = f.Write(line)
-					}
-				}(c.out)
-				c.send(Message{Event: "hello", Token: token})
-				return c, nil
+			if b, _ := os.ReadFile(n); strings.TrimSpace(string(b)) == name {
+				return "/dev/" + filepath.Base(filepath.Dir(n)), nil
 			}
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	return nil, fmt.Errorf("no virtio-serial port named %s", ChannelName)
+	return "", fmt.Errorf("no virtio-serial port named %s", name)
 }
 
 func (c *channel) send(m Message) {
@@ -555,7 +574,7 @@ func openVsockChannel(token, port string) (*channel, error) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	c := &channel{token: token, vsock: true}
+	c := &channel{token: token, vsock: true, port: uint32(p)}
 	go func() {
 		for {
 			nfd, _, err := unix.Accept(fd)

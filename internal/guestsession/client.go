@@ -13,8 +13,6 @@ import (
 	"strconv"
 	"sync"
 	"time"
-
-	"github.com/syscode-labs/imp/internal/agent/guestchan"
 )
 
 // Client is the agent's end of one VM's session channel. Everything it reads comes from the
@@ -173,7 +171,7 @@ func (c *Client) Exec(ctx context.Context, o ExecOptions) error {
 			}
 			return nil
 		case Error:
-			return fmt.Errorf("the guest could not run %q: %s", o.Command, guestchan.Sanitize(string(p)))
+			return fmt.Errorf("the guest could not run %q: %s", o.Command, quote(p))
 		default:
 			return fmt.Errorf("the guest sent a frame of unknown type %d", typ)
 		}
@@ -212,7 +210,15 @@ func (c *Client) PortForward(ctx context.Context, port uint16, conn io.ReadWrite
 // statusText is a refusal's status and the first bytes of its body, made printable.
 func statusText(resp *http.Response) string {
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-	return resp.Status + ": " + guestchan.Sanitize(string(b))
+	return resp.Status + ": " + quote(b)
+}
+
+// quote is a guest's text made safe for a terminal and a log: Go-quoted, at most 512 bytes.
+func quote(p []byte) string {
+	if len(p) > 512 {
+		p = p[:512]
+	}
+	return strconv.QuoteToGraphic(string(p))
 }
 
 // FileConn makes a connection of a file descriptor (a virtio-serial port, a vsock

@@ -24,6 +24,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/guestsession"
 	"golang.org/x/sys/unix"
 )
 
@@ -474,13 +475,21 @@ func Info(ctx context.Context, c *Client) (*InstanceInfo, error) {
 
 // DialChannel connects to the guest channel of the VM jailed at root: a host-initiated vsock
 // connection through Firecracker's vsock socket ("CONNECT <port>", answered "OK <port>").
-func DialChannel(root string) (net.Conn, error) {
+func DialChannel(root string) (net.Conn, error) { return dialPort(root, ChannelPort) }
+
+// DialSession connects to the session channel of the VM jailed at root, the vsock port above
+// the guest channel's.
+func DialSession(root string) (net.Conn, error) {
+	return dialPort(root, ChannelPort+guestsession.VsockPortOffset)
+}
+
+func dialPort(root string, port int) (net.Conn, error) {
 	conn, err := vmm.DialUnix(filepath.Join(root, jailVsock))
 	if err != nil {
 		return nil, err
 	}
 	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := fmt.Fprintf(conn, "CONNECT %d\n", ChannelPort); err != nil {
+	if _, err := fmt.Fprintf(conn, "CONNECT %d\n", port); err != nil {
 		conn.Close()
 		return nil, err
 	}
@@ -490,7 +499,7 @@ func DialChannel(root string) (net.Conn, error) {
 	for len(line) < 64 {
 		if _, err := conn.Read(b); err != nil {
 			conn.Close()
-			return nil, fmt.Errorf("vsock CONNECT %d: %w", ChannelPort, err)
+			return nil, fmt.Errorf("vsock CONNECT %d: %w", port, err)
 		}
 		if b[0] == '\n' {
 			break
@@ -499,7 +508,7 @@ func DialChannel(root string) (net.Conn, error) {
 	}
 	if !strings.HasPrefix(string(line), "OK ") {
 		conn.Close()
-		return nil, fmt.Errorf("vsock CONNECT %d: %q", ChannelPort, line)
+		return nil, fmt.Errorf("vsock CONNECT %d: %q", port, line)
 	}
 	_ = conn.SetDeadline(time.Time{})
 	return conn, nil

@@ -18,6 +18,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/guestsession"
 )
 
 // Spec is one VM as QEMU runs it.
@@ -52,12 +53,16 @@ type Spec struct {
 	// as. QEMU then reaches nothing by path: the agent opens its files and sockets and passes
 	// them as descriptors; those it writes (the writable disk, the console) belong to UID.
 	UID, GID int
+	// Session adds the session channel's virtio-serial port (exec and port-forward). A VM
+	// suspended by an agent before it must resume without it: its saved devices are fixed.
+	Session bool
 }
 
 // Files of a VM's state directory.
 const (
 	ConsoleLog  = "console.log"
 	ChannelSock = "channel.sock"
+	SessionSock = "session.sock"
 	QMPSock     = "qmp.sock"
 	qemuLog     = LogFile
 )
@@ -97,6 +102,11 @@ func (s Spec) Args() []string {
 		"-device", "virtserialport,chardev=channel,name=" + guestinit.ChannelName,
 		"-chardev", fmt.Sprintf("socket,id=qmp,fd=%d,server=on,wait=off", qmpFD),
 		"-mon", "chardev=qmp,mode=control",
+	}
+	if s.Session {
+		args = append(args,
+			"-chardev", fmt.Sprintf("socket,id=session,fd=%d,server=on,wait=off", sessionFD),
+			"-device", "virtserialport,chardev=session,name="+guestsession.PortName)
 	}
 	if s.Incoming != "" {
 		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
@@ -158,7 +168,11 @@ func (s Spec) files() ([]*os.File, error) {
 			return files, err
 		}
 	}
-	for fd, name := range map[int]string{channelFD: ChannelSock, qmpFD: QMPSock} {
+	socks := map[int]string{channelFD: ChannelSock, qmpFD: QMPSock}
+	if s.Session {
+		socks[sessionFD] = SessionSock
+	}
+	for fd, name := range socks {
 		f, err := vmm.ListenUnix(filepath.Join(s.Dir, name))
 		if err != nil {
 			return files, err
@@ -181,7 +195,7 @@ func kvmGroup(accel string) []uint32 {
 const Sandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 // The descriptors QEMU inherits, in order from 3: the VM's tap, the saved state it resumes
-// from, the listening sockets of the guest channel and QMP, the kernel, the initramfs, the
+// from, the listening sockets of the guest channel, QMP and the session channel, the kernel, the initramfs, the
 // disks and the console. QEMU opens files by /proc/self/fd, which no directory's permissions
 // stand in the way of; it creates nothing on the host.
 const (
@@ -189,6 +203,7 @@ const (
 	incomingFD
 	channelFD
 	qmpFD
+	sessionFD
 	kernelFD
 	initrdFD
 	baseFD
@@ -274,6 +289,9 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 
 // DialChannel connects to the guest channel of the VM in dir.
 func DialChannel(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, ChannelSock)) }
+
+// DialSession connects to the session channel of the VM in dir.
+func DialSession(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, SessionSock)) }
 
 // LogFile is QEMU's own output in the VM's directory.
 const LogFile = "qemu.log"

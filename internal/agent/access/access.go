@@ -1,0 +1,248 @@
+// Package access is the node agent's endpoint for the API's VM subresources: exec, port-forward
+// and the console's log of the VMs of its node. The Kubernetes API server authenticates and
+// authorizes each user and audits each request; IMP's subresource server then reaches this
+// endpoint over mutually authenticated TLS, and this endpoint serves that client and no other.
+// Streams speak what kubectl speaks (SPDY and WebSocket remotecommand and portforward, served
+// by the CRI streaming library the kubelet's runtimes use).
+package access
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/go-logr/logr"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/cri-streaming/pkg/streaming/portforward"
+	"k8s.io/cri-streaming/pkg/streaming/remotecommand"
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/syscode-labs/imp/internal/guestsession"
+)
+
+// VMs are the agent's VMs as this endpoint reaches them.
+type VMs interface {
+	// Session is the session channel of the running VM key with uid.
+	Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error)
+	// ConsoleLog opens the console log of the VM key with uid, running or finished.
+	ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error)
+}
+
+// UserHeader names the API user a request is for, as the subresource server saw it
+// authenticated; it is logged, never trusted for a decision.
+const UserHeader = "Imp-User"
+
+// Stream timeouts: a stream idle this long ends; a client must open its streams this soon.
+const (
+	IdleTimeout           = 30 * time.Minute
+	StreamCreationTimeout = 30 * time.Second
+)
+
+// Handler serves the endpoint's requests for vms; log records each.
+func Handler(vms VMs, log logr.Logger) http.Handler {
+	mux := http.NewServeMux()
+	const vm = "/vms/{namespace}/{name}/{uid}/"
+	h := handler{vms: vms, log: log}
+	mux.HandleFunc(vm+"exec", h.exec)
+	mux.HandleFunc(vm+"portforward", h.portForward)
+	mux.HandleFunc("GET "+vm+"log", h.consoleLog)
+	return mux
+}
+
+type handler struct {
+	vms VMs
+	log logr.Logger
+}
+
+// target is the request's VM, and a logger that names it and the user.
+func (h handler) target(r *http.Request, op string) (types.NamespacedName, types.UID, logr.Logger) {
+	key := types.NamespacedName{Namespace: r.PathValue("namespace"), Name: r.PathValue("name")}
+	uid := types.UID(r.PathValue("uid"))
+	log := h.log.WithValues("vm", key, "op", op, "user", r.Header.Get(UserHeader))
+	log.Info("access")
+	return key, uid, log
+}
+
+// session is the VM's session channel, or an error written to w.
+func (h handler) session(w http.ResponseWriter, key types.NamespacedName, uid types.UID) *guestsession.Client {
+	s, err := h.vms.Session(key, uid)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusNotFound)
+		return nil
+	}
+	return s
+}
+
+// podExecParams are the names the API uses for exec's streams (PodExecOptions); the CRI
+// streaming library reads its own.
+var podExecParams = map[string]string{"stdin": remotecommand.ExecStdinParam, "stdout": remotecommand.ExecStdoutParam,
+	"stderr": remotecommand.ExecStderrParam}
+
+func (h handler) exec(w http.ResponseWriter, r *http.Request) {
+	key, uid, log := h.target(r, "exec")
+	s := h.session(w, key, uid)
+	if s == nil {
+		return
+	}
+	q := r.URL.Query()
+	for api, cri := range podExecParams {
+		if v := q.Get(api); v == "true" || v == "1" {
+			q.Set(cri, "1")
+		}
+	}
+	if v := q.Get(remotecommand.ExecTTYParam); v == "true" {
+		q.Set(remotecommand.ExecTTYParam, "1")
+	}
+	r.URL.RawQuery = q.Encode()
+	r.Form = nil
+	cmd := q["command"]
+	if len(cmd) == 0 {
+		http.Error(w, "no command", http.StatusBadRequest)
+		return
+	}
+	opts, err := remotecommand.NewOptions(r)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	remotecommand.ServeExec(w, r, executor{s: s, log: log}, key.Name, string(uid), "", cmd, opts,
+		IdleTimeout, StreamCreationTimeout, remotecommand.SupportedStreamingProtocols)
+}
+
+// executor runs commands in a VM through its session channel.
+type executor struct {
+	s   *guestsession.Client
+	log logr.Logger
+}
+
+func (e executor) ExecInContainer(ctx context.Context, _, _, _ string, cmd []string, in io.Reader, out, errOut io.WriteCloser,
+	tty bool, resize <-chan remotecommand.TerminalSize, _ time.Duration) error {
+	o := guestsession.ExecOptions{Command: cmd, TTY: tty}
+	if in != nil {
+		o.Stdin = in
+	}
+	if out != nil {
+		o.Stdout = out
+	}
+	if errOut != nil {
+		o.Stderr = errOut
+	}
+	if resize != nil {
+		sizes := make(chan guestsession.Size, 1)
+		go func() {
+			defer close(sizes)
+			for sz := range resize {
+				select {
+				case sizes <- guestsession.Size{Width: sz.Width, Height: sz.Height}:
+				case <-ctx.Done():
+					return
+				}
+			}
+		}()
+		o.Resize = sizes
+	}
+	err := e.s.Exec(ctx, o)
+	var exit *guestsession.ExitError
+	if errors.As(err, &exit) {
+		return utilexec.CodeExitError{Err: err, Code: exit.Code}
+	}
+	if err != nil {
+		e.log.Info("exec failed", "error", err.Error())
+	}
+	return err
+}
+
+func (h handler) portForward(w http.ResponseWriter, r *http.Request) {
+	key, uid, log := h.target(r, "portforward")
+	s := h.session(w, key, uid)
+	if s == nil {
+		return
+	}
+	opts, err := portforward.NewV4Options(r)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	portforward.ServePortForward(w, r, forwarder{s: s, log: log}, key.Name, string(uid), opts,
+		IdleTimeout, StreamCreationTimeout, portforward.SupportedProtocols)
+}
+
+// forwarder reaches a VM's ports through its session channel.
+type forwarder struct {
+	s   *guestsession.Client
+	log logr.Logger
+}
+
+func (f forwarder) PortForward(ctx context.Context, _, _ string, port int32, stream io.ReadWriteCloser) error {
+	defer stream.Close()
+	if port < 1 || port > 65535 {
+		return fmt.Errorf("port %d: want 1 to 65535", port)
+	}
+	err := f.s.PortForward(ctx, uint16(port), stream)
+	if err != nil {
+		f.log.Info("port-forward failed", "port", port, "error", err.Error())
+	}
+	return err
+}
+
+// consoleLog streams the console's log: all of it, or its last limitBytes; with follow, what
+// the guest writes next, until the client goes.
+func (h handler) consoleLog(w http.ResponseWriter, r *http.Request) {
+	key, uid, _ := h.target(r, "log")
+	f, err := h.vms.ConsoleLog(key, uid)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusNotFound)
+		return
+	}
+	defer f.Close()
+	q := r.URL.Query()
+	follow := q.Get("follow") == "true" || q.Get("follow") == "1"
+	if s := q.Get("limitBytes"); s != "" {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || n < 0 {
+			http.Error(w, "limitBytes: want a number of bytes", http.StatusBadRequest)
+			return
+		}
+		if fi, err := f.Stat(); err == nil && fi.Size() > n {
+			_, _ = f.Seek(-n, io.SeekEnd)
+		}
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	rc := http.NewResponseController(w)
+	buf := make([]byte, 32<<10)
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return
+			}
+			continue
+		}
+		if err != nil && !errors.Is(err, io.EOF) {
+			return
+		}
+		if !follow {
+			return
+		}
+		_ = rc.Flush()
+		select {
+		case <-r.Context().Done():
+			return
+		case <-tick.C:
+		}
+		// The agent caps the log by cutting it: start again from its new beginning.
+		if off, err := f.Seek(0, io.SeekCurrent); err == nil {
+			if fi, err := f.Stat(); err == nil && fi.Size() < off {
+				_, _ = f.Seek(0, io.SeekStart)
+			}
+		}
+	}
+}

@@ -1,0 +1,307 @@
+package access_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/portforward"
+	"k8s.io/client-go/tools/remotecommand"
+	"k8s.io/client-go/transport/spdy"
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/guestsession"
+	"github.com/syscode-labs/imp/internal/pki"
+)
+
+const client = "imp-subresources"
+
+var vmKey = types.NamespacedName{Namespace: "team-a", Name: "vm"}
+
+// fakeVMs is one VM whose guest is a guestsession.Server on this host.
+type fakeVMs struct {
+	session *guestsession.Client
+	console string
+}
+
+func (f *fakeVMs) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
+	if key != vmKey || uid != "uid-1" {
+		return nil, errors.New("the VM is not running on this node")
+	}
+	return f.session, nil
+}
+
+func (f *fakeVMs) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error) {
+	if key != vmKey || uid != "uid-1" {
+		return nil, errors.New("no such VM on this node")
+	}
+	return os.Open(f.console)
+}
+
+// world is an access endpoint serving one VM, and the PKI around it.
+type world struct {
+	srv    *httptest.Server
+	ca     pki.Pair
+	vms    *fakeVMs
+	echoes string // host:port of a TCP echo server the guest reaches as its port 7777
+}
+
+func newWorld(t *testing.T) *world {
+	t.Helper()
+	now := time.Now()
+	ca, err := pki.NewCA("imp-access-ca", now, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := pki.Issue(ca, pki.Request{CommonName: "imp-agent", DNSNames: []string{"imp-agent"}, IPs: []net.IP{net.ParseIP("127.0.0.1")}, Server: true, Lifetime: time.Hour}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	for name, data := range map[string][]byte{"tls.crt": serving.Cert, "tls.key": serving.Key, "ca.crt": ca.Cert, "console.log": []byte("boot\n")} {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg, err := access.TLSConfig(filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key"), filepath.Join(dir, "ca.crt"), client)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	echo, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { echo.Close() })
+	go func() {
+		for {
+			c, err := echo.Accept()
+			if err != nil {
+				return
+			}
+			go func() { _, _ = io.Copy(c, c); c.Close() }()
+		}
+	}()
+	gs := &guestsession.Server{Token: "tok",
+		Command: func(argv []string) (*exec.Cmd, error) { return exec.Command(argv[0], argv[1:]...), nil },
+		Dial: func(ctx context.Context, port int) (net.Conn, error) {
+			if port != 7777 {
+				return nil, errors.New("connection refused")
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, "tcp", echo.Addr().String())
+		}}
+	sess := guestsession.NewClient("tok", func(context.Context) (net.Conn, error) {
+		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return nil, err
+		}
+		host, _ := net.FileConn(os.NewFile(uintptr(fds[0]), "host"))
+		guest, _ := net.FileConn(os.NewFile(uintptr(fds[1]), "guest"))
+		go func() { _ = gs.Serve(guest); guest.Close() }()
+		return host, nil
+	})
+	t.Cleanup(sess.Close)
+	vms := &fakeVMs{session: sess, console: filepath.Join(dir, "console.log")}
+	srv := httptest.NewUnstartedServer(access.Handler(vms, logr.Discard()))
+	srv.TLS = cfg
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	return &world{srv: srv, ca: ca, vms: vms}
+}
+
+// config is a client of the endpoint with a certificate ca signed for name.
+func (w *world) config(t *testing.T, ca pki.Pair, name string) *rest.Config {
+	t.Helper()
+	c, err := pki.Issue(ca, pki.Request{CommonName: name, Client: true, Lifetime: time.Hour}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, _ := url.Parse(w.srv.URL)
+	return &rest.Config{Host: "https://" + u.Host, TLSClientConfig: rest.TLSClientConfig{CAData: w.ca.Cert, CertData: c.Cert, KeyData: c.Key}}
+}
+
+func (w *world) url(op string, q url.Values) *url.URL {
+	u, _ := url.Parse(w.srv.URL + "/vms/team-a/vm/uid-1/" + op + "?" + q.Encode())
+	return u
+}
+
+func TestExecThroughTheEndpoint(t *testing.T) {
+	w := newWorld(t)
+	cfg := w.config(t, w.ca, client)
+	for _, tc := range []struct {
+		name   string
+		cmd    []string
+		stdin  string
+		stdout string
+		code   int
+	}{
+		{"output", []string{"echo", "hello"}, "", "hello\n", 0},
+		{"exit code", []string{"sh", "-c", "echo bye; exit 7"}, "", "bye\n", 7},
+		{"stdin", []string{"cat"}, "typed\n", "typed\n", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q := url.Values{"command": tc.cmd, "stdout": {"true"}, "stderr": {"true"}}
+			if tc.stdin != "" {
+				q.Set("stdin", "true")
+			}
+			ex, err := remotecommand.NewSPDYExecutor(cfg, "POST", w.url("exec", q))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out, errOut bytes.Buffer
+			so := remotecommand.StreamOptions{Stdout: &out, Stderr: &errOut}
+			if tc.stdin != "" {
+				so.Stdin = strings.NewReader(tc.stdin)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			err = ex.StreamWithContext(ctx, so)
+			var exit utilexec.ExitError
+			switch {
+			case tc.code != 0:
+				if !errors.As(err, &exit) || exit.ExitStatus() != tc.code {
+					t.Fatalf("error %v, want exit code %d", err, tc.code)
+				}
+			case err != nil:
+				t.Fatal(err)
+			}
+			if out.String() != tc.stdout {
+				t.Errorf("stdout %q, want %q (stderr %q)", out.String(), tc.stdout, errOut.String())
+			}
+		})
+	}
+}
+
+func TestPortForwardThroughTheEndpoint(t *testing.T) {
+	w := newWorld(t)
+	cfg := w.config(t, w.ca, client)
+	rt, upgrader, err := spdy.RoundTripperFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dialer := spdy.NewDialer(upgrader, &http.Client{Transport: rt}, "POST", w.url("portforward", nil))
+	stop, ready := make(chan struct{}), make(chan struct{})
+	fw, err := portforward.NewOnAddresses(dialer, []string{"127.0.0.1"}, []string{"0:7777"}, stop, ready, io.Discard, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 1)
+	go func() { errs <- fw.ForwardPorts() }()
+	defer close(stop)
+	select {
+	case <-ready:
+	case err := <-errs:
+		t.Fatal(err)
+	}
+	ports, err := fw.GetPorts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	msg := bytes.Repeat([]byte("imp"), 100000)
+	go func() { _, _ = c.Write(msg) }()
+	got := make([]byte, len(msg))
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("echoed through the VM's port: %v", err)
+	}
+}
+
+
+func TestLogFollow(t *testing.T) {
+	w := newWorld(t)
+	cfg := w.config(t, w.ca, client)
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, w.url("log", url.Values{"follow": {"true"}}).String(), nil)
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		f, _ := os.OpenFile(w.vms.console, os.O_APPEND|os.O_WRONLY, 0)
+		_, _ = f.WriteString("later\n")
+		f.Close()
+	}()
+	var got []byte
+	buf := make([]byte, 64)
+	for !bytes.Contains(got, []byte("later\n")) {
+		n, err := resp.Body.Read(buf)
+		got = append(got, buf[:n]...)
+		if err != nil {
+			t.Fatalf("read %q, then %v", got, err)
+		}
+	}
+	if !bytes.HasPrefix(got, []byte("boot\n")) {
+		t.Errorf("followed %q, want the log from its beginning", got)
+	}
+}
+
+// The endpoint serves the subresource server's certificate and nothing else.
+func TestRefusesOtherClients(t *testing.T) {
+	w := newWorld(t)
+	other, err := pki.NewCA("someone-else", time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		cfg  *rest.Config
+	}{
+		{"no certificate", &rest.Config{Host: w.config(t, w.ca, client).Host, TLSClientConfig: rest.TLSClientConfig{CAData: w.ca.Cert}}},
+		{"another CA's certificate", w.config(t, other, client)},
+		{"the CA's certificate for another name", w.config(t, w.ca, "imp-agent")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hc, err := rest.HTTPClientFor(tc.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp, err := hc.Get(w.url("log", nil).String())
+			if err == nil {
+				resp.Body.Close()
+				t.Fatalf("served %s", resp.Status)
+			}
+			var certErr *tls.CertificateVerificationError
+			if errors.As(err, &certErr) {
+				t.Fatalf("the client refused the server, not the other way: %v", err)
+			}
+		})
+	}
+	// The right one is served.
+	hc, _ := rest.HTTPClientFor(w.config(t, w.ca, client))
+	resp, err := hc.Get(w.url("log", nil).String())
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("the subresource server's certificate: %v %v", resp, err)
+	}
+	resp.Body.Close()
+}
