@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
@@ -57,6 +59,8 @@ func run() error {
 	var (
 		opts                   agent.Options
 		metricsAddr, probeAddr string
+		accessAddr, accessDir  string
+		accessClient           string
 		reserveDisk            string
 		metricsInsecure        bool
 		reserveMemory          string
@@ -114,6 +118,9 @@ func run() error {
 		return nil
 	})
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
+	fs.StringVar(&accessAddr, "access-bind-address", ":10260", "address of the access endpoint (exec, port-forward, console log) that IMP's subresource server reaches over mutual TLS")
+	fs.StringVar(&accessDir, "access-cert-dir", "", "directory of the access endpoint's tls.crt, tls.key and the client CA ca.crt, read again when they change; empty: no access endpoint")
+	fs.StringVar(&accessClient, "access-client-name", "imp-subresources", "the only client the access endpoint serves: the common name of its certificate, which ca.crt signed")
 	fs.BoolVar(&metricsInsecure, "metrics-insecure", false, "serve metrics over plain HTTP to anyone who reaches the address (development only: bind it to loopback)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", "127.0.0.1:8091", "address of the /healthz and /readyz endpoints (the node's loopback: the kubelet probes a hostNetwork pod there)")
 	fs.Func("vmms", "VMMs this node offers, best first, comma-separated (firecracker, qemu); default: what probing finds", func(v string) error {
@@ -201,6 +208,15 @@ func run() error {
 	a := &agent.Agent{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("imp-agent"), Opts: opts}
 	if err := a.SetupWithManager(mgr); err != nil {
 		return err
+	}
+	if accessDir != "" {
+		tlsCfg, err := access.TLSConfig(filepath.Join(accessDir, "tls.crt"), filepath.Join(accessDir, "tls.key"), filepath.Join(accessDir, "ca.crt"), accessClient)
+		if err != nil {
+			return fmt.Errorf("--access-cert-dir: %w", err)
+		}
+		if err := mgr.Add(&access.Server{Addr: accessAddr, TLS: tlsCfg, Handler: access.Handler(a, log.WithName("access"))}); err != nil {
+			return err
+		}
 	}
 	log.Info("starting imp-agent", "node", opts.NodeName, "accel", a.Opts.Accel)
 	return mgr.Start(ctrl.SetupSignalHandler())

@@ -133,6 +133,7 @@ type world struct {
 	host     string // registry
 	ref      name.Digest
 	stateDir string
+	agent    *agent.Agent
 }
 
 func newWorld(t *testing.T, opts ...func(*agent.Options)) *world {
@@ -151,13 +152,13 @@ func newWorld(t *testing.T, opts ...func(*agent.Options)) *world {
 	for _, f := range opts {
 		f(&o)
 	}
-	startAgent(t, c, o)
+	w.agent = startAgent(t, c, o)
 	return w
 }
 
 // startAgent runs an in-process agent with opts (TCG, a one-second report, vCPUs overcommitted
 // for this small machine) until the test ends, and kills its VMMs then.
-func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) {
+func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent.Agent {
 	killVMMs(t, opts.StateDir)
 	mo := managerOptions(c)
 	mo.Cache = agent.CacheOptions(opts.NodeName)
@@ -174,6 +175,7 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) {
 		t.Fatal(err)
 	}
 	run(t, agMgr)
+	return ag
 }
 
 // vm returns (does not create) a VM of the test image on the world's node.
@@ -291,6 +293,7 @@ func TestVMLifecycle(t *testing.T) {
 	if err != nil || !rec.Alive() {
 		t.Fatalf("VMM record %+v, %v", rec, err)
 	}
+	checkAccess(t, w, v)
 	images, _ := filepath.Glob(filepath.Join(stateDir, "images", "sha256-*.ext4"))
 	if len(images) != 1 || !strings.Contains(images[0], strings.TrimPrefix(ref.DigestStr(), "sha256:")) {
 		t.Errorf("base disks %v, want the image's digest %s", images, ref.DigestStr())

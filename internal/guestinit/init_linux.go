@@ -67,6 +67,15 @@ func run() (int, error) {
 			return -1, fmt.Errorf("mounting %s: %w", m.dst, err)
 		}
 	}
+	// Terminals for exec -t: devpts, and /dev/ptmx where programs look for it.
+	if err := os.MkdirAll("/dev/pts", 0o755); err == nil {
+		if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"); err != nil && !errors.Is(err, unix.EBUSY) {
+			fmt.Fprintln(os.Stderr, "imp-init: mounting /dev/pts:", err)
+		}
+		if _, err := os.Lstat("/dev/ptmx"); err != nil {
+			_ = os.Symlink("pts/ptmx", "/dev/ptmx")
+		}
+	}
 	// Ctrl-Alt-Del sends PID 1 SIGINT instead of rebooting at once.
 	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_CAD_OFF)
 	cmdline, _ := os.ReadFile("/proc/cmdline")
@@ -106,6 +115,7 @@ func run() (int, error) {
 	// Agents before the configuration disk left the configuration, secrets and all, on the
 	// writable disk: it has no use any more.
 	_ = os.RemoveAll(filepath.Join("/run/rw", filepath.Dir(legacyConfigPath)))
+	loopbackUp()
 	gnet, err := ParseNet(params)
 	if err != nil {
 		return ch.fail(err)

@@ -11,13 +11,18 @@ import (
 	"github.com/vishvananda/netlink"
 )
 
-// configureNet brings up lo and the interface with n's MAC: its MTU, address, and a default
-// route through the gateway. The virtio-net driver probes asynchronously, so the interface is
-// waited for.
-func configureNet(n *Net, timeout time.Duration) error {
+// loopbackUp brings up lo, which every guest has, on a network or not (port-forward reaches
+// the guest's ports through it).
+func loopbackUp() {
 	if lo, err := netlink.LinkByName("lo"); err == nil {
 		_ = netlink.LinkSetUp(lo)
 	}
+}
+
+// configureNet brings up the interface with n's MAC: its MTU, address, and a default route
+// through the gateway. The virtio-net driver probes asynchronously, so the interface is
+// waited for.
+func configureNet(n *Net, timeout time.Duration) error {
 	mac, err := net.ParseMAC(n.MAC)
 	if err != nil {
 		return fmt.Errorf("network interface MAC %q: %w", n.MAC, err)

@@ -8,9 +8,11 @@ package access
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -246,3 +248,34 @@ func (h handler) consoleLog(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 }
+
+// Server serves Handler over TLS on Addr for as long as its context lives (a manager's
+// Runnable).
+type Server struct {
+	Addr    string
+	TLS     *tls.Config
+	Handler http.Handler
+}
+
+// Start serves until ctx ends.
+func (s *Server) Start(ctx context.Context) error {
+	l, err := net.Listen("tcp", s.Addr)
+	if err != nil {
+		return fmt.Errorf("listening on %s for the access endpoint: %w", s.Addr, err)
+	}
+	srv := &http.Server{Handler: s.Handler, TLSConfig: s.TLS, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 64 << 10}
+	go func() {
+		<-ctx.Done()
+		shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(shut)
+		_ = srv.Close() // streams do not end on Shutdown
+	}()
+	if err := srv.ServeTLS(l, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// NeedLeaderElection: every agent serves its own node.
+func (s *Server) NeedLeaderElection() bool { return false }

@@ -230,7 +230,6 @@ func TestPortForwardThroughTheEndpoint(t *testing.T) {
 	}
 }
 
-
 func TestLogFollow(t *testing.T) {
 	w := newWorld(t)
 	cfg := w.config(t, w.ca, client)

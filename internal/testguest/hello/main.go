@@ -2,7 +2,14 @@
 // writes a file in its working directory; then, by its first argument:
 //
 //	exit    leaves an orphan for PID 1 to reap and exits with code 3
-//	serve   prints a line a second until SIGTERM, then exits 0
+//	serve   prints a line a second until SIGTERM, then exits 0; echoes TCP on 127.0.0.1:7001
+//
+// As a command run in a guest (exec), without the greeting:
+//
+//	tool-true         exits 0
+//	tool-exit N WORDS prints WORDS on stdout, "to stderr" on stderr, and exits N
+//	tool-cat          copies stdin to stdout
+//	tool-tty          prints "tty COLSxROWS" when its stdin is a terminal, else "no tty"
 //	stubborn prints a line a second and ignores SIGTERM
 //	net     serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
 //	        of $PROBE (comma-separated icmp:A.B.C.D[-N], tcp:HOST:PORT and who:HOST:PORT,
@@ -12,14 +19,23 @@ package main
 
 import (
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func main() {
+	if len(os.Args) > 1 && strings.HasPrefix(os.Args[1], "tool-") {
+		os.Exit(tool(os.Args[1], os.Args[2:]))
+	}
 	host, _ := os.Hostname()
 	wd, _ := os.Getwd()
 	fmt.Printf("hello from imp: GREETING=%s host=%s pid=%d uid=%d wd=%s\n", os.Getenv("GREETING"), host, os.Getpid(), os.Getuid(), wd)
@@ -37,6 +53,7 @@ func main() {
 	}
 	switch mode {
 	case "serve":
+		go echoTCP("127.0.0.1:7001")
 		term := make(chan os.Signal, 1)
 		signal.Notify(term, syscall.SIGTERM)
 		for i := 0; ; i++ {
@@ -73,5 +90,46 @@ func main() {
 	default:
 		_ = exec.Command("/bin/hello", "child").Start() // exits at once; init reaps it
 		os.Exit(3)
+	}
+}
+
+func tool(name string, args []string) int {
+	switch name {
+	case "tool-true":
+		return 0
+	case "tool-exit":
+		code, _ := strconv.Atoi(args[0])
+		fmt.Println(strings.Join(args[1:], " "))
+		fmt.Fprintln(os.Stderr, "to stderr")
+		return code
+	case "tool-cat":
+		_, _ = io.Copy(os.Stdout, os.Stdin)
+		return 0
+	case "tool-tty":
+		ws, err := unix.IoctlGetWinsize(0, unix.TIOCGWINSZ)
+		if err != nil {
+			fmt.Println("no tty")
+			return 0
+		}
+		fmt.Printf("tty %dx%d\n", ws.Col, ws.Row)
+		return 0
+	}
+	fmt.Fprintln(os.Stderr, "unknown tool", name)
+	return 127
+}
+
+// echoTCP echoes every connection to addr.
+func echoTCP(addr string) {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		fmt.Println("hello: echo:", err)
+		return
+	}
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() { _, _ = io.Copy(c, c); c.Close() }()
 	}
 }
