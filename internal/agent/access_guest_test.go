@@ -27,7 +27,9 @@ import (
 )
 
 // sizeQueue hands a terminal's size once.
-type sizeQueue struct{ sizes chan remotecommand.TerminalSize }
+type sizeQueue struct {
+	sizes chan remotecommand.TerminalSize
+}
 
 func (q sizeQueue) Next() *remotecommand.TerminalSize {
 	s, ok := <-q.sizes
