@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -210,11 +209,8 @@ func run() error {
 		return err
 	}
 	if accessDir != "" {
-		tlsCfg, err := access.TLSConfig(filepath.Join(accessDir, "tls.crt"), filepath.Join(accessDir, "tls.key"), filepath.Join(accessDir, "ca.crt"), accessClient)
-		if err != nil {
-			return fmt.Errorf("--access-cert-dir: %w", err)
-		}
-		if err := mgr.Add(&access.Server{Addr: accessAddr, TLS: tlsCfg, Handler: access.Handler(a, log.WithName("access"))}); err != nil {
+		if err := mgr.Add(&access.Server{Addr: accessAddr, CertDir: accessDir, ClientName: accessClient,
+			Handler: access.Handler(a, log.WithName("access")), Log: log.WithName("access")}); err != nil {
 			return err
 		}
 	}

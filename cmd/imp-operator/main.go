@@ -40,6 +40,7 @@ func run() error {
 		pressureLifecycle      bool
 		pressureSettle         time.Duration
 		pressureTimeout        time.Duration
+		sub                    subresourceFlags
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -63,6 +64,11 @@ func run() error {
 	fs.DurationVar(&pressureSettle, "pressure-settle", 15*time.Second, "with --pressure-lifecycle: how long after a VM's memory is freed before the node's MemoryPressure is trusted again")
 	fs.DurationVar(&pressureTimeout, "pressure-timeout", 2*time.Minute, "with --pressure-lifecycle: how long a suspension may take before the next VM is considered")
 	fs.BoolVar(&pressureLifecycle, "pressure-lifecycle", false, "suspend resident ImpVMs, largest memory first, on nodes reporting MemoryPressure (chart value pressureLifecycle.enabled)")
+	fs.StringVar(&sub.addr, "subresources-bind-address", "", "address of the aggregated API server of the ImpVM subresources (console, exec, portforward, log); empty: not served")
+	fs.StringVar(&sub.namespace, "subresources-namespace", os.Getenv("POD_NAMESPACE"), "namespace of the access certificates' Secrets and of the subresource server's Service")
+	fs.StringVar(&sub.service, "subresources-service", "imp-subresources", "the subresource server's Service, named in its serving certificate")
+	fs.StringVar(&sub.apiService, "subresources-apiservice", "v1alpha1.subresources.imp.dev", "the APIService whose caBundle gets the access CA (empty: left alone)")
+	fs.IntVar(&sub.agentPort, "agent-access-port", 10260, "port of the agents' access endpoint")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-operator [flags]\n\nPlaces ImpVMs on nodes, allocates their addresses and drives their lifecycle.\n\nFlags:\n")
@@ -106,6 +112,11 @@ func run() error {
 	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency,
 		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout}); err != nil {
 		return err
+	}
+	if sub.addr != "" {
+		if err := sub.setup(ctx, mgr, log.WithName("subresources")); err != nil {
+			return err
+		}
 	}
 	log.Info("starting imp-operator")
 	return mgr.Start(ctx)

@@ -61,7 +61,7 @@ func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 		if stdin != "" {
 			q.Set("stdin", "true")
 		}
-		ex, err := remotecommand.NewSPDYExecutor(cfg, "POST", at("exec", q))
+		ex, err := remotecommand.NewWebSocketExecutor(cfg, "GET", at("exec", q).String())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -22,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/cri-streaming/pkg/streaming/portforward"
 	"k8s.io/cri-streaming/pkg/streaming/remotecommand"
+	"k8s.io/streaming/pkg/httpstream/wsstream"
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/syscode-labs/imp/internal/guestsession"
@@ -110,6 +112,10 @@ func (h handler) exec(w http.ResponseWriter, r *http.Request) {
 	opts, err := remotecommand.NewOptions(r)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	if wsstream.IsWebSocketRequest(r) {
+		serveWebSocketExec(w, r, executor{s: s, log: log}, cmd, opts)
 		return
 	}
 	remotecommand.ServeExec(w, r, executor{s: s, log: log}, key.Name, string(uid), "", cmd, opts,
@@ -250,20 +256,36 @@ func (h handler) consoleLog(w http.ResponseWriter, r *http.Request) {
 }
 
 // Server serves Handler over TLS on Addr for as long as its context lives (a manager's
-// Runnable).
+// Runnable), with the certificate files of CertDir (tls.crt, tls.key, and the client CA
+// ca.crt): it waits for them to appear, as the operator issues them after the agent may have
+// started.
 type Server struct {
-	Addr    string
-	TLS     *tls.Config
-	Handler http.Handler
+	Addr, CertDir, ClientName string
+	Handler                   http.Handler
+	Log                       logr.Logger
 }
 
 // Start serves until ctx ends.
 func (s *Server) Start(ctx context.Context) error {
+	var cfg *tls.Config
+	for {
+		var err error
+		cfg, err = TLSConfig(filepath.Join(s.CertDir, "tls.crt"), filepath.Join(s.CertDir, "tls.key"), filepath.Join(s.CertDir, "ca.crt"), s.ClientName)
+		if err == nil {
+			break
+		}
+		s.Log.Info("the access endpoint waits for its certificates", "dir", s.CertDir, "error", err.Error())
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(10 * time.Second):
+		}
+	}
 	l, err := net.Listen("tcp", s.Addr)
 	if err != nil {
 		return fmt.Errorf("listening on %s for the access endpoint: %w", s.Addr, err)
 	}
-	srv := &http.Server{Handler: s.Handler, TLSConfig: s.TLS, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 64 << 10}
+	srv := &http.Server{Handler: s.Handler, TLSConfig: cfg, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 64 << 10}
 	go func() {
 		<-ctx.Done()
 		shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -271,6 +293,7 @@ func (s *Server) Start(ctx context.Context) error {
 		_ = srv.Shutdown(shut)
 		_ = srv.Close() // streams do not end on Shutdown
 	}()
+	s.Log.Info("serving the access endpoint", "address", s.Addr)
 	if err := srv.ServeTLS(l, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}

@@ -11,11 +11,9 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -28,7 +26,7 @@ import (
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/syscode-labs/imp/internal/agent/access"
-	"github.com/syscode-labs/imp/internal/guestsession"
+	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 	"github.com/syscode-labs/imp/internal/pki"
 )
 
@@ -36,32 +34,11 @@ const client = "imp-subresources"
 
 var vmKey = types.NamespacedName{Namespace: "team-a", Name: "vm"}
 
-// fakeVMs is one VM whose guest is a guestsession.Server on this host.
-type fakeVMs struct {
-	session *guestsession.Client
-	console string
-}
-
-func (f *fakeVMs) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
-	if key != vmKey || uid != "uid-1" {
-		return nil, errors.New("the VM is not running on this node")
-	}
-	return f.session, nil
-}
-
-func (f *fakeVMs) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error) {
-	if key != vmKey || uid != "uid-1" {
-		return nil, errors.New("no such VM on this node")
-	}
-	return os.Open(f.console)
-}
-
 // world is an access endpoint serving one VM, and the PKI around it.
 type world struct {
-	srv    *httptest.Server
-	ca     pki.Pair
-	vms    *fakeVMs
-	echoes string // host:port of a TCP echo server the guest reaches as its port 7777
+	srv *httptest.Server
+	ca  pki.Pair
+	vms *guesttest.VMs
 }
 
 func newWorld(t *testing.T) *world {
@@ -76,7 +53,7 @@ func newWorld(t *testing.T) *world {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	for name, data := range map[string][]byte{"tls.crt": serving.Cert, "tls.key": serving.Key, "ca.crt": ca.Cert, "console.log": []byte("boot\n")} {
+	for name, data := range map[string][]byte{"tls.crt": serving.Cert, "tls.key": serving.Key, "ca.crt": ca.Cert} {
 		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
 			t.Fatal(err)
 		}
@@ -86,41 +63,7 @@ func newWorld(t *testing.T) *world {
 		t.Fatal(err)
 	}
 
-	echo, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { echo.Close() })
-	go func() {
-		for {
-			c, err := echo.Accept()
-			if err != nil {
-				return
-			}
-			go func() { _, _ = io.Copy(c, c); c.Close() }()
-		}
-	}()
-	gs := &guestsession.Server{Token: "tok",
-		Command: func(argv []string) (*exec.Cmd, error) { return exec.Command(argv[0], argv[1:]...), nil },
-		Dial: func(ctx context.Context, port int) (net.Conn, error) {
-			if port != 7777 {
-				return nil, errors.New("connection refused")
-			}
-			var d net.Dialer
-			return d.DialContext(ctx, "tcp", echo.Addr().String())
-		}}
-	sess := guestsession.NewClient("tok", func(context.Context) (net.Conn, error) {
-		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return nil, err
-		}
-		host, _ := net.FileConn(os.NewFile(uintptr(fds[0]), "host"))
-		guest, _ := net.FileConn(os.NewFile(uintptr(fds[1]), "guest"))
-		go func() { _ = gs.Serve(guest); guest.Close() }()
-		return host, nil
-	})
-	t.Cleanup(sess.Close)
-	vms := &fakeVMs{session: sess, console: filepath.Join(dir, "console.log")}
+	vms := guesttest.NewVMs(t, map[types.NamespacedName]types.UID{vmKey: "uid-1"})
 	srv := httptest.NewUnstartedServer(access.Handler(vms, logr.Discard()))
 	srv.TLS = cfg
 	srv.StartTLS()
@@ -200,7 +143,7 @@ func TestPortForwardThroughTheEndpoint(t *testing.T) {
 	}
 	dialer := spdy.NewDialer(upgrader, &http.Client{Transport: rt}, "POST", w.url("portforward", nil))
 	stop, ready := make(chan struct{}), make(chan struct{})
-	fw, err := portforward.NewOnAddresses(dialer, []string{"127.0.0.1"}, []string{"0:7777"}, stop, ready, io.Discard, io.Discard)
+	fw, err := portforward.NewOnAddresses(dialer, []string{"127.0.0.1"}, []string{"0:" + strconv.Itoa(guesttest.EchoPort)}, stop, ready, io.Discard, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,7 +190,7 @@ func TestLogFollow(t *testing.T) {
 	defer resp.Body.Close()
 	go func() {
 		time.Sleep(300 * time.Millisecond)
-		f, _ := os.OpenFile(w.vms.console, os.O_APPEND|os.O_WRONLY, 0)
+		f, _ := os.OpenFile(w.vms.Console("uid-1"), os.O_APPEND|os.O_WRONLY, 0)
 		_, _ = f.WriteString("later\n")
 		f.Close()
 	}()

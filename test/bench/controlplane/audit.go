@@ -6,40 +6,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
-
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
-
-// The API server's audit log, at Metadata level, is where the benchmark counts requests: it
-// names the user, verb, resource and subresource of every request, whoever makes it.
-const auditPolicy = `apiVersion: audit.k8s.io/v1
-kind: Policy
-omitStages: [RequestReceived, ResponseStarted]
-rules:
-- level: Metadata
-`
-
-// withAudit makes the API server write its audit log to dir/audit.log.
-func withAudit(dir string) (testcluster.Option, string, error) {
-	policy := filepath.Join(dir, "audit-policy.yaml")
-	if err := os.WriteFile(policy, []byte(auditPolicy), 0o600); err != nil {
-		return nil, "", err
-	}
-	log := filepath.Join(dir, "audit.log")
-	return func(e *envtest.Environment) {
-		e.ControlPlane.GetAPIServer().Configure().
-			Set("audit-policy-file", policy).
-			Set("audit-log-path", log).
-			Set("audit-log-format", "json").
-			Set("audit-log-mode", "blocking").
-			Set("audit-log-maxsize", "1000000") // MB: never rotated under a run, whose offsets it counts by
-	}, log, nil
-}
 
 type auditEvent struct {
 	Verb string `json:"verb"`

@@ -166,7 +166,7 @@ func run(o options) (figures, error) {
 		return f, err
 	}
 	defer os.RemoveAll(dir)
-	audit, auditLog, err := withAudit(dir)
+	audit, auditLog, err := testcluster.WithAudit(dir)
 	if err != nil {
 		return f, err
 	}

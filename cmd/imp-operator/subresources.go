@@ -1,0 +1,71 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/go-logr/logr"
+	"k8s.io/utils/clock"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/manager"
+
+	"github.com/syscode-labs/imp/internal/pki"
+	"github.com/syscode-labs/imp/internal/subresources"
+)
+
+// subresourceFlags configure the aggregated API server of the ImpVM subresources.
+type subresourceFlags struct {
+	addr, namespace, service, apiService string
+	agentPort                            int
+}
+
+// setup adds the access certificates' rotator and the subresource server to mgr. Every
+// replica serves: the API server picks any endpoint of the Service.
+func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.Logger) error {
+	if f.namespace == "" {
+		return errors.New("--subresources-namespace (or $POD_NAMESPACE) is required with --subresources-bind-address")
+	}
+	rot := &pki.Rotator{Client: mgr.GetClient(), Reader: mgr.GetAPIReader(), Namespace: f.namespace, Service: f.service,
+		APIService: f.apiService, Clock: clock.RealClock{}, Log: log.WithName("certificates")}
+	fp := &subresources.FrontProxy{}
+	srv := &subresources.Server{Reader: mgr.GetClient(), FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: f.agentPort, Log: log}
+	return errors.Join(mgr.Add(rot), mgr.Add(nonLeader(func(ctx context.Context) error {
+		// The front proxy's identity, at start and every 5 minutes (the API server's CA
+		// rotates rarely).
+		go func() {
+			for {
+				if err := fp.Load(ctx, mgr.GetAPIReader()); err != nil {
+					log.Error(err, "loading the API server's front-proxy identity")
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(5 * time.Minute):
+				}
+			}
+		}()
+		l, err := net.Listen("tcp", f.addr)
+		if err != nil {
+			return fmt.Errorf("listening on %s for the subresource server: %w", f.addr, err)
+		}
+		hs := &http.Server{Handler: srv, TLSConfig: subresources.TLSConfig(rot.ServingCertificate), ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			<-ctx.Done()
+			_ = hs.Close()
+		}()
+		if err := hs.ServeTLS(l, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
+	})))
+}
+
+// nonLeader is a Runnable every replica runs.
+type nonLeader manager.RunnableFunc
+
+func (n nonLeader) Start(ctx context.Context) error { return n(ctx) }
+func (nonLeader) NeedLeaderElection() bool          { return false }

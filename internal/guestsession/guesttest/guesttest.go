@@ -1,0 +1,108 @@
+// Package guesttest serves a guest's session channel in the test's process, for tests of what
+// reaches guests through it: commands run on this host, and the guest's port EchoPort is a TCP
+// echo server.
+package guesttest
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/syscode-labs/imp/internal/guestsession"
+)
+
+// EchoPort is the guest's port that echoes.
+const EchoPort = 7777
+
+// Client is a session client of a guest served in this process until the test ends.
+func Client(t testing.TB) *guestsession.Client {
+	t.Helper()
+	echo, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { echo.Close() })
+	go func() {
+		for {
+			c, err := echo.Accept()
+			if err != nil {
+				return
+			}
+			go func() { _, _ = io.Copy(c, c); c.Close() }()
+		}
+	}()
+	srv := &guestsession.Server{Token: "guesttest",
+		Command: func(argv []string) (*exec.Cmd, error) { return exec.Command(argv[0], argv[1:]...), nil },
+		Dial: func(ctx context.Context, port int) (net.Conn, error) {
+			if port != EchoPort {
+				return nil, errors.New("connection refused")
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, "tcp", echo.Addr().String())
+		}}
+	c := guestsession.NewClient("guesttest", func(context.Context) (net.Conn, error) {
+		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return nil, err
+		}
+		host, err := net.FileConn(os.NewFile(uintptr(fds[0]), "host"))
+		if err != nil {
+			return nil, err
+		}
+		guest, err := net.FileConn(os.NewFile(uintptr(fds[1]), "guest"))
+		if err != nil {
+			return nil, err
+		}
+		go func() { _ = srv.Serve(guest); guest.Close() }()
+		return host, nil
+	})
+	t.Cleanup(c.Close)
+	return c
+}
+
+// VMs are VMs of one node (as internal/agent/access consumes them) whose guests are all
+// Client's, with a console log each in Dir.
+type VMs struct {
+	Guest *guestsession.Client
+	Dir   string
+	UIDs  map[types.NamespacedName]types.UID
+}
+
+// NewVMs are the VMs uids, with "boot\n" on each console.
+func NewVMs(t testing.TB, uids map[types.NamespacedName]types.UID) *VMs {
+	t.Helper()
+	v := &VMs{Guest: Client(t), Dir: t.TempDir(), UIDs: uids}
+	for _, uid := range uids {
+		if err := os.WriteFile(v.Console(uid), []byte("boot\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return v
+}
+
+// Console is the path of uid's console log.
+func (v *VMs) Console(uid types.UID) string { return filepath.Join(v.Dir, string(uid)+".log") }
+
+var errNotHere = errors.New("the VM is not running on this node")
+
+func (v *VMs) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
+	if v.UIDs[key] != uid || uid == "" {
+		return nil, errNotHere
+	}
+	return v.Guest, nil
+}
+
+func (v *VMs) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error) {
+	if v.UIDs[key] != uid || uid == "" {
+		return nil, errNotHere
+	}
+	return os.Open(v.Console(uid))
+}

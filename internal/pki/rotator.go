@@ -1,0 +1,275 @@
+package pki
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+)
+
+// Secrets the Rotator keeps in its namespace.
+const (
+	// CASecret holds the CA (tls.crt, tls.key) that signs the rest.
+	CASecret = "imp-access-ca"
+	// AgentSecret is the agents' access endpoint's serving certificate (tls.crt, tls.key) and
+	// the CA its one client's certificate chains to (ca.crt); the agents mount it.
+	AgentSecret = "imp-access-agent"
+	// ServingSecret is the subresource server's serving certificate for the API server.
+	ServingSecret = "imp-subresources-serving"
+)
+
+// Names in the certificates.
+const (
+	AgentName  = "imp-agent"
+	ClientName = "imp-subresources"
+)
+
+// Lifetimes: the CA's, and the leaves', which are issued again past two thirds of theirs.
+const (
+	CALifetime   = 10 * 365 * 24 * time.Hour
+	LeafLifetime = 90 * 24 * time.Hour
+)
+
+// The secrets are the release namespace's, which the chart's Role imp-operator-run-secrets
+// grants; the APIService is cluster-scoped.
+// +kubebuilder:rbac:groups=apiregistration.k8s.io,resources=apiservices,verbs=get;patch
+
+// Rotator issues and renews the certificates of the subresource server and the agents: the
+// CA once, the leaves when a third of their lifetime is left or the CA changed. It keeps the
+// subresource server's client certificate in memory only, and puts the CA in the APIService's
+// caBundle.
+type Rotator struct {
+	// Client writes; Reader reads uncached (the operator caches no Secrets).
+	Client    client.Client
+	Reader    client.Reader
+	Namespace string
+	// Service is the subresource server's Service, named in its serving certificate.
+	Service string
+	// APIService, when set, gets the CA as its caBundle.
+	APIService string
+	Clock      clock.PassiveClock
+	Log        logr.Logger
+
+	mu      sync.RWMutex
+	ca      Pair
+	pool    *x509.CertPool
+	serving *tls.Certificate
+	client  *tls.Certificate
+	clientR time.Time // when the client certificate is due for renewal
+}
+
+// Start renews every 10 minutes (every 10 s after a failure) until ctx ends.
+func (r *Rotator) Start(ctx context.Context) error {
+	for {
+		wait := 10 * time.Minute
+		if err := r.Reconcile(ctx); err != nil {
+			r.Log.Error(err, "issuing the access certificates")
+			wait = 10 * time.Second
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
+}
+
+// NeedLeaderElection: every replica serves, with the certificates every replica reads.
+func (r *Rotator) NeedLeaderElection() bool { return false }
+
+// Reconcile makes the certificates current.
+func (r *Rotator) Reconcile(ctx context.Context) error {
+	now := r.Clock.Now()
+	ca, err := r.secret(ctx, CASecret, func(s *corev1.Secret) (bool, error) {
+		if len(s.Data["tls.crt"]) > 0 {
+			return false, nil // never replaced here: the agents trust it
+		}
+		p, err := NewCA("imp-access-ca", now, CALifetime)
+		s.Data = map[string][]byte{"tls.crt": p.Cert, "tls.key": p.Key}
+		return true, err
+	})
+	if err != nil {
+		return err
+	}
+	caPair := Pair{Cert: ca.Data["tls.crt"], Key: ca.Data["tls.key"]}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(caPair.Cert) {
+		return fmt.Errorf("secret %s holds no CA certificate", CASecret)
+	}
+	if exp, err := Expiry(caPair.Cert); err == nil && exp.Sub(now) < 365*24*time.Hour {
+		r.Log.Info("the access CA expires within a year and is not rotated automatically: delete the secret and restart the agents", "secret", CASecret, "expires", exp)
+	}
+	leaf := func(name string, req Request) (*corev1.Secret, error) {
+		return r.secret(ctx, name, func(s *corev1.Secret) (bool, error) {
+			if !due(s.Data["tls.crt"], pool, now) && bytes.Equal(s.Data["ca.crt"], caPair.Cert) {
+				return false, nil
+			}
+			p, err := Issue(caPair, req, now)
+			s.Data = map[string][]byte{"tls.crt": p.Cert, "tls.key": p.Key, "ca.crt": caPair.Cert}
+			return true, err
+		})
+	}
+	if _, err := leaf(AgentSecret, Request{CommonName: AgentName, DNSNames: []string{AgentName}, Server: true, Lifetime: LeafLifetime}); err != nil {
+		return err
+	}
+	svc := r.Service + "." + r.Namespace + ".svc"
+	serving, err := leaf(ServingSecret, Request{CommonName: svc, DNSNames: []string{r.Service, r.Service + "." + r.Namespace, svc}, Server: true, Lifetime: LeafLifetime})
+	if err != nil {
+		return err
+	}
+	servingCert, err := tls.X509KeyPair(serving.Data["tls.crt"], serving.Data["tls.key"])
+	if err != nil {
+		return fmt.Errorf("secret %s: %w", ServingSecret, err)
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.client == nil || now.After(r.clientR) || !bytes.Equal(r.ca.Cert, caPair.Cert) {
+		p, err := Issue(caPair, Request{CommonName: ClientName, Client: true, Lifetime: LeafLifetime}, now)
+		if err != nil {
+			return err
+		}
+		c, err := tls.X509KeyPair(p.Cert, p.Key)
+		if err != nil {
+			return err
+		}
+		r.client, r.clientR = &c, now.Add(2*LeafLifetime/3)
+	}
+	r.ca, r.pool, r.serving = caPair, pool, &servingCert
+	if r.APIService != "" {
+		if err := r.caBundle(ctx, caPair.Cert); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// due says whether the certificate is missing, not the CA's, or past two thirds of its life.
+func due(pemCert []byte, pool *x509.CertPool, now time.Time) bool {
+	b, _ := pem.Decode(pemCert)
+	if b == nil {
+		return true
+	}
+	c, err := x509.ParseCertificate(b.Bytes)
+	if err != nil {
+		return true
+	}
+	if _, err := c.Verify(x509.VerifyOptions{Roots: pool, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		return true
+	}
+	return now.After(c.NotBefore.Add(2 * c.NotAfter.Sub(c.NotBefore) / 3))
+}
+
+// secret reads the secret name, lets fill change it, and creates or updates it; a conflict
+// with another replica is an error, retried at the next reconcile.
+func (r *Rotator) secret(ctx context.Context, name string, fill func(*corev1.Secret) (bool, error)) (*corev1.Secret, error) {
+	s := &corev1.Secret{}
+	err := r.Reader.Get(ctx, types.NamespacedName{Namespace: r.Namespace, Name: name}, s)
+	create := apierrors.IsNotFound(err)
+	if err != nil && !create {
+		return nil, fmt.Errorf("reading secret %s: %w", name, err)
+	}
+	if create {
+		s = &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: r.Namespace, Name: name,
+			Labels: map[string]string{"app.kubernetes.io/part-of": "imp", "app.kubernetes.io/managed-by": "imp-operator"}},
+			Type: corev1.SecretTypeTLS}
+	}
+	if s.Data == nil {
+		s.Data = map[string][]byte{}
+	}
+	changed, err := fill(s)
+	if err != nil || !changed {
+		return s, err
+	}
+	if create {
+		err = r.Client.Create(ctx, s)
+	} else {
+		err = r.Client.Update(ctx, s)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("writing secret %s: %w", name, err)
+	}
+	r.Log.Info("issued", "secret", name)
+	return s, nil
+}
+
+var apiServiceGVK = schema.GroupVersionKind{Group: "apiregistration.k8s.io", Version: "v1", Kind: "APIService"}
+
+// caBundle puts ca in the APIService's caBundle, unless it is there.
+func (r *Rotator) caBundle(ctx context.Context, ca []byte) error {
+	u := &unstructured.Unstructured{}
+	u.SetGroupVersionKind(apiServiceGVK)
+	if err := r.Reader.Get(ctx, types.NamespacedName{Name: r.APIService}, u); err != nil {
+		return fmt.Errorf("reading APIService %s: %w", r.APIService, err)
+	}
+	have, _, _ := unstructured.NestedString(u.Object, "spec", "caBundle")
+	want := b64(ca)
+	if have == want {
+		return nil
+	}
+	patch := []byte(fmt.Sprintf(`{"spec":{"caBundle":%q}}`, want))
+	if err := r.Client.Patch(ctx, u, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		return fmt.Errorf("setting APIService %s's caBundle: %w", r.APIService, err)
+	}
+	return nil
+}
+
+// ServingCertificate is the subresource server's current certificate.
+func (r *Rotator) ServingCertificate() (*tls.Certificate, error) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if r.serving == nil {
+		return nil, errors.New("no serving certificate issued yet")
+	}
+	return r.serving, nil
+}
+
+// AgentClientTLS is the client side of the agents' mutual TLS: the current client certificate,
+// and agents verified against the current CA under AgentName.
+func (r *Rotator) AgentClientTLS() *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			r.mu.RLock()
+			defer r.mu.RUnlock()
+			if r.client == nil {
+				return nil, errors.New("no client certificate issued yet")
+			}
+			return r.client, nil
+		},
+		// The CA may change while the process runs: verified here instead of by RootCAs.
+		InsecureSkipVerify: true,
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			r.mu.RLock()
+			pool := r.pool
+			r.mu.RUnlock()
+			if pool == nil || len(cs.PeerCertificates) == 0 {
+				return errors.New("no CA to verify the agent against yet")
+			}
+			inter := x509.NewCertPool()
+			for _, c := range cs.PeerCertificates[1:] {
+				inter.AddCert(c)
+			}
+			_, err := cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter, DNSName: AgentName})
+			return err
+		},
+	}
+}
+
+func b64(b []byte) string { return base64.StdEncoding.EncodeToString(b) }
