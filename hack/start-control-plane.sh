@@ -106,6 +106,21 @@ EOF
   touch "$PKI/.done"
 }
 
+# The front proxy, as kubeadm sets one up: the API server proxies aggregated APIs (IMP's
+# subresources.imp.dev) with this client certificate and the user in X-Remote-User. Apart from
+# gen_pki so that a STATE made before it gets it too.
+gen_front_proxy() {
+  [[ -f $PKI/front-proxy-client.crt ]] && return
+  local o="openssl"
+  $o req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=front-proxy-ca" \
+    -keyout "$PKI/front-proxy-ca.key" -out "$PKI/front-proxy-ca.crt" 2>/dev/null
+  $o req -newkey rsa:2048 -nodes -subj "/CN=front-proxy-client" -keyout "$PKI/front-proxy-client.key" \
+    -out "$PKI/front-proxy-client.csr" 2>/dev/null
+  $o x509 -req -in "$PKI/front-proxy-client.csr" -CA "$PKI/front-proxy-ca.crt" -CAkey "$PKI/front-proxy-ca.key" \
+    -CAcreateserial -days 3650 -extfile "$PKI/client.ext" -out "$PKI/front-proxy-client.crt" 2>/dev/null
+  rm -f "$PKI"/*.csr
+}
+
 write_kubeconfig() { # name file
   local name=$1 out=$2
   cat >"$out" <<EOF
@@ -156,6 +171,7 @@ wait_ok() {
 ADMIN_CURL=(curl -sf --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key")
 
 gen_pki
+gen_front_proxy
 write_kubeconfig admin "$STATE/kubeconfig"
 write_kubeconfig kube-controller-manager "$STATE/kube-controller-manager.kubeconfig"
 write_kubeconfig kube-scheduler "$STATE/kube-scheduler.kubeconfig"
@@ -190,6 +206,12 @@ apiserver_args=(
   --service-cluster-ip-range "$SERVICE_CIDR"
   --authorization-mode Node,RBAC
   --allow-privileged=true
+  --requestheader-client-ca-file "$PKI/front-proxy-ca.crt" --requestheader-allowed-names front-proxy-client
+  --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group
+  --requestheader-extra-headers-prefix X-Remote-Extra-
+  --proxy-client-cert-file "$PKI/front-proxy-client.crt" --proxy-client-key-file "$PKI/front-proxy-client.key"
+  # No kube-proxy here: aggregated APIs are reached at their Services' endpoints, not ClusterIPs.
+  --enable-aggregator-routing=true
 )
 # shellcheck disable=SC2206
 apiserver_args+=(${APISERVER_EXTRA_ARGS:-})

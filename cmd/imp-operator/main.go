@@ -66,6 +66,7 @@ func run() error {
 	fs.BoolVar(&pressureLifecycle, "pressure-lifecycle", false, "suspend resident ImpVMs, largest memory first, on nodes reporting MemoryPressure (chart value pressureLifecycle.enabled)")
 	fs.StringVar(&sub.addr, "subresources-bind-address", "", "address of the aggregated API server of the ImpVM subresources (console, exec, portforward, log); empty: not served")
 	fs.StringVar(&sub.namespace, "subresources-namespace", os.Getenv("POD_NAMESPACE"), "namespace of the access certificates' Secrets and of the subresource server's Service")
+	fs.StringVar(&sub.caNamespace, "access-ca-namespace", "", "namespace of the access CA's Secret, which agents must not be able to read (default: --subresources-namespace with -access appended)")
 	fs.StringVar(&sub.service, "subresources-service", "imp-subresources", "the subresource server's Service, named in its serving certificate")
 	fs.StringVar(&sub.apiService, "subresources-apiservice", "v1alpha1.subresources.imp.dev", "the APIService whose caBundle gets the access CA (empty: left alone)")
 	fs.IntVar(&sub.agentPort, "agent-access-port", 10260, "port of the agents' access endpoint")

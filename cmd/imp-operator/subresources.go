@@ -19,8 +19,9 @@ import (
 
 // subresourceFlags configure the aggregated API server of the ImpVM subresources.
 type subresourceFlags struct {
-	addr, namespace, service, apiService string
-	agentPort                            int
+	addr, namespace, caNamespace, service string
+	apiService                            string
+	agentPort                             int
 }
 
 // setup adds the access certificates' rotator and the subresource server to mgr. Every
@@ -29,7 +30,10 @@ func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.
 	if f.namespace == "" {
 		return errors.New("--subresources-namespace (or $POD_NAMESPACE) is required with --subresources-bind-address")
 	}
-	rot := &pki.Rotator{Client: mgr.GetClient(), Reader: mgr.GetAPIReader(), Namespace: f.namespace, Service: f.service,
+	if f.caNamespace == "" {
+		f.caNamespace = f.namespace + "-access"
+	}
+	rot := &pki.Rotator{Client: mgr.GetClient(), Reader: mgr.GetAPIReader(), Namespace: f.namespace, CANamespace: f.caNamespace, Service: f.service,
 		APIService: f.apiService, Clock: clock.RealClock{}, Log: log.WithName("certificates")}
 	fp := &subresources.FrontProxy{}
 	srv := &subresources.Server{Reader: mgr.GetClient(), FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: f.agentPort, Log: log}

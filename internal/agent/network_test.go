@@ -35,7 +35,7 @@ import (
 // TestNetworksAcrossNodes simulates two nodes, each a network namespace with its own agent,
 // joined by a veth underlay; node A also has an uplink to an "outside" namespace, which holds
 // a metadata server on 169.254.169.254 that node A routes to. Node A listens on every address
-// (0.0.0.0:9100). Four guests boot under QEMU/TCG: a1 (node A) and b1 (node B) on ImpNetwork
+// (0.0.0.0:10260, the port of the agent's access endpoint). Four guests boot under QEMU/TCG: a1 (node A) and b1 (node B) on ImpNetwork
 // blue, which has NAT; a2 (node A) on red, which has none; c1 (node A) on another namespace's
 // ImpNetwork, also named blue, with blue's CIDR. Each guest pings and connects to addresses of
 // the networks, the node and the outside.
@@ -49,6 +49,11 @@ import (
 //     metadata server; node A's routing table holds neither network's CIDR;
 //   - after the VMs are deleted, neither node namespace holds an IMP link, address or rule,
 //     and no network namespace is left pinned.
+//
+// nodePort is node A's listener: the agent's access endpoint's port, which the operator, and
+// nothing a VM sends, reaches.
+const nodePort = "10260"
+
 func TestNetworksAcrossNodes(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
@@ -83,7 +88,7 @@ func TestNetworksAcrossNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	metadata := serveOutside(t, out, "169.254.169.254:80")
-	onNode := serveOutside(t, nsA, "0.0.0.0:9100")
+	onNode := serveOutside(t, nsA, "0.0.0.0:"+nodePort)
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, n := range []string{nsA, nsB} {
@@ -116,8 +121,8 @@ func TestNetworksAcrossNodes(t *testing.T) {
 	w := &world{c: c, ns: ns, host: host}
 	probe := "icmp:10.90.0.1-3,icmp:10.91.0.1-2,tcp:203.0.113.2:9000,who:10.90.0.2:7000,who:10.90.0.3:7000"
 	// Node A's services, by every address a VM on node A could aim at.
-	nodeTargets := []string{"tcp:10.90.0.1:9100", "tcp:10.91.0.1:9100", "tcp:192.168.77.1:9100", "tcp:203.0.113.1:9100",
-		"tcp:169.254.210.1:9100", "tcp:169.254.210.2:9100", "tcp:169.254.169.254:80"}
+	nodeTargets := []string{"tcp:10.90.0.1:" + nodePort, "tcp:10.91.0.1:" + nodePort, "tcp:192.168.77.1:" + nodePort, "tcp:203.0.113.1:" + nodePort,
+		"tcp:169.254.210.1:" + nodePort, "tcp:169.254.210.2:" + nodePort, "tcp:169.254.169.254:80"}
 	vms := map[string]*impv1.ImpVM{}
 	for _, v := range []struct{ name, node, network, ns string }{{"a1", nodeA, "blue", ns}, {"a2", nodeA, "red", ns}, {"b1", nodeB, "blue", ns}, {"c1", nodeA, "blue", other}} {
 		w.node = v.node

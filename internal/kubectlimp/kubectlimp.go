@@ -16,15 +16,12 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/cli-runtime/pkg/genericclioptions"
-	"k8s.io/client-go/kubernetes"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/tools/remotecommand"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
@@ -40,10 +37,11 @@ const (
 
 type options struct {
 	flags    *genericclioptions.ConfigFlags
-	agentNS  string
 	stateDir string
 	bytes    int64
 	out      io.Writer
+	errOut   io.Writer
+	in       io.Reader
 	output   string
 	allNS    bool
 	node     string
@@ -52,14 +50,16 @@ type options struct {
 }
 
 // NewCommand is `kubectl imp` writing to out.
-func NewCommand(out, errOut io.Writer) *cobra.Command {
-	o := &options{flags: genericclioptions.NewConfigFlags(true), out: out}
+func NewCommand(in io.Reader, out, errOut io.Writer) *cobra.Command {
+	o := &options{flags: genericclioptions.NewConfigFlags(true), in: in, out: out, errOut: errOut}
 	root := &cobra.Command{
 		Use:   "kubectl-imp",
 		Short: "Act on IMP microVMs",
-		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, suspend,
-resume, stop, start and restart. Suspending creates an ImpVMSuspension of the VM's name (RBAC grants
-it apart from editing VMs; the audit log says who); resuming deletes it.`,
+		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, exec,
+port-forward, console, suspend, resume, stop, start and restart. Suspending creates an
+ImpVMSuspension of the VM's name (RBAC grants it apart from editing VMs; the audit log says who);
+resuming deletes it. logs, exec, port-forward and console are the VM's subresources in the API
+group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 		SilenceUsage: true,
 	}
 	root.SetOut(out)
@@ -75,10 +75,20 @@ it apart from editing VMs; the audit log says who); resuming deletes it.`,
 		Args: cobra.MaximumNArgs(1), RunE: o.run(o.resume)}
 	resume.Flags().StringVar(&o.node, "node", "", "with --all: the node whose VMs to resume")
 	resume.Flags().BoolVar(&o.all, "all", false, "with --node: resume every VM the pressure lifecycle suspended there")
-	logs := &cobra.Command{Use: "logs NAME", Short: "Print a VM's console log (its newest part)", Args: cobra.ExactArgs(1), RunE: o.run(o.logs)}
-	logs.Flags().StringVar(&o.agentNS, "agent-namespace", "imp-system", "namespace of the imp-runtime pods")
+	a := &accessOptions{}
+	logs := &cobra.Command{Use: "logs NAME [-f]", Short: "Print a VM's console log (its newest part), and follow it with -f", Args: cobra.ExactArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			if o.stateDir != "" {
+				return o.run(o.logs)(c, args)
+			}
+			return o.cmd(func(ctx context.Context, cfg *rest.Config, ns string, args []string) error {
+				return o.logsThroughAPI(ctx, cfg, ns, args[0], a)
+			})(c, args)
+		}}
 	logs.Flags().StringVar(&o.stateDir, "state-dir", "", "read the console from this agent state directory on this machine instead (an agent running here, as in make dev)")
 	logs.Flags().Int64Var(&o.bytes, "limit-bytes", 256<<10, "print at most this many bytes, the newest")
+	logs.Flags().BoolVarP(&a.follow, "follow", "f", false, "follow the log until interrupted")
+	logs.Flags().BoolVar(&a.raw, "raw", false, "print the guest's output as it is: escape sequences included (default: shown, not interpreted)")
 	root.AddCommand(list, logs,
 		&cobra.Command{Use: "status NAME", Short: "Show a VM's state", Args: cobra.ExactArgs(1), RunE: o.run(o.status)},
 		suspend, resume,
@@ -86,6 +96,7 @@ it apart from editing VMs; the audit log says who); resuming deletes it.`,
 		&cobra.Command{Use: "start NAME", Short: "Start a stopped VM (its runStrategy before stop)", Args: cobra.ExactArgs(1), RunE: o.run(o.start)},
 		&cobra.Command{Use: "restart NAME", Short: "Restart a VM's workload (a new run on its node)", Args: cobra.ExactArgs(1), RunE: o.run(o.restart)},
 	)
+	root.AddCommand(o.accessCommands(a)...)
 	return root
 }
 
@@ -372,64 +383,21 @@ func (o *options) restart(ctx context.Context, c client.Client, ns string, args 
 	return nil
 }
 
-// logs prints the VM's console log. It lives on the VM's node, in the agent's state directory:
-// the plugin reads it through the API server by exec in that node's imp-runtime pod (so the
-// API server authenticates, authorizes — pods/exec in the agent's namespace — and audits
-// it), or from --state-dir when the agent runs on this machine.
+// logs prints the VM's console log from an agent's state directory on this machine
+// (--state-dir: an agent running here, as in make dev); otherwise logsThroughAPI reads it.
 func (o *options) logs(ctx context.Context, c client.Client, ns string, args []string) error {
 	vm, err := o.get(ctx, c, ns, args[0])
 	if err != nil {
 		return err
 	}
-	rel := filepath.Join("vms", string(vm.UID), "console.log")
-	if o.stateDir != "" {
-		f, err := os.Open(filepath.Join(o.stateDir, rel))
-		if err != nil {
-			return fmt.Errorf("reading the console of %s: %w", vm.Name, err)
-		}
-		defer f.Close()
-		if fi, err := f.Stat(); err == nil && fi.Size() > o.bytes {
-			_, _ = f.Seek(fi.Size()-o.bytes, io.SeekStart)
-		}
-		_, err = io.Copy(o.out, f)
-		return err
-	}
-	if vm.Status.NodeName == "" {
-		return fmt.Errorf("ImpVM %s is not placed on a node: it has no console yet", vm.Name)
-	}
-	var pods corev1.PodList
-	if err := c.List(ctx, &pods, client.InNamespace(o.agentNS), client.MatchingLabels{"app.kubernetes.io/name": "imp-runtime"},
-		client.MatchingFields{"spec.nodeName": vm.Status.NodeName}); err != nil {
-		return fmt.Errorf("finding the agent of node %s: %w", vm.Status.NodeName, err)
-	}
-	if len(pods.Items) == 0 {
-		return fmt.Errorf("no imp-runtime pod on node %s in namespace %s", vm.Status.NodeName, o.agentNS)
-	}
-	pod := pods.Items[0]
-	stateDir := "/var/lib/imp"
-	for _, a := range pod.Spec.Containers[0].Args {
-		if v, ok := strings.CutPrefix(a, "--state-dir="); ok {
-			stateDir = v
-		}
-	}
-	cfg, err := o.flags.ToRESTConfig()
+	f, err := os.Open(filepath.Join(o.stateDir, "vms", string(vm.UID), "console.log"))
 	if err != nil {
-		return err
+		return fmt.Errorf("reading the console of %s: %w", vm.Name, err)
 	}
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		return err
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Size() > o.bytes {
+		_, _ = f.Seek(fi.Size()-o.bytes, io.SeekStart)
 	}
-	req := cs.CoreV1().RESTClient().Post().Resource("pods").Namespace(pod.Namespace).Name(pod.Name).SubResource("exec").
-		VersionedParams(&corev1.PodExecOptions{Container: pod.Spec.Containers[0].Name, Stdout: true, Stderr: true,
-			Command: []string{"tail", "-c", fmt.Sprint(o.bytes), filepath.Join(stateDir, rel)}}, clientgoscheme.ParameterCodec)
-	exec, err := remotecommand.NewSPDYExecutor(cfg, "POST", req.URL())
-	if err != nil {
-		return err
-	}
-	var stderr strings.Builder
-	if err := exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: o.out, Stderr: &stderr}); err != nil {
-		return fmt.Errorf("reading the console on node %s: %w: %s", vm.Status.NodeName, err, stderr.String())
-	}
-	return nil
+	_, err = io.Copy(&inert{w: o.out}, f)
+	return err
 }

@@ -23,7 +23,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
-// Secrets the Rotator keeps in its namespace.
+// Secrets the Rotator keeps: the CA's and the subresource server's in a namespace of their own
+// (CANamespace), which no agent may read: a node's agent, or root on a node, must not be able to
+// sign itself the client certificate that reaches every other node's agent. The agents'
+// certificate goes to the release namespace, where the agents mount it.
 const (
 	// CASecret holds the CA (tls.crt, tls.key) that signs the rest.
 	CASecret = "imp-access-ca"
@@ -56,9 +59,11 @@ const (
 // caBundle.
 type Rotator struct {
 	// Client writes; Reader reads uncached (the operator caches no Secrets).
-	Client    client.Client
-	Reader    client.Reader
-	Namespace string
+	Client client.Client
+	Reader client.Reader
+	// Namespace gets AgentSecret; CANamespace (default Namespace) CASecret and ServingSecret.
+	Namespace   string
+	CANamespace string
 	// Service is the subresource server's Service, named in its serving certificate.
 	Service string
 	// APIService, when set, gets the CA as its caBundle.
@@ -96,7 +101,7 @@ func (r *Rotator) NeedLeaderElection() bool { return false }
 // Reconcile makes the certificates current.
 func (r *Rotator) Reconcile(ctx context.Context) error {
 	now := r.Clock.Now()
-	ca, err := r.secret(ctx, CASecret, func(s *corev1.Secret) (bool, error) {
+	ca, err := r.secret(ctx, r.caNamespace(), CASecret, func(s *corev1.Secret) (bool, error) {
 		if len(s.Data["tls.crt"]) > 0 {
 			return false, nil // never replaced here: the agents trust it
 		}
@@ -115,8 +120,8 @@ func (r *Rotator) Reconcile(ctx context.Context) error {
 	if exp, err := Expiry(caPair.Cert); err == nil && exp.Sub(now) < 365*24*time.Hour {
 		r.Log.Info("the access CA expires within a year and is not rotated automatically: delete the secret and restart the agents", "secret", CASecret, "expires", exp)
 	}
-	leaf := func(name string, req Request) (*corev1.Secret, error) {
-		return r.secret(ctx, name, func(s *corev1.Secret) (bool, error) {
+	leaf := func(ns, name string, req Request) (*corev1.Secret, error) {
+		return r.secret(ctx, ns, name, func(s *corev1.Secret) (bool, error) {
 			if !due(s.Data["tls.crt"], pool, now) && bytes.Equal(s.Data["ca.crt"], caPair.Cert) {
 				return false, nil
 			}
@@ -125,11 +130,11 @@ func (r *Rotator) Reconcile(ctx context.Context) error {
 			return true, err
 		})
 	}
-	if _, err := leaf(AgentSecret, Request{CommonName: AgentName, DNSNames: []string{AgentName}, Server: true, Lifetime: LeafLifetime}); err != nil {
+	if _, err := leaf(r.Namespace, AgentSecret, Request{CommonName: AgentName, DNSNames: []string{AgentName}, Server: true, Lifetime: LeafLifetime}); err != nil {
 		return err
 	}
 	svc := r.Service + "." + r.Namespace + ".svc"
-	serving, err := leaf(ServingSecret, Request{CommonName: svc, DNSNames: []string{r.Service, r.Service + "." + r.Namespace, svc}, Server: true, Lifetime: LeafLifetime})
+	serving, err := leaf(r.caNamespace(), ServingSecret, Request{CommonName: svc, DNSNames: []string{r.Service, r.Service + "." + r.Namespace, svc}, Server: true, Lifetime: LeafLifetime})
 	if err != nil {
 		return err
 	}
@@ -178,15 +183,15 @@ func due(pemCert []byte, pool *x509.CertPool, now time.Time) bool {
 
 // secret reads the secret name, lets fill change it, and creates or updates it; a conflict
 // with another replica is an error, retried at the next reconcile.
-func (r *Rotator) secret(ctx context.Context, name string, fill func(*corev1.Secret) (bool, error)) (*corev1.Secret, error) {
+func (r *Rotator) secret(ctx context.Context, ns, name string, fill func(*corev1.Secret) (bool, error)) (*corev1.Secret, error) {
 	s := &corev1.Secret{}
-	err := r.Reader.Get(ctx, types.NamespacedName{Namespace: r.Namespace, Name: name}, s)
+	err := r.Reader.Get(ctx, types.NamespacedName{Namespace: ns, Name: name}, s)
 	create := apierrors.IsNotFound(err)
 	if err != nil && !create {
-		return nil, fmt.Errorf("reading secret %s: %w", name, err)
+		return nil, fmt.Errorf("reading secret %s/%s: %w", ns, name, err)
 	}
 	if create {
-		s = &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: r.Namespace, Name: name,
+		s = &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name,
 			Labels: map[string]string{"app.kubernetes.io/part-of": "imp", "app.kubernetes.io/managed-by": "imp-operator"}},
 			Type: corev1.SecretTypeTLS}
 	}
@@ -203,10 +208,17 @@ func (r *Rotator) secret(ctx context.Context, name string, fill func(*corev1.Sec
 		err = r.Client.Update(ctx, s)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("writing secret %s: %w", name, err)
+		return nil, fmt.Errorf("writing secret %s/%s: %w", ns, name, err)
 	}
-	r.Log.Info("issued", "secret", name)
+	r.Log.Info("issued", "secret", ns+"/"+name)
 	return s, nil
+}
+
+func (r *Rotator) caNamespace() string {
+	if r.CANamespace != "" {
+		return r.CANamespace
+	}
+	return r.Namespace
 }
 
 var apiServiceGVK = schema.GroupVersionKind{Group: "apiregistration.k8s.io", Version: "v1", Kind: "APIService"}

@@ -9,44 +9,41 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/tools/remotecommand"
 	"k8s.io/client-go/transport/spdy"
-	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/subresources"
+	"github.com/syscode-labs/imp/internal/subresources/subresourcestest"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
 var (
 	shared   *testcluster.Cluster
 	auditLog string
-	fpDir    string
 )
 
 func TestMain(m *testing.M) {
@@ -56,7 +53,6 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	defer os.RemoveAll(dir)
-	fpDir = dir
 	fp, err := testcluster.WithFrontProxy(dir)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -71,26 +67,12 @@ func TestMain(m *testing.M) {
 	os.Exit(testcluster.Main(m, &shared, fp, audit))
 }
 
-const apiService = "v1alpha1.subresources.imp.dev"
-
-// listen is a TCP listener on a free port of 127.0.0.1.
-func listen(t *testing.T) (net.Listener, int) {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	return l, l.Addr().(*net.TCPAddr).Port
-}
-
 // world is the whole path: the API server with its front proxy, the subresource server as
 // the operator runs it (its identity, its certificates), and one node's agent endpoint whose
-// VMs' guests run in this process.
+// VMs' guests run in this process; a VM in each of two namespaces.
 type world struct {
 	cl       *testcluster.Cluster
 	nsA, nsB string
-	uids     map[types.NamespacedName]types.UID
 	vms      *guesttest.VMs
 	subPort  int
 }
@@ -99,107 +81,23 @@ func newWorld(t *testing.T) *world {
 	t.Helper()
 	cl := testcluster.Require(t, shared)
 	ctx := context.Background()
-	admin := cl.Client
-	w := &world{cl: cl, nsA: cl.Namespace(t), nsB: cl.Namespace(t), uids: map[types.NamespacedName]types.UID{}}
-	// The chart's roles, and the operator's.
-	cl.InstallChartObjects(t, "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount")
-	operator := cl.As(t, testcluster.Operator)
-	opClient, err := client.New(operator, client.Options{Scheme: cl.Scheme})
-	if err != nil {
-		t.Fatal(err)
-	}
-
-	// The subresource server, on 127.0.0.1: a Service of type ExternalName "localhost" points
-	// the API server at it (no kube-proxy here), under the Service's name for TLS.
-	subL, subPort := listen(t)
-	w.subPort = subPort
-	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: testcluster.ChartNamespace, Name: "imp-subresources"},
-		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeExternalName, ExternalName: "localhost"}}
-	if err := admin.Create(ctx, svc); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
-	apisvc := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
-		"metadata": map[string]any{"name": apiService},
-		"spec": map[string]any{"group": subresources.Group, "version": subresources.Version, "groupPriorityMinimum": int64(1000), "versionPriority": int64(15),
-			"service": map[string]any{"namespace": testcluster.ChartNamespace, "name": "imp-subresources", "port": int64(subPort)}},
-	}}
-	if err := admin.Create(ctx, apisvc); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = admin.Delete(context.Background(), apisvc) })
-
-	rot := &pki.Rotator{Client: opClient, Reader: opClient, Namespace: testcluster.ChartNamespace, Service: "imp-subresources",
-		APIService: apiService, Clock: clock.RealClock{}, Log: logr.Discard()}
-	if err := rot.Reconcile(ctx); err != nil {
-		t.Fatal(err)
-	}
-	fp := &subresources.FrontProxy{}
-	if err := fp.Load(ctx, opClient); err != nil {
-		t.Fatal(err)
-	}
-	agentL, agentPort := listen(t)
-	srv := &subresources.Server{Reader: opClient, FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: agentPort, Log: logr.Discard()}
-	hs := &http.Server{Handler: srv, TLSConfig: subresources.TLSConfig(rot.ServingCertificate)}
-	go func() { _ = hs.ServeTLS(subL, "", "") }()
-	t.Cleanup(func() { hs.Close() })
-
-	// A node, at 127.0.0.1, and a VM placed on it in each namespace.
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "sub-node-" + w.nsA[len(w.nsA)-5:]}}
-	if err := admin.Create(ctx, node); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = admin.Delete(context.Background(), node) })
-	node.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "127.0.0.1"}}
-	if err := admin.Status().Update(ctx, node); err != nil {
-		t.Fatal(err)
-	}
+	w := &world{cl: cl, nsA: cl.Namespace(t), nsB: cl.Namespace(t)}
+	node := "sub-node-" + w.nsA[len(w.nsA)-5:]
+	uids := map[types.NamespacedName]types.UID{}
 	for _, ns := range []string{w.nsA, w.nsB} {
 		vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "vm"},
 			Spec: impv1.ImpVMSpec{Image: "registry.test/app:1", Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))}}}
-		if err := admin.Create(ctx, vm); err != nil {
+		if err := cl.Client.Create(ctx, vm); err != nil {
 			t.Fatal(err)
 		}
-		vm.Status.NodeName, vm.Status.Phase = node.Name, impv1.VMRunning
-		if err := admin.Status().Update(ctx, vm); err != nil {
+		vm.Status.NodeName, vm.Status.Phase = node, impv1.VMRunning
+		if err := cl.Client.Status().Update(ctx, vm); err != nil {
 			t.Fatal(err)
 		}
-		w.uids[types.NamespacedName{Namespace: ns, Name: "vm"}] = vm.UID
+		uids[types.NamespacedName{Namespace: ns, Name: "vm"}] = vm.UID
 	}
-
-	// The node's agent endpoint, with the certificate the operator issued for agents.
-	var agentSecret corev1.Secret
-	if err := admin.Get(ctx, types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: pki.AgentSecret}, &agentSecret); err != nil {
-		t.Fatal(err)
-	}
-	certDir := t.TempDir()
-	for _, f := range []string{"tls.crt", "tls.key", "ca.crt"} {
-		if err := os.WriteFile(filepath.Join(certDir, f), agentSecret.Data[f], 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	agentTLS, err := access.TLSConfig(filepath.Join(certDir, "tls.crt"), filepath.Join(certDir, "tls.key"), filepath.Join(certDir, "ca.crt"), pki.ClientName)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.vms = guesttest.NewVMs(t, w.uids)
-	as := &http.Server{Handler: access.Handler(w.vms, logr.Discard()), TLSConfig: agentTLS}
-	go func() { _ = as.ServeTLS(agentL, "", "") }()
-	t.Cleanup(func() { as.Close() })
-
-	// The API server serves the group once the APIService is available.
-	dc := discovery.NewDiscoveryClientForConfigOrDie(cl.Config)
-	deadline := time.Now().Add(90 * time.Second)
-	for {
-		_, err := dc.ServerResourcesForGroupVersion(subresources.Group + "/" + subresources.Version)
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the API server does not serve %s: %v", apiService, err)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+	w.vms = guesttest.NewVMs(t, uids)
+	w.subPort = subresourcestest.Serve(t, cl, node, w.vms)
 	return w
 }
 
@@ -439,5 +337,28 @@ func TestOnlyTheFrontProxy(t *testing.T) {
 				t.Fatalf("served %s: %s", resp.Status, b)
 			}
 		})
+	}
+}
+
+// An agent, or root on its node with the agent's token, reads every Secret of the release
+// namespace (its run Secrets): the key that signs the client certificate every agent accepts
+// is elsewhere, and refused to it.
+func TestAgentsCannotReadTheAccessCA(t *testing.T) {
+	w := newWorld(t)
+	agent, err := client.New(w.cl.AsNode(t, testcluster.Agent, "sub-node-"+w.nsA[len(w.nsA)-5:]), client.Options{Scheme: w.cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s corev1.Secret
+	err = agent.Get(context.Background(), types.NamespacedName{Namespace: subresourcestest.CANamespace, Name: pki.CASecret}, &s)
+	if !apierrors.IsForbidden(err) {
+		t.Fatalf("an agent reading the access CA: %v (key %d bytes), want Forbidden", err, len(s.Data["tls.key"]))
+	}
+	// What it may read, its own serving certificate, holds no CA key.
+	if err := agent.Get(context.Background(), types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: pki.AgentSecret}, &s); err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(s.Data["ca.crt"], []byte("PRIVATE KEY")) || len(s.Data) != 3 {
+		t.Errorf("the agents' Secret holds %v", slices.Sorted(maps.Keys(s.Data)))
 	}
 }

@@ -409,7 +409,10 @@ network:
 		t.Errorf("the VM's address %s is not from ImpNetwork default (10.100.0.0/24)", ip)
 	}
 	must("kubectl get impvm -A -o wide", "hello", "Running", realNode)
-	eventually("kubectl imp logs", time.Minute, func() error {
+	// Through the API server's aggregation layer to the operator, then the node's agent, which
+	// serves once the kubelet has put the operator's certificates in its Secret volume (up to
+	// its sync period, a minute, after the operator issued them).
+	eventually("kubectl imp logs", 3*time.Minute, func() error {
 		if out, err := sh("kubectl imp logs -n demo hello"); err != nil || !strings.Contains(out, "hello: tick") {
 			return fmt.Errorf("%v: %.300s", err, out)
 		}

@@ -72,3 +72,8 @@ never over the image's own directories (firecracker in /usr/local/bin would hide
 - --jailer=/host{{ .Values.firecracker.jailer.hostPath }}
 {{- include "imp.pins" . }}
 {{- end }}
+
+{{/* The namespace of the access CA's Secret, which no agent may read (templates/access.yaml). */}}
+{{- define "imp.accessNamespace" -}}
+{{- printf "%s-access" (default "default" .Release.Namespace) -}}
+{{- end }}

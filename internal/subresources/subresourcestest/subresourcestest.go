@@ -1,0 +1,154 @@
+// Package subresourcestest serves the ImpVM subresources through a test's API server as a
+// cluster does: the APIService, the operator's subresource server under the operator's
+// identity and certificates, and one node's agent endpoint at 127.0.0.1.
+package subresourcestest
+
+import (
+	"context"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/discovery"
+	"k8s.io/utils/clock"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/pki"
+	"github.com/syscode-labs/imp/internal/subresources"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+// APIService is the chart's, and CANamespace the namespace of its access CA.
+const (
+	APIService  = "v1alpha1.subresources.imp.dev"
+	CANamespace = testcluster.ChartNamespace + "-access"
+)
+
+// Serve serves the subresources of vms, the VMs of node (created if missing, its address set
+// to 127.0.0.1), through cl's API server, which must run with testcluster.WithFrontProxy. It
+// returns the subresource server's port once the API server serves the group; everything
+// stops when the test ends.
+func Serve(t testing.TB, cl *testcluster.Cluster, node string, vms access.VMs) int {
+	t.Helper()
+	ctx := context.Background()
+	admin := cl.Client
+	caNS := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: CANamespace}}
+	if err := admin.Create(ctx, caNS); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	cl.InstallChartObjects(t, "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount")
+	opClient, err := client.New(cl.As(t, testcluster.Operator), client.Options{Scheme: cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The subresource server, on 127.0.0.1: a Service of type ExternalName "localhost" points
+	// the API server at it (no kube-proxy here), under the Service's name for TLS.
+	subL, subPort := listen(t)
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: testcluster.ChartNamespace, Name: "imp-subresources"},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeExternalName, ExternalName: "localhost"}}
+	if err := admin.Create(ctx, svc); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	apisvc := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+		"metadata": map[string]any{"name": APIService},
+		"spec": map[string]any{"group": subresources.Group, "version": subresources.Version, "groupPriorityMinimum": int64(1000), "versionPriority": int64(15),
+			"service": map[string]any{"namespace": testcluster.ChartNamespace, "name": "imp-subresources", "port": int64(subPort)}},
+	}}
+	if err := admin.Create(ctx, apisvc); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = admin.Delete(context.Background(), apisvc) })
+
+	rot := &pki.Rotator{Client: opClient, Reader: opClient, Namespace: testcluster.ChartNamespace, CANamespace: CANamespace, Service: "imp-subresources",
+		APIService: APIService, Clock: clock.RealClock{}, Log: logr.Discard()}
+	if err := rot.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	fp := &subresources.FrontProxy{}
+	if err := fp.Load(ctx, opClient); err != nil {
+		t.Fatal(err)
+	}
+	agentL, agentPort := listen(t)
+	srv := &subresources.Server{Reader: opClient, FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: agentPort, Log: logr.Discard()}
+	hs := &http.Server{Handler: srv, TLSConfig: subresources.TLSConfig(rot.ServingCertificate), ErrorLog: quiet()}
+	go func() { _ = hs.ServeTLS(subL, "", "") }()
+	t.Cleanup(func() { hs.Close() })
+
+	// The node, at 127.0.0.1.
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}
+	if err := admin.Create(ctx, n); apierrors.IsAlreadyExists(err) {
+		err = admin.Get(ctx, types.NamespacedName{Name: node}, n)
+	} else if err == nil {
+		t.Cleanup(func() { _ = admin.Delete(context.Background(), n) })
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "127.0.0.1"}}
+	if err := admin.Status().Update(ctx, n); err != nil {
+		t.Fatal(err)
+	}
+
+	// The node's agent endpoint, with the certificate the operator issued for agents.
+	var agentSecret corev1.Secret
+	if err := admin.Get(ctx, types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: pki.AgentSecret}, &agentSecret); err != nil {
+		t.Fatal(err)
+	}
+	certDir := t.TempDir()
+	for _, f := range []string{"tls.crt", "tls.key", "ca.crt"} {
+		if err := os.WriteFile(filepath.Join(certDir, f), agentSecret.Data[f], 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	agentTLS, err := access.TLSConfig(filepath.Join(certDir, "tls.crt"), filepath.Join(certDir, "tls.key"), filepath.Join(certDir, "ca.crt"), pki.ClientName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	as := &http.Server{Handler: access.Handler(vms, logr.Discard()), TLSConfig: agentTLS, ErrorLog: quiet()}
+	go func() { _ = as.ServeTLS(agentL, "", "") }()
+	t.Cleanup(func() { as.Close() })
+
+	// The API server serves the group once the APIService is available.
+	dc := discovery.NewDiscoveryClientForConfigOrDie(cl.Config)
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		_, err := dc.ServerResourcesForGroupVersion(subresources.Group + "/" + subresources.Version)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the API server does not serve %s: %v", APIService, err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	return subPort
+}
+
+// listen is a TCP listener on a free port of 127.0.0.1.
+func listen(t testing.TB) (net.Listener, int) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l, l.Addr().(*net.TCPAddr).Port
+}
+
+// quiet drops the servers' handshake errors: the API server tries the subresource server
+// before the APIService's caBundle names its CA.
+func quiet() *log.Logger { return log.New(io.Discard, "", 0) }
