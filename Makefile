@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-net bench-suspend bench-overhead images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead images chart-push
 
 all: build
 
@@ -57,6 +57,9 @@ bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, agent RSS with 0 and 10 VMs.
 	go build -o bin/ ./cmd/imp-agent
 	go run ./test/bench/agent -n 10
+
+bench-access: ## A QEMU/TCG guest: `exec VM -- true` round trip P50 through the API server; port-forward MiB/s (IMP_BENCH_MIB, 100).
+	IMP_BENCH=access go test -count=1 -v -timeout 30m -run '^TestBenchAccess$$' ./internal/agent/ | grep -E 'access_bench_test|^(ok|FAIL|---)'
 
 bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).
 	go run ./test/bench/net -n 100

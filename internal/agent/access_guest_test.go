@@ -5,11 +5,9 @@ import (
 	"context"
 	"errors"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -17,13 +15,12 @@ import (
 	"github.com/go-logr/logr"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/tools/remotecommand"
-	"k8s.io/client-go/transport/spdy"
 	utilexec "k8s.io/utils/exec"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 )
 
 // sizeQueue hands a terminal's size once.
@@ -100,25 +97,7 @@ func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 	}
 
 	// Port-forward to the guest's loopback: the VM has no network at all.
-	rt, upgrader, err := spdy.RoundTripperFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	stop, ready := make(chan struct{}), make(chan struct{})
-	defer close(stop)
-	fw, err := portforward.NewOnAddresses(spdy.NewDialer(upgrader, &http.Client{Transport: rt}, "POST", at("portforward", nil)),
-		[]string{"127.0.0.1"}, []string{"0:7001"}, stop, ready, io.Discard, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = fw.ForwardPorts() }()
-	<-ready
-	ports, _ := fw.GetPorts()
-	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c, _ := guesttest.PortForward(t, cfg, at("portforward", nil), 7001)
 	msg := bytes.Repeat([]byte("through the session channel "), 4096)
 	go func() { _, _ = c.Write(msg) }()
 	got := make([]byte, len(msg))

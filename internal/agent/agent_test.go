@@ -48,7 +48,22 @@ import (
 
 var shared *testcluster.Cluster
 
-func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared)) }
+// TestMain starts the control plane with a front proxy, as the access benchmark needs.
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "imp-agent-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fp, err := testcluster.WithFrontProxy(dir)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	code := testcluster.Main(m, &shared, fp)
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
 
 // run starts a manager until the test ends; it returns a function that stops it earlier.
 func run(t *testing.T, mgr ctrl.Manager) func() {

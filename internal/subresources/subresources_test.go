@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"net"
 	"net/http"
 	"os"
 	"slices"
@@ -27,9 +26,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/tools/remotecommand"
-	"k8s.io/client-go/transport/spdy"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -210,28 +207,7 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 	// Port-forward.
 	u, _, _ := rest.DefaultServerUrlFor(alice)
 	u.Path = w.path(w.nsA, "portforward")
-	rt, upgrader, err := spdy.RoundTripperFor(alice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	stop, ready := make(chan struct{}), make(chan struct{})
-	fw, err := portforward.NewOnAddresses(spdy.NewDialer(upgrader, &http.Client{Transport: rt}, "POST", u),
-		[]string{"127.0.0.1"}, []string{"0:" + strconv.Itoa(guesttest.EchoPort)}, stop, ready, io.Discard, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	errs := make(chan error, 1)
-	go func() { errs <- fw.ForwardPorts() }()
-	select {
-	case <-ready:
-	case err := <-errs:
-		t.Fatalf("alice's port-forward: %v", err)
-	}
-	ports, _ := fw.GetPorts()
-	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))))
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, endForward := guesttest.PortForward(t, alice, u, guesttest.EchoPort)
 	msg := bytes.Repeat([]byte("port-forward "), 10000)
 	go func() { _, _ = c.Write(msg) }()
 	got := make([]byte, len(msg))
@@ -239,9 +215,7 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
 		t.Errorf("echo through alice's port-forward: %v", err)
 	}
-	c.Close()
-	close(stop) // the port-forward's request ends, and only then is it audited
-	<-errs
+	endForward() // the port-forward's request ends, and only then is it audited
 
 	// The audit log records each access with the user's name.
 	want := []string{"alice get impvms/exec A 101", "alice get impvms/exec B 403", "alice create impvms/portforward A 101",

@@ -12,7 +12,6 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,9 +19,7 @@ import (
 	"github.com/go-logr/logr"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/tools/remotecommand"
-	"k8s.io/client-go/transport/spdy"
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/syscode-labs/imp/internal/agent/access"
@@ -137,33 +134,7 @@ func TestExecThroughTheEndpoint(t *testing.T) {
 func TestPortForwardThroughTheEndpoint(t *testing.T) {
 	w := newWorld(t)
 	cfg := w.config(t, w.ca, client)
-	rt, upgrader, err := spdy.RoundTripperFor(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dialer := spdy.NewDialer(upgrader, &http.Client{Transport: rt}, "POST", w.url("portforward", nil))
-	stop, ready := make(chan struct{}), make(chan struct{})
-	fw, err := portforward.NewOnAddresses(dialer, []string{"127.0.0.1"}, []string{"0:" + strconv.Itoa(guesttest.EchoPort)}, stop, ready, io.Discard, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	errs := make(chan error, 1)
-	go func() { errs <- fw.ForwardPorts() }()
-	defer close(stop)
-	select {
-	case <-ready:
-	case err := <-errs:
-		t.Fatal(err)
-	}
-	ports, err := fw.GetPorts()
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c, _ := guesttest.PortForward(t, cfg, w.url("portforward", nil), guesttest.EchoPort)
 	msg := bytes.Repeat([]byte("imp"), 100000)
 	go func() { _, _ = c.Write(msg) }()
 	got := make([]byte, len(msg))

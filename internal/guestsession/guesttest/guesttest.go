@@ -8,11 +8,19 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"sync"
 	"syscall"
 	"testing"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/portforward"
+	"k8s.io/client-go/transport/spdy"
 
 	"k8s.io/apimachinery/pkg/types"
 
@@ -105,4 +113,41 @@ func (v *VMs) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, err
 		return nil, errNotHere
 	}
 	return os.Open(v.Console(uid))
+}
+
+// PortForward forwards a local port to remote through the portforward subresource at u, as
+// kubectl port-forward does (SPDY), and returns a connection to it and a function that ends
+// the forward (and returns once it has); both end with the test too.
+func PortForward(t testing.TB, cfg *rest.Config, u *url.URL, remote int) (net.Conn, func()) {
+	t.Helper()
+	rt, upgrader, err := spdy.RoundTripperFor(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, ready := make(chan struct{}), make(chan struct{})
+	fw, err := portforward.NewOnAddresses(spdy.NewDialer(upgrader, &http.Client{Transport: rt}, http.MethodPost, u),
+		[]string{"127.0.0.1"}, []string{"0:" + strconv.Itoa(remote)}, stop, ready, io.Discard, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 1)
+	go func() { errs <- fw.ForwardPorts() }()
+	var once sync.Once
+	end := func() { once.Do(func() { close(stop); <-errs }) }
+	t.Cleanup(end)
+	select {
+	case <-ready:
+	case err := <-errs:
+		t.Fatalf("port-forward: %v", err)
+	}
+	ports, err := fw.GetPorts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c, end
 }
