@@ -175,12 +175,24 @@ func (c *Cluster) applyChart(ctx context.Context, kinds map[string]bool) error {
 	if err := c.Client.Create(ctx, ns); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("creating namespace %s: %w", ChartNamespace, err)
 	}
-	n := 0
+	objs := make([]*unstructured.Unstructured, 0, len(docs))
 	for _, doc := range docs {
 		u := &unstructured.Unstructured{}
 		if err := yaml.Unmarshal([]byte(doc), &u.Object); err != nil {
 			return fmt.Errorf("parsing a chart manifest: %w", err)
 		}
+		objs = append(objs, u)
+	}
+	// The chart's own namespaces first, as Helm installs them: its objects may live there.
+	for _, u := range objs {
+		if u.GetKind() == "Namespace" {
+			if err := c.Client.Create(ctx, u.DeepCopy()); err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("creating namespace %s: %w", u.GetName(), err)
+			}
+		}
+	}
+	n := 0
+	for _, u := range objs {
 		if !kinds[u.GetKind()] {
 			continue
 		}

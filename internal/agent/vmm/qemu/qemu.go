@@ -135,7 +135,7 @@ func (s Spec) Limits() cgroup.Limits {
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
 func (s Spec) files() ([]*os.File, error) {
-	files := make([]*os.File, consoleFD-tapFD+1)
+	files := make([]*os.File, sessionFD-tapFD+1)
 	files[tapFD-3] = s.Tap
 	open := func(fd int, path string, flag int) error {
 		f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW, 0o600)
@@ -195,21 +195,22 @@ func kvmGroup(accel string) []uint32 {
 const Sandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 // The descriptors QEMU inherits, in order from 3: the VM's tap, the saved state it resumes
-// from, the listening sockets of the guest channel, QMP and the session channel, the kernel, the initramfs, the
-// disks and the console. QEMU opens files by /proc/self/fd, which no directory's permissions
-// stand in the way of; it creates nothing on the host.
+// from, the listening sockets of the guest channel and QMP, the kernel, the initramfs, the
+// disks, the console and the session channel's listening socket. QEMU opens files by
+// /proc/self/fd, which no directory's permissions stand in the way of; it creates nothing on
+// the host.
 const (
 	tapFD = 3 + iota
 	incomingFD
 	channelFD
 	qmpFD
-	sessionFD
 	kernelFD
 	initrdFD
 	baseFD
 	rwFD
 	configFD
 	consoleFD
+	sessionFD // last: runs that have none keep the numbers above
 )
 
 func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }

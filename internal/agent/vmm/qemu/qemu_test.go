@@ -50,6 +50,13 @@ func TestArgs(t *testing.T) {
 			t.Errorf("args lack %q:\n%s", want, args)
 		}
 	}
+	if strings.Contains(args, "imp.session") {
+		t.Errorf("a run without a session channel has its port (its saved devices would not match):\n%s", args)
+	}
+	s.Session = true
+	if args := strings.Join(s.Args(), " "); !strings.Contains(args, "-chardev socket,id=session,fd=13,server=on,wait=off -device virtserialport,chardev=session,name=imp.session") {
+		t.Errorf("args lack the session channel:\n%s", args)
+	}
 	s.Accel, s.Tap, s.Net = "kvm", nil, nil
 	args = strings.Join(s.Args(), " ")
 	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {
