@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	stdlog "log"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -56,7 +58,10 @@ func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.
 		if err != nil {
 			return fmt.Errorf("listening on %s for the subresource server: %w", f.addr, err)
 		}
-		hs := &http.Server{Handler: srv, TLSConfig: subresources.TLSConfig(rot.ServingCertificate), ReadHeaderTimeout: 10 * time.Second}
+		// The server's own errors (the API server's handshakes before the APIService's
+		// caBundle names the CA, clients that go) at debug level.
+		errLog := stdlog.New(logWriter{log.V(1)}, "", 0)
+		hs := &http.Server{Handler: srv, TLSConfig: subresources.TLSConfig(rot.ServingCertificate), ReadHeaderTimeout: 10 * time.Second, ErrorLog: errLog}
 		go func() {
 			<-ctx.Done()
 			_ = hs.Close()
@@ -73,3 +78,11 @@ type nonLeader manager.RunnableFunc
 
 func (n nonLeader) Start(ctx context.Context) error { return n(ctx) }
 func (nonLeader) NeedLeaderElection() bool          { return false }
+
+// logWriter writes net/http's log lines to a logr.Logger.
+type logWriter struct{ log logr.Logger }
+
+func (w logWriter) Write(p []byte) (int, error) {
+	w.log.Info(strings.TrimSpace(string(p)))
+	return len(p), nil
+}

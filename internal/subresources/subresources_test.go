@@ -12,11 +12,15 @@ import (
 	"maps"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/creack/pty"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -334,5 +338,84 @@ func TestAgentsCannotReadTheAccessCA(t *testing.T) {
 	}
 	if bytes.Contains(s.Data["ca.crt"], []byte("PRIVATE KEY")) || len(s.Data) != 3 {
 		t.Errorf("the agents' Secret holds %v", slices.Sorted(maps.Keys(s.Data)))
+	}
+}
+
+// kubectl imp, the binary, as a user runs it: exec with its output (control characters shown,
+// not obeyed) and exit code, exec -it in a terminal, logs -f following the console.
+func TestKubectlImp(t *testing.T) {
+	w := newWorld(t)
+	w.user(t, "alice", "imp-edit", "imp-view")
+	root, err := testcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "kubectl-imp")
+	if out, err := exec.Command("go", "build", "-o", bin, filepath.Join(root, "cmd", "kubectl-imp")).CombinedOutput(); err != nil {
+		t.Fatalf("building kubectl-imp: %v\n%s", err, out)
+	}
+	kc := w.cl.Kubeconfig(t)
+	imp := func(args ...string) *exec.Cmd {
+		return exec.Command(bin, append([]string{"--kubeconfig", kc, "--as", "alice", "-n", w.nsA}, args...)...)
+	}
+
+	out, err := imp("exec", "vm", "--", "sh", "-c", `echo from the guest; printf '\033]0;owned\007\033[2J'; exit 5`).Output()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 5 || string(out) != "from the guest\n^[]0;owned^G^[[2J" {
+		t.Errorf("kubectl imp exec: %q, %v; want the output with its escapes shown, and exit code 5", out, err)
+	}
+
+	// -it: a terminal of 40 rows and 100 columns, typed into.
+	ptmx, err := pty.StartWithSize(imp("exec", "-it", "vm", "--", "sh"), &pty.Winsize{Rows: 40, Cols: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ptmx.Close()
+	if _, err := ptmx.Write([]byte("stty size; tty; exit 3\n")); err != nil {
+		t.Fatal(err)
+	}
+	var term bytes.Buffer
+	_, _ = io.Copy(&term, ptmx) // until the command ends (EIO)
+	if !strings.Contains(term.String(), "40 100") || !strings.Contains(term.String(), "/dev/pts/") {
+		t.Errorf("kubectl imp exec -it printed %q, want the terminal's size 40 100 and a pts", term.String())
+	}
+
+	// logs -f follows the console.
+	logs := imp("logs", "vm", "-f")
+	stdout, err := logs.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := logs.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = logs.Process.Kill(); _ = logs.Wait() }()
+	got := make(chan string, 1)
+	go func() {
+		var b []byte
+		buf := make([]byte, 256)
+		for !bytes.Contains(b, []byte("later\n")) {
+			n, err := stdout.Read(buf)
+			b = append(b, buf[:n]...)
+			if err != nil {
+				break
+			}
+		}
+		got <- string(b)
+	}()
+	time.Sleep(time.Second)
+	f, err := os.OpenFile(w.vms.Console(w.vms.UIDs[types.NamespacedName{Namespace: w.nsA, Name: "vm"}]), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = f.WriteString("later\n")
+	f.Close()
+	select {
+	case s := <-got:
+		if s != "boot\nlater\n" {
+			t.Errorf("kubectl imp logs -f printed %q", s)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("kubectl imp logs -f did not follow the console")
 	}
 }
