@@ -2,6 +2,7 @@ package kubectlimp
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +10,8 @@ import (
 	"net/url"
 	"strings"
 	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/spf13/cobra"
 	"k8s.io/client-go/rest"
@@ -209,7 +212,7 @@ func (o *options) logsThroughAPI(ctx context.Context, cfg *rest.Config, ns, name
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("reading the console of ImpVM %s: %s: %s", name, resp.Status, statusMessage(b))
+		return fmt.Errorf("reading the console of ImpVM %s: %s", name, refusal(resp.StatusCode, b))
 	}
 	var w io.Writer = &inert{w: o.out}
 	if a.raw {
@@ -222,16 +225,18 @@ func (o *options) logsThroughAPI(ctx context.Context, cfg *rest.Config, ns, name
 	return err
 }
 
-// statusMessage is a Status's message, or the body as it is.
-func statusMessage(b []byte) string {
-	const key = `"message":"`
-	if i := strings.Index(string(b), key); i >= 0 {
-		rest := string(b[i+len(key):])
-		if j := strings.Index(rest, `"`); j >= 0 {
-			return rest[:j]
-		}
+// refusal says why the API server refused a subresource: a Status's message, or, for a 404
+// that is no Status (the API server has no such group), that IMP's access is not served.
+func refusal(code int, body []byte) string {
+	var st metav1.Status
+	if json.Unmarshal(body, &st) == nil && st.Kind == "Status" {
+		return fmt.Sprintf("%d %s", code, st.Message)
 	}
-	return strings.TrimSpace(string(b))
+	if code == http.StatusNotFound {
+		return "the API server does not serve " + strings.TrimPrefix(subresourcesPath, "/apis/") +
+			" (IMP's access: the chart's access.enabled, and its APIService available; docs/access.md)"
+	}
+	return fmt.Sprintf("%d %s", code, strings.TrimSpace(string(body)))
 }
 
 // inert writes a guest's bytes so that a terminal shows its control characters instead of

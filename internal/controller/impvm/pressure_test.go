@@ -198,8 +198,9 @@ func TestKubectlImpVerbs(t *testing.T) {
 	if out := run("logs", "web", "--state-dir", state, "--limit-bytes", "8"); out != "console\n" {
 		t.Errorf("logs --limit-bytes 8 = %q", out)
 	}
-	if out, err := imp("logs", "web"); err == nil || !strings.Contains(out, "no imp-runtime pod on node") {
-		t.Errorf("logs without an agent pod: %v\n%s", err, out)
+	// Through the API server, which serves no subresources here: a refusal that says so.
+	if out, err := imp("logs", "web"); err == nil || !strings.Contains(out, "does not serve subresources.imp.dev") {
+		t.Errorf("logs without IMP's subresources: %v\n%s", err, out)
 	}
 	run("stop", "web")
 	eventually(t, func() string { return e.phases("web") }).Should(Equal("web=Stopped"))
