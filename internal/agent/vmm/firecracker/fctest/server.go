@@ -36,7 +36,8 @@ type Server struct {
 	CtrlAltDel   int
 	OnCtrlAltDel func()
 	// OnStart runs when the VM starts (InstanceStart or a resuming snapshot load), with its
-	// configuration.
+	// configuration, before the request is answered: what it sets up (the guest's vsock
+	// socket) is there once the start is, as Firecracker's is. It must not block.
 	OnStart func(Config)
 	// Root resolves the paths of snapshot files, as a jailed Firecracker's root does.
 	Root string
@@ -237,7 +238,7 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			}
 			s.Started = true
 			if s.OnStart != nil {
-				go s.OnStart(s.Config)
+				s.OnStart(s.Config)
 			}
 		case "SendCtrlAltDel":
 			if err := postBoot(); err != nil {
@@ -288,7 +289,7 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		s.Started = true
 		s.Paused = obj["resume_vm"] != true
 		if s.OnStart != nil && !s.Paused {
-			go s.OnStart(s.Config)
+			s.OnStart(s.Config)
 		}
 	default:
 		return nil, badRequest("the double does not serve %s %s", method, pattern)
