@@ -86,7 +86,7 @@ func (c *Client) Exec(ctx context.Context, o ExecOptions) error {
 	req.Header.Set(TokenHeader, c.token)
 	// The transport reads the request body until it ends: end it with ctx, or a response
 	// read would wait on the transport's body read.
-	go func() { <-ctx.Done(); bw.CloseWithError(ctx.Err()) }()
+	context.AfterFunc(ctx, func() { bw.CloseWithError(ctx.Err()) })
 
 	// The host's frames, one writer at a time.
 	var mu sync.Mutex
@@ -95,8 +95,8 @@ func (c *Client) Exec(ctx context.Context, o ExecOptions) error {
 		defer mu.Unlock()
 		return WriteFrame(bw, typ, p)
 	}
-	go func() {
-		if o.Stdin != nil {
+	if o.Stdin != nil {
+		go func() {
 			buf := make([]byte, MaxFrame)
 			for {
 				n, err := o.Stdin.Read(buf)
@@ -108,8 +108,8 @@ func (c *Client) Exec(ctx context.Context, o ExecOptions) error {
 				}
 			}
 			_ = send(StdinEOF, nil)
-		}
-	}()
+		}()
+	}
 	if o.Resize != nil {
 		go func() {
 			for {
@@ -188,7 +188,7 @@ func (c *Client) PortForward(ctx context.Context, port uint16, conn io.ReadWrite
 		return err
 	}
 	req.Header.Set(TokenHeader, c.token)
-	go func() { <-ctx.Done(); bw.CloseWithError(ctx.Err()) }()
+	context.AfterFunc(ctx, func() { bw.CloseWithError(ctx.Err()) })
 	go func() {
 		_, err := io.Copy(bw, conn)
 		bw.CloseWithError(err)

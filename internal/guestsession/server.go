@@ -117,6 +117,63 @@ func (f *frameWriter) pump(typ byte, r io.Reader) {
 	}
 }
 
+// output is one of a command's output streams, as a frame type.
+type output struct {
+	typ byte
+	r   *os.File
+}
+
+// stdio is a command's standard streams as plain descriptors (a pty, or pipes), so that
+// starting it needs no goroutine of os/exec's and Start's caller may reap it however it
+// reaps: the ends the server keeps, and the command's, closed once it started.
+type stdio struct {
+	stdin   *os.File
+	outputs []output
+	child   []*os.File
+	pty     *os.File // the terminal's master, with tty
+}
+
+func newStdio(tty bool) (*stdio, error) {
+	if tty {
+		ptmx, tt, err := pty.Open()
+		if err != nil {
+			return nil, err
+		}
+		return &stdio{stdin: ptmx, outputs: []output{{Stdout, ptmx}}, child: []*os.File{tt, tt, tt}, pty: ptmx}, nil
+	}
+	sio := &stdio{}
+	for i := range 3 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			sio.close()
+			return nil, err
+		}
+		if i == 0 {
+			sio.stdin, sio.child = w, append(sio.child, r)
+		} else {
+			sio.outputs, sio.child = append(sio.outputs, output{[]byte{Stdout, Stderr}[i-1], r}), append(sio.child, w)
+		}
+	}
+	return sio, nil
+}
+
+// closeChild closes the command's ends, once it has them.
+func (s *stdio) closeChild() {
+	for _, f := range s.child {
+		f.Close() // a pty's one slave thrice: the later ones fail harmlessly
+	}
+}
+
+func (s *stdio) close() {
+	s.closeChild()
+	if s.stdin != nil {
+		s.stdin.Close()
+	}
+	for _, o := range s.outputs {
+		o.r.Close()
+	}
+}
+
 func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	argv := q["cmd"]
@@ -125,10 +182,10 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "no command", http.StatusBadRequest)
 		return
 	}
+	w.WriteHeader(http.StatusOK)
+	fw := &frameWriter{w: w, rc: http.NewResponseController(w)}
 	cmd, err := s.Command(argv)
 	if err != nil {
-		w.WriteHeader(http.StatusOK)
-		fw := &frameWriter{w: w, rc: http.NewResponseController(w)}
 		_ = fw.write(Error, []byte(err.Error()))
 		return
 	}
@@ -136,125 +193,71 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		cmd.SysProcAttr = &syscall.SysProcAttr{}
 	}
 	cmd.SysProcAttr.Setsid = true
-
-	// The command's streams are plain descriptors (a pty, or pipes), so that starting it
-	// needs no goroutine of os/exec's and Start's caller may reap it however it reaps.
-	var stdin io.WriteCloser
-	var outputs []struct {
-		typ byte
-		r   io.ReadCloser
-	}
-	var childEnds []*os.File
-	var ptmx *os.File
-	if tty {
-		var tt *os.File
-		ptmx, tt, err = pty.Open()
-		if err == nil {
-			cmd.Stdin, cmd.Stdout, cmd.Stderr = tt, tt, tt
-			cmd.SysProcAttr.Setctty = true
-			cmd.SysProcAttr.Ctty = 0
-			childEnds = append(childEnds, tt)
-			stdin = ptmx
-			outputs = append(outputs, struct {
-				typ byte
-				r   io.ReadCloser
-			}{Stdout, ptmx})
-		}
-	} else {
-		err = func() error {
-			inR, inW, err := os.Pipe()
-			if err != nil {
-				return err
-			}
-			outR, outW, err := os.Pipe()
-			if err != nil {
-				return err
-			}
-			errR, errW, err := os.Pipe()
-			if err != nil {
-				return err
-			}
-			cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, errW
-			childEnds = append(childEnds, inR, outW, errW)
-			stdin = inW
-			outputs = append(outputs, struct {
-				typ byte
-				r   io.ReadCloser
-			}{Stdout, outR}, struct {
-				typ byte
-				r   io.ReadCloser
-			}{Stderr, errR})
-			return nil
-		}()
-	}
-	closeAll := func() {
-		for _, f := range childEnds {
-			f.Close()
-		}
-		if stdin != nil {
-			stdin.Close()
-		}
-		for _, o := range outputs {
-			o.r.Close()
-		}
-	}
-	w.WriteHeader(http.StatusOK)
-	fw := &frameWriter{w: w, rc: http.NewResponseController(w)}
+	sio, err := newStdio(tty)
 	if err != nil {
-		closeAll()
 		_ = fw.write(Error, []byte(fmt.Sprintf("preparing the command's streams: %v", err)))
 		return
+	}
+	defer sio.close()
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = sio.child[0], sio.child[1], sio.child[2]
+	if tty {
+		cmd.SysProcAttr.Setctty, cmd.SysProcAttr.Ctty = true, 0
 	}
 	start := s.Start
 	if start == nil {
 		start = startAndWait
 	}
 	wait, err := start(cmd)
-	for _, f := range childEnds {
-		f.Close()
-	}
+	sio.closeChild()
 	if err != nil {
-		closeAll()
 		_ = fw.write(Error, []byte(err.Error()))
 		return
 	}
-	pid := cmd.Process.Pid
 
-	// The host's frames: stdin, its end, terminal sizes. The request ending (the host gone)
-	// kills the command's session.
+	// The host going (its request ends, or its frames break off) kills the command's session,
+	// while the command runs: never after, when its pid may be another process's.
+	var mu sync.Mutex
+	ended := false
+	kill := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !ended {
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		}
+	}
+	stop := context.AfterFunc(r.Context(), kill)
+	defer stop()
+
+	// The host's frames: stdin, its end, terminal sizes.
 	go func() {
 		fr := NewFrameReader(r.Body)
 		for {
 			typ, p, err := fr.Read()
 			if err != nil {
 				if !errors.Is(err, io.EOF) {
-					_ = syscall.Kill(-pid, syscall.SIGKILL)
+					kill()
 				}
 				return
 			}
 			switch typ {
 			case Stdin:
-				_, _ = stdin.Write(p)
+				_, _ = sio.stdin.Write(p)
 			case StdinEOF:
-				if !tty {
-					stdin.Close()
+				if tty {
+					_, _ = sio.stdin.Write([]byte{4}) // ^D, as a terminal's user would type it
 				} else {
-					_, _ = stdin.Write([]byte{4}) // ^D, as a terminal's user would type it
+					sio.stdin.Close()
 				}
 			case Resize:
-				if sz, ok := decodeSize(p); ok && ptmx != nil {
-					_ = pty.Setsize(ptmx, &pty.Winsize{Cols: sz.Width, Rows: sz.Height})
+				if sz, ok := decodeSize(p); ok && tty {
+					_ = pty.Setsize(sio.pty, &pty.Winsize{Cols: sz.Width, Rows: sz.Height})
 				}
 			}
 		}
 	}()
-	go func() {
-		<-r.Context().Done()
-		_ = syscall.Kill(-pid, syscall.SIGKILL)
-	}()
 
 	var pumps sync.WaitGroup
-	for _, o := range outputs {
+	for _, o := range sio.outputs {
 		pumps.Add(1)
 		go func() {
 			defer pumps.Done()
@@ -262,6 +265,9 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		}()
 	}
 	code := wait()
+	mu.Lock()
+	ended = true
+	mu.Unlock()
 	if tty {
 		// A pty's master reads EIO once the last holder of its slave is gone, which a
 		// background process of the command may never be: give the output a moment, then end.
@@ -270,11 +276,10 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		select {
 		case <-done:
 		case <-time.After(500 * time.Millisecond):
-			ptmx.Close()
+			sio.pty.Close()
 		}
 	}
 	pumps.Wait()
-	closeAll()
 	var b [4]byte
 	binary.BigEndian.PutUint32(b[:], uint32(int32(code)))
 	_ = fw.write(Exit, b[:])

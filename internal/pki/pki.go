@@ -103,13 +103,18 @@ func issue(tmpl *x509.Certificate, ca *Pair) (Pair, error) {
 
 // Expiry is the end of the first certificate in pemCert.
 func Expiry(pemCert []byte) (time.Time, error) {
-	b, _ := pem.Decode(pemCert)
-	if b == nil {
-		return time.Time{}, errors.New("no PEM certificate")
-	}
-	c, err := x509.ParseCertificate(b.Bytes)
+	c, err := parseCert(pemCert)
 	if err != nil {
 		return time.Time{}, err
 	}
 	return c.NotAfter, nil
+}
+
+// parseCert is the first certificate in pemCert.
+func parseCert(pemCert []byte) (*x509.Certificate, error) {
+	b, _ := pem.Decode(pemCert)
+	if b == nil {
+		return nil, errors.New("no PEM certificate")
+	}
+	return x509.ParseCertificate(b.Bytes)
 }

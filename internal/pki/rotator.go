@@ -6,7 +6,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/base64"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"sync"
@@ -143,9 +142,12 @@ func (r *Rotator) Reconcile(ctx context.Context) error {
 		return fmt.Errorf("secret %s: %w", ServingSecret, err)
 	}
 
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.client == nil || now.After(r.clientR) || !bytes.Equal(r.ca.Cert, caPair.Cert) {
+	// Only Reconcile writes these fields, one call at a time (Start); handshakes read them.
+	r.mu.RLock()
+	renew := r.client == nil || now.After(r.clientR) || !bytes.Equal(r.ca.Cert, caPair.Cert)
+	r.mu.RUnlock()
+	var client *tls.Certificate
+	if renew {
 		p, err := Issue(caPair, Request{CommonName: ClientName, Client: true, Lifetime: LeafLifetime}, now)
 		if err != nil {
 			return err
@@ -154,24 +156,23 @@ func (r *Rotator) Reconcile(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		r.client, r.clientR = &c, now.Add(2*LeafLifetime/3)
+		client = &c
+	}
+	r.mu.Lock()
+	if client != nil {
+		r.client, r.clientR = client, now.Add(2*LeafLifetime/3)
 	}
 	r.ca, r.pool, r.serving = caPair, pool, &servingCert
+	r.mu.Unlock()
 	if r.APIService != "" {
-		if err := r.caBundle(ctx, caPair.Cert); err != nil {
-			return err
-		}
+		return r.caBundle(ctx, caPair.Cert)
 	}
 	return nil
 }
 
 // due says whether the certificate is missing, not the CA's, or past two thirds of its life.
 func due(pemCert []byte, pool *x509.CertPool, now time.Time) bool {
-	b, _ := pem.Decode(pemCert)
-	if b == nil {
-		return true
-	}
-	c, err := x509.ParseCertificate(b.Bytes)
+	c, err := parseCert(pemCert)
 	if err != nil {
 		return true
 	}

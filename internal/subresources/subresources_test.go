@@ -20,6 +20,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
+	clocktesting "k8s.io/utils/clock/testing"
+
 	"github.com/creack/pty"
 
 	corev1 "k8s.io/api/core/v1"
@@ -417,5 +420,47 @@ func TestKubectlImp(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Error("kubectl imp logs -f did not follow the console")
+	}
+}
+
+// Certificates are issued again two thirds through their life, under the same CA, and left
+// alone before.
+func TestCertificatesRenew(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	secret := func(ns, name string) map[string][]byte {
+		var s corev1.Secret
+		if err := w.cl.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: name}, &s); err != nil {
+			t.Fatal(err)
+		}
+		return s.Data
+	}
+	ca, agent, serving := secret(subresourcestest.CANamespace, pki.CASecret), secret(testcluster.ChartNamespace, pki.AgentSecret),
+		secret(subresourcestest.CANamespace, pki.ServingSecret)
+	at := func(d time.Duration) *pki.Rotator {
+		return &pki.Rotator{Client: w.cl.Client, Reader: w.cl.Client, Namespace: testcluster.ChartNamespace, CANamespace: subresourcestest.CANamespace,
+			Service: "imp-subresources", APIService: subresourcestest.APIService, Clock: clocktesting.NewFakePassiveClock(time.Now().Add(d)), Log: logr.Discard()}
+	}
+	// A month on: nothing to do.
+	if err := at(30 * 24 * time.Hour).Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(secret(testcluster.ChartNamespace, pki.AgentSecret)["tls.crt"], agent["tls.crt"]) {
+		t.Error("the agents' certificate was issued again a month into its 90 days")
+	}
+	// Past 60 days: both leaves again, the CA kept.
+	r := at(61 * 24 * time.Hour)
+	if err := r.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	renewed := secret(testcluster.ChartNamespace, pki.AgentSecret)
+	if bytes.Equal(renewed["tls.crt"], agent["tls.crt"]) || bytes.Equal(secret(subresourcestest.CANamespace, pki.ServingSecret)["tls.crt"], serving["tls.crt"]) {
+		t.Error("a certificate 61 days into its 90 was not issued again")
+	}
+	if !bytes.Equal(secret(subresourcestest.CANamespace, pki.CASecret)["tls.crt"], ca["tls.crt"]) || !bytes.Equal(renewed["ca.crt"], ca["tls.crt"]) {
+		t.Error("renewing the leaves changed the CA the agents trust")
+	}
+	if exp, err := pki.Expiry(renewed["tls.crt"]); err != nil || exp.Before(time.Now().Add(140*24*time.Hour)) {
+		t.Errorf("the renewed certificate ends %v (%v), want 90 days after the renewal", exp, err)
 	}
 }

@@ -130,16 +130,7 @@ type executor struct {
 
 func (e executor) ExecInContainer(ctx context.Context, _, _, _ string, cmd []string, in io.Reader, out, errOut io.WriteCloser,
 	tty bool, resize <-chan remotecommand.TerminalSize, _ time.Duration) error {
-	o := guestsession.ExecOptions{Command: cmd, TTY: tty}
-	if in != nil {
-		o.Stdin = in
-	}
-	if out != nil {
-		o.Stdout = out
-	}
-	if errOut != nil {
-		o.Stderr = errOut
-	}
+	o := guestsession.ExecOptions{Command: cmd, TTY: tty, Stdin: in, Stdout: out, Stderr: errOut}
 	if resize != nil {
 		sizes := make(chan guestsession.Size, 1)
 		go func() {
