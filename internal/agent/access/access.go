@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"time"
 
@@ -63,14 +64,22 @@ type handler struct {
 	log logr.Logger
 }
 
-// target is the request's VM, and a logger that names it and the user.
-func (h handler) target(r *http.Request, op string) (types.NamespacedName, types.UID, logr.Logger) {
+// target is the request's VM, and a logger that names it and the user; ok is false, and a
+// refusal written, when the UID is not one: it names a directory of the node.
+func (h handler) target(w http.ResponseWriter, r *http.Request, op string) (types.NamespacedName, types.UID, logr.Logger, bool) {
 	key := types.NamespacedName{Namespace: r.PathValue("namespace"), Name: r.PathValue("name")}
 	uid := types.UID(r.PathValue("uid"))
 	log := h.log.WithValues("vm", key, "op", op, "user", r.Header.Get(UserHeader))
+	if !uidPattern.MatchString(string(uid)) {
+		http.Error(w, "not a UID", http.StatusBadRequest)
+		return key, uid, log, false
+	}
 	log.Info("access")
-	return key, uid, log
+	return key, uid, log, true
 }
+
+// uidPattern is what an object's UID looks like (a UUID), and no path of the node can.
+var uidPattern = regexp.MustCompile(`^[0-9A-Za-z-]{1,64}$`)
 
 // session is the VM's session channel, or an error written to w.
 func (h handler) session(w http.ResponseWriter, key types.NamespacedName, uid types.UID) *guestsession.Client {
@@ -88,7 +97,10 @@ var podExecParams = map[string]string{"stdin": remotecommand.ExecStdinParam, "st
 	"stderr": remotecommand.ExecStderrParam}
 
 func (h handler) exec(w http.ResponseWriter, r *http.Request) {
-	key, uid, log := h.target(r, "exec")
+	key, uid, log, ok := h.target(w, r, "exec")
+	if !ok {
+		return
+	}
 	s := h.session(w, key, uid)
 	if s == nil {
 		return
@@ -157,7 +169,10 @@ func (e executor) ExecInContainer(ctx context.Context, _, _, _ string, cmd []str
 }
 
 func (h handler) portForward(w http.ResponseWriter, r *http.Request) {
-	key, uid, log := h.target(r, "portforward")
+	key, uid, log, ok := h.target(w, r, "portforward")
+	if !ok {
+		return
+	}
 	s := h.session(w, key, uid)
 	if s == nil {
 		return
@@ -192,7 +207,10 @@ func (f forwarder) PortForward(ctx context.Context, _, _ string, port int32, str
 // consoleLog streams the console's log: all of it, or its last limitBytes; with follow, what
 // the guest writes next, until the client goes.
 func (h handler) consoleLog(w http.ResponseWriter, r *http.Request) {
-	key, uid, _ := h.target(r, "log")
+	key, uid, _, ok := h.target(w, r, "log")
+	if !ok {
+		return
+	}
 	f, err := h.vms.ConsoleLog(key, uid)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusNotFound)

@@ -23,6 +23,7 @@ import (
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/guestsession"
 	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 	"github.com/syscode-labs/imp/internal/pki"
 )
@@ -217,4 +218,40 @@ func TestRefusesOtherClients(t *testing.T) {
 		t.Fatalf("the subresource server's certificate: %v %v", resp, err)
 	}
 	resp.Body.Close()
+}
+
+// spy records whether the endpoint asked for any VM.
+type spy struct{ asked bool }
+
+func (s *spy) Session(types.NamespacedName, types.UID) (*guestsession.Client, error) {
+	s.asked = true
+	return nil, errors.New("none")
+}
+
+func (s *spy) ConsoleLog(types.NamespacedName, types.UID) (*os.File, error) {
+	s.asked = true
+	return nil, errors.New("none")
+}
+
+// A UID that is a path (the agent finds a VM's state directory by its UID) is refused before
+// any VM is looked up, whoever sends it.
+func TestRefusesPathsAsUIDs(t *testing.T) {
+	vms := &spy{}
+	srv := httptest.NewServer(access.Handler(vms, logr.Discard()))
+	defer srv.Close()
+	for _, uid := range []string{"..", ".", "%2e%2e", "a%2fb", "..%2f..%2fetc"} {
+		for _, op := range []string{"log", "exec?command=true&stdout=1", "portforward"} {
+			resp, err := http.Get(srv.URL + "/vms/ns/vm/" + uid + "/" + op)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK || resp.StatusCode == http.StatusSwitchingProtocols {
+				t.Errorf("uid %q, %s: %s", uid, op, resp.Status)
+			}
+		}
+	}
+	if vms.asked {
+		t.Error("a VM was looked up for a UID that is a path")
+	}
 }
