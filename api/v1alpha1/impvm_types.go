@@ -135,8 +135,9 @@ type EnvVarSource struct {
 // classRef and resources together must give both vcpus and memory; inline resources override the
 // class. The fields that define the VM's instance (class, resources, disk size, network, VMM) are
 // immutable: delete and recreate the ImpVM to change them. The workload fields (image, command,
-// args, env, workingDir) take effect at the VM's next start.
+// args, env, workingDir, stdin, tty) take effect at the VM's next start.
 //
+// +kubebuilder:validation:XValidation:rule="!has(self.tty) || !self.tty || (has(self.stdin) && self.stdin)",message="tty requires stdin",fieldPath=".tty"
 // +kubebuilder:validation:XValidation:rule="has(self.classRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
 // +kubebuilder:validation:XValidation:rule="has(self.classRef) == has(oldSelf.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".classRef"
 // +kubebuilder:validation:XValidation:rule="has(self.resources) == has(oldSelf.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".resources"
@@ -196,6 +197,19 @@ type ImpVMSpec struct {
 	// +kubebuilder:validation:MaxLength=4096
 	// +kubebuilder:validation:Pattern=`^/`
 	WorkingDir string `json:"workingDir,omitempty"`
+
+	// stdin gives the workload the VM's serial console as its standard input: what
+	// `kubectl imp console` (the impvms/console subresource) types reaches it. Without it the
+	// workload's input is empty, as a Pod container's is, and what is typed on the console is
+	// read by no one.
+	// +optional
+	Stdin bool `json:"stdin,omitempty"`
+
+	// tty makes the serial console the workload's controlling terminal, as a Pod container's
+	// tty does: input is edited and echoed by lines, Ctrl-C sends SIGINT, and its output goes
+	// to the console too. Requires stdin.
+	// +optional
+	TTY bool `json:"tty,omitempty"`
 
 	// networkRef attaches the VM to an ImpNetwork in its namespace, which gives it an address.
 	// Without it the VM has no network interface.

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -36,8 +37,36 @@ func (q sizeQueue) Next() *remotecommand.TerminalSize {
 	return &s
 }
 
+// lockedBuffer is a buffer one goroutine writes while another reads.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// waitFor waits up to 3 minutes (a guest under TCG) for the buffer to hold want.
+func (l *lockedBuffer) waitFor(t *testing.T, want string) {
+	t.Helper()
+	for deadline := time.Now().Add(3 * time.Minute); !strings.Contains(l.String(), want); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited for %q; got %q", want, l.String())
+		}
+	}
+}
+
 // checkAccess runs commands in the running guest v, reaches its loopback TCP server (it has no
-// network) and reads its console log, through the agent's access endpoint as kubectl's client
+// network), reads its console log and types into its console, through the agent's access endpoint as kubectl's client
 // libraries speak to it. The endpoint's TLS is the access package's test; here it is plain.
 func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 	t.Helper()
@@ -115,6 +144,31 @@ func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 	resp.Body.Close()
 	if !strings.Contains(string(b), "hello from imp") {
 		t.Errorf("console log through the endpoint: %s %q", resp.Status, b)
+	}
+
+	// The serial console, the workload's terminal (the VM has stdin and tty): the boot's log,
+	// then a line typed, echoed by the guest's terminal and answered by the workload.
+	ex, err := remotecommand.NewWebSocketExecutor(cfg, "GET", at("console", url.Values{"stdin": {"true"}, "stdout": {"true"}, "tty": {"true"}}).String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	typed, in := io.Pipe()
+	screen := &lockedBuffer{}
+	attached := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		attached <- ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: typed, Stdout: screen, Tty: true})
+	}()
+	screen.waitFor(t, "hello from imp")
+	if _, err := in.Write([]byte("ping\r")); err != nil {
+		t.Fatal(err)
+	}
+	screen.waitFor(t, "ping\r\n")
+	screen.waitFor(t, `hello: console said "ping"`)
+	in.Close()
+	if err := <-attached; err != nil {
+		t.Errorf("the console attachment ended with %v", err)
 	}
 
 	// Another VM's name with this one's UID reaches nothing.

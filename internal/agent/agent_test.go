@@ -269,6 +269,7 @@ func TestVMLifecycle(t *testing.T) {
 	reports := w.watchReports(t)
 	vm := w.vm("hello", "serve")
 	vm.Spec.Env = []impv1.EnvVar{{Name: "GREETING", Value: "from-the-api"}}
+	vm.Spec.Stdin, vm.Spec.TTY = true, true // the console is the workload's terminal
 	created := time.Now()
 	if err := c.Client.Create(ctx, vm); err != nil {
 		t.Fatal(err)

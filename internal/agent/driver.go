@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -51,6 +52,8 @@ type driver interface {
 	dialSession(dir string) (net.Conn, error)
 	// consoleLog opens the console's log for reading.
 	consoleLog(dir string) (*os.File, error)
+	// openConsole opens the console's input for writing.
+	openConsole(dir string) (consoleWriter, error)
 	// capLogs holds every file the VM writes on the node under max bytes.
 	capLogs(dir string, max int64) error
 	// logTail is the end of the VMM's own log, on one line.
@@ -116,6 +119,17 @@ func (qemuDriver) dialSession(dir string) (net.Conn, error) { return qemu.DialSe
 
 func (qemuDriver) consoleLog(dir string) (*os.File, error) {
 	return vmm.OpenIn(dir, qemu.ConsoleLog, os.O_RDONLY)
+}
+
+// openConsole connects to QEMU's console socket, reading and dropping the guest's output,
+// which reaches the log anyway: QEMU waits for a connection that is not read.
+func (qemuDriver) openConsole(dir string) (consoleWriter, error) {
+	c, err := qemu.DialConsole(dir)
+	if err != nil {
+		return nil, err
+	}
+	go func() { _, _ = io.Copy(io.Discard, c) }()
+	return c, nil
 }
 
 func (qemuDriver) capLogs(dir string, max int64) error {
@@ -195,6 +209,11 @@ func (d firecrackerDriver) dialSession(dir string) (net.Conn, error) {
 // vmm.OpenIn.
 func (d firecrackerDriver) consoleLog(dir string) (*os.File, error) {
 	return vmm.OpenIn(d.a.jailRoot(types.UID(filepath.Base(dir))), firecracker.ConsoleFile, os.O_RDONLY)
+}
+
+// openConsole opens Firecracker's stdin, a FIFO of the VM's directory, outside the jail.
+func (firecrackerDriver) openConsole(dir string) (consoleWriter, error) {
+	return firecracker.OpenConsole(dir)
 }
 
 // capLogs: the files in the jail, where the VMM could have replaced them, are opened through

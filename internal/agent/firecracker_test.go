@@ -78,12 +78,28 @@ func TestFirecrackerVM(t *testing.T) {
 	}
 	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(rec.Pid) + "/cmdline")
 	args := strings.ReplaceAll(string(cmdline), "\x00", " ")
-	for _, want := range []string{"--id " + string(v.UID), "--uid 300000 --gid 300000", "--chroot-base-dir " + filepath.Join(w.stateDir, "jail"), "--daemonize -- --api-sock /run/firecracker.socket"} {
+	for _, want := range []string{"--id " + string(v.UID), "--uid 300000 --gid 300000", "--chroot-base-dir " + filepath.Join(w.stateDir, "jail"), "--parent-cgroup imp -- --api-sock /run/firecracker.socket"} {
 		if !strings.Contains(args, want) {
 			t.Errorf("jailer command line lacks %q: %s", want, args)
 		}
 	}
 	jail := filepath.Join(w.stateDir, "jail", "firecracker", string(v.UID))
+
+	// The serial console's input: Firecracker's stdin, the FIFO of the VM's directory (the
+	// fake's guest answers each line on the console it writes).
+	in, _, err := w.agent.ConsoleInput(types.NamespacedName{Namespace: v.Namespace, Name: v.Name}, v.UID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.Write([]byte("ping\r\n")); err != nil {
+		t.Fatalf("typing into the console: %v", err)
+	}
+	in.Close()
+	g.Eventually(func() string {
+		b, _ := os.ReadFile(filepath.Join(jail, "root", "logs", "console.log"))
+		return string(b)
+	}).WithTimeout(30*time.Second).Should(ContainSubstring(`console said "ping"`), "the console's input reached the VMM's stdin")
+
 	st, err := os.Stat(filepath.Join(jail, "root", "disks", "rw.ext4"))
 	if err != nil || st.Sys().(*syscall.Stat_t).Uid != 300000 {
 		t.Errorf("the VM's disk in the jail: %v", err)

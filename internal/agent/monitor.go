@@ -34,6 +34,8 @@ type monitor struct {
 	// key and session: the VM, and its session channel (nil for a run without one).
 	key     types.NamespacedName
 	session *guestsession.Client
+	// console is the serial console's input.
+	console *console
 }
 
 // requestStop asks the guest to stop its workload; it says whether the request went out (the
@@ -78,6 +80,7 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	if meta.Session {
 		m.session = guestsession.NewClient(meta.Token, func(context.Context) (net.Conn, error) { return drv.dialSession(dir) })
 	}
+	m.console = &console{open: func() (consoleWriter, error) { return drv.openConsole(dir) }}
 	w := watch{
 		dial:  func() (net.Conn, error) { return drv.dial(dir) },
 		alive: rec.Alive,
@@ -94,6 +97,7 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	}
 	go func() {
 		defer close(m.done)
+		defer m.console.end()
 		if m.session != nil {
 			defer m.session.Close()
 		}

@@ -15,7 +15,7 @@ import (
 // command replaces the entrypoint and drops the image's cmd; args replace the cmd; env is
 // added to the image's, a name of the VM's winning.
 func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Config, error) {
-	cfg := guestinit.Config{WorkingDir: img.WorkingDir, User: img.User, Hostname: vm.Name}
+	cfg := guestinit.Config{WorkingDir: img.WorkingDir, User: img.User, Hostname: vm.Name, Stdin: vm.Spec.Stdin, TTY: vm.Spec.TTY}
 	switch {
 	case len(vm.Spec.Command) > 0:
 		cfg.Argv = append(append([]string{}, vm.Spec.Command...), vm.Spec.Args...)

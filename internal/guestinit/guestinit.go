@@ -39,6 +39,10 @@ type Config struct {
 	User string `json:"user,omitempty"`
 	// Hostname is the guest's host name.
 	Hostname string `json:"hostname,omitempty"`
+	// Stdin: the workload reads the serial console (else /dev/null).
+	Stdin bool `json:"stdin,omitempty"`
+	// TTY: the serial console is the workload's controlling terminal, and its stdout and stderr.
+	TTY bool `json:"tty,omitempty"`
 }
 
 // Message is one line of JSON on the guest channel, from the guest to the agent.

@@ -293,6 +293,17 @@ func runWorkload(cfg Config) (int, error) {
 		return ch.fail(err)
 	}
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	if cfg.Stdin || cfg.TTY {
+		tty, err := consoleTTY(cfg.TTY)
+		if err != nil {
+			return ch.fail(err)
+		}
+		cmd.Stdin = tty
+		if cfg.TTY {
+			cmd.Stdout, cmd.Stderr = tty, tty
+			cmd.SysProcAttr.Setctty, cmd.SysProcAttr.Ctty = true, 0
+		}
+	}
 	serveSessions(cfg)
 	// Signals to PID 1 go to the workload.
 	sigs := make(chan os.Signal, 8)
@@ -336,6 +347,38 @@ func runWorkload(cfg Config) (int, error) {
 		ch.send(Message{Event: "exit", Code: &code})
 		return code, nil
 	}
+}
+
+// consoleTTY opens the serial console's terminal (the kernel's primary console) for the
+// workload. As its controlling terminal (tty) it keeps the kernel's line discipline: lines
+// edited and echoed, Ctrl-C a SIGINT. As its input alone, bytes pass as they come, unechoed,
+// while output keeps the console's CR LF.
+func consoleTTY(tty bool) (*os.File, error) {
+	b, err := os.ReadFile("/sys/class/tty/console/active")
+	names := strings.Fields(string(b))
+	if err != nil || len(names) == 0 {
+		return nil, fmt.Errorf("finding the console's terminal: %v", err)
+	}
+	name := names[len(names)-1] // the primary console, /dev/console
+	f, err := os.OpenFile("/dev/"+name, os.O_RDWR|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening the console %s: %w", name, err)
+	}
+	if tty {
+		return f, nil
+	}
+	t, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	if err == nil {
+		t.Lflag &^= unix.ICANON | unix.ECHO | unix.ECHOE | unix.ECHOK | unix.ECHONL | unix.ECHOCTL | unix.ISIG | unix.IEXTEN
+		t.Iflag &^= unix.ICRNL | unix.INLCR | unix.IGNCR | unix.IXON
+		t.Cc[unix.VMIN], t.Cc[unix.VTIME] = 1, 0
+		err = unix.IoctlSetTermios(int(f.Fd()), unix.TCSETS, t)
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("setting the console %s's input raw: %w", name, err)
+	}
+	return f, nil
 }
 
 func hasEnv(env []string, name string) bool {

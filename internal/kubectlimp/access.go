@@ -1,6 +1,7 @@
 package kubectlimp
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -63,9 +64,13 @@ func (o *options) accessCommands(a *accessOptions) []*cobra.Command {
 	exec.Flags().BoolVar(&a.raw, "raw", false, "print the guest's output as it is: escape sequences included (default: shown, not interpreted, unless -t)")
 	console := &cobra.Command{
 		Use:   "console NAME",
-		Short: "Attach this terminal to a VM's serial console",
-		Args:  cobra.ExactArgs(1),
+		Short: "Attach this terminal to a VM's serial console (Ctrl-] detaches)",
+		Long: `Attach this terminal to a VM's serial console: the end of its log, then what the guest
+writes; what is typed reaches the console, and the workload when the ImpVM has stdin (and tty
+for a terminal with line editing). Ctrl-] detaches; the VM keeps running.`,
+		Args: cobra.ExactArgs(1),
 		RunE: o.cmd(func(ctx context.Context, cfg *rest.Config, ns string, args []string) error {
+			fmt.Fprintf(o.errOut, "Attached to the console of ImpVM %s; Ctrl-] detaches.\r\n", args[0])
 			return o.exec(ctx, cfg, ns, []string{args[0]}, &accessOptions{stdin: true, tty: true, raw: true}, "console")
 		}),
 	}
@@ -125,6 +130,9 @@ func (o *options) exec(ctx context.Context, cfg *rest.Config, ns string, args []
 	so := remotecommand.StreamOptions{Tty: a.tty}
 	if a.stdin {
 		so.Stdin = o.in
+		if resource == "console" {
+			so.Stdin = &detachable{r: o.in}
+		}
 	}
 	// The guest's bytes reach this terminal as they are only in a terminal session (-t) or
 	// when asked (--raw): otherwise its escape sequences are shown, not obeyed.
@@ -146,6 +154,27 @@ func (o *options) exec(ctx context.Context, cfg *rest.Config, ns string, args []
 		return fmt.Errorf("%s in ImpVM %s: %w", resource, args[0], err)
 	}
 	return nil
+}
+
+// detachKey ends a console attachment: Ctrl-], as telnet's and virtctl's.
+const detachKey = 0x1d
+
+// detachable is a console's input, which ends where detachKey is typed.
+type detachable struct {
+	r        io.Reader
+	detached bool
+}
+
+func (d *detachable) Read(p []byte) (int, error) {
+	if d.detached {
+		return 0, io.EOF
+	}
+	n, err := d.r.Read(p)
+	if i := bytes.IndexByte(p[:n], detachKey); i >= 0 {
+		d.detached = true
+		return i, nil
+	}
+	return n, err
 }
 
 // sizes hands this terminal's sizes to the executor.

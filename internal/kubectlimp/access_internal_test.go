@@ -2,6 +2,8 @@ package kubectlimp
 
 import (
 	"bytes"
+	"io"
+	"strings"
 	"testing"
 )
 
@@ -26,6 +28,22 @@ func TestInert(t *testing.T) {
 			}
 			if b.String() != tc.want {
 				t.Errorf("%q became %q, want %q", tc.in, b.String(), tc.want)
+			}
+		})
+	}
+}
+
+// A console's input ends where Ctrl-] is typed: what precedes it passes, nothing after it.
+func TestDetachable(t *testing.T) {
+	for _, tc := range []struct{ name, in, want string }{
+		{"no detach key", "ls\r", "ls\r"},
+		{"detach at once", "\x1d", ""},
+		{"after a line", "ls\r\x1dmore", "ls\r"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := io.ReadAll(&detachable{r: strings.NewReader(tc.in)})
+			if err != nil || string(got) != tc.want {
+				t.Errorf("%q read as %q (%v), want %q", tc.in, got, err, tc.want)
 			}
 		})
 	}

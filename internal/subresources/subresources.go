@@ -138,11 +138,6 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		writeStatus(w, statusFor(err))
 		return
 	}
-	if sub == "console" {
-		writeStatus(w, &apierrors.StatusError{ErrStatus: metav1.Status{Status: metav1.StatusFailure, Code: http.StatusNotImplemented,
-			Reason: metav1.StatusReasonMethodNotAllowed, Message: "the interactive console is not served yet: use impvms/log with follow"}})
-		return
-	}
 	if vm.Status.NodeName == "" {
 		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is not placed on a node (phase %q)", vm.Status.Phase)))
 		return

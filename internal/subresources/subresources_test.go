@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -345,7 +346,8 @@ func TestAgentsCannotReadTheAccessCA(t *testing.T) {
 }
 
 // kubectl imp, the binary, as a user runs it: exec with its output (control characters shown,
-// not obeyed) and exit code, exec -it in a terminal, logs -f following the console.
+// not obeyed) and exit code, exec -it in a terminal, console typed into and detached from, logs
+// -f following the console.
 func TestKubectlImp(t *testing.T) {
 	w := newWorld(t)
 	w.user(t, "alice", "imp-edit", "imp-view")
@@ -383,6 +385,37 @@ func TestKubectlImp(t *testing.T) {
 		t.Errorf("kubectl imp exec -it printed %q, want the terminal's size 40 100 and a pts", term.String())
 	}
 
+	// console: the log's end, the guest's answer to a line typed, and Ctrl-] detaching.
+	cons := imp("console", "vm")
+	ptmx, err = pty.StartWithSize(cons, &pty.Winsize{Rows: 40, Cols: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ptmx.Close()
+	screen := &lockedBuffer{}
+	copied := make(chan struct{})
+	go func() { _, _ = io.Copy(screen, ptmx); close(copied) }()
+	screen.waitFor(t, "boot") // attached: the log's end
+	if _, err := ptmx.Write([]byte("ping\r")); err != nil {
+		t.Fatal(err)
+	}
+	screen.waitFor(t, `console said "ping"`)
+	if _, err := ptmx.Write([]byte{0x1d}); err != nil {
+		t.Fatal(err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- cons.Wait() }()
+	select {
+	case err := <-waited:
+		<-copied
+		if err != nil || !strings.Contains(screen.String(), "boot") || !strings.Contains(screen.String(), `console said "ping"`) {
+			t.Errorf("kubectl imp console: %v, printed %q; want the log's end, the guest's answer, exit code 0", err, screen.String())
+		}
+	case <-time.After(30 * time.Second):
+		_ = cons.Process.Kill()
+		t.Errorf("kubectl imp console did not detach on Ctrl-]; printed %q", screen.String())
+	}
+
 	// logs -f follows the console.
 	logs := imp("logs", "vm", "-f")
 	stdout, err := logs.StdoutPipe()
@@ -415,11 +448,39 @@ func TestKubectlImp(t *testing.T) {
 	f.Close()
 	select {
 	case s := <-got:
-		if s != "boot\nlater\n" {
+		if s != "boot\nconsole said \"ping\"\nlater\n" {
 			t.Errorf("kubectl imp logs -f printed %q", s)
 		}
 	case <-time.After(30 * time.Second):
 		t.Error("kubectl imp logs -f did not follow the console")
+	}
+}
+
+// lockedBuffer is a buffer one goroutine writes while another reads.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// waitFor waits up to 30 s for the buffer to hold want.
+func (l *lockedBuffer) waitFor(t *testing.T, want string) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); !strings.Contains(l.String(), want); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited for %q; got %q", want, l.String())
+		}
 	}
 }
 

@@ -1,5 +1,5 @@
-// Package access is the node agent's endpoint for the API's VM subresources: exec, port-forward
-// and the console's log of the VMs of its node. The Kubernetes API server authenticates and
+// Package access is the node agent's endpoint for the API's VM subresources: exec, port-forward,
+// the serial console and its log, of the VMs of its node. The Kubernetes API server authenticates and
 // authorizes each user and audits each request; IMP's subresource server then reaches this
 // endpoint over mutually authenticated TLS, and this endpoint serves that client and no other.
 // Streams speak what kubectl speaks (SPDY and WebSocket remotecommand and portforward, served
@@ -36,6 +36,9 @@ type VMs interface {
 	Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error)
 	// ConsoleLog opens the console log of the VM key with uid, running or finished.
 	ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error)
+	// ConsoleInput attaches to the serial console's input of the running VM key with uid;
+	// ended is closed when its run ends. Closing the input detaches.
+	ConsoleInput(key types.NamespacedName, uid types.UID) (in io.WriteCloser, ended <-chan struct{}, err error)
 }
 
 // UserHeader names the API user a request is for, as the subresource server saw it
@@ -56,6 +59,7 @@ func Handler(vms VMs, log logr.Logger) http.Handler {
 	mux.HandleFunc(vm+"exec", h.exec)
 	mux.HandleFunc(vm+"portforward", h.portForward)
 	mux.HandleFunc("GET "+vm+"log", h.consoleLog)
+	mux.HandleFunc(vm+"console", h.console)
 	return mux
 }
 
@@ -91,10 +95,23 @@ func (h handler) session(w http.ResponseWriter, key types.NamespacedName, uid ty
 	return s
 }
 
-// podExecParams are the names the API uses for exec's streams (PodExecOptions); the CRI
-// streaming library reads its own.
+// podExecParams are the names the API uses for exec's and attach's streams (PodExecOptions,
+// PodAttachOptions); the CRI streaming library reads its own.
 var podExecParams = map[string]string{"stdin": remotecommand.ExecStdinParam, "stdout": remotecommand.ExecStdoutParam,
-	"stderr": remotecommand.ExecStderrParam}
+	"stderr": remotecommand.ExecStderrParam, "tty": remotecommand.ExecTTYParam}
+
+// streamOptions are the streams r asks for, in the API's names or the CRI's.
+func streamOptions(r *http.Request) (*remotecommand.Options, error) {
+	q := r.URL.Query()
+	for api, cri := range podExecParams {
+		if v := q.Get(api); v == "true" || v == "1" {
+			q.Set(cri, "1")
+		}
+	}
+	r.URL.RawQuery = q.Encode()
+	r.Form = nil
+	return remotecommand.NewOptions(r)
+}
 
 func (h handler) exec(w http.ResponseWriter, r *http.Request) {
 	key, uid, log, ok := h.target(w, r, "exec")
@@ -105,32 +122,24 @@ func (h handler) exec(w http.ResponseWriter, r *http.Request) {
 	if s == nil {
 		return
 	}
-	q := r.URL.Query()
-	for api, cri := range podExecParams {
-		if v := q.Get(api); v == "true" || v == "1" {
-			q.Set(cri, "1")
-		}
-	}
-	if v := q.Get(remotecommand.ExecTTYParam); v == "true" {
-		q.Set(remotecommand.ExecTTYParam, "1")
-	}
-	r.URL.RawQuery = q.Encode()
-	r.Form = nil
-	cmd := q["command"]
+	cmd := r.URL.Query()["command"]
 	if len(cmd) == 0 {
 		http.Error(w, "no command", http.StatusBadRequest)
 		return
 	}
-	opts, err := remotecommand.NewOptions(r)
+	opts, err := streamOptions(r)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
+	e := executor{s: s, log: log}
 	if wsstream.IsWebSocketRequest(r) {
-		serveWebSocketExec(w, r, executor{s: s, log: log}, cmd, opts)
+		serveWebSocket(w, r, log, opts, func(ctx context.Context, in io.Reader, out, errOut io.WriteCloser, resize <-chan remotecommand.TerminalSize) error {
+			return e.ExecInContainer(ctx, "", "", "", cmd, in, out, errOut, opts.TTY, resize, 0)
+		})
 		return
 	}
-	remotecommand.ServeExec(w, r, executor{s: s, log: log}, key.Name, string(uid), "", cmd, opts,
+	remotecommand.ServeExec(w, r, e, key.Name, string(uid), "", cmd, opts,
 		IdleTimeout, StreamCreationTimeout, remotecommand.SupportedStreamingProtocols)
 }
 
@@ -211,48 +220,65 @@ func (h handler) consoleLog(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	f, err := h.vms.ConsoleLog(key, uid)
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusNotFound)
+	f, ok := h.openLog(w, r, key, uid, -1)
+	if !ok {
 		return
 	}
 	defer f.Close()
 	q := r.URL.Query()
 	follow := q.Get("follow") == "true" || q.Get("follow") == "1"
-	if s := q.Get("limitBytes"); s != "" {
-		n, err := strconv.ParseInt(s, 10, 64)
-		if err != nil || n < 0 {
-			http.Error(w, "limitBytes: want a number of bytes", http.StatusBadRequest)
-			return
-		}
-		if fi, err := f.Stat(); err == nil && fi.Size() > n {
-			_, _ = f.Seek(-n, io.SeekEnd)
-		}
-	}
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	rc := http.NewResponseController(w)
+	_ = copyLog(r.Context(), f, w, follow, func() { _ = rc.Flush() })
+}
+
+// openLog opens the VM's console log at its last limitBytes (the request's, else def; all of
+// it when negative), or writes why not.
+func (h handler) openLog(w http.ResponseWriter, r *http.Request, key types.NamespacedName, uid types.UID, def int64) (*os.File, bool) {
+	n := def
+	if s := r.URL.Query().Get("limitBytes"); s != "" {
+		var err error
+		if n, err = strconv.ParseInt(s, 10, 64); err != nil || n < 0 {
+			http.Error(w, "limitBytes: want a number of bytes", http.StatusBadRequest)
+			return nil, false
+		}
+	}
+	f, err := h.vms.ConsoleLog(key, uid)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusNotFound)
+		return nil, false
+	}
+	if fi, err := f.Stat(); err == nil && n >= 0 && fi.Size() > n {
+		_, _ = f.Seek(-n, io.SeekEnd)
+	}
+	return f, true
+}
+
+// copyLog copies the log f to w; with follow, what the guest writes next too, until ctx
+// ends. flush, between reads that found nothing new, sends what w holds.
+func copyLog(ctx context.Context, f *os.File, w io.Writer, follow bool, flush func()) error {
 	buf := make([]byte, 32<<10)
-	tick := time.NewTicker(250 * time.Millisecond)
+	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		n, err := f.Read(buf)
 		if n > 0 {
-			if _, werr := w.Write(buf[:n]); werr != nil {
-				return
+			if _, err := w.Write(buf[:n]); err != nil {
+				return err
 			}
 			continue
 		}
 		if err != nil && !errors.Is(err, io.EOF) {
-			return
+			return err
 		}
 		if !follow {
-			return
+			return nil
 		}
-		_ = rc.Flush()
+		flush()
 		select {
-		case <-r.Context().Done():
-			return
+		case <-ctx.Done():
+			return nil
 		case <-tick.C:
 		}
 		// The agent caps the log by cutting it: start again from its new beginning.
@@ -262,6 +288,96 @@ func (h handler) consoleLog(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+}
+
+// consoleTail is how much of the console's log an attachment shows first, unless the request
+// says (limitBytes): enough for a boot's messages.
+const consoleTail = 16 << 10
+
+// console attaches to the VM's serial console, as kubectl attach does to a container: stdin
+// (if asked for) reaches the console's input, and stdout gets the end of the console's log
+// (consoleTail), then what the guest writes, until stdin ends, the client goes or the run
+// ends. The output is the log's, so every attachment sees all of it, whoever types.
+func (h handler) console(w http.ResponseWriter, r *http.Request) {
+	key, uid, log, ok := h.target(w, r, "console")
+	if !ok {
+		return
+	}
+	in, ended, err := h.vms.ConsoleInput(key, uid)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusNotFound)
+		return
+	}
+	defer in.Close()
+	f, ok := h.openLog(w, r, key, uid, consoleTail)
+	if !ok {
+		return
+	}
+	defer f.Close()
+	opts, err := streamOptions(r)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	a := attacher{in: in, log: f, ended: ended, logger: log}
+	if wsstream.IsWebSocketRequest(r) {
+		serveWebSocket(w, r, log, opts, a.run)
+		return
+	}
+	remotecommand.ServeAttach(w, r, a, key.Name, string(uid), "", opts, IdleTimeout, StreamCreationTimeout,
+		remotecommand.SupportedStreamingProtocols)
+}
+
+// attacher is one attachment to a VM's serial console.
+type attacher struct {
+	in     io.Writer
+	log    *os.File
+	ended  <-chan struct{}
+	logger logr.Logger
+}
+
+func (a attacher) AttachContainer(ctx context.Context, _, _, _ string, in io.Reader, out, errOut io.WriteCloser, _ bool, resize <-chan remotecommand.TerminalSize) error {
+	return a.run(ctx, in, out, errOut, resize)
+}
+
+// run copies stdin to the console and the console's log to stdout until stdin ends, ctx ends
+// or the run ends. A serial console has no size: resizes are read and dropped.
+func (a attacher) run(ctx context.Context, stdin io.Reader, out, _ io.WriteCloser, resize <-chan remotecommand.TerminalSize) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if resize != nil {
+		go func() {
+			for range resize {
+			}
+		}()
+	}
+	if stdin != nil {
+		go func() {
+			defer cancel()
+			if _, err := io.Copy(a.in, stdin); err != nil {
+				a.logger.Info("console input ended", "error", err.Error())
+			}
+		}()
+	}
+	go func() {
+		select {
+		case <-a.ended:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	if out == nil {
+		<-ctx.Done()
+		return nil
+	}
+	err := copyLog(ctx, a.log, out, true, func() {})
+	select {
+	case <-a.ended:
+		_ = copyLog(ctx, a.log, out, false, func() {}) // the last words
+		_, _ = io.WriteString(out, "\r\n[imp: the VM's run ended]\r\n")
+	default:
+	}
+	return err
 }
 
 // Server serves Handler over TLS on Addr for as long as its context lives (a manager's

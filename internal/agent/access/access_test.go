@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -180,6 +181,88 @@ func TestLogFollow(t *testing.T) {
 	}
 }
 
+// syncBuffer is a buffer that one goroutine writes while another reads.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// waitFor waits until b holds want.
+func waitFor(t *testing.T, b *syncBuffer, want string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(b.String(), want) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited for %q, got %q", want, b.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Two users attach to one console, over WebSocket and SPDY: each sees the log's end, what the
+// guest answers to either's input; each ends when its input ends.
+func TestConsoleThroughTheEndpoint(t *testing.T) {
+	w := newWorld(t)
+	cfg := w.config(t, w.ca, client)
+	q := url.Values{"stdin": {"true"}, "stdout": {"true"}, "tty": {"true"}}
+	type attachment struct {
+		in   *io.PipeWriter
+		out  *syncBuffer
+		done chan error
+	}
+	attach := func(ex remotecommand.Executor, err error) attachment {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, in := io.Pipe()
+		a := attachment{in: in, out: &syncBuffer{}, done: make(chan error, 1)}
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			a.done <- ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: r, Stdout: a.out, Tty: true})
+		}()
+		return a
+	}
+	ws := attach(remotecommand.NewWebSocketExecutor(cfg, "GET", w.url("console", q).String()))
+	spdy := attach(remotecommand.NewSPDYExecutor(cfg, "POST", w.url("console", q)))
+	waitFor(t, ws.out, "boot\n")
+	waitFor(t, spdy.out, "boot\n")
+	if _, err := ws.in.Write([]byte("ping\r")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := spdy.in.Write([]byte("pong\r")); err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range []attachment{ws, spdy} {
+		waitFor(t, a.out, `console said "ping"`)
+		waitFor(t, a.out, `console said "pong"`)
+	}
+	for name, a := range map[string]attachment{"websocket": ws, "spdy": spdy} {
+		a.in.Close()
+		select {
+		case err := <-a.done:
+			if err != nil {
+				t.Errorf("%s: the attachment ended with %v", name, err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Errorf("%s: the attachment did not end with its input", name)
+		}
+	}
+}
+
 // The endpoint serves the subresource server's certificate and nothing else.
 func TestRefusesOtherClients(t *testing.T) {
 	w := newWorld(t)
@@ -233,6 +316,11 @@ func (s *spy) ConsoleLog(types.NamespacedName, types.UID) (*os.File, error) {
 	return nil, errors.New("none")
 }
 
+func (s *spy) ConsoleInput(types.NamespacedName, types.UID) (io.WriteCloser, <-chan struct{}, error) {
+	s.asked = true
+	return nil, nil, errors.New("none")
+}
+
 // A UID that is a path (the agent finds a VM's state directory by its UID) is refused before
 // any VM is looked up, whoever sends it.
 func TestRefusesPathsAsUIDs(t *testing.T) {
@@ -240,7 +328,7 @@ func TestRefusesPathsAsUIDs(t *testing.T) {
 	srv := httptest.NewServer(access.Handler(vms, logr.Discard()))
 	defer srv.Close()
 	for _, uid := range []string{"..", ".", "%2e%2e", "a%2fb", "..%2f..%2fetc"} {
-		for _, op := range []string{"log", "exec?command=true&stdout=1", "portforward"} {
+		for _, op := range []string{"log", "exec?command=true&stdout=1", "portforward", "console?stdin=1&stdout=1"} {
 			resp, err := http.Get(srv.URL + "/vms/ns/vm/" + uid + "/" + op)
 			if err != nil {
 				t.Fatal(err)

@@ -1,6 +1,7 @@
 package access
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/go-logr/logr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/cri-streaming/pkg/streaming/remotecommand"
 	"k8s.io/streaming/pkg/httpstream/wsstream"
@@ -27,9 +29,14 @@ const (
 	resizeChannel
 )
 
-// serveWebSocketExec runs an exec over one WebSocket: its frames are ordered, so the end of
-// the output always precedes the exit status.
-func serveWebSocketExec(w http.ResponseWriter, r *http.Request, e executor, cmd []string, o *remotecommand.Options) {
+// session is an exec or an attachment as a stream protocol serves it: its streams (nil when
+// not asked for) and the terminal's sizes (nil without a tty); an error that carries
+// ExitStatus is the command's code.
+type session func(ctx context.Context, in io.Reader, out, errOut io.WriteCloser, resize <-chan remotecommand.TerminalSize) error
+
+// serveWebSocket runs an exec or attachment over one WebSocket: its frames are ordered, so
+// the end of the output always precedes the exit status.
+func serveWebSocket(w http.ResponseWriter, r *http.Request, log logr.Logger, o *remotecommand.Options, run session) {
 	channels := []wsstream.ChannelType{wsstream.IgnoreChannel, wsstream.IgnoreChannel, wsstream.IgnoreChannel, wsstream.WriteChannel, wsstream.IgnoreChannel}
 	if o.Stdin {
 		channels[stdinChannel] = wsstream.ReadChannel
@@ -47,7 +54,7 @@ func serveWebSocketExec(w http.ResponseWriter, r *http.Request, e executor, cmd 
 	conn.SetIdleTimeout(IdleTimeout)
 	_, streams, err := conn.Open(w, r)
 	if err != nil {
-		e.log.Info("upgrading to a WebSocket", "error", err.Error())
+		log.Info("upgrading to a WebSocket", "error", err.Error())
 		return
 	}
 	defer conn.Close()
@@ -91,7 +98,7 @@ func serveWebSocketExec(w http.ResponseWriter, r *http.Request, e executor, cmd 
 			}
 		}()
 	}
-	err = e.ExecInContainer(r.Context(), "", "", "", cmd, in, out, errOut, o.TTY, resize, 0)
+	err = run(r.Context(), in, out, errOut, resize)
 	st := metav1.Status{Status: metav1.StatusSuccess}
 	var exit interface{ ExitStatus() int }
 	switch {
@@ -101,7 +108,7 @@ func serveWebSocketExec(w http.ResponseWriter, r *http.Request, e executor, cmd 
 			Details: &metav1.StatusDetails{Causes: []metav1.StatusCause{{Type: remotecommand.ExitCodeCauseType, Message: strconv.Itoa(exit.ExitStatus())}}}}
 	case err != nil:
 		st = metav1.Status{Status: metav1.StatusFailure, Reason: metav1.StatusReasonInternalError, Code: http.StatusInternalServerError,
-			Message: fmt.Sprintf("error executing command in the VM: %v", err)}
+			Message: fmt.Sprintf("in the VM: %v", err)}
 	}
 	b, _ := json.Marshal(st)
 	_, _ = streams[errorChannel].Write(b)

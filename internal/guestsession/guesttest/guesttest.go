@@ -6,6 +6,7 @@ package guesttest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -114,6 +115,41 @@ func (v *VMs) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, err
 	}
 	return os.Open(v.Console(uid))
 }
+
+// ConsoleInput is the console of a guest that answers each line typed with "console said
+// LINE" on its console; its run never ends.
+func (v *VMs) ConsoleInput(key types.NamespacedName, uid types.UID) (io.WriteCloser, <-chan struct{}, error) {
+	if v.UIDs[key] != uid || uid == "" {
+		return nil, nil, errNotHere
+	}
+	f, err := os.OpenFile(v.Console(uid), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	return &echoConsole{f: f}, make(chan struct{}), nil
+}
+
+// echoConsole answers lines written to it on a console log.
+type echoConsole struct {
+	f    *os.File
+	line []byte
+}
+
+func (c *echoConsole) Write(p []byte) (int, error) {
+	for _, b := range p {
+		if b != '\r' && b != '\n' {
+			c.line = append(c.line, b)
+			continue
+		}
+		if _, err := fmt.Fprintf(c.f, "console said %q\n", c.line); err != nil {
+			return 0, err
+		}
+		c.line = c.line[:0]
+	}
+	return len(p), nil
+}
+
+func (c *echoConsole) Close() error { return c.f.Close() }
 
 // PortForward forwards a local port to remote through the portforward subresource at u, as
 // kubectl port-forward does (SPDY), and returns a connection to it and a function that ends

@@ -2,7 +2,9 @@
 // writes a file in its working directory; then, by its first argument:
 //
 //	exit    leaves an orphan for PID 1 to reap and exits with code 3
-//	serve   prints a line a second until SIGTERM, then exits 0; echoes TCP on 127.0.0.1:7001
+//	serve   prints a line a second until SIGTERM, then exits 0; echoes TCP on 127.0.0.1:7001;
+//	        answers each line of its stdin (the console, with the ImpVM's stdin) with
+//	        "hello: console said LINE"
 //
 // As a command run in a guest (exec), without the greeting:
 //
@@ -18,6 +20,7 @@
 package main
 
 import (
+	"bufio"
 	"fmt"
 	"io"
 	"net"
@@ -54,6 +57,7 @@ func main() {
 	switch mode {
 	case "serve":
 		go echoTCP("127.0.0.1:7001")
+		go answerStdin()
 		term := make(chan os.Signal, 1)
 		signal.Notify(term, syscall.SIGTERM)
 		for i := 0; ; i++ {
@@ -90,6 +94,14 @@ func main() {
 	default:
 		_ = exec.Command("/bin/hello", "child").Start() // exits at once; init reaps it
 		os.Exit(3)
+	}
+}
+
+// answerStdin answers each line of stdin until its end.
+func answerStdin() {
+	sc := bufio.NewScanner(os.Stdin)
+	for sc.Scan() {
+		fmt.Printf("hello: console said %q\n", strings.TrimRight(sc.Text(), "\r"))
 	}
 }
 

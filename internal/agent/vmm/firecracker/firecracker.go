@@ -1,6 +1,6 @@
 // Package firecracker is IMP's Firecracker driver: the VMM runs under Firecracker's jailer
 // (own uid and gid, a chroot holding only the VM's kernel, initramfs and disks, cgroup limits,
-// the node's or a given network namespace, daemonized so it outlives the agent) and is
+// the node's or a given network namespace, in a session of its own so it outlives the agent) and is
 // configured over its API socket. Disks, initramfs, imp-init, network and records are the same
 // as the qemu driver's; the guest channel is vsock instead of virtio-serial.
 package firecracker
@@ -127,7 +127,9 @@ func (s Spec) JailerArgs() []string {
 	if s.NetNS != "" {
 		args = append(args, "--netns", s.NetNS)
 	}
-	return append(args, "--daemonize", "--", "--api-sock", jailAPISock)
+	// Not --daemonize: it would put /dev/null where the serial console's input comes from,
+	// Firecracker's stdin. Start gives it its own session instead.
+	return append(args, "--", "--api-sock", jailAPISock)
 }
 
 // BootArgs is the guest kernel's command line.
@@ -282,8 +284,9 @@ func RemoveConfig(chroot string) error {
 }
 
 // Start builds the jail, launches the jailer detached from the caller (own session; the
-// jailer daemonizes and execs Firecracker in the same process), configures the VM over the
-// API and starts it. It writes and returns the VM's record.
+// jailer execs Firecracker in the same process), configures the VM over the API and starts
+// it. It writes and returns the VM's record. The serial console's input is Firecracker's
+// stdin, the FIFO ConsoleInput in the VM's directory.
 func Start(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) {
 	return launch(ctx, s, configHash, func(c *Client) error { return Configure(ctx, c, s) })
 }
@@ -339,8 +342,13 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 		return nil, err
 	}
 	defer logf.Close()
+	in, err := consoleFIFO(s.Dir)
+	if err != nil {
+		return nil, err
+	}
+	defer in.Close()
 	cmd := exec.Command(s.Jailer, s.JailerArgs()...)
-	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = in, logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting the jailer: %w", err)
@@ -367,6 +375,33 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 		return fail(err)
 	}
 	return rec, nil
+}
+
+// ConsoleInput is the FIFO in a VM's directory that is its Firecracker's stdin, the serial
+// console's input.
+const ConsoleInput = "console.in"
+
+// consoleFIFO makes the VM's console FIFO anew and opens it for the VMM: read and write, so
+// that it never reads an end when a writer goes and the agent can open it without waiting.
+func consoleFIFO(dir string) (*os.File, error) {
+	p := filepath.Join(dir, ConsoleInput)
+	if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
+		return nil, fmt.Errorf("removing the old console input: %w", err)
+	}
+	if err := syscall.Mkfifo(p, 0o600); err != nil {
+		return nil, fmt.Errorf("making the console input: %w", err)
+	}
+	f, err := os.OpenFile(p, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening the console input: %w", err)
+	}
+	return f, nil
+}
+
+// OpenConsole opens the serial console's input of the VM in dir for writing, without
+// blocking: it fails when no VMM reads it.
+func OpenConsole(dir string) (*os.File, error) {
+	return os.OpenFile(filepath.Join(dir, ConsoleInput), os.O_WRONLY|syscall.O_NONBLOCK|syscall.O_NOFOLLOW, 0)
 }
 
 func waitForSocket(ctx context.Context, path string, rec *vmm.Record, timeout time.Duration) error {

@@ -59,7 +59,7 @@ func TestJailerArgs(t *testing.T) {
 		"--id", s.ID, "--exec-file", "/usr/local/bin/firecracker", "--uid", "31001", "--gid", "31001",
 		"--chroot-base-dir", s.ChrootBase, "--cgroup-version", "2",
 		"--cgroup", "cpu.max=200000 100000", "--cgroup", fmt.Sprintf("memory.max=%d", (256+64)<<20),
-		"--parent-cgroup", "imp", "--netns", "/var/run/netns/node", "--daemonize", "--", "--api-sock", "/run/firecracker.socket",
+		"--parent-cgroup", "imp", "--netns", "/var/run/netns/node", "--", "--api-sock", "/run/firecracker.socket",
 	}
 	if got := s.JailerArgs(); !slices.Equal(got, want) {
 		t.Errorf("jailer args\n got %q\nwant %q", got, want)

@@ -63,6 +63,7 @@ const (
 	ConsoleLog  = "console.log"
 	ChannelSock = "channel.sock"
 	SessionSock = "session.sock"
+	ConsoleSock = "console.sock"
 	QMPSock     = "qmp.sock"
 	qemuLog     = LogFile
 )
@@ -94,7 +95,9 @@ func (s Spec) Args() []string {
 		"-device", "virtio-blk-device,drive=rw",
 		"-drive", "id=config,file=" + fdPath(configFD) + ",format=raw,if=none,readonly=on",
 		"-device", "virtio-blk-device,drive=config",
-		"-chardev", "file,id=console,path=" + fdPath(consoleFD) + ",append=on",
+		// The serial console: its input from the agent's connection, if any; its output to
+		// that connection and to the log, which takes it whether or not anyone is connected.
+		"-chardev", fmt.Sprintf("socket,id=console,fd=%d,server=on,wait=off,logfile=%s,logappend=on", consoleSockFD, fdPath(consoleFD)),
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device",
 		// Sockets the agent made in the state directory, passed listening.
@@ -135,7 +138,7 @@ func (s Spec) Limits() cgroup.Limits {
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
 func (s Spec) files() ([]*os.File, error) {
-	files := make([]*os.File, sessionFD-tapFD+1)
+	files := make([]*os.File, consoleSockFD-tapFD+1)
 	files[tapFD-3] = s.Tap
 	open := func(fd int, path string, flag int) error {
 		f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW, 0o600)
@@ -168,7 +171,7 @@ func (s Spec) files() ([]*os.File, error) {
 			return files, err
 		}
 	}
-	socks := map[int]string{channelFD: ChannelSock, qmpFD: QMPSock}
+	socks := map[int]string{channelFD: ChannelSock, qmpFD: QMPSock, consoleSockFD: ConsoleSock}
 	if s.Session {
 		socks[sessionFD] = SessionSock
 	}
@@ -196,9 +199,9 @@ const Sandbox = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecont
 
 // The descriptors QEMU inherits, in order from 3: the VM's tap, the saved state it resumes
 // from, the listening sockets of the guest channel and QMP, the kernel, the initramfs, the
-// disks, the console and the session channel's listening socket. QEMU opens files by
-// /proc/self/fd, which no directory's permissions stand in the way of; it creates nothing on
-// the host.
+// disks, the console's log, the session channel's listening socket and the console's. QEMU
+// opens files by /proc/self/fd, which no directory's permissions stand in the way of; it
+// creates nothing on the host.
 const (
 	tapFD = 3 + iota
 	incomingFD
@@ -210,7 +213,8 @@ const (
 	rwFD
 	configFD
 	consoleFD
-	sessionFD // last: runs that have none keep the numbers above
+	sessionFD // runs that have none keep the numbers above
+	consoleSockFD
 )
 
 func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }
@@ -290,6 +294,11 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 
 // DialChannel connects to the guest channel of the VM in dir.
 func DialChannel(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, ChannelSock)) }
+
+// DialConsole connects to the serial console of the VM in dir: what is written reaches the
+// guest, and the guest's output arrives, which the caller must read (or QEMU waits for it).
+// QEMU serves one connection at a time; others wait until it closes.
+func DialConsole(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, ConsoleSock)) }
 
 // DialSession connects to the session channel of the VM in dir.
 func DialSession(dir string) (net.Conn, error) { return vmm.DialUnix(filepath.Join(dir, SessionSock)) }

@@ -36,7 +36,7 @@ func TestArgs(t *testing.T) {
 		"id=base,file=/proc/self/fd/9,format=raw,if=none,readonly=on",
 		"id=rw,file=/proc/self/fd/10,format=raw,if=none -device virtio-blk-device,drive=rw",
 		"id=config,file=/proc/self/fd/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=config",
-		"file,id=console,path=/proc/self/fd/12,append=on",
+		"socket,id=console,fd=14,server=on,wait=off,logfile=/proc/self/fd/12,logappend=on",
 		"socket,id=channel,fd=5,server=on,wait=off",
 		"socket,id=qmp,fd=6,server=on,wait=off -mon chardev=qmp,mode=control",
 		"virtserialport,chardev=channel,name=imp.channel",

@@ -18,8 +18,10 @@ import (
 // like Firecracker it serves the API — the strict double — on the jail's API socket; and like
 // a guest running imp-init it answers on the vsock guest channel once the VM is started (hello
 // with the token from the boot arguments, then ready) and, on Ctrl-Alt-Del, reports exit code
-// 0 and exits. With IMP_FAKE_JAILER_IGNORE_CAD set it ignores Ctrl-Alt-Del. It returns the
-// process's exit code.
+// 0 and exits. With IMP_FAKE_JAILER_IGNORE_CAD set it ignores Ctrl-Alt-Del. Its serial console
+// answers each line of its stdin, as Firecracker's passes stdin to a guest that echoes, with
+// "console said LINE" in the serial output file; --daemonize makes stdin /dev/null, as the
+// jailer's does. It returns the process's exit code.
 func FakeJailer(args []string) int {
 	if len(args) == 1 && args[0] == "--version" {
 		fmt.Println("Jailer v1.16.1")
@@ -34,7 +36,7 @@ func FakeJailer(args []string) int {
 	fs.String("cgroup-version", "1", "")
 	fs.String("parent-cgroup", "", "")
 	fs.String("netns", "", "")
-	fs.Bool("daemonize", false, "")
+	daemonize := fs.Bool("daemonize", false, "")
 	fs.Func("cgroup", "", func(string) error { return nil })
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -53,9 +55,16 @@ func FakeJailer(args []string) int {
 	srv.Root = root
 	done := make(chan struct{})
 	guest := &fakeGuest{}
+	stdin := os.Stdin
+	if *daemonize {
+		stdin, _ = os.Open(os.DevNull)
+	}
 	srv.OnStart = func(cfg Config) {
 		if p, _ := cfg.Vsock["uds_path"].(string); p != "" {
 			guest.start(filepath.Join(root, p), cfg)
+		}
+		if p, _ := cfg.Serial["serial_out_path"].(string); p != "" {
+			go echoConsole(stdin, filepath.Join(root, p))
 		}
 	}
 	if os.Getenv("IMP_FAKE_JAILER_IGNORE_CAD") == "" {
@@ -71,6 +80,19 @@ func FakeJailer(args []string) int {
 	case <-sigs:
 	}
 	return 0
+}
+
+// echoConsole answers each line of in with "console said LINE" in the file out.
+func echoConsole(in *os.File, out string) {
+	f, err := os.OpenFile(out, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(in)
+	for sc.Scan() {
+		fmt.Fprintf(f, "console said %q\n", strings.TrimRight(sc.Text(), "\r"))
+	}
 }
 
 // fakeGuest is the guest end of the vsock channel, as imp-init serves it.
