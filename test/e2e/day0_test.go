@@ -383,6 +383,7 @@ network:
 	spec["image"], spec["command"], spec["args"] = ref.String(), []string{"/bin/hello"}, []string{"net"}
 	spec["nodeSelector"] = map[string]any{"imp.test/node": realNode}
 	spec["networkRef"] = map[string]any{"name": "default"}
+	spec["stdin"], spec["tty"] = true, true // kubectl imp console types into the workload
 	if vmmKind != "" {
 		spec["vmm"] = vmmKind
 	}
@@ -410,8 +411,7 @@ network:
 	}
 	must("kubectl get impvm -A -o wide", "hello", "Running", realNode)
 	// Through the API server's aggregation layer to the operator, then the node's agent, which
-	// serves once the kubelet has put the operator's certificates in its Secret volume (up to
-	// its sync period, a minute, after the operator issued them).
+	// serves once it has read the certificate the operator issued (every 5 s until then).
 	eventually("kubectl imp logs", 3*time.Minute, func() error {
 		if out, err := sh("kubectl imp logs -n demo hello"); err != nil || !strings.Contains(out, "hello: tick") {
 			return fmt.Errorf("%v: %.300s", err, out)
@@ -484,6 +484,10 @@ network:
 		})
 	}
 	untouched("booting")
+
+	// ## Access through the API (docs/access.md): kubectl imp exec, exec -it, console, logs -f
+	// and port-forward, as a user runs them, through the API server to the node's agent.
+	checkKubectlImp(t, env, tmp, ref.String(), realNode, vmmKind)
 
 	// ## Runtime OnDelete: an upgrade that changes the agent image replaces no imp-runtime pod.
 	must(helmInstall+valueFiles+" --set agent.image.digest= --set agent.image.tag=0.9.0", "STATUS: deployed", "REVISION: 2")

@@ -381,29 +381,48 @@ func (a attacher) run(ctx context.Context, stdin io.Reader, out, _ io.WriteClose
 }
 
 // Server serves Handler over TLS on Addr for as long as its context lives (a manager's
-// Runnable), with the certificate files of CertDir (tls.crt, tls.key, and the client CA
-// ca.crt): it waits for them to appear, as the operator issues them after the agent may have
-// started.
+// Runnable), with the certificate (tls.crt, tls.key, and the client CA ca.crt) of the Secret
+// CertSecret reads, or else of the files of CertDir. It waits for them to appear, as the
+// operator issues them after the agent may have started, and reads them again as they are
+// renewed.
 type Server struct {
 	Addr, CertDir, ClientName string
-	Handler                   http.Handler
-	Log                       logr.Logger
+	// CertSecret reads the Secret's data.
+	CertSecret func(context.Context) (map[string][]byte, error)
+	Handler    http.Handler
+	Log        logr.Logger
 }
+
+// Intervals of reading the certificate's Secret: until it is there, and then, for renewals
+// (at two thirds of 90 days), often enough and no more, as every node reads it.
+const (
+	secretRetry   = 5 * time.Second
+	secretRefresh = 30 * time.Minute
+)
 
 // Start serves until ctx ends.
 func (s *Server) Start(ctx context.Context) error {
 	var cfg *tls.Config
 	for {
 		var err error
-		cfg, err = TLSConfig(filepath.Join(s.CertDir, "tls.crt"), filepath.Join(s.CertDir, "tls.key"), filepath.Join(s.CertDir, "ca.crt"), s.ClientName)
-		if err == nil {
-			break
+		if s.CertSecret != nil {
+			src := &secret{get: s.CertSecret}
+			if err = src.refresh(ctx); err == nil {
+				cfg = tlsConfig(src, s.ClientName)
+				go s.refresh(ctx, src)
+				break
+			}
+		} else {
+			cfg, err = TLSConfig(filepath.Join(s.CertDir, "tls.crt"), filepath.Join(s.CertDir, "tls.key"), filepath.Join(s.CertDir, "ca.crt"), s.ClientName)
+			if err == nil {
+				break
+			}
 		}
-		s.Log.Info("the access endpoint waits for its certificates", "dir", s.CertDir, "error", err.Error())
+		s.Log.Info("the access endpoint waits for its certificate", "error", err.Error())
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(10 * time.Second):
+		case <-time.After(secretRetry):
 		}
 	}
 	l, err := net.Listen("tcp", s.Addr)
@@ -423,6 +442,20 @@ func (s *Server) Start(ctx context.Context) error {
 		return err
 	}
 	return nil
+}
+
+// refresh reads the certificate's Secret again every secretRefresh until ctx ends.
+func (s *Server) refresh(ctx context.Context, src *secret) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(secretRefresh):
+		}
+		if err := src.refresh(ctx); err != nil && ctx.Err() == nil {
+			s.Log.Error(err, "reading the access endpoint's certificate again; serving the one loaded before")
+		}
+	}
 }
 
 // NeedLeaderElection: every agent serves its own node.

@@ -343,3 +343,71 @@ func TestRefusesPathsAsUIDs(t *testing.T) {
 		t.Error("a VM was looked up for a UID that is a path")
 	}
 }
+
+// The server reads its certificate through the API (the Secret the operator issues): it waits
+// while the Secret is missing, and serves as soon as it is there.
+func TestServerReadsItsSecret(t *testing.T) {
+	now := time.Now()
+	ca, err := pki.NewCA("imp-access-ca", now, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving, err := pki.Issue(ca, pki.Request{CommonName: "imp-agent", IPs: []net.IP{net.ParseIP("127.0.0.1")}, Server: true, Lifetime: time.Hour}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	issued, reads := false, 0
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	vms := guesttest.NewVMs(t, map[types.NamespacedName]types.UID{vmKey: "uid-1"})
+	srv := &access.Server{Addr: addr, ClientName: client, Handler: access.Handler(vms, logr.Discard()), Log: logr.Discard(),
+		CertSecret: func(context.Context) (map[string][]byte, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			reads++
+			if !issued {
+				return nil, errors.New(`secrets "imp-access-agent" not found`)
+			}
+			return map[string][]byte{"tls.crt": serving.Cert, "tls.key": serving.Key, "ca.crt": ca.Cert}, nil
+		}}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = srv.Start(ctx) }()
+	time.Sleep(time.Second)
+	mu.Lock()
+	issued = true
+	mu.Unlock()
+
+	c, err := pki.Issue(ca, pki.Request{CommonName: client, Client: true, Lifetime: time.Hour}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hc, err := rest.HTTPClientFor(&rest.Config{Host: "https://" + addr, TLSClientConfig: rest.TLSClientConfig{CAData: ca.Cert, CertData: c.Cert, KeyData: c.Key}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		resp, err := hc.Get("https://" + addr + "/vms/team-a/vm/uid-1/log")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK || string(b) != "boot\n" {
+				t.Fatalf("%s %q", resp.Status, b)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the endpoint never served once its Secret was issued: %v", err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if reads < 2 {
+		t.Errorf("the Secret was read %d times, want a wait and a read", reads)
+	}
+}

@@ -1,6 +1,7 @@
 package access
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -18,6 +19,16 @@ func TLSConfig(certFile, keyFile, caFile, clientName string) (*tls.Config, error
 	if _, err := f.current(); err != nil {
 		return nil, err
 	}
+	return tlsConfig(f, clientName), nil
+}
+
+// source is where a serving certificate and the client CA come from: files or a Secret.
+type source interface {
+	current() (*loaded, error)
+}
+
+// tlsConfig serves the certificate of src, as it is at each handshake, to clientName only.
+func tlsConfig(f source, clientName string) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
@@ -38,7 +49,7 @@ func TLSConfig(certFile, keyFile, caFile, clientName string) (*tls.Config, error
 				},
 			}, nil
 		},
-	}, nil
+	}
 }
 
 // files are the certificate, key and CA bundle, loaded again when one changes.
@@ -69,21 +80,70 @@ func (f *files) current() (*loaded, error) {
 	if f.loaded != nil && stamp == f.stamp {
 		return f.loaded, nil
 	}
-	cert, err := tls.LoadX509KeyPair(f.cert, f.key)
+	var data [3][]byte
+	for i, p := range []string{f.cert, f.key, f.ca} {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return nil, err
+		}
+		data[i] = b
+	}
+	l, err := load(data[0], data[1], data[2])
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", f.cert, err)
+	}
+	f.stamp, f.loaded = stamp, l
+	return f.loaded, nil
+}
+
+// load parses a serving certificate, its key and the client CA bundle.
+func load(cert, key, ca []byte) (*loaded, error) {
+	pair, err := tls.X509KeyPair(cert, key)
 	if err != nil {
 		return nil, fmt.Errorf("loading the serving certificate: %w", err)
 	}
-	if leaf, err := x509.ParseCertificate(cert.Certificate[0]); err == nil && time.Now().After(leaf.NotAfter) {
-		return nil, fmt.Errorf("the serving certificate in %s expired at %s", f.cert, leaf.NotAfter)
-	}
-	pem, err := os.ReadFile(f.ca)
-	if err != nil {
-		return nil, err
+	if leaf, err := x509.ParseCertificate(pair.Certificate[0]); err == nil && time.Now().After(leaf.NotAfter) {
+		return nil, fmt.Errorf("the serving certificate expired at %s", leaf.NotAfter)
 	}
 	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pem) {
-		return nil, errors.New("no certificate in the client CA bundle " + f.ca)
+	if !pool.AppendCertsFromPEM(ca) {
+		return nil, errors.New("no certificate in the client CA bundle")
 	}
-	f.stamp, f.loaded = stamp, &loaded{cert: cert, pool: pool}
-	return f.loaded, nil
+	return &loaded{cert: pair, pool: pool}, nil
+}
+
+// secret is a certificate the operator keeps in a Secret (tls.crt, tls.key, ca.crt), read
+// through the API: it serves as soon as the Secret exists, with no wait for a kubelet to sync
+// a volume.
+type secret struct {
+	get func(context.Context) (map[string][]byte, error)
+
+	mu     sync.Mutex
+	loaded *loaded
+}
+
+// refresh reads the Secret again; a Secret that cannot be read or parsed keeps what was
+// loaded before.
+func (s *secret) refresh(ctx context.Context) error {
+	data, err := s.get(ctx)
+	if err != nil {
+		return err
+	}
+	l, err := load(data["tls.crt"], data["tls.key"], data["ca.crt"])
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.loaded = l
+	s.mu.Unlock()
+	return nil
+}
+
+func (s *secret) current() (*loaded, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.loaded == nil {
+		return nil, errors.New("the access certificate is not loaded yet")
+	}
+	return s.loaded, nil
 }

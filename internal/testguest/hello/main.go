@@ -13,7 +13,7 @@
 //	tool-cat          copies stdin to stdout
 //	tool-tty          prints "tty COLSxROWS" when its stdin is a terminal, else "no tty"
 //	stubborn prints a line a second and ignores SIGTERM
-//	net     serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
+//	net     answers stdin as serve does; serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
 //	        of $PROBE (comma-separated icmp:A.B.C.D[-N], tcp:HOST:PORT and who:HOST:PORT,
 //	        which reads another guest's greeting) twice a second, printing each change
 //	        "probe <target> ok|ok <greeter>|fail", and a tick a second, until SIGTERM
@@ -80,6 +80,7 @@ func main() {
 		signal.Notify(term, syscall.SIGTERM)
 		go serveTCP(host)
 		go probeLoop(os.Getenv("PROBE"))
+		go answerStdin()
 		go func() {
 			for i := 0; ; i++ {
 				time.Sleep(time.Second)

@@ -1,0 +1,189 @@
+package e2e
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/creack/pty"
+)
+
+// screen is what a command wrote, read while it runs.
+type screen struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *screen) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *screen) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// waitFor waits up to timeout for the screen to match want.
+func (s *screen) waitFor(t *testing.T, what string, want *regexp.Regexp, timeout time.Duration) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); !want.MatchString(s.String()); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: waited %v for %q; got %q", what, timeout, want, s.String())
+		}
+	}
+}
+
+// checkKubectlImp drives kubectl imp as a user runs it, through the API server, the operator
+// and the node's agent, against the sample VM hello (its console is its workload's terminal)
+// and a VM with no network, both real guests on the real node: exec with output and exit code,
+// exec -it and the console in terminals, logs -f, port-forward.
+func checkKubectlImp(t *testing.T, env []string, dir, image, node, vmmKind string) {
+	t.Helper()
+	imp := func(args ...string) *exec.Cmd {
+		c := exec.Command("kubectl", append([]string{"imp", "-n", "demo"}, args...)...)
+		c.Env, c.Dir = env, dir
+		return c
+	}
+
+	// exec: the guest's stdout and stderr, and its exit code.
+	var out, errOut bytes.Buffer
+	c := imp("exec", "hello", "--", "/bin/hello", "tool-exit", "3", "from", "the", "guest")
+	c.Stdout, c.Stderr = &out, &errOut
+	err := c.Run()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 3 || out.String() != "from the guest\n" || !strings.Contains(errOut.String(), "to stderr") {
+		t.Errorf("kubectl imp exec: stdout %q, stderr %q, %v; want the words, to stderr, exit code 3", out.String(), errOut.String(), err)
+	}
+	t.Logf("kubectl imp exec hello -- /bin/hello tool-exit 3 ...: stdout %q, stderr %q, exit code 3", out.String(), errOut.String())
+
+	// exec -it: a terminal of 40 rows and 100 columns.
+	term := &screen{}
+	c = imp("exec", "-it", "hello", "--", "/bin/hello", "tool-tty")
+	ptmx, err := pty.StartWithSize(c, &pty.Winsize{Rows: 40, Cols: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(term, ptmx) // until the command ends
+	ptmx.Close()
+	if err := c.Wait(); err != nil || !strings.Contains(term.String(), "tty 100x40") {
+		t.Errorf("kubectl imp exec -it: %q, %v; want the terminal's size 100x40", term.String(), err)
+	}
+
+	// console: the log's end, a line typed that the workload answers, Ctrl-] detaching.
+	term = &screen{}
+	c = imp("console", "hello")
+	ptmx, err = pty.StartWithSize(c, &pty.Winsize{Rows: 40, Cols: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ptmx.Close()
+	copied := make(chan struct{})
+	go func() { _, _ = io.Copy(term, ptmx); close(copied) }()
+	term.waitFor(t, "kubectl imp console", regexp.MustCompile(`hello from imp`), time.Minute)
+	if _, err := ptmx.Write([]byte("ping\r")); err != nil {
+		t.Fatal(err)
+	}
+	term.waitFor(t, "kubectl imp console", regexp.MustCompile(`hello: console said "ping"`), time.Minute)
+	if _, err := ptmx.Write([]byte{0x1d}); err != nil {
+		t.Fatal(err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- c.Wait() }()
+	select {
+	case err := <-waited:
+		if err != nil {
+			t.Errorf("kubectl imp console ended with %v", err)
+		}
+	case <-time.After(time.Minute):
+		_ = c.Process.Kill()
+		t.Error("kubectl imp console did not detach on Ctrl-]")
+	}
+	t.Logf("kubectl imp console hello: the greeting, the echo of ping, the workload's answer; Ctrl-] detached")
+
+	// logs -f: a tick written after it started.
+	logs := imp("logs", "hello", "-f")
+	followed := &screen{}
+	logs.Stdout = followed
+	if err := logs.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = logs.Process.Kill(); _ = logs.Wait() }()
+	tick := regexp.MustCompile(`hello: tick (\d+)`)
+	followed.waitFor(t, "kubectl imp logs -f", tick, time.Minute)
+	ticks := tick.FindAllStringSubmatch(followed.String(), -1)
+	last, _ := strconv.Atoi(ticks[len(ticks)-1][1])
+	followed.waitFor(t, "kubectl imp logs -f", regexp.MustCompile(fmt.Sprintf(`hello: tick %d\b`, last+2)), time.Minute)
+
+	// port-forward to a TCP server on the loopback of a VM with no network.
+	vmm := ""
+	if vmmKind != "" {
+		vmm = "\n  vmm: " + vmmKind
+	}
+	apply := exec.Command("kubectl", "apply", "-f", "-")
+	apply.Env, apply.Dir = env, dir
+	apply.Stdin = strings.NewReader(fmt.Sprintf(`apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: loner, namespace: demo}
+spec:
+  image: %s
+  command: [/bin/hello]
+  args: [serve]
+  resources: {vcpus: 1, memory: 256Mi}
+  nodeSelector: {imp.test/node: %s}
+  terminationGracePeriodSeconds: 5%s
+`, image, node, vmm))
+	if b, err := apply.CombinedOutput(); err != nil {
+		t.Fatalf("creating the VM loner: %v\n%s", err, b)
+	}
+	kubectl := func(args ...string) {
+		t.Helper()
+		c := exec.Command("kubectl", args...)
+		c.Env, c.Dir = env, dir
+		if b, err := c.CombinedOutput(); err != nil {
+			t.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, b)
+		}
+	}
+	kubectl("-n", "demo", "wait", "--for=condition=Ready", "impvm/loner", "--timeout=5m")
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	fwd := imp("port-forward", "loner", fmt.Sprintf("%d:7001", port))
+	forwarding := &screen{}
+	fwd.Stdout = forwarding
+	if err := fwd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = fwd.Process.Kill(); _ = fwd.Wait() }()
+	forwarding.waitFor(t, "kubectl imp port-forward", regexp.MustCompile(`Forwarding from`), time.Minute)
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	msg := bytes.Repeat([]byte("to the guest's loopback "), 40000) // ~1 MB
+	go func() { _, _ = conn.Write(msg) }()
+	got := make([]byte, len(msg))
+	_ = conn.SetReadDeadline(time.Now().Add(2 * time.Minute))
+	if _, err := io.ReadFull(conn, got); err != nil || !bytes.Equal(got, msg) {
+		t.Errorf("echo through kubectl imp port-forward to loner's 127.0.0.1:7001: %v", err)
+	}
+	t.Logf("kubectl imp port-forward loner %d:7001: %d bytes echoed by a VM with no network", port, len(msg))
+	conn.Close()
+	_ = fwd.Process.Kill()
+	kubectl("-n", "demo", "delete", "impvm", "loner", "--wait=true", "--timeout=3m")
+}
