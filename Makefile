@@ -21,7 +21,7 @@ unit: ## Unit tests only: no control plane, no root.
 generate: ## Regenerate deepcopy, CRDs and RBAC from the Go types and markers.
 	$(CONTROLLER_GEN) object:headerFile=hack/boilerplate.go.txt paths=./api/...
 	$(CONTROLLER_GEN) crd paths=./api/... output:crd:artifacts:config=config/crd/bases
-	$(CONTROLLER_GEN) rbac:roleName=imp-operator paths="./internal/controller/...;./internal/pki/...;./internal/subresources/..." output:rbac:artifacts:config=config/rbac/operator
+	$(CONTROLLER_GEN) rbac:roleName=imp-operator paths="./internal/controller/...;./internal/pki/...;./internal/subresources/...;./internal/agentcsr/..." output:rbac:artifacts:config=config/rbac/operator
 	$(CONTROLLER_GEN) rbac:roleName=imp-agent paths=./internal/agent/... output:rbac:artifacts:config=config/rbac/agent
 	rm -f charts/imp/files/crds/*.yaml
 	cp config/crd/bases/*.yaml charts/imp/files/crds/

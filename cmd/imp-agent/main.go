@@ -13,10 +13,9 @@ import (
 	"strings"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
-	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
@@ -29,6 +28,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/logging"
+	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
@@ -61,7 +61,7 @@ func run() error {
 		opts                   agent.Options
 		metricsAddr, probeAddr string
 		accessAddr, accessDir  string
-		accessSecret           string
+		accessCSR              bool
 		accessClient           string
 		reserveDisk            string
 		metricsInsecure        bool
@@ -122,7 +122,7 @@ func run() error {
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
 	fs.StringVar(&accessAddr, "access-bind-address", ":10260", "address of the access endpoint (exec, port-forward, console log) that IMP's subresource server reaches over mutual TLS")
 	fs.StringVar(&accessDir, "access-cert-dir", "", "directory of the access endpoint's tls.crt, tls.key and the client CA ca.crt, read again when they change; empty: no access endpoint")
-	fs.StringVar(&accessSecret, "access-cert-secret", "", "NAMESPACE/NAME of the Secret holding the access endpoint's tls.crt, tls.key and ca.crt, read through the API (at once, then every 30 minutes); wins over --access-cert-dir")
+	fs.BoolVar(&accessCSR, "access-cert-request", false, "obtain the access endpoint's certificate for this node through the certificates API (signer "+pki.SignerName+", the operator), and renew it; wins over --access-cert-dir")
 	fs.StringVar(&accessClient, "access-client-name", "imp-subresources", "the only client the access endpoint serves: the common name of its certificate, which ca.crt signed")
 	fs.BoolVar(&metricsInsecure, "metrics-insecure", false, "serve metrics over plain HTTP to anyone who reaches the address (development only: bind it to loopback)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", "127.0.0.1:8091", "address of the /healthz and /readyz endpoints (the node's loopback: the kubelet probes a hostNetwork pod there)")
@@ -212,22 +212,17 @@ func run() error {
 	if err := a.SetupWithManager(mgr); err != nil {
 		return err
 	}
-	if accessDir != "" || accessSecret != "" {
+	if accessDir != "" || accessCSR {
 		srv := &access.Server{Addr: accessAddr, CertDir: accessDir, ClientName: accessClient,
 			Handler: access.Handler(a, log.WithName("access")), Log: log.WithName("access")}
-		if accessSecret != "" {
-			ns, name, ok := strings.Cut(accessSecret, "/")
-			if !ok || ns == "" || name == "" {
-				return fmt.Errorf("--access-cert-secret %q: want NAMESPACE/NAME", accessSecret)
+		if accessCSR {
+			// The manager's client: it caches no CertificateSigningRequests (the agent may
+			// not list them), so it reads them from the API.
+			c, err := client.New(cfg, client.Options{Scheme: scheme})
+			if err != nil {
+				return err
 			}
-			reader := mgr.GetAPIReader()
-			srv.CertSecret = func(ctx context.Context) (map[string][]byte, error) {
-				var s corev1.Secret
-				if err := reader.Get(ctx, types.NamespacedName{Namespace: ns, Name: name}, &s); err != nil {
-					return nil, fmt.Errorf("reading Secret %s: %w", accessSecret, err)
-				}
-				return s.Data, nil
-			}
+			srv.CSR = &access.CSR{Client: c, Node: opts.NodeName}
 		}
 		if err := mgr.Add(srv); err != nil {
 			return err

@@ -15,6 +15,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/manager"
 
+	"github.com/syscode-labs/imp/internal/agentcsr"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/subresources"
 )
@@ -26,8 +27,9 @@ type subresourceFlags struct {
 	agentPort                             int
 }
 
-// setup adds the access certificates' rotator and the subresource server to mgr. Every
-// replica serves: the API server picks any endpoint of the Service.
+// setup adds the access certificates' rotator, the agents' certificate signer and the
+// subresource server to mgr. Every replica serves: the API server picks any endpoint of the
+// Service.
 func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.Logger) error {
 	if f.namespace == "" {
 		return errors.New("--subresources-namespace (or $POD_NAMESPACE) is required with --subresources-bind-address")
@@ -37,6 +39,11 @@ func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.
 	}
 	rot := &pki.Rotator{Client: mgr.GetClient(), Reader: mgr.GetAPIReader(), Namespace: f.namespace, CANamespace: f.caNamespace, Service: f.service,
 		APIService: f.apiService, Clock: clock.RealClock{}, Log: log.WithName("certificates")}
+	// The agents' certificates, each for its own node, signed with the access CA.
+	signer := &agentcsr.Reconciler{Client: mgr.GetClient(), CA: rot.CA, AgentUser: "system:serviceaccount:" + f.namespace + ":imp-agent", Clock: clock.RealClock{}}
+	if err := signer.SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the agents' certificate signer: %w", err)
+	}
 	fp := &subresources.FrontProxy{}
 	srv := &subresources.Server{Reader: mgr.GetClient(), FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: f.agentPort, Log: log}
 	return errors.Join(mgr.Add(rot), mgr.Add(nonLeader(func(ctx context.Context) error {

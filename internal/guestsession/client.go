@@ -60,7 +60,8 @@ type ExecOptions struct {
 	Stdin io.Reader
 	// Stdout and Stderr receive the command's (with TTY, Stdout receives both); nil discards.
 	Stdout, Stderr io.Writer
-	// Resize delivers the terminal's sizes (TTY).
+	// Size is the terminal's size when the command starts (TTY); Resize delivers its changes.
+	Size   *Size
 	Resize <-chan Size
 }
 
@@ -77,6 +78,10 @@ func (c *Client) Exec(ctx context.Context, o ExecOptions) error {
 	q := url.Values{"cmd": o.Command}
 	if o.TTY {
 		q.Set("tty", "1")
+		if o.Size != nil {
+			q.Set("cols", strconv.Itoa(int(o.Size.Width)))
+			q.Set("rows", strconv.Itoa(int(o.Size.Height)))
+		}
 	}
 	body, bw := io.Pipe()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://guest"+ExecPath+"?"+q.Encode(), body)

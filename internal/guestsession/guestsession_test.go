@@ -128,6 +128,21 @@ func TestExecResize(t *testing.T) {
 	}
 }
 
+// A command that asks for its terminal's size as it starts gets the size it started with.
+func TestExecInitialSize(t *testing.T) {
+	s := server()
+	c := pair(t, "s3cret", func(g net.Conn) { _ = s.Serve(g) })
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := c.Exec(ctx, guestsession.ExecOptions{Command: []string{"stty", "size"}, TTY: true, Stdout: &out, Size: &guestsession.Size{Width: 100, Height: 40}}); err != nil {
+		t.Fatal(err)
+	}
+	if strings.TrimSpace(out.String()) != "40 100" {
+		t.Errorf("the terminal said %q, want its size 40 100", out.String())
+	}
+}
+
 // Many commands at once share the connection.
 func TestExecConcurrent(t *testing.T) {
 	s := server()

@@ -202,6 +202,12 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = sio.child[0], sio.child[1], sio.child[2]
 	if tty {
 		cmd.SysProcAttr.Setctty, cmd.SysProcAttr.Ctty = true, 0
+		// Its size before it starts: a command that asks at once gets it.
+		cols, cerr := strconv.ParseUint(q.Get("cols"), 10, 16)
+		rows, rerr := strconv.ParseUint(q.Get("rows"), 10, 16)
+		if cerr == nil && rerr == nil {
+			_ = pty.Setsize(sio.pty, &pty.Winsize{Cols: uint16(cols), Rows: uint16(rows)})
+		}
 	}
 	start := s.Start
 	if start == nil {

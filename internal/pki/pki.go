@@ -4,6 +4,7 @@
 package pki
 
 import (
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -34,7 +35,7 @@ func NewCA(name string, now time.Time, lifetime time.Duration) (Pair, error) {
 		IsCA:                  true,
 		MaxPathLenZero:        true,
 	}
-	return issue(tmpl, nil)
+	return issue(tmpl, nil, nil)
 }
 
 // Request is a leaf certificate to issue.
@@ -45,6 +46,9 @@ type Request struct {
 	// Server and Client: the certificate's uses.
 	Server, Client bool
 	Lifetime       time.Duration
+	// PublicKey, when set, is the key to certify (a signing request's, whose private key
+	// stays with its requester): the Pair issued has no Key.
+	PublicKey crypto.PublicKey
 }
 
 // Issue signs r with ca.
@@ -63,13 +67,17 @@ func Issue(ca Pair, r Request, now time.Time) (Pair, error) {
 	if r.Client {
 		tmpl.ExtKeyUsage = append(tmpl.ExtKeyUsage, x509.ExtKeyUsageClientAuth)
 	}
-	return issue(tmpl, &ca)
+	return issue(tmpl, &ca, r.PublicKey)
 }
 
-func issue(tmpl *x509.Certificate, ca *Pair) (Pair, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return Pair{}, err
+func issue(tmpl *x509.Certificate, ca *Pair, pub crypto.PublicKey) (Pair, error) {
+	var key *ecdsa.PrivateKey
+	if pub == nil {
+		var err error
+		if key, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader); err != nil {
+			return Pair{}, err
+		}
+		pub = &key.PublicKey
 	}
 	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 128))
 	if err != nil {
@@ -77,6 +85,9 @@ func issue(tmpl *x509.Certificate, ca *Pair) (Pair, error) {
 	}
 	tmpl.SerialNumber = serial
 	parent, signer := tmpl, any(key)
+	if ca == nil && key == nil {
+		return Pair{}, errors.New("a request's public key needs a CA to sign it")
+	}
 	if ca != nil {
 		pair, err := tls.X509KeyPair(ca.Cert, ca.Key)
 		if err != nil {
@@ -87,18 +98,19 @@ func issue(tmpl *x509.Certificate, ca *Pair) (Pair, error) {
 		}
 		signer = pair.PrivateKey
 	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, signer)
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, pub, signer)
 	if err != nil {
 		return Pair{}, fmt.Errorf("signing %q: %w", tmpl.Subject.CommonName, err)
 	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return Pair{}, err
+	p := Pair{Cert: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
+	if key != nil {
+		keyDER, err := x509.MarshalECPrivateKey(key)
+		if err != nil {
+			return Pair{}, err
+		}
+		p.Key = pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER})
 	}
-	return Pair{
-		Cert: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		Key:  pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}),
-	}, nil
+	return p, nil
 }
 
 // Expiry is the end of the first certificate in pemCert.

@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -22,16 +23,13 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
-// Secrets the Rotator keeps: the CA's and the subresource server's in a namespace of their own
-// (CANamespace), which no agent may read: a node's agent, or root on a node, must not be able to
-// sign itself the client certificate that reaches every other node's agent. The agents'
-// certificate goes to the release namespace, where the agents mount it.
+// Secrets the Rotator keeps, in a namespace of their own (CANamespace), which no agent may read:
+// a node's agent, or root on a node, must not be able to sign itself the client certificate
+// that reaches every other node's agent, or another node's serving certificate. Each agent's
+// certificate is its own, for its node only, through the certificates API (SignerName).
 const (
 	// CASecret holds the CA (tls.crt, tls.key) that signs the rest.
 	CASecret = "imp-access-ca"
-	// AgentSecret is the agents' access endpoint's serving certificate (tls.crt, tls.key) and
-	// the CA its one client's certificate chains to (ca.crt); the agents mount it.
-	AgentSecret = "imp-access-agent"
 	// ServingSecret is the subresource server's serving certificate for the API server.
 	ServingSecret = "imp-subresources-serving"
 )
@@ -41,6 +39,13 @@ const (
 	AgentName  = "imp-agent"
 	ClientName = "imp-subresources"
 )
+
+// SignerName is the signer of the agents' certificates: the operator (internal/agentcsr).
+const SignerName = "imp.dev/agent-access"
+
+// AgentDNSName is the name in the access endpoint certificate of node's agent, which the
+// subresource server expects of the agent it reaches on that node.
+func AgentDNSName(node string) string { return AgentName + "." + node }
 
 // Lifetimes: the CA's, and the leaves', which are issued again past two thirds of theirs.
 const (
@@ -60,7 +65,8 @@ type Rotator struct {
 	// Client writes; Reader reads uncached (the operator caches no Secrets).
 	Client client.Client
 	Reader client.Reader
-	// Namespace gets AgentSecret; CANamespace (default Namespace) CASecret and ServingSecret.
+	// Namespace is the release namespace, of the Service; CANamespace (default Namespace) gets
+	// CASecret and ServingSecret.
 	Namespace   string
 	CANamespace string
 	// Service is the subresource server's Service, named in its serving certificate.
@@ -128,9 +134,6 @@ func (r *Rotator) Reconcile(ctx context.Context) error {
 			s.Data = map[string][]byte{"tls.crt": p.Cert, "tls.key": p.Key, "ca.crt": caPair.Cert}
 			return true, err
 		})
-	}
-	if _, err := leaf(r.Namespace, AgentSecret, Request{CommonName: AgentName, DNSNames: []string{AgentName}, Server: true, Lifetime: LeafLifetime}); err != nil {
-		return err
 	}
 	svc := r.Service + "." + r.Namespace + ".svc"
 	serving, err := leaf(r.caNamespace(), ServingSecret, Request{CommonName: svc, DNSNames: []string{r.Service, r.Service + "." + r.Namespace, svc}, Server: true, Lifetime: LeafLifetime})
@@ -253,8 +256,19 @@ func (r *Rotator) ServingCertificate() (*tls.Certificate, error) {
 	return r.serving, nil
 }
 
+// CA is the current access CA, which signs the agents' certificates.
+func (r *Rotator) CA() (Pair, error) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if r.ca.Cert == nil {
+		return Pair{}, errors.New("no access CA loaded yet")
+	}
+	return r.ca, nil
+}
+
 // AgentClientTLS is the client side of the agents' mutual TLS: the current client certificate,
-// and agents verified against the current CA under AgentName.
+// and the agent verified against the current CA under the name the configuration's
+// ServerName gives, AgentDNSName of the node dialed (a configuration per node).
 func (r *Rotator) AgentClientTLS() *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
@@ -279,7 +293,10 @@ func (r *Rotator) AgentClientTLS() *tls.Config {
 			for _, c := range cs.PeerCertificates[1:] {
 				inter.AddCert(c)
 			}
-			_, err := cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter, DNSName: AgentName})
+			if !strings.HasPrefix(cs.ServerName, AgentName+".") {
+				return fmt.Errorf("no agent's name to verify (server name %q)", cs.ServerName)
+			}
+			_, err := cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter, DNSName: cs.ServerName})
 			return err
 		},
 	}

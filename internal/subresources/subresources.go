@@ -38,6 +38,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/pki"
 )
 
 // Group and Version of the subresources' API.
@@ -64,14 +65,15 @@ type Server struct {
 	Reader client.Reader
 	// FrontProxy says who may call: the API server's front proxy.
 	FrontProxy *FrontProxy
-	// AgentTLS is the client side of the agents' mutual TLS.
+	// AgentTLS is the client side of the agents' mutual TLS; its ServerName is set per node, to
+	// the name the node's agent's certificate must carry (pki.AgentDNSName).
 	AgentTLS *tls.Config
 	// AgentPort is where agents serve their access endpoint.
 	AgentPort int
 	Log       logr.Logger
 
-	once sync.Once
-	tr   *http.Transport
+	mu  sync.Mutex
+	trs map[string]*http.Transport // by node
 }
 
 // ServeHTTP serves discovery and the subresources to the front proxy and to nobody else.
@@ -160,22 +162,33 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 	}
 	r.Header.Set(access.UserHeader, user)
 	// The API server's own proxy for streams (SPDY and WebSocket upgrades included).
-	h := proxy.NewUpgradeAwareHandler(target, s.transport(), false, false, responder{log})
+	h := proxy.NewUpgradeAwareHandler(target, s.transport(vm.Status.NodeName), false, false, responder{log})
 	h.FlushInterval = -1 // a log follows
 	h.ServeHTTP(w, r)
 }
 
-func (s *Server) transport() *http.Transport {
-	s.once.Do(func() {
-		s.tr = &http.Transport{
-			TLSClientConfig:     s.AgentTLS,
-			DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-			TLSHandshakeTimeout: 10 * time.Second,
-			MaxIdleConnsPerHost: 4,
-			IdleConnTimeout:     90 * time.Second,
-		}
-	})
-	return s.tr
+// transport reaches node's agent, which must present that node's certificate: another node's
+// agent, which has its own node's only, is refused.
+func (s *Server) transport(node string) *http.Transport {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if tr := s.trs[node]; tr != nil {
+		return tr
+	}
+	if s.trs == nil {
+		s.trs = map[string]*http.Transport{}
+	}
+	cfg := s.AgentTLS.Clone()
+	cfg.ServerName = pki.AgentDNSName(node)
+	tr := &http.Transport{
+		TLSClientConfig:     cfg,
+		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout: 10 * time.Second,
+		MaxIdleConnsPerHost: 4,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	s.trs[node] = tr
+	return tr
 }
 
 // responder reports a failure to reach the agent.

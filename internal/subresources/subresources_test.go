@@ -4,12 +4,17 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/json"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"net/http"
 	"os"
 	"os/exec"
@@ -26,6 +31,7 @@ import (
 
 	"github.com/creack/pty"
 
+	certv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
@@ -336,13 +342,6 @@ func TestAgentsCannotReadTheAccessCA(t *testing.T) {
 	if !apierrors.IsForbidden(err) {
 		t.Fatalf("an agent reading the access CA: %v (key %d bytes), want Forbidden", err, len(s.Data["tls.key"]))
 	}
-	// What it may read, its own serving certificate, holds no CA key.
-	if err := agent.Get(context.Background(), types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: pki.AgentSecret}, &s); err != nil {
-		t.Fatal(err)
-	}
-	if bytes.Contains(s.Data["ca.crt"], []byte("PRIVATE KEY")) || len(s.Data) != 3 {
-		t.Errorf("the agents' Secret holds %v", slices.Sorted(maps.Keys(s.Data)))
-	}
 }
 
 // kubectl imp, the binary, as a user runs it: exec with its output (control characters shown,
@@ -496,8 +495,7 @@ func TestCertificatesRenew(t *testing.T) {
 		}
 		return s.Data
 	}
-	ca, agent, serving := secret(subresourcestest.CANamespace, pki.CASecret), secret(testcluster.ChartNamespace, pki.AgentSecret),
-		secret(subresourcestest.CANamespace, pki.ServingSecret)
+	ca, serving := secret(subresourcestest.CANamespace, pki.CASecret), secret(subresourcestest.CANamespace, pki.ServingSecret)
 	at := func(d time.Duration) *pki.Rotator {
 		return &pki.Rotator{Client: w.cl.Client, Reader: w.cl.Client, Namespace: testcluster.ChartNamespace, CANamespace: subresourcestest.CANamespace,
 			Service: "imp-subresources", APIService: subresourcestest.APIService, Clock: clocktesting.NewFakePassiveClock(time.Now().Add(d)), Log: logr.Discard()}
@@ -506,16 +504,16 @@ func TestCertificatesRenew(t *testing.T) {
 	if err := at(30 * 24 * time.Hour).Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(secret(testcluster.ChartNamespace, pki.AgentSecret)["tls.crt"], agent["tls.crt"]) {
-		t.Error("the agents' certificate was issued again a month into its 90 days")
+	if !bytes.Equal(secret(subresourcestest.CANamespace, pki.ServingSecret)["tls.crt"], serving["tls.crt"]) {
+		t.Error("the serving certificate was issued again a month into its 90 days")
 	}
-	// Past 60 days: both leaves again, the CA kept.
+	// Past 60 days: the leaf again, the CA kept.
 	r := at(61 * 24 * time.Hour)
 	if err := r.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	renewed := secret(testcluster.ChartNamespace, pki.AgentSecret)
-	if bytes.Equal(renewed["tls.crt"], agent["tls.crt"]) || bytes.Equal(secret(subresourcestest.CANamespace, pki.ServingSecret)["tls.crt"], serving["tls.crt"]) {
+	renewed := secret(subresourcestest.CANamespace, pki.ServingSecret)
+	if bytes.Equal(renewed["tls.crt"], serving["tls.crt"]) {
 		t.Error("a certificate 61 days into its 90 was not issued again")
 	}
 	if !bytes.Equal(secret(subresourcestest.CANamespace, pki.CASecret)["tls.crt"], ca["tls.crt"]) || !bytes.Equal(renewed["ca.crt"], ca["tls.crt"]) {
@@ -523,5 +521,146 @@ func TestCertificatesRenew(t *testing.T) {
 	}
 	if exp, err := pki.Expiry(renewed["tls.crt"]); err != nil || exp.Before(time.Now().Add(140*24*time.Hour)) {
 		t.Errorf("the renewed certificate ends %v (%v), want 90 days after the renewal", exp, err)
+	}
+}
+
+// An agent gets a certificate for its own node only, the node its token is bound to: not for
+// another node, not without a node, and nobody else gets one.
+func TestAgentCertificatesAreNodeBound(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	request := func(t *testing.T, cfg *rest.Config, name string) *certv1.CertificateSigningRequest {
+		t.Helper()
+		c, err := client.New(cfg, client.Options{Scheme: w.cl.Scheme})
+		if err != nil {
+			t.Fatal(err)
+		}
+		der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{Subject: pkix.Name{CommonName: pki.AgentName}, DNSNames: []string{name}}, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		csr := &certv1.CertificateSigningRequest{ObjectMeta: metav1.ObjectMeta{GenerateName: "test-"},
+			Spec: certv1.CertificateSigningRequestSpec{Request: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}),
+				SignerName: pki.SignerName, Usages: []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageServerAuth}}}
+		if err := c.Create(ctx, csr); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = w.cl.Client.Delete(context.Background(), csr) })
+		// Decided: signed or denied.
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if err := w.cl.Client.Get(ctx, client.ObjectKeyFromObject(csr), csr); err != nil {
+				t.Fatal(err)
+			}
+			if len(csr.Status.Certificate) > 0 || slices.ContainsFunc(csr.Status.Conditions, func(c certv1.CertificateSigningRequestCondition) bool {
+				return c.Type == certv1.CertificateDenied
+			}) {
+				return csr
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("request %s undecided: %+v", csr.Name, csr.Status)
+			}
+		}
+	}
+	denied := func(csr *certv1.CertificateSigningRequest) string {
+		for _, c := range csr.Status.Conditions {
+			if c.Type == certv1.CertificateDenied {
+				return c.Message
+			}
+		}
+		return ""
+	}
+	for _, tc := range []struct {
+		name, node, asks string
+		as               *rest.Config
+		deny             string // empty: signed
+	}{
+		{"its own node", "node-x", pki.AgentDNSName("node-x"), w.cl.AsNode(t, testcluster.Agent, "node-x"), ""},
+		{"another node", "node-x", pki.AgentDNSName("node-y"), w.cl.AsNode(t, testcluster.Agent, "node-x"), "may ask for \"imp-agent.node-x\" only"},
+		{"no node claim", "", pki.AgentDNSName("node-x"), w.cl.As(t, testcluster.Agent), "names no node"},
+		{"not the agent", "", pki.AgentDNSName("node-x"), w.cl.Config, "not the agents' identity"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			csr := request(t, tc.as, tc.asks)
+			msg := denied(csr)
+			switch {
+			case tc.deny == "" && msg != "":
+				t.Fatalf("denied: %s", msg)
+			case tc.deny != "" && !strings.Contains(msg, tc.deny):
+				t.Fatalf("want denied with %q; got %q, certificate %d bytes", tc.deny, msg, len(csr.Status.Certificate))
+			case tc.deny == "":
+				leaf, err := x509.ParseCertificate(mustPEM(t, csr.Status.Certificate))
+				if err != nil || !slices.Equal(leaf.DNSNames, []string{tc.asks}) || !leaf.PublicKey.(*ecdsa.PublicKey).Equal(&key.PublicKey) {
+					t.Fatalf("signed %v for the wrong name or key: %v", leaf.DNSNames, err)
+				}
+			}
+		})
+	}
+}
+
+func mustPEM(t *testing.T, b []byte) []byte {
+	t.Helper()
+	p, _ := pem.Decode(b)
+	if p == nil {
+		t.Fatal("no PEM")
+	}
+	return p.Bytes
+}
+
+// The subresource server reaches a node's agent only if it presents that node's certificate:
+// another node's agent (or root there, with its key) cannot answer for it.
+func TestOnlyTheNodesOwnAgentIsReached(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	var caSecret corev1.Secret
+	if err := w.cl.Client.Get(ctx, types.NamespacedName{Namespace: subresourcestest.CANamespace, Name: pki.CASecret}, &caSecret); err != nil {
+		t.Fatal(err)
+	}
+	ca := pki.Pair{Cert: caSecret.Data["tls.crt"], Key: caSecret.Data["tls.key"]}
+	rot := &pki.Rotator{Client: w.cl.Client, Reader: w.cl.Client, Namespace: testcluster.ChartNamespace, CANamespace: subresourcestest.CANamespace,
+		Service: "imp-subresources", Clock: clocktesting.NewFakePassiveClock(time.Now()), Log: logr.Discard()}
+	if err := rot.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// node-y's agent, with the certificate node-y may get.
+	y, err := pki.Issue(ca, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName("node-y")}, Server: true, Lifetime: time.Hour}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := tls.X509KeyPair(y.Cert, y.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{cert}, ClientAuth: tls.RequireAnyClientCert})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.(*tls.Conn).Handshake()
+			c.Close()
+		}
+	}()
+	for _, tc := range []struct {
+		node string
+		ok   bool
+	}{{"node-y", true}, {"node-x", false}} {
+		cfg := rot.AgentClientTLS().Clone()
+		cfg.ServerName = pki.AgentDNSName(tc.node)
+		c, err := tls.Dial("tcp", l.Addr().String(), cfg)
+		if err == nil {
+			c.Close()
+		}
+		if (err == nil) != tc.ok {
+			t.Errorf("node-y's agent reached as %s's: %v", tc.node, err)
+		}
 	}
 }

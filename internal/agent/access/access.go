@@ -143,6 +143,9 @@ func (h handler) exec(w http.ResponseWriter, r *http.Request) {
 		IdleTimeout, StreamCreationTimeout, remotecommand.SupportedStreamingProtocols)
 }
 
+// initialSizeWait bounds the wait for a terminal's first size before its command starts.
+const initialSizeWait = time.Second
+
 // executor runs commands in a VM through its session channel.
 type executor struct {
 	s   *guestsession.Client
@@ -152,6 +155,18 @@ type executor struct {
 func (e executor) ExecInContainer(ctx context.Context, _, _, _ string, cmd []string, in io.Reader, out, errOut io.WriteCloser,
 	tty bool, resize <-chan remotecommand.TerminalSize, _ time.Duration) error {
 	o := guestsession.ExecOptions{Command: cmd, TTY: tty, Stdin: in, Stdout: out, Stderr: errOut}
+	if tty && resize != nil {
+		// kubectl sends the terminal's size as the stream opens: the command starts with it.
+		select {
+		case sz, ok := <-resize:
+			if ok {
+				o.Size = &guestsession.Size{Width: sz.Width, Height: sz.Height}
+			}
+		case <-time.After(initialSizeWait):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 	if resize != nil {
 		sizes := make(chan guestsession.Size, 1)
 		go func() {
@@ -381,35 +396,31 @@ func (a attacher) run(ctx context.Context, stdin io.Reader, out, _ io.WriteClose
 }
 
 // Server serves Handler over TLS on Addr for as long as its context lives (a manager's
-// Runnable), with the certificate (tls.crt, tls.key, and the client CA ca.crt) of the Secret
-// CertSecret reads, or else of the files of CertDir. It waits for them to appear, as the
-// operator issues them after the agent may have started, and reads them again as they are
-// renewed.
+// Runnable), with the certificate CSR obtains for its node (and renews), or else the files of
+// CertDir (tls.crt, tls.key, and the client CA ca.crt, read again when they change). It waits
+// for its certificate, which the operator may sign after the agent started.
 type Server struct {
 	Addr, CertDir, ClientName string
-	// CertSecret reads the Secret's data.
-	CertSecret func(context.Context) (map[string][]byte, error)
-	Handler    http.Handler
-	Log        logr.Logger
+	CSR                       *CSR
+	Handler                   http.Handler
+	Log                       logr.Logger
 }
 
-// Intervals of reading the certificate's Secret: until it is there, and then, for renewals
-// (at two thirds of 90 days), often enough and no more, as every node reads it.
-const (
-	secretRetry   = 5 * time.Second
-	secretRefresh = 30 * time.Minute
-)
+// certRetry is how long the endpoint waits before asking for its certificate again.
+const certRetry = 10 * time.Second
 
 // Start serves until ctx ends.
 func (s *Server) Start(ctx context.Context) error {
 	var cfg *tls.Config
 	for {
 		var err error
-		if s.CertSecret != nil {
-			src := &secret{get: s.CertSecret}
-			if err = src.refresh(ctx); err == nil {
-				cfg = tlsConfig(src, s.ClientName)
-				go s.refresh(ctx, src)
+		if s.CSR != nil {
+			var l *loaded
+			var renew time.Time
+			if l, renew, err = s.CSR.issue(ctx); err == nil {
+				h := &holder{loaded: l}
+				cfg = tlsConfig(h, s.ClientName)
+				go s.renew(ctx, h, renew)
 				break
 			}
 		} else {
@@ -418,11 +429,14 @@ func (s *Server) Start(ctx context.Context) error {
 				break
 			}
 		}
+		if ctx.Err() != nil {
+			return nil
+		}
 		s.Log.Info("the access endpoint waits for its certificate", "error", err.Error())
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(secretRetry):
+		case <-time.After(certRetry):
 		}
 	}
 	l, err := net.Listen("tcp", s.Addr)
@@ -444,17 +458,26 @@ func (s *Server) Start(ctx context.Context) error {
 	return nil
 }
 
-// refresh reads the certificate's Secret again every secretRefresh until ctx ends.
-func (s *Server) refresh(ctx context.Context, src *secret) {
+// renew asks for a new certificate from at on, until one is signed, and again two thirds
+// through its life, until ctx ends; h serves the old one meanwhile.
+func (s *Server) renew(ctx context.Context, h *holder, at time.Time) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(secretRefresh):
+		case <-time.After(time.Until(at)):
 		}
-		if err := src.refresh(ctx); err != nil && ctx.Err() == nil {
-			s.Log.Error(err, "reading the access endpoint's certificate again; serving the one loaded before")
+		l, next, err := s.CSR.issue(ctx)
+		if err != nil {
+			if ctx.Err() == nil {
+				s.Log.Error(err, "renewing the access endpoint's certificate; serving the one issued before")
+			}
+			at = time.Now().Add(time.Minute)
+			continue
 		}
+		h.set(l)
+		at = next
+		s.Log.Info("renewed the access endpoint's certificate", "renew", next)
 	}
 }
 

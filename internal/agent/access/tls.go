@@ -1,14 +1,28 @@
 package access
 
 import (
+	"cmp"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"os"
 	"sync"
 	"time"
+
+	certv1 "k8s.io/api/certificates/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/syscode-labs/imp/internal/pki"
 )
 
 // TLSConfig serves with the certificate in certFile and keyFile and accepts only a client whose
@@ -102,8 +116,13 @@ func load(cert, key, ca []byte) (*loaded, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading the serving certificate: %w", err)
 	}
-	if leaf, err := x509.ParseCertificate(pair.Certificate[0]); err == nil && time.Now().After(leaf.NotAfter) {
-		return nil, fmt.Errorf("the serving certificate expired at %s", leaf.NotAfter)
+	if pair.Leaf == nil {
+		if pair.Leaf, err = x509.ParseCertificate(pair.Certificate[0]); err != nil {
+			return nil, err
+		}
+	}
+	if time.Now().After(pair.Leaf.NotAfter) {
+		return nil, fmt.Errorf("the serving certificate expired at %s", pair.Leaf.NotAfter)
 	}
 	pool := x509.NewCertPool()
 	if !pool.AppendCertsFromPEM(ca) {
@@ -112,38 +131,98 @@ func load(cert, key, ca []byte) (*loaded, error) {
 	return &loaded{cert: pair, pool: pool}, nil
 }
 
-// secret is a certificate the operator keeps in a Secret (tls.crt, tls.key, ca.crt), read
-// through the API: it serves as soon as the Secret exists, with no wait for a kubelet to sync
-// a volume.
-type secret struct {
-	get func(context.Context) (map[string][]byte, error)
+// +kubebuilder:rbac:groups=certificates.k8s.io,resources=certificatesigningrequests,verbs=create;get
 
+// CSR obtains the endpoint's certificate for its node through the certificates API: a key
+// made here, which never leaves this process, and a request the operator signs (pki.SignerName)
+// once it has checked that the requester's token is bound to that node.
+type CSR struct {
+	// Client creates and reads CertificateSigningRequests.
+	Client client.Client
+	Node   string
+	// Poll is how often the request is read until it is signed (default 1 s); Timeout how long
+	// that may take (default 5 minutes).
+	Poll, Timeout time.Duration
+}
+
+// issue asks for a certificate and waits until it is signed; it returns what to serve and when
+// to ask again (two thirds through its life).
+func (c *CSR) issue(ctx context.Context) (*loaded, time.Time, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{
+		Subject: pkix.Name{CommonName: pki.AgentName}, DNSNames: []string{pki.AgentDNSName(c.Node)}}, key)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	csr := &certv1.CertificateSigningRequest{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: pki.AgentName + "-" + c.Node + "-"},
+		Spec: certv1.CertificateSigningRequestSpec{
+			Request:           pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}),
+			SignerName:        pki.SignerName,
+			Usages:            []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageServerAuth},
+			ExpirationSeconds: ptr.To(int32(pki.LeafLifetime / time.Second)),
+		},
+	}
+	if err := c.Client.Create(ctx, csr); err != nil {
+		return nil, time.Time{}, fmt.Errorf("requesting the access certificate: %w", err)
+	}
+	poll, timeout := cmp.Or(c.Poll, time.Second), cmp.Or(c.Timeout, 5*time.Minute)
+	deadline := time.Now().Add(timeout)
+	for len(csr.Status.Certificate) == 0 {
+		for _, cond := range csr.Status.Conditions {
+			if (cond.Type == certv1.CertificateDenied || cond.Type == certv1.CertificateFailed) && cond.Status == corev1.ConditionTrue {
+				return nil, time.Time{}, fmt.Errorf("access certificate request %s %s: %s", csr.Name, cond.Type, cond.Message)
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, time.Time{}, fmt.Errorf("access certificate request %s not signed after %v (is the operator running?)", csr.Name, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, time.Time{}, ctx.Err()
+		case <-time.After(poll):
+		}
+		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(csr), csr); err != nil {
+			return nil, time.Time{}, fmt.Errorf("reading access certificate request %s: %w", csr.Name, err)
+		}
+	}
+	// The leaf, then the CA that signed it, whose clients the endpoint accepts.
+	leafPEM, rest := pem.Decode(csr.Status.Certificate)
+	if leafPEM == nil {
+		return nil, time.Time{}, fmt.Errorf("access certificate request %s: no certificate", csr.Name)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	l, err := load(pem.EncodeToMemory(leafPEM), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), rest)
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("access certificate request %s: %w", csr.Name, err)
+	}
+	leaf := l.cert.Leaf
+	return l, leaf.NotBefore.Add(2 * leaf.NotAfter.Sub(leaf.NotBefore) / 3), nil
+}
+
+// holder is the certificate an endpoint serves now.
+type holder struct {
 	mu     sync.Mutex
 	loaded *loaded
 }
 
-// refresh reads the Secret again; a Secret that cannot be read or parsed keeps what was
-// loaded before.
-func (s *secret) refresh(ctx context.Context) error {
-	data, err := s.get(ctx)
-	if err != nil {
-		return err
-	}
-	l, err := load(data["tls.crt"], data["tls.key"], data["ca.crt"])
-	if err != nil {
-		return err
-	}
-	s.mu.Lock()
-	s.loaded = l
-	s.mu.Unlock()
-	return nil
+func (h *holder) set(l *loaded) {
+	h.mu.Lock()
+	h.loaded = l
+	h.mu.Unlock()
 }
 
-func (s *secret) current() (*loaded, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.loaded == nil {
+func (h *holder) current() (*loaded, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.loaded == nil {
 		return nil, errors.New("the access certificate is not loaded yet")
 	}
-	return s.loaded, nil
+	return h.loaded, nil
 }

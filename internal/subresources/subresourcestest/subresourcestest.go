@@ -9,8 +9,6 @@ import (
 	"log"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -22,9 +20,14 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/discovery"
 	"k8s.io/utils/clock"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/agentcsr"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/subresources"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -103,24 +106,39 @@ func Serve(t testing.TB, cl *testcluster.Cluster, node string, vms access.VMs) i
 		t.Fatal(err)
 	}
 
-	// The node's agent endpoint, with the certificate the operator issued for agents.
-	var agentSecret corev1.Secret
-	if err := admin.Get(ctx, types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: pki.AgentSecret}, &agentSecret); err != nil {
-		t.Fatal(err)
-	}
-	certDir := t.TempDir()
-	for _, f := range []string{"tls.crt", "tls.key", "ca.crt"} {
-		if err := os.WriteFile(filepath.Join(certDir, f), agentSecret.Data[f], 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	agentTLS, err := access.TLSConfig(filepath.Join(certDir, "tls.crt"), filepath.Join(certDir, "tls.key"), filepath.Join(certDir, "ca.crt"), pki.ClientName)
+	// The agents' certificate signer, as the operator runs it, and the node's agent endpoint,
+	// which asks it for its node's certificate as the node's agent.
+	mgr, err := ctrl.NewManager(cl.As(t, testcluster.Operator), ctrl.Options{Scheme: cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"},
+		Controller: config.Controller{SkipNameValidation: ptr.To(true)}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	as := &http.Server{Handler: access.Handler(vms, logr.Discard()), TLSConfig: agentTLS, ErrorLog: quiet()}
-	go func() { _ = as.ServeTLS(agentL, "", "") }()
-	t.Cleanup(func() { as.Close() })
+	signer := &agentcsr.Reconciler{Client: mgr.GetClient(), CA: rot.CA, AgentUser: "system:serviceaccount:" + testcluster.ChartNamespace + ":" + testcluster.Agent, Clock: clock.RealClock{}}
+	if err := signer.SetupWithManager(mgr); err != nil {
+		t.Fatal(err)
+	}
+	mctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = mgr.Start(mctx) }()
+	agentClient, err := client.New(cl.AsNode(t, testcluster.Agent, node), client.Options{Scheme: cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	agentL.Close()
+	as := &access.Server{Addr: agentL.Addr().String(), ClientName: pki.ClientName, CSR: &access.CSR{Client: agentClient, Node: node, Poll: 50 * time.Millisecond},
+		Handler: access.Handler(vms, logr.Discard()), Log: logr.Discard()}
+	go func() { _ = as.Start(mctx) }()
+	t.Cleanup(func() { stop(); <-done })
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		c, err := net.Dial("tcp", agentL.Addr().String())
+		if err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent endpoint does not serve: %v", err)
+		}
+	}
 
 	// The API server serves the group once the APIService is available.
 	dc := discovery.NewDiscoveryClientForConfigOrDie(cl.Config)
