@@ -9,7 +9,6 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -35,34 +34,6 @@ func (q sizeQueue) Next() *remotecommand.TerminalSize {
 		return nil
 	}
 	return &s
-}
-
-// lockedBuffer is a buffer one goroutine writes while another reads.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// waitFor waits up to 3 minutes (a guest under TCG) for the buffer to hold want.
-func (l *lockedBuffer) waitFor(t *testing.T, want string) {
-	t.Helper()
-	for deadline := time.Now().Add(3 * time.Minute); !strings.Contains(l.String(), want); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("waited for %q; got %q", want, l.String())
-		}
-	}
 }
 
 // checkAccess runs commands in the running guest v, reaches its loopback TCP server (it has no
@@ -153,19 +124,19 @@ func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 		t.Fatal(err)
 	}
 	typed, in := io.Pipe()
-	screen := &lockedBuffer{}
+	screen := &guesttest.Screen{}
 	attached := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 		defer cancel()
 		attached <- ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: typed, Stdout: screen, Tty: true})
 	}()
-	screen.waitFor(t, "hello from imp")
+	screen.WaitFor(t, "hello from imp", 3*time.Minute)
 	if _, err := in.Write([]byte("ping\r")); err != nil {
 		t.Fatal(err)
 	}
-	screen.waitFor(t, "ping\r\n")
-	screen.waitFor(t, `hello: console said "ping"`)
+	screen.WaitFor(t, "ping\r\n", 3*time.Minute)
+	screen.WaitFor(t, `hello: console said "ping"`, 3*time.Minute)
 	in.Close()
 	if err := <-attached; err != nil {
 		t.Errorf("the console attachment ended with %v", err)

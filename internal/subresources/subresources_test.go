@@ -22,7 +22,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -391,14 +390,14 @@ func TestKubectlImp(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ptmx.Close()
-	screen := &lockedBuffer{}
+	screen := &guesttest.Screen{}
 	copied := make(chan struct{})
 	go func() { _, _ = io.Copy(screen, ptmx); close(copied) }()
-	screen.waitFor(t, "boot") // attached: the log's end
+	screen.WaitFor(t, "boot", 30*time.Second) // attached: the log's end
 	if _, err := ptmx.Write([]byte("ping\r")); err != nil {
 		t.Fatal(err)
 	}
-	screen.waitFor(t, `console said "ping"`)
+	screen.WaitFor(t, `console said "ping"`, 30*time.Second)
 	if _, err := ptmx.Write([]byte{0x1d}); err != nil {
 		t.Fatal(err)
 	}
@@ -452,34 +451,6 @@ func TestKubectlImp(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Error("kubectl imp logs -f did not follow the console")
-	}
-}
-
-// lockedBuffer is a buffer one goroutine writes while another reads.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// waitFor waits up to 30 s for the buffer to hold want.
-func (l *lockedBuffer) waitFor(t *testing.T, want string) {
-	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); !strings.Contains(l.String(), want); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("waited for %q; got %q", want, l.String())
-		}
 	}
 }
 

@@ -10,40 +10,12 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/creack/pty"
+	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 )
-
-// screen is what a command wrote, read while it runs.
-type screen struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *screen) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *screen) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// waitFor waits up to timeout for the screen to match want.
-func (s *screen) waitFor(t *testing.T, what string, want *regexp.Regexp, timeout time.Duration) {
-	t.Helper()
-	for deadline := time.Now().Add(timeout); !want.MatchString(s.String()); time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: waited %v for %q; got %q", what, timeout, want, s.String())
-		}
-	}
-}
 
 // checkKubectlImp drives kubectl imp as a user runs it, through the API server, the operator
 // and the node's agent, against the sample VM hello (its console is its workload's terminal)
@@ -57,11 +29,21 @@ func checkKubectlImp(t *testing.T, env []string, dir, image, node, vmmKind strin
 		return c
 	}
 
+	// The node's agent serves with a certificate of its own node, which it asked for and the
+	// operator signed.
+	get := exec.Command("kubectl", "get", "csr", "--field-selector", "spec.signerName=imp.dev/agent-access")
+	get.Env, get.Dir = env, dir
+	csrs, err := get.CombinedOutput()
+	if err != nil || !strings.Contains(string(csrs), "imp-agent-"+node+"-") || !strings.Contains(string(csrs), "Approved,Issued") {
+		t.Errorf("the agent's certificate request: %v\n%s", err, csrs)
+	}
+	t.Logf("$ kubectl get csr --field-selector spec.signerName=imp.dev/agent-access\n%s", csrs)
+
 	// exec: the guest's stdout and stderr, and its exit code.
 	var out, errOut bytes.Buffer
 	c := imp("exec", "hello", "--", "/bin/hello", "tool-exit", "3", "from", "the", "guest")
 	c.Stdout, c.Stderr = &out, &errOut
-	err := c.Run()
+	err = c.Run()
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.ExitCode() != 3 || out.String() != "from the guest\n" || !strings.Contains(errOut.String(), "to stderr") {
 		t.Errorf("kubectl imp exec: stdout %q, stderr %q, %v; want the words, to stderr, exit code 3", out.String(), errOut.String(), err)
@@ -69,7 +51,7 @@ func checkKubectlImp(t *testing.T, env []string, dir, image, node, vmmKind strin
 	t.Logf("kubectl imp exec hello -- /bin/hello tool-exit 3 ...: stdout %q, stderr %q, exit code 3", out.String(), errOut.String())
 
 	// exec -it: a terminal of 40 rows and 100 columns.
-	term := &screen{}
+	term := &guesttest.Screen{}
 	c = imp("exec", "-it", "hello", "--", "/bin/hello", "tool-tty")
 	ptmx, err := pty.StartWithSize(c, &pty.Winsize{Rows: 40, Cols: 100})
 	if err != nil {
@@ -80,9 +62,10 @@ func checkKubectlImp(t *testing.T, env []string, dir, image, node, vmmKind strin
 	if err := c.Wait(); err != nil || !strings.Contains(term.String(), "tty 100x40") {
 		t.Errorf("kubectl imp exec -it: %q, %v; want the terminal's size 100x40", term.String(), err)
 	}
+	t.Logf("kubectl imp exec -it hello -- /bin/hello tool-tty, in a terminal of 100x40: %q", term.String())
 
 	// console: the log's end, a line typed that the workload answers, Ctrl-] detaching.
-	term = &screen{}
+	term = &guesttest.Screen{}
 	c = imp("console", "hello")
 	ptmx, err = pty.StartWithSize(c, &pty.Winsize{Rows: 40, Cols: 100})
 	if err != nil {
@@ -91,11 +74,11 @@ func checkKubectlImp(t *testing.T, env []string, dir, image, node, vmmKind strin
 	defer ptmx.Close()
 	copied := make(chan struct{})
 	go func() { _, _ = io.Copy(term, ptmx); close(copied) }()
-	term.waitFor(t, "kubectl imp console", regexp.MustCompile(`hello from imp`), time.Minute)
+	term.WaitFor(t, "hello from imp", time.Minute)
 	if _, err := ptmx.Write([]byte("ping\r")); err != nil {
 		t.Fatal(err)
 	}
-	term.waitFor(t, "kubectl imp console", regexp.MustCompile(`hello: console said "ping"`), time.Minute)
+	term.WaitFor(t, `hello: console said "ping"`, time.Minute)
 	if _, err := ptmx.Write([]byte{0x1d}); err != nil {
 		t.Fatal(err)
 	}
@@ -114,17 +97,17 @@ func checkKubectlImp(t *testing.T, env []string, dir, image, node, vmmKind strin
 
 	// logs -f: a tick written after it started.
 	logs := imp("logs", "hello", "-f")
-	followed := &screen{}
+	followed := &guesttest.Screen{}
 	logs.Stdout = followed
 	if err := logs.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = logs.Process.Kill(); _ = logs.Wait() }()
 	tick := regexp.MustCompile(`hello: tick (\d+)`)
-	followed.waitFor(t, "kubectl imp logs -f", tick, time.Minute)
+	followed.WaitForMatch(t, tick, time.Minute)
 	ticks := tick.FindAllStringSubmatch(followed.String(), -1)
 	last, _ := strconv.Atoi(ticks[len(ticks)-1][1])
-	followed.waitFor(t, "kubectl imp logs -f", regexp.MustCompile(fmt.Sprintf(`hello: tick %d\b`, last+2)), time.Minute)
+	followed.WaitForMatch(t, regexp.MustCompile(fmt.Sprintf(`hello: tick %d\b`, last+2)), time.Minute)
 
 	// port-forward to a TCP server on the loopback of a VM with no network.
 	vmm := ""
@@ -163,13 +146,13 @@ spec:
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
 	fwd := imp("port-forward", "loner", fmt.Sprintf("%d:7001", port))
-	forwarding := &screen{}
+	forwarding := &guesttest.Screen{}
 	fwd.Stdout = forwarding
 	if err := fwd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = fwd.Process.Kill(); _ = fwd.Wait() }()
-	forwarding.waitFor(t, "kubectl imp port-forward", regexp.MustCompile(`Forwarding from`), time.Minute)
+	forwarding.WaitFor(t, "Forwarding from", time.Minute)
 	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		t.Fatal(err)

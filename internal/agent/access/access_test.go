@@ -13,7 +13,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -181,36 +180,6 @@ func TestLogFollow(t *testing.T) {
 	}
 }
 
-// syncBuffer is a buffer that one goroutine writes while another reads.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// waitFor waits until b holds want.
-func waitFor(t *testing.T, b *syncBuffer, want string) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !strings.Contains(b.String(), want) {
-		if time.Now().After(deadline) {
-			t.Fatalf("waited for %q, got %q", want, b.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // Two users attach to one console, over WebSocket and SPDY: each sees the log's end, what the
 // guest answers to either's input; each ends when its input ends.
 func TestConsoleThroughTheEndpoint(t *testing.T) {
@@ -219,7 +188,7 @@ func TestConsoleThroughTheEndpoint(t *testing.T) {
 	q := url.Values{"stdin": {"true"}, "stdout": {"true"}, "tty": {"true"}}
 	type attachment struct {
 		in   *io.PipeWriter
-		out  *syncBuffer
+		out  *guesttest.Screen
 		done chan error
 	}
 	attach := func(ex remotecommand.Executor, err error) attachment {
@@ -228,7 +197,7 @@ func TestConsoleThroughTheEndpoint(t *testing.T) {
 			t.Fatal(err)
 		}
 		r, in := io.Pipe()
-		a := attachment{in: in, out: &syncBuffer{}, done: make(chan error, 1)}
+		a := attachment{in: in, out: &guesttest.Screen{}, done: make(chan error, 1)}
 		go func() {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
@@ -238,8 +207,8 @@ func TestConsoleThroughTheEndpoint(t *testing.T) {
 	}
 	ws := attach(remotecommand.NewWebSocketExecutor(cfg, "GET", w.url("console", q).String()))
 	spdy := attach(remotecommand.NewSPDYExecutor(cfg, "POST", w.url("console", q)))
-	waitFor(t, ws.out, "boot\n")
-	waitFor(t, spdy.out, "boot\n")
+	ws.out.WaitFor(t, "boot\n", 20*time.Second)
+	spdy.out.WaitFor(t, "boot\n", 20*time.Second)
 	if _, err := ws.in.Write([]byte("ping\r")); err != nil {
 		t.Fatal(err)
 	}
@@ -247,8 +216,8 @@ func TestConsoleThroughTheEndpoint(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, a := range []attachment{ws, spdy} {
-		waitFor(t, a.out, `console said "ping"`)
-		waitFor(t, a.out, `console said "pong"`)
+		a.out.WaitFor(t, `console said "ping"`, 20*time.Second)
+		a.out.WaitFor(t, `console said "pong"`, 20*time.Second)
 	}
 	for name, a := range map[string]attachment{"websocket": ws, "spdy": spdy} {
 		a.in.Close()
