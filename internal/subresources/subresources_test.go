@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -157,6 +158,32 @@ func (w *world) exec(cfg *rest.Config, ns string, stdin string, cmd ...string) (
 	return out.String(), err
 }
 
+// console attaches to the console of the VM of ns, types a line and detaches once the guest
+// answered it; it returns what the attachment showed.
+func (w *world) console(cfg *rest.Config, ns, line string) (string, error) {
+	u, _, _ := rest.DefaultServerUrlFor(cfg)
+	u.Path = w.path(ns, "console")
+	u.RawQuery = url.Values{"stdin": {"true"}, "stdout": {"true"}, "tty": {"true"}}.Encode()
+	ex, err := remotecommand.NewWebSocketExecutor(cfg, "GET", u.String())
+	if err != nil {
+		return "", err
+	}
+	in, typed := io.Pipe()
+	screen := &guesttest.Screen{}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		_, _ = typed.Write([]byte(line + "\r"))
+		for !strings.Contains(screen.String(), fmt.Sprintf("console said %q", line)) && ctx.Err() == nil {
+			time.Sleep(20 * time.Millisecond)
+		}
+		typed.Close() // detach
+	}()
+	err = ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: in, Stdout: screen, Tty: true})
+	typed.Close()
+	return screen.String(), err
+}
+
 func (w *world) log(cfg *rest.Config, ns string) (string, error) {
 	hc, err := rest.HTTPClientFor(cfg)
 	if err != nil {
@@ -217,6 +244,17 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 		}
 	}
 
+	// The console.
+	if out, err := w.console(alice, w.nsA, "hi"); err != nil || !strings.Contains(out, `console said "hi"`) {
+		t.Errorf("alice's console in %s: %q, %v", w.nsA, out, err)
+	}
+	if _, err := w.console(alice, w.nsB, "hi"); !forbidden(err) {
+		t.Errorf("alice's console in %s: %v, want 403 Forbidden", w.nsB, err)
+	}
+	if _, err := w.console(victor, w.nsA, "hi"); !forbidden(err) {
+		t.Errorf("victor (view) attaches to the console: %v, want 403 Forbidden", err)
+	}
+
 	// Port-forward.
 	u, _, _ := rest.DefaultServerUrlFor(alice)
 	u.Path = w.path(w.nsA, "portforward")
@@ -232,7 +270,8 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 
 	// The audit log records each access with the user's name.
 	want := []string{"alice get impvms/exec A 101", "alice get impvms/exec B 403", "alice create impvms/portforward A 101",
-		"victor get impvms/log A 200", "victor get impvms/exec A 403"}
+		"victor get impvms/log A 200", "victor get impvms/exec A 403",
+		"alice get impvms/console A 101", "alice get impvms/console B 403", "victor get impvms/console A 403"}
 	seen := map[string]bool{}
 	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(250 * time.Millisecond) {
 		seen = audited(t, w.nsA)
