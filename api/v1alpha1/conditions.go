@@ -18,6 +18,14 @@ const (
 
 	// VMFinalizer holds an ImpVM until its node confirmed the VM is gone and its address is released.
 	VMFinalizer = "imp.dev/vm"
+
+	// AgentLeaseLabel marks the Lease each node's agent renews in IMP's namespace, its
+	// heartbeat; the Lease is named AgentLeasePrefix + the node's name, and its holderIdentity
+	// is the node's name. Heartbeats are Leases, as the kubelet's are, so that they reach the
+	// operator and no agent: every agent watches ImpNodes.
+	AgentLeaseLabel = "imp.dev/agent-heartbeat"
+	// AgentLeasePrefix begins the name of a node's agent Lease.
+	AgentLeasePrefix = "imp-agent-"
 )
 
 // ImpVM condition types.

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -122,6 +123,7 @@ func run() error {
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
 	fs.StringVar(&accessAddr, "access-bind-address", ":10260", "address of the access endpoint (exec, port-forward, console log) that IMP's subresource server reaches over mutual TLS")
 	fs.StringVar(&accessDir, "access-cert-dir", "", "directory of the access endpoint's tls.crt, tls.key and the client CA ca.crt, read again when they change; empty: no access endpoint")
+	fs.DurationVar(&opts.HeartbeatInterval, "heartbeat-interval", 10*time.Second, "how often the agent renews its heartbeat Lease (imp-agent-NODE in --run-secret-namespace)")
 	fs.BoolVar(&accessCSR, "access-cert-request", false, "obtain the access endpoint's certificate for this node through the certificates API (signer "+pki.SignerName+", the operator), and renew it; wins over --access-cert-dir")
 	fs.StringVar(&accessClient, "access-client-name", "imp-subresources", "the only client the access endpoint serves: the common name of its certificate, which ca.crt signed")
 	fs.BoolVar(&metricsInsecure, "metrics-insecure", false, "serve metrics over plain HTTP to anyone who reaches the address (development only: bind it to loopback)")
@@ -222,7 +224,7 @@ func run() error {
 			if err != nil {
 				return err
 			}
-			srv.CSR = &access.CSR{Client: c, Node: opts.NodeName}
+			srv.CSR = &access.CSR{Client: c, Node: opts.NodeName, Dir: filepath.Join(opts.StateDir, "pki")}
 		}
 		if err := mgr.Add(srv); err != nil {
 			return err

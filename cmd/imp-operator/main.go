@@ -11,18 +11,13 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 
-	certv1 "k8s.io/api/certificates/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	ctrl "sigs.k8s.io/controller-runtime"
-	"sigs.k8s.io/controller-runtime/pkg/cache"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/logging"
 	"github.com/syscode-labs/imp/internal/operator"
-	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
@@ -97,11 +92,8 @@ func run() error {
 		return fmt.Errorf("loading the kubeconfig: %w", err)
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
-		Scheme: scheme,
-		// Of the cluster's certificate requests, only the agents' (internal/agentcsr).
-		Cache: cache.Options{ByObject: map[client.Object]cache.ByObject{
-			&certv1.CertificateSigningRequest{}: {Field: fields.OneTermEqualSelector("spec.signerName", pki.SignerName)},
-		}},
+		Scheme:                        scheme,
+		Cache:                         operator.CacheOptions(operator.Options{VM: vmOpts}),
 		Metrics:                       metricsserver.Options{BindAddress: metricsAddr},
 		HealthProbeBindAddress:        probeAddr,
 		LeaderElection:                leaderElect,

@@ -49,6 +49,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/failpoint"
+	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
@@ -100,9 +101,11 @@ type Options struct {
 	// ConsoleLogBytes caps each file a VM writes on the node: its console and its VMM's logs
 	// (default 1 MiB).
 	ConsoleLogBytes int64
-	// ReportInterval is how often the ImpNode report is refreshed (and unused base disks are
-	// collected).
+	// ReportInterval is how often the ImpNode report is refreshed, and written if it changed
+	// (and unused base disks are collected).
 	ReportInterval time.Duration
+	// HeartbeatInterval is how often the agent renews its Lease (default 10 s).
+	HeartbeatInterval time.Duration
 	// StartingReportDelay is how long the reports that a run is starting, and that its guest
 	// boots, wait before they are written: one that a later report overtakes meanwhile (the
 	// guest ready, the start failed, the VM deleted) is never written, so a VM that boots
@@ -190,6 +193,12 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if a.Opts.ReportInterval == 0 {
 		a.Opts.ReportInterval = 30 * time.Second
 	}
+	if a.Opts.RunSecretNamespace == "" {
+		a.Opts.RunSecretNamespace = runsecret.DefaultNamespace
+	}
+	if a.Opts.HeartbeatInterval == 0 {
+		a.Opts.HeartbeatInterval = 10 * time.Second
+	}
 	if a.Opts.StartingReportDelay == 0 {
 		a.Opts.StartingReportDelay = time.Second
 	}
@@ -226,6 +235,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	if err := mgr.Add(reporter{a}); err != nil {
+		return err
+	}
+	if err := mgr.Add(&heartbeat{a: a}); err != nil {
 		return err
 	}
 	if err := mgr.Add(sweeper{a}); err != nil {

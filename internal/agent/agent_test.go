@@ -17,6 +17,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	. "github.com/onsi/gomega"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -128,7 +129,9 @@ func readyNode(t *testing.T, c *testcluster.Cluster, nodeName string) {
 // startOperator runs the operator in-process until the test ends.
 func startOperator(t *testing.T, c *testcluster.Cluster) {
 	ctx := context.Background()
-	opMgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), managerOptions(c))
+	mo := managerOptions(c)
+	mo.Cache = operator.CacheOptions(operator.Options{})
+	opMgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), mo)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +184,7 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts.Accel, opts.ReportInterval, opts.VCPUOvercommit, opts.CgroupRoot = "tcg", time.Second, 4, cgroup.Root
+	opts.Accel, opts.ReportInterval, opts.HeartbeatInterval, opts.VCPUOvercommit, opts.CgroupRoot = "tcg", time.Second, time.Second, 4, cgroup.Root
 	if opts.NetNSDir == "" {
 		opts.NetNSDir = testnetns.PinDir(t) // each simulated node its own, never the machine's
 	}
@@ -344,6 +347,42 @@ func TestVMLifecycle(t *testing.T) {
 // TestAgentRestart runs the imp-agent binary with three VMs, kills it with SIGKILL, deletes one
 // VM while it is down and starts it again: the other VMMs never stopped (same pids and start
 // times), their status stays Running, and the deleted VM is cleaned up by the returning agent.
+// The agent's heartbeat is its Lease, which no agent watches: its ImpNode, which every agent
+// watches, is written when the report changes, not at every beat.
+func TestHeartbeatIsALease(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	var lease coordinationv1.Lease
+	var report impv1.ImpNode
+	key := types.NamespacedName{Namespace: testcluster.ChartNamespace, Name: impv1.AgentLeasePrefix + w.node}
+	NewWithT(t).Eventually(func() error {
+		if err := w.c.Client.Get(ctx, key, &lease); err != nil {
+			return err
+		}
+		return w.c.Client.Get(ctx, types.NamespacedName{Name: w.node}, &report)
+	}).WithTimeout(time.Minute).Should(Succeed())
+	time.Sleep(2 * time.Second) // the first reports, which fill the report in
+	if err := errors.Join(w.c.Client.Get(ctx, key, &lease), w.c.Client.Get(ctx, types.NamespacedName{Name: w.node}, &report)); err != nil {
+		t.Fatal(err)
+	}
+	if lease.Spec.HolderIdentity == nil || *lease.Spec.HolderIdentity != w.node || lease.Labels[impv1.AgentLeaseLabel] != "true" {
+		t.Errorf("the heartbeat Lease: %+v", lease)
+	}
+	// Three heartbeat and report intervals.
+	time.Sleep(3500 * time.Millisecond)
+	var later coordinationv1.Lease
+	var again impv1.ImpNode
+	if err := errors.Join(w.c.Client.Get(ctx, key, &later), w.c.Client.Get(ctx, types.NamespacedName{Name: w.node}, &again)); err != nil {
+		t.Fatal(err)
+	}
+	if !later.Spec.RenewTime.After(lease.Spec.RenewTime.Time) {
+		t.Errorf("the Lease was not renewed: %v, then %v", lease.Spec.RenewTime, later.Spec.RenewTime)
+	}
+	if again.ResourceVersion != report.ResourceVersion {
+		t.Errorf("the ImpNode was written with nothing changed: heartbeat %v, then %v", report.Status.HeartbeatTime, again.Status.HeartbeatTime)
+	}
+}
+
 func TestAgentRestart(t *testing.T) {
 	pw := newProcessWorld(t, "imp-restart-")
 	c, ctx, stateDir, startAgent := pw.c, context.Background(), pw.stateDir, pw.startAgent

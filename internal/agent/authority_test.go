@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -14,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
@@ -96,6 +98,27 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 	if err := asA.Create(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: "imp-auth-c-" + sfx}}); !refused(err, "its own ImpNode only") {
 		t.Errorf("the agent of %s created another node's ImpNode: %v", nodeA, err)
 	}
+	// Heartbeats: its own Lease, not another node's (which would keep a dead node placeable).
+	beat := func(name, holder string) error {
+		return asA.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: testcluster.ChartNamespace, Name: name,
+			Labels: map[string]string{impv1.AgentLeaseLabel: "true"}}, Spec: coordinationv1.LeaseSpec{HolderIdentity: &holder}})
+	}
+	if err := beat(impv1.AgentLeasePrefix+nodeB, nodeB); !refused(err, "its own heartbeat Lease only") {
+		t.Errorf("the agent of %s beat for %s: %v", nodeA, nodeB, err)
+	}
+	if err := beat(impv1.AgentLeasePrefix+nodeA, nodeB); !refused(err, "its own heartbeat Lease only") {
+		t.Errorf("the agent of %s beat in its Lease for %s: %v", nodeA, nodeB, err)
+	}
+	l, err := agent.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, nil)
+	if err != nil {
+		t.Errorf("the agent of %s could not beat: %v", nodeA, err)
+	} else {
+		t.Cleanup(func() { _ = c.Client.Delete(context.Background(), l) })
+		if _, err := agent.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, l); err != nil {
+			t.Errorf("the agent of %s could not renew its heartbeat: %v", nodeA, err)
+		}
+	}
+
 	var got impv1.ImpVM
 	if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vms["on-b"]), &got); err != nil {
 		t.Fatal(err)

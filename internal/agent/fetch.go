@@ -68,9 +68,6 @@ func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) *fetch {
 
 func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
 	ns := a.Opts.RunSecretNamespace
-	if ns == "" {
-		ns = runsecret.DefaultNamespace
-	}
 	var err error
 	step := stepTimer()
 	if f.secrets, err = runsecret.Read(ctx, a.APIReader, ns, vm); err != nil {

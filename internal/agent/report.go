@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -133,7 +134,6 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	}
 	node.Status.VMMs = vmms
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
-	node.Status.HeartbeatTime = &now
 	node.Status.OverlayAddress = ""
 	if a.Opts.OverlayAddress.IsValid() {
 		node.Status.OverlayAddress = a.Opts.OverlayAddress.String()
@@ -141,6 +141,12 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	node.Status.Networks = a.networks.report()
 	apimeta.SetStatusCondition(&node.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue,
 		Reason: impv1.ReasonAgentReady, Message: fmt.Sprintf("qemu (%s) available", a.Opts.Accel)})
+	// Written only when it changed: every agent watches ImpNodes, so a write reaches every
+	// node. The heartbeat is the agent's Lease; heartbeatTime says when the report was written.
+	if equality.Semantic.DeepEqual(orig.Status, node.Status) {
+		return nil
+	}
+	node.Status.HeartbeatTime = &now
 	if err := a.Client.Status().Patch(ctx, node, client.MergeFrom(orig)); err != nil {
 		return fmt.Errorf("reporting ImpNode %s: %w", a.Opts.NodeName, err)
 	}

@@ -4,6 +4,7 @@
 package operator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,17 +12,26 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	certv1 "k8s.io/api/certificates/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/manager"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
 	"github.com/syscode-labs/imp/internal/ipam"
+	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/placement"
+	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // Options configure the operator.
@@ -35,6 +45,19 @@ type Options struct {
 	PressureLifecycle bool
 	// PressureSettle and PressureTimeout tune it (see pressure.Reconciler).
 	PressureSettle, PressureTimeout time.Duration
+}
+
+// CacheOptions narrow what the operator's cache holds of kinds it needs only a part of: the
+// agents' heartbeat Leases in IMP's namespace (runSecretNamespace), which the chart lets it
+// read there only, and the certificate requests of the agents' signer.
+func CacheOptions(o Options) cache.Options {
+	return cache.Options{ByObject: map[client.Object]cache.ByObject{
+		&coordinationv1.Lease{}: {
+			Namespaces: map[string]cache.Config{cmp.Or(o.VM.RunSecretNamespace, runsecret.DefaultNamespace): {}},
+			Label:      labels.SelectorFromSet(labels.Set{impv1.AgentLeaseLabel: "true"}),
+		},
+		&certv1.CertificateSigningRequest{}: {Field: fields.OneTermEqualSelector("spec.signerName", pki.SignerName)},
+	}}
 }
 
 // Setup adds the operator's reconcilers to mgr.

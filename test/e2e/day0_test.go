@@ -512,6 +512,8 @@ network:
 	untouched("the OnDelete roll")
 	vmReady("the OnDelete roll")
 	eventually("operator pods back after the drain", 3*time.Minute, operatorPods)
+	// The restarted agent serves with the certificate it kept (its state directory), without
+	// waiting for the operator it was drained with.
 	must("kubectl imp logs -n demo hello", "hello: tick")
 
 	// The agent OOM-killed: a memory limit it cannot start in. The kernel kills it again and

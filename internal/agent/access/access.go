@@ -415,9 +415,11 @@ func (s *Server) Start(ctx context.Context) error {
 	for {
 		var err error
 		if s.CSR != nil {
-			var l *loaded
-			var renew time.Time
-			if l, renew, err = s.CSR.issue(ctx); err == nil {
+			l, renew := s.CSR.kept() // served while it is renewed, if due
+			if l == nil {
+				l, renew, err = s.CSR.issue(ctx)
+			}
+			if err == nil {
 				h := &holder{loaded: l}
 				cfg = tlsConfig(h, s.ClientName)
 				go s.renew(ctx, h, renew)

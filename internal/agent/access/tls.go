@@ -13,6 +13,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -134,15 +136,77 @@ func load(cert, key, ca []byte) (*loaded, error) {
 // +kubebuilder:rbac:groups=certificates.k8s.io,resources=certificatesigningrequests,verbs=create;get
 
 // CSR obtains the endpoint's certificate for its node through the certificates API: a key
-// made here, which never leaves this process, and a request the operator signs (pki.SignerName)
-// once it has checked that the requester's token is bound to that node.
+// made here, which never leaves the node, and a request the operator signs (pki.SignerName)
+// once it has checked that the requester's token is bound to that node. Like the kubelet's,
+// the certificate and its key are kept on the node (Dir), so that a restarted agent serves at
+// once, without waiting for the operator.
 type CSR struct {
 	// Client creates and reads CertificateSigningRequests.
 	Client client.Client
 	Node   string
+	// Dir keeps the certificate, its CA and its key (KeptFile, mode 0600); empty: memory only.
+	Dir string
 	// Poll is how often the request is read until it is signed (default 1 s); Timeout how long
 	// that may take (default 5 minutes).
 	Poll, Timeout time.Duration
+}
+
+// KeptFile is the file of CSR.Dir that holds the certificate, its CA and its key, PEM.
+const KeptFile = "access.pem"
+
+// kept is the certificate a CSR obtained before, and when to renew it; nil when there is none,
+// or it is not this node's, or it expired.
+func (c *CSR) kept() (*loaded, time.Time) {
+	if c.Dir == "" {
+		return nil, time.Time{}
+	}
+	b, err := os.ReadFile(filepath.Join(c.Dir, KeptFile))
+	if err != nil {
+		return nil, time.Time{}
+	}
+	var certs, key []byte
+	for block, rest := pem.Decode(b); block != nil; block, rest = pem.Decode(rest) {
+		if block.Type == "CERTIFICATE" {
+			certs = append(certs, pem.EncodeToMemory(block)...)
+		} else {
+			key = pem.EncodeToMemory(block)
+		}
+	}
+	leaf, ca := pem.Decode(certs)
+	if leaf == nil {
+		return nil, time.Time{}
+	}
+	l, err := load(pem.EncodeToMemory(leaf), key, ca)
+	if err != nil || !slices.Equal(l.cert.Leaf.DNSNames, []string{pki.AgentDNSName(c.Node)}) {
+		return nil, time.Time{}
+	}
+	return l, renewAt(l)
+}
+
+// keep writes the certificate, its CA and its key to Dir, replacing what was there.
+func (c *CSR) keep(chain, key []byte) error {
+	if c.Dir == "" {
+		return nil
+	}
+	if err := os.MkdirAll(c.Dir, 0o700); err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(c.Dir, KeptFile+".*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	_, err = tmp.Write(append(append([]byte{}, chain...), key...))
+	if err = errors.Join(err, tmp.Sync(), tmp.Close()); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), filepath.Join(c.Dir, KeptFile))
+}
+
+// renewAt is two thirds through l's life.
+func renewAt(l *loaded) time.Time {
+	leaf := l.cert.Leaf
+	return leaf.NotBefore.Add(2 * leaf.NotAfter.Sub(leaf.NotBefore) / 3)
 }
 
 // issue asks for a certificate and waits until it is signed; it returns what to serve and when
@@ -198,12 +262,15 @@ func (c *CSR) issue(ctx context.Context) (*loaded, time.Time, error) {
 	if err != nil {
 		return nil, time.Time{}, err
 	}
-	l, err := load(pem.EncodeToMemory(leafPEM), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), rest)
+	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER})
+	l, err := load(pem.EncodeToMemory(leafPEM), keyPEM, rest)
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("access certificate request %s: %w", csr.Name, err)
 	}
-	leaf := l.cert.Leaf
-	return l, leaf.NotBefore.Add(2 * leaf.NotAfter.Sub(leaf.NotBefore) / 3), nil
+	if err := c.keep(csr.Status.Certificate, keyPEM); err != nil {
+		return nil, time.Time{}, fmt.Errorf("keeping the access certificate in %s: %w", c.Dir, err)
+	}
+	return l, renewAt(l), nil
 }
 
 // holder is the certificate an endpoint serves now.

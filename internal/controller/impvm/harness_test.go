@@ -67,6 +67,7 @@ func (e *env) startOperator() (stop func()) {
 		Metrics:                metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0",
 		Controller:             config.Controller{SkipNameValidation: ptr.To(true)},
+		Cache:                  operator.CacheOptions(e.opts),
 	})
 	if err != nil {
 		e.t.Fatal(err)

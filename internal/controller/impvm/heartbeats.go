@@ -22,6 +22,18 @@ type heartbeat struct {
 	at   time.Time // when the operator first saw it
 }
 
+// lastBeat is an agent's latest sign of life: its heartbeat Lease's renewal, or the time of
+// its last report (agents before the Lease beat there), whichever is later.
+func lastBeat(renewed *metav1.MicroTime, reported *metav1.Time) *metav1.Time {
+	if renewed == nil || renewed.IsZero() {
+		return reported
+	}
+	if reported != nil && reported.After(renewed.Time) {
+		return reported
+	}
+	return &metav1.Time{Time: renewed.Time}
+}
+
 // silentFor returns how long node's agent has reported beat without a newer one, at now.
 func (h *heartbeats) silentFor(node string, beat *metav1.Time, now time.Time) time.Duration {
 	var b time.Time

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -440,12 +441,24 @@ func (r *Reconciler) candidates(ctx context.Context) ([]placement.Node, error) {
 	for i := range reports.Items {
 		byName[reports.Items[i].Name] = &reports.Items[i]
 	}
+	var leases coordinationv1.LeaseList
+	if err := r.Client.List(ctx, &leases, client.InNamespace(r.runSecretNamespace()), client.HasLabels{impv1.AgentLeaseLabel},
+		client.UnsafeDisableDeepCopy); err != nil {
+		return nil, fmt.Errorf("listing the agents' heartbeat Leases: %w", err)
+	}
+	renewed := make(map[string]*metav1.MicroTime, len(leases.Items))
+	for i := range leases.Items {
+		if node, ok := leaseNode(&leases.Items[i]); ok {
+			renewed[node] = leases.Items[i].Spec.RenewTime
+		}
+	}
 	now := r.Clock.Now()
 	out := make([]placement.Node, 0, len(nodes.Items))
 	for i := range nodes.Items {
 		n := placement.Node{Node: &nodes.Items[i], Report: byName[nodes.Items[i].Name]}
 		if n.Report != nil {
-			n.AgentSilent = r.beats.silentFor(n.Node.Name, n.Report.Status.HeartbeatTime, now) > r.Options.AgentHeartbeatTimeout
+			beat := lastBeat(renewed[n.Node.Name], n.Report.Status.HeartbeatTime)
+			n.AgentSilent = r.beats.silentFor(n.Node.Name, beat, now) > r.Options.AgentHeartbeatTimeout
 		}
 		out = append(out, n)
 	}
@@ -478,7 +491,15 @@ func (r *Reconciler) checkNode(ctx context.Context, s *scope) error {
 		silent := grace // no report at all: nothing says the agent lives
 		report := &impv1.ImpNode{}
 		if err := r.Client.Get(ctx, types.NamespacedName{Name: name}, report); err == nil {
-			silent = r.beats.silentFor(name, report.Status.HeartbeatTime, r.Clock.Now())
+			var renewed *metav1.MicroTime
+			lease := &coordinationv1.Lease{}
+			err := r.Client.Get(ctx, types.NamespacedName{Namespace: r.runSecretNamespace(), Name: impv1.AgentLeasePrefix + name}, lease)
+			if _, ok := leaseNode(lease); err == nil && ok {
+				renewed = lease.Spec.RenewTime
+			} else if err != nil && !apierrors.IsNotFound(err) {
+				return fmt.Errorf("getting the heartbeat Lease of node %s: %w", name, err)
+			}
+			silent = r.beats.silentFor(name, lastBeat(renewed, report.Status.HeartbeatTime), r.Clock.Now())
 		} else if !apierrors.IsNotFound(err) {
 			return fmt.Errorf("getting ImpNode %s: %w", name, err)
 		}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -21,6 +22,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	impagent "github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // parallel runs f(i) for i in [0, n) on workers goroutines.
@@ -470,18 +473,16 @@ func TestBackoffGrows(t *testing.T) {
 	eventually(t, func() int32 { return e.get("crash").Status.RestartCount }).Should(BeNumerically(">=", 4))
 }
 
-// heartbeat keeps node's simulated agent reporting until the returned function is called.
+// heartbeat keeps node's simulated agent beating, as the agent does (its Lease), until the
+// returned function is called.
 func (e *env) heartbeat(node string) (stop func()) {
 	done, stopped := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(stopped)
+		var lease *coordinationv1.Lease
 		for {
-			rep := &impv1.ImpNode{}
-			if err := e.c.Get(context.Background(), types.NamespacedName{Name: node}, rep); err == nil {
-				orig := rep.DeepCopy()
-				now := metav1.Now()
-				rep.Status.HeartbeatTime = &now
-				_ = e.c.Status().Patch(context.Background(), rep, client.MergeFrom(orig))
+			if l, err := impagent.RenewHeartbeat(context.Background(), e.c, e.c, runsecret.DefaultNamespace, node, 200*time.Millisecond, lease); err == nil {
+				lease = l
 			}
 			select {
 			case <-done:

@@ -3,8 +3,10 @@ package impvm
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -70,6 +72,8 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		WithOptions(controller.Options{MaxConcurrentReconciles: concurrency}).
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(nodeChanged())).
 		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged(r.Options.AgentHeartbeatTimeout))).
+		// An agent's heartbeat that resumes after a silence: its node may take VMs again.
+		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.forLease), builder.WithPredicates(beatResumed(r.Options.AgentHeartbeatTimeout))).
 		Watches(&impv1.ImpVMClass{}, handler.EnqueueRequestsFromMapFunc(r.forClass)).
 		// A suspension has its VM's name: the request is the VM's.
 		Watches(&impv1.ImpVMSuspension{}, &handler.EnqueueRequestForObject{}).
@@ -91,6 +95,37 @@ func nonEmpty(s string) []string {
 // forNode: the VMs on the node (it may be lost) and every unplaced VM (it may fit now).
 func (r *Reconciler) forNode(ctx context.Context, o client.Object) []reconcile.Request {
 	return append(r.list(ctx, false, client.MatchingFields{NodeIndex: o.GetName()}), r.unplaced(ctx, o)...)
+}
+
+// forLease: forNode of the node whose agent's heartbeat Lease it is.
+func (r *Reconciler) forLease(ctx context.Context, o client.Object) []reconcile.Request {
+	node, ok := leaseNode(o.(*coordinationv1.Lease))
+	if !ok || o.GetNamespace() != r.runSecretNamespace() {
+		return nil
+	}
+	return r.forNode(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: node}})
+}
+
+// leaseNode is the node of an agent's heartbeat Lease.
+func leaseNode(l *coordinationv1.Lease) (string, bool) {
+	node, ok := strings.CutPrefix(l.Name, impv1.AgentLeasePrefix)
+	if !ok || l.Labels[impv1.AgentLeaseLabel] == "" || l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != node {
+		return "", false
+	}
+	return node, true
+}
+
+// beatResumed passes a heartbeat Lease's creation, and a renewal after a silence longer than
+// silence; not the renewals of an agent that beats.
+func beatResumed(silence time.Duration) predicate.Predicate {
+	return predicate.Funcs{
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			o, n := e.ObjectOld.(*coordinationv1.Lease).Spec.RenewTime, e.ObjectNew.(*coordinationv1.Lease).Spec.RenewTime
+			return o == nil || (n != nil && n.Sub(o.Time) > silence)
+		},
+		DeleteFunc:  func(event.DeleteEvent) bool { return false },
+		GenericFunc: func(event.GenericEvent) bool { return false },
+	}
 }
 
 // forClass and forNetwork: only VMs still waiting for a node can be affected (a placed VM

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -21,6 +22,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // simAgent is one node's agent as the API server sees it: it reports its ImpNode and
@@ -37,6 +39,8 @@ type simAgent struct {
 	delay     time.Duration // the real agent's StartingReportDelay
 	vcpus     int32         // the node's allocatable vCPUs
 	heartbeat time.Duration
+	lease     *coordinationv1.Lease // the heartbeat Lease written last
+	beats     int
 
 	events *eventCounts
 
@@ -78,7 +82,7 @@ func newSimAgent(cfg *rest.Config, scheme *runtime.Scheme, node string, fleet bo
 
 // run registers the node's report and serves its VMs until ctx ends.
 func (a *simAgent) run(ctx context.Context, fleet bool) error {
-	if err := a.report(ctx, true); err != nil {
+	if err := a.report(ctx); err != nil {
 		return err
 	}
 	counted := func(n *atomic.Int64, f func()) toolscache.ResourceEventHandlerFuncs {
@@ -117,7 +121,7 @@ func (a *simAgent) run(ctx context.Context, fleet bool) error {
 		case <-ctx.Done():
 			return nil
 		case <-beat.C:
-			if err := a.report(ctx, false); err != nil && ctx.Err() == nil {
+			if err := a.beat(ctx); err != nil && ctx.Err() == nil {
 				return err
 			}
 		case <-a.kick:
@@ -133,33 +137,46 @@ func (a *simAgent) poke() {
 	}
 }
 
-// report creates the node's ImpNode (first) or renews its heartbeat, with the real agent's
-// requests: the Node read, then a status patch.
-func (a *simAgent) report(ctx context.Context, first bool) error {
+// beat renews the agent's heartbeat Lease as the real agent does (agent.RenewHeartbeat), and
+// every third beat reads the Node as its report does (30 s against 10 s); the report itself
+// writes nothing, as nothing changed.
+func (a *simAgent) beat(ctx context.Context) error {
+	a.beats++
+	if a.beats%3 == 0 {
+		var n corev1.Node
+		if err := a.c.Get(ctx, types.NamespacedName{Name: a.node}, &n); err != nil {
+			return fmt.Errorf("agent %s: reading its Node: %w", a.node, err)
+		}
+	}
+	l, err := agent.RenewHeartbeat(ctx, a.c, a.c, runsecret.DefaultNamespace, a.node, a.heartbeat, a.lease)
+	if err != nil {
+		return fmt.Errorf("agent %s: %w", a.node, err)
+	}
+	a.lease = l
+	return nil
+}
+
+// report creates the node's ImpNode, with the real agent's requests: the Node read, then a
+// status patch.
+func (a *simAgent) report(ctx context.Context) error {
 	var n corev1.Node
 	if err := a.c.Get(ctx, types.NamespacedName{Name: a.node}, &n); err != nil {
 		return fmt.Errorf("agent %s: reading its Node: %w", a.node, err)
 	}
 	now := metav1.Now()
 	rep := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: a.node}}
-	if first {
-		rep.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}}
-		if err := a.c.Create(ctx, rep); err != nil {
-			return fmt.Errorf("agent %s: creating its ImpNode: %w", a.node, err)
-		}
-		rep.Status = impv1.ImpNodeStatus{
-			Capacity:    &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
-			Allocatable: &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
-			VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm"}},
-			Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "simulated", LastTransitionTime: now}},
-		}
+	rep.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}}
+	if err := a.c.Create(ctx, rep); err != nil {
+		return fmt.Errorf("agent %s: creating its ImpNode: %w", a.node, err)
 	}
-	rep.Status.HeartbeatTime = &now
-	patch := client.MergeFrom(&impv1.ImpNode{ObjectMeta: rep.ObjectMeta})
-	if !first {
-		patch = client.RawPatch(types.MergePatchType, fmt.Appendf(nil, `{"status":{"heartbeatTime":%q}}`, now.UTC().Format(time.RFC3339)))
+	rep.Status = impv1.ImpNodeStatus{
+		Capacity:      &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
+		Allocatable:   &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
+		VMMs:          []impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm"}},
+		Conditions:    []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "simulated", LastTransitionTime: now}},
+		HeartbeatTime: &now,
 	}
-	if err := a.c.Status().Patch(ctx, rep, patch); err != nil {
+	if err := a.c.Status().Patch(ctx, rep, client.MergeFrom(&impv1.ImpNode{ObjectMeta: rep.ObjectMeta})); err != nil {
 		return fmt.Errorf("agent %s: reporting: %w", a.node, err)
 	}
 	return nil

@@ -71,7 +71,7 @@ func main() {
 	flag.IntVar(&o.runN, "run-n", 0, "VMs of the run phase (0: n), for a scale run whose placement phase fills the cluster")
 	flag.IntVar(&o.nodeVCPUs, "node-vcpus", 64, "each node's allocatable vCPUs (each VM has 1): with 2N/M close to it, placement must spread and may not overbook")
 	flag.DurationVar(&o.delay, "report-delay", time.Second, "the agents' --starting-report-delay")
-	flag.DurationVar(&o.heartbeat, "heartbeat", 30*time.Second, "the agents' report interval (the real agent's default)")
+	flag.DurationVar(&o.heartbeat, "heartbeat", 10*time.Second, "the agents' heartbeat interval (the real agent's default; they read their Node every third beat, as their 30 s report does)")
 	flag.BoolVar(&o.fleet, "fleet", true, "agents also watch every ImpNetwork, ImpIPAddress and ImpNode, as the real agent does for the overlay")
 	flag.BoolVar(&o.bare, "bare", true, "measure the bare API server first")
 	flag.StringVar(&o.operator, "operator", "bin/imp-operator", "imp-operator binary")

@@ -1,0 +1,82 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// heartbeat renews the node's agent Lease in IMP's namespace every HeartbeatInterval: what
+// says the agent lives. It goes to the operator only (no agent watches Leases), where an
+// ImpNode status write would reach every agent of the cluster.
+type heartbeat struct {
+	a *Agent
+	// lease is the last Lease written.
+	lease *coordinationv1.Lease
+}
+
+// NeedLeaderElection: every agent beats for its own node.
+func (*heartbeat) NeedLeaderElection() bool { return false }
+
+func (h *heartbeat) Start(ctx context.Context) error {
+	t := time.NewTicker(h.a.Opts.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		l, err := RenewHeartbeat(ctx, h.a.Client, h.a.APIReader, h.a.Opts.RunSecretNamespace, h.a.Opts.NodeName, h.a.Opts.HeartbeatInterval, h.lease)
+		if err != nil && ctx.Err() == nil {
+			ctrl.LoggerFrom(ctx).Error(err, "renewing the agent's heartbeat")
+		}
+		h.lease = l
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// RenewHeartbeat writes node's agent Lease in namespace ns with the time now, and returns it:
+// an update of last (the Lease written before) when there is one, else a read (r, uncached)
+// and an update, else a create. interval is how often it is renewed.
+func RenewHeartbeat(ctx context.Context, w client.Writer, r client.Reader, ns, node string, interval time.Duration, last *coordinationv1.Lease) (*coordinationv1.Lease, error) {
+	now := metav1.NewMicroTime(time.Now())
+	name := impv1.AgentLeasePrefix + node
+	if last != nil {
+		l := last.DeepCopy()
+		l.Spec.RenewTime = &now
+		if err := w.Update(ctx, l); err == nil {
+			return l, nil
+		}
+		// A conflict, or it was deleted: read it again.
+	}
+	l := &coordinationv1.Lease{}
+	err := r.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, l)
+	switch {
+	case apierrors.IsNotFound(err):
+		l = &coordinationv1.Lease{
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{impv1.AgentLeaseLabel: "true"}},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(node), RenewTime: &now,
+				LeaseDurationSeconds: ptr.To(max(int32(4*interval/time.Second), 1))},
+		}
+		if err := w.Create(ctx, l); err != nil {
+			return nil, fmt.Errorf("creating Lease %s/%s: %w", ns, name, err)
+		}
+	case err != nil:
+		return nil, fmt.Errorf("reading Lease %s/%s: %w", ns, name, err)
+	default:
+		l.Spec.RenewTime, l.Spec.HolderIdentity = &now, ptr.To(node)
+		if err := w.Update(ctx, l); err != nil {
+			return nil, fmt.Errorf("renewing Lease %s/%s: %w", ns, name, err)
+		}
+	}
+	return l, nil
+}
