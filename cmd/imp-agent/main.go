@@ -87,6 +87,7 @@ func run() error {
 	fs.Int64Var(&opts.MaxImageEntries, "max-image-entries", 500_000, "most entries (files, directories, links) one image may hold on the node")
 	fs.DurationVar(&opts.FinishedDiskRetention, "finished-disk-retention", 24*time.Hour, "how long a VM that finished (Succeeded or Failed) keeps its disks on the node (0: until it is deleted)")
 	fs.DurationVar(&opts.PullTimeout, "image-pull-timeout", 5*time.Minute, "longest time resolving and pulling a VM's image may take")
+	fs.DurationVar(&opts.ImageResolveTTL, "image-resolve-ttl", 0, "how long what a tag resolved to is kept, per pull credentials: a start within it asks the registry nothing (0: ask at every start)")
 	fs.DurationVar(&opts.StartingReportDelay, "starting-report-delay", time.Second,
 		"how long the reports that a VM is starting and that its guest boots wait; one a later report overtakes is never written (negative: at once)")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")

@@ -98,6 +98,8 @@ type Options struct {
 	// PullTimeout bounds resolving and pulling a VM's image from its registry, which the
 	// tenant chooses (5 minutes when 0).
 	PullTimeout time.Duration
+	// ImageResolveTTL keeps what a tag resolved to, per credentials (disk.BaseStore.ResolveTTL).
+	ImageResolveTTL time.Duration
 	// ConsoleLogBytes caps each file a VM writes on the node: its console and its VMM's logs
 	// (default 1 MiB).
 	ConsoleLogBytes int64
@@ -211,7 +213,8 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if a.Opts.PullTimeout == 0 {
 		a.Opts.PullTimeout = 5 * time.Minute
 	}
-	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries}
+	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries,
+		ResolveTTL: a.Opts.ImageResolveTTL}
 	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*stopping{}

@@ -12,11 +12,13 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"golang.org/x/sync/singleflight"
+	"k8s.io/utils/clock"
 )
 
 // DefaultMaxEntries bounds an image's entries unless BaseStore.MaxEntries says otherwise: far
@@ -41,6 +43,11 @@ type BaseStore struct {
 	Mkfs string
 	// RemoteOptions are added to every registry request (transport, platform, ...).
 	RemoteOptions []remote.Option
+	// ResolveTTL, when not 0, keeps what a tag resolved to, per credentials, this long: a VM
+	// started within it costs no registry request, and sees a tag moved meanwhile only after.
+	ResolveTTL time.Duration
+	// Clock measures ResolveTTL (default: the real clock).
+	Clock clock.PassiveClock
 
 	builds  singleflight.Group
 	mu      sync.Mutex
@@ -48,15 +55,39 @@ type BaseStore struct {
 	leases  map[string]int             // digest → leases held (Ensure until its release)
 	access  map[string]map[string]bool // digest → credentials the registry let pull it (Authorize)
 	pullers map[string]*remote.Puller  // registry sessions, by registry and credentials
+	tags    map[string]resolvedTag     // tag and credentials → digest, within ResolveTTL
 }
+
+// resolvedTag is what a tag resolved to, and when.
+type resolvedTag struct {
+	digest name.Digest
+	at     time.Time
+}
+
+// maxTags bounds the resolutions kept (tags × credentials).
+const maxTags = 1024
 
 // Resolve returns the digest r names (r itself when it is one), asking the registry for a tag:
 // one manifest HEAD, after the first request of these credentials to that registry (which
-// also authenticates). The digest keeps r's registry, and with it whether the registry is
+// also authenticates); none within ResolveTTL of a resolution with the same credentials. The digest keeps r's registry, and with it whether the registry is
 // reached over plain HTTP.
 func (s *BaseStore) Resolve(ctx context.Context, r name.Reference, kc authn.Keychain) (name.Digest, error) {
 	if d, ok := r.(name.Digest); ok {
 		return d, nil
+	}
+	var key string
+	if s.ResolveTTL > 0 {
+		cred, err := credentialKey(r.Context(), kc)
+		if err != nil {
+			return name.Digest{}, fmt.Errorf("resolving %s: %w", r, err)
+		}
+		key = r.Name() + "\x00" + cred
+		s.mu.Lock()
+		t, ok := s.tags[key]
+		s.mu.Unlock()
+		if ok && s.clock().Since(t.at) < s.ResolveTTL {
+			return t.digest, nil
+		}
 	}
 	p, err := s.puller(r.Context(), kc)
 	if err != nil {
@@ -66,7 +97,23 @@ func (s *BaseStore) Resolve(ctx context.Context, r name.Reference, kc authn.Keyc
 	if err != nil {
 		return name.Digest{}, fmt.Errorf("resolving %s: %w", r, err)
 	}
-	return r.Context().Digest(desc.Digest.String()), nil
+	d := r.Context().Digest(desc.Digest.String())
+	if key != "" {
+		s.mu.Lock()
+		if s.tags == nil || len(s.tags) >= maxTags {
+			s.tags = map[string]resolvedTag{}
+		}
+		s.tags[key] = resolvedTag{digest: d, at: s.clock().Now()}
+		s.mu.Unlock()
+	}
+	return d, nil
+}
+
+func (s *BaseStore) clock() clock.PassiveClock {
+	if s.Clock == nil {
+		return clock.RealClock{}
+	}
+	return s.Clock
 }
 
 // Path is where the base disk of digest d lives (or will).

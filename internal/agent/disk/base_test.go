@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	clocktesting "k8s.io/utils/clock/testing"
+
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -413,6 +415,46 @@ func TestResolveTagCostsOneRequest(t *testing.T) {
 			t.Errorf("resolve %d cost %d registry requests, want 1", i, got)
 		}
 	}
+}
+
+// TestResolveTTL: within the TTL a tag resolved with the same credentials costs no request,
+// even if it moved meanwhile; after it, the move is seen. Other credentials get nothing from it.
+func TestResolveTTL(t *testing.T) {
+	host, requests := countedRegistry(t, "puller", "s3cret")
+	auth := base64.StdEncoding.EncodeToString([]byte("puller:s3cret"))
+	kc, err := NewPullSecretKeychain([]byte(fmt.Sprintf(`{"auths":{"http://%s/v2/":{"auth":%q}}}`, host, auth)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := testregistry.Push(t, host, "app", kc, layer(t, file("f", "one\n")))
+	tag, err := name.ParseReference(host+"/app:v1", name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clk := clocktesting.NewFakePassiveClock(time.Now())
+	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30, ResolveTTL: time.Minute, Clock: clk}
+	ctx := context.Background()
+	resolve := func(want name.Digest, cost int64, at string) {
+		t.Helper()
+		n := requests.Load()
+		d, err := store.Resolve(ctx, tag, kc)
+		if err != nil || d.DigestStr() != want.DigestStr() {
+			t.Fatalf("%s: %v, %v; want %s", at, d, err, want.DigestStr())
+		}
+		if got := requests.Load() - n; got != cost {
+			t.Errorf("%s: %d registry requests, want %d", at, got, cost)
+		}
+	}
+	resolve(first, 2, "the first resolution (the registry's authentication, then the HEAD)")
+	resolve(first, 0, "again within the TTL")
+	second := testregistry.Push(t, host, "app", kc, layer(t, file("f", "two\n")))
+	clk.SetTime(clk.Now().Add(59 * time.Second))
+	resolve(first, 0, "the tag moved, still within the TTL")
+	if _, err := store.Resolve(ctx, tag, authn.NewMultiKeychain()); err == nil {
+		t.Error("other credentials (none) got the resolution of these")
+	}
+	clk.SetTime(clk.Now().Add(2 * time.Second))
+	resolve(second, 1, "past the TTL")
 }
 
 // countedRegistry starts a registry with user and password behind a proxy that counts the
