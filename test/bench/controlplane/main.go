@@ -55,7 +55,8 @@ type options struct {
 	n, m, creators, runs, concurrency int
 	nodeVCPUs, runN                   int
 	start, boot, heartbeat, delay     time.Duration
-	fleet, bare                       bool
+	idle                              time.Duration
+	fleet, bare, impNodeBeats         bool
 	operator, operatorArgs            string
 }
 
@@ -72,6 +73,8 @@ func main() {
 	flag.IntVar(&o.nodeVCPUs, "node-vcpus", 64, "each node's allocatable vCPUs (each VM has 1): with 2N/M close to it, placement must spread and may not overbook")
 	flag.DurationVar(&o.delay, "report-delay", time.Second, "the agents' --starting-report-delay")
 	flag.DurationVar(&o.heartbeat, "heartbeat", 10*time.Second, "the agents' heartbeat interval (the real agent's default; they read their Node every third beat, as their 30 s report does)")
+	flag.DurationVar(&o.idle, "idle", 0, "after the run phase, count the watch events the agents get this long with nothing happening (heartbeats)")
+	flag.BoolVar(&o.impNodeBeats, "impnode-heartbeats", false, "the agents beat by patching their ImpNode every 30 s, as agents before the Lease did (for comparison)")
 	flag.BoolVar(&o.fleet, "fleet", true, "agents also watch every ImpNetwork, ImpIPAddress and ImpNode, as the real agent does for the overlay")
 	flag.BoolVar(&o.bare, "bare", true, "measure the bare API server first")
 	flag.StringVar(&o.operator, "operator", "bin/imp-operator", "imp-operator binary")
@@ -222,6 +225,9 @@ func run(o options) (figures, error) {
 			return f, err
 		}
 		a.start, a.boot, a.delay, a.heartbeat, a.vcpus = o.start, o.boot, o.delay, jitter(o.heartbeat, i), int32(o.nodeVCPUs)
+		if o.impNodeBeats {
+			a.impNodeBeats, a.heartbeat = true, jitter(30*time.Second, i)
+		}
 		agents.Add(1)
 		go func() {
 			defer agents.Done()
@@ -319,6 +325,16 @@ func run(o options) (figures, error) {
 		perAgent(ev0.total(), ev1.total()), perAgent(ev0.vms, ev1.vms), perAgent(ev0.addresses, ev1.addresses), perAgent(ev0.networks, ev1.networks), perAgent(ev0.nodes, ev1.nodes))
 	fmt.Printf("  %-34s %s\n", "run: API server watch events/VM", describeWatch(watch0.watch, watch1.watch, o.runN))
 	fmt.Printf("  %-34s %s\n", "run: API server queue waits", describeWaits(watch0, watch1))
+	if o.idle > 0 {
+		// Nothing happens but heartbeats: what each agent hears of the others.
+		i0 := ev.snapshot()
+		time.Sleep(o.idle)
+		i1 := ev.snapshot()
+		perMin := func(a, b int64) float64 { return float64(b-a) / float64(o.m-1) / o.idle.Minutes() }
+		f.set("idle: watch events per agent per minute", "", perMin(i0.total(), i1.total()))
+		fmt.Printf("  %-34s %.2f per agent per minute (ImpNode %.2f), %d nodes\n", "idle: watch events to agents",
+			perMin(i0.total(), i1.total()), perMin(i0.nodes, i1.nodes), o.m)
+	}
 
 	// Every VM placed, no node given more vCPUs than it has.
 	placed, overbooked, err := checkPlacement(ctx, c, o)
