@@ -12,6 +12,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
@@ -41,6 +42,7 @@ func run() error {
 		pressureSettle         time.Duration
 		pressureTimeout        time.Duration
 		sub                    subresourceFlags
+		admissionTimeout       time.Duration
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -70,6 +72,7 @@ func run() error {
 	fs.StringVar(&sub.service, "subresources-service", "imp-subresources", "the subresource server's Service, named in its serving certificate")
 	fs.StringVar(&sub.apiService, "subresources-apiservice", "v1alpha1.subresources.imp.dev", "the APIService whose caBundle gets the access CA (empty: left alone)")
 	fs.IntVar(&sub.agentPort, "agent-access-port", 10260, "port of the agents' access endpoint")
+	fs.DurationVar(&admissionTimeout, "wait-for-admission", 0, "instead of running: wait until the API server admits ImpVMs in --run-secret-namespace (a dry-run create, retried each second) for at most this long, then exit (the chart's post-install hook)")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-operator [flags]\n\nPlaces ImpVMs on nodes, allocates their addresses and drives their lifecycle.\n\nFlags:\n")
@@ -90,6 +93,13 @@ func run() error {
 	cfg, err := ctrl.GetConfig()
 	if err != nil {
 		return fmt.Errorf("loading the kubeconfig: %w", err)
+	}
+	if admissionTimeout > 0 {
+		c, err := client.New(cfg, client.Options{Scheme: scheme})
+		if err != nil {
+			return err
+		}
+		return operator.WaitForAdmission(ctrl.SetupSignalHandler(), c, vmOpts.RunSecretNamespace, admissionTimeout, log.WithName("admission"))
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                        scheme,

@@ -295,3 +295,38 @@ func TestMonitoringOnlyWhereItsAPIExists(t *testing.T) {
 		}
 	}
 }
+
+// Where the finalizer policy is installed (its API exists), a post-install and post-upgrade
+// Job waits until ImpVMs are admitted, with the operator's image and identity, unless
+// admissionWait is off; it is neither where the API is missing.
+func TestAdmissionWait(t *testing.T) {
+	if _, ok := mustRender(t)["Job/imp-admission-wait"]; ok {
+		t.Error("the admission wait rendered without the MutatingAdmissionPolicy API")
+	}
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.APIVersions = append(caps.APIVersions, "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+	m, err := render(t, caps, "operator.image.digest=sha256:"+strings.Repeat("a", 64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	job, ok := m["Job/imp-admission-wait"]
+	if !ok {
+		t.Fatal("no admission wait Job with the MutatingAdmissionPolicy API")
+	}
+	for _, want := range []string{"helm.sh/hook: post-install,post-upgrade", "serviceAccountName: imp-operator", "@sha256:" + strings.Repeat("a", 64),
+		"--wait-for-admission=180s", "--run-secret-namespace=imp-system", "runAsNonRoot: true"} {
+		if !strings.Contains(job, want) {
+			t.Errorf("the admission wait Job lacks %q:\n%s", want, job)
+		}
+	}
+	if _, ok := m["MutatingAdmissionPolicy/imp-vm-finalizer"]; !ok {
+		t.Error("no finalizer policy with its API")
+	}
+	m, err = render(t, caps, "admissionWait.enabled=false")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := m["Job/imp-admission-wait"]; ok {
+		t.Error("the admission wait rendered with admissionWait.enabled=false")
+	}
+}
