@@ -23,6 +23,8 @@ CP_BIN_DIR=$IMP_CACHE/cp/bin WITH_KCM=0 WITH_KWOK=0 WITH_REGISTRY=1 REGISTRY_POR
 . "$STATE/env"
 kubectl apply -f config/crd/bases >/dev/null
 kubectl wait --for=condition=Established --timeout=60s crd --all >/dev/null
+# IMP's namespace, as the chart's: the VMs' run Secrets and the agents' heartbeat Leases.
+kubectl create namespace imp-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 
 log "building binaries, the guest initramfs and a sample image"
 go build -o bin/ ./cmd/imp-operator ./cmd/imp-agent ./hack/devtool

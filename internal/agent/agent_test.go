@@ -383,6 +383,24 @@ func TestHeartbeatIsALease(t *testing.T) {
 	}
 }
 
+// An agent that cannot write its Lease (here, IMP's namespace is missing) beats in its ImpNode,
+// as agents before the Lease did: its node does not look dead for that.
+func TestHeartbeatWithoutItsLease(t *testing.T) {
+	w := newWorld(t, func(o *agent.Options) { o.RunSecretNamespace = "imp-no-such-namespace" })
+	ctx := context.Background()
+	beat := func() time.Time {
+		var report impv1.ImpNode
+		if err := w.c.Client.Get(ctx, types.NamespacedName{Name: w.node}, &report); err != nil || report.Status.HeartbeatTime == nil {
+			return time.Time{}
+		}
+		return report.Status.HeartbeatTime.Time
+	}
+	g := NewWithT(t)
+	g.Eventually(beat).WithTimeout(time.Minute).ShouldNot(BeZero())
+	first := beat()
+	g.Eventually(beat).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(BeTemporally(">", first))
+}
+
 func TestAgentRestart(t *testing.T) {
 	pw := newProcessWorld(t, "imp-restart-")
 	c, ctx, stateDir, startAgent := pw.c, context.Background(), pw.stateDir, pw.startAgent

@@ -8,6 +8,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -22,6 +23,8 @@ type heartbeat struct {
 	a *Agent
 	// lease is the last Lease written.
 	lease *coordinationv1.Lease
+	// reported is when the fallback last wrote the ImpNode's heartbeatTime.
+	reported time.Time
 }
 
 // NeedLeaderElection: every agent beats for its own node.
@@ -33,7 +36,8 @@ func (h *heartbeat) Start(ctx context.Context) error {
 	for {
 		l, err := RenewHeartbeat(ctx, h.a.Client, h.a.APIReader, h.a.Opts.RunSecretNamespace, h.a.Opts.NodeName, h.a.Opts.HeartbeatInterval, h.lease)
 		if err != nil && ctx.Err() == nil {
-			ctrl.LoggerFrom(ctx).Error(err, "renewing the agent's heartbeat")
+			ctrl.LoggerFrom(ctx).Error(err, "renewing the agent's heartbeat Lease; beating in the ImpNode instead")
+			h.fallback(ctx)
 		}
 		h.lease = l
 		select {
@@ -42,6 +46,22 @@ func (h *heartbeat) Start(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
+}
+
+// fallback beats in the ImpNode's heartbeatTime, as agents before the Lease did, every third
+// interval at most, when the Lease cannot be written (IMP's namespace missing, its Role not
+// granted): the node must not look dead because of that.
+func (h *heartbeat) fallback(ctx context.Context) {
+	if time.Since(h.reported) < 3*h.a.Opts.HeartbeatInterval {
+		return
+	}
+	now := metav1.Now()
+	patch := client.RawPatch(types.MergePatchType, fmt.Appendf(nil, `{"status":{"heartbeatTime":%q}}`, now.UTC().Format(time.RFC3339)))
+	if err := h.a.Client.Status().Patch(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: h.a.Opts.NodeName}}, patch); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "beating in the ImpNode")
+		return
+	}
+	h.reported = time.Now()
 }
 
 // RenewHeartbeat writes node's agent Lease in namespace ns with the time now, and returns it:

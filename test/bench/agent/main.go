@@ -29,6 +29,7 @@ import (
 
 	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	toolscache "k8s.io/client-go/tools/cache"
@@ -43,6 +44,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/runsecret"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
 	"github.com/syscode-labs/imp/internal/testregistry"
@@ -93,6 +95,10 @@ func run(b *testing.B, n int, agentBin string) error {
 		return err
 	}
 	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench"}}); err != nil {
+		return err
+	}
+	// IMP's namespace, as the chart's: run Secrets and heartbeat Leases.
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: runsecret.DefaultNamespace}}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	mgr, err := ctrl.NewManager(cl.Config, ctrl.Options{Scheme: cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
