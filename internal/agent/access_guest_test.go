@@ -146,4 +146,7 @@ func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 	if _, err := w.agent.Session(types.NamespacedName{Namespace: v.Namespace, Name: "other"}, v.UID); err == nil {
 		t.Error("a session for a VM named other with this VM's UID")
 	}
+	if _, _, err := w.agent.ConsoleInput(types.NamespacedName{Namespace: v.Namespace, Name: "other"}, v.UID); err == nil {
+		t.Error("a console for a VM named other with this VM's UID")
+	}
 }

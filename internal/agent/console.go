@@ -106,11 +106,9 @@ func (i *consoleInput) Close() error {
 // written reaches the guest (the workload, when the ImpVM has stdin). ended is closed when the
 // run ends. Close the input to detach.
 func (a *Agent) ConsoleInput(key types.NamespacedName, uid types.UID) (io.WriteCloser, <-chan struct{}, error) {
-	a.mu.Lock()
-	m := a.monitors[uid]
-	a.mu.Unlock()
-	if m == nil || m.key != key {
-		return nil, nil, ErrNotRunning
+	m, err := a.running(key, uid)
+	if err != nil {
+		return nil, nil, err
 	}
 	m.console.attach()
 	return &consoleInput{c: m.console}, m.done, nil

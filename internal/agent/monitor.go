@@ -108,13 +108,23 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 // ErrNotRunning: the VM has no run this agent follows.
 var ErrNotRunning = errors.New("the VM is not running on this node")
 
-// Session is the session channel (exec, port-forward) of the running VM key with uid.
-func (a *Agent) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
+// running is the monitor of the run of the VM key with uid, or ErrNotRunning: the UID alone
+// never reaches another VM's run.
+func (a *Agent) running(key types.NamespacedName, uid types.UID) (*monitor, error) {
 	a.mu.Lock()
 	m := a.monitors[uid]
 	a.mu.Unlock()
 	if m == nil || m.key != key {
 		return nil, ErrNotRunning
+	}
+	return m, nil
+}
+
+// Session is the session channel (exec, port-forward) of the running VM key with uid.
+func (a *Agent) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
+	m, err := a.running(key, uid)
+	if err != nil {
+		return nil, err
 	}
 	if m.session == nil {
 		return nil, errors.New("this run of the VM has no session channel: an agent before exec started it; restart the VM")
