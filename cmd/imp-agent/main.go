@@ -18,7 +18,6 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
-	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -29,6 +28,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/logging"
+	"github.com/syscode-labs/imp/internal/metricsauth"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
@@ -197,7 +197,7 @@ func run() error {
 	// authenticates and authorizes (get on the non-resource URL /metrics), over TLS.
 	metrics := metricsserver.Options{BindAddress: metricsAddr}
 	if !metricsInsecure {
-		metrics.SecureServing, metrics.FilterProvider = true, filters.WithAuthenticationAndAuthorization
+		metrics.SecureServing, metrics.FilterProvider = true, metricsauth.Filter
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:                 scheme,
