@@ -6,8 +6,9 @@
 //
 // It exists for the node agent's memory: controller-runtime's filter builds on
 // k8s.io/apiserver's delegating authenticator and authorizer, whose dependencies (CEL, gRPC,
-// OpenTelemetry) cost the agent about 25 MiB of resident memory before it does anything.
-// The reviews it makes are the same.
+// OpenTelemetry) cost the agent 13 MiB of resident memory before it did anything (47 MiB
+// against 34, measured on imp-agent --help) and 31 MB of binary. The reviews it makes are
+// the same.
 package metricsauth
 
 import (
