@@ -33,6 +33,7 @@ import (
 	"syscall"
 	"time"
 
+	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -45,6 +46,8 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/scheme"
@@ -82,6 +85,8 @@ func main() {
 	agentNode := flag.String("agent-node", "", "internal: run one simulated agent for this node")
 	agentKubeconfig := flag.String("agent-kubeconfig", "", "internal: its kubeconfig")
 	flag.Parse()
+	// The simulated agents' caches log through controller-runtime: keep their errors.
+	ctrllog.SetLogger(zap.New(zap.WriteTo(os.Stderr), zap.Level(zapcore.ErrorLevel)))
 	if o.runN == 0 {
 		o.runN = o.n
 	}
