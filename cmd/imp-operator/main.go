@@ -33,6 +33,7 @@ func main() {
 func run() error {
 	var (
 		metricsAddr, probeAddr string
+		pprofAddr              string
 		leaderElect            bool
 		leaderElectionNS       string
 		logOpts                logging.Options
@@ -47,6 +48,7 @@ func run() error {
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
+	fs.StringVar(&pprofAddr, "pprof-bind-address", "0", "address of Go's /debug/pprof endpoints, for profiling (0 disables them; they are unauthenticated: bind to loopback)")
 	fs.BoolVar(&leaderElect, "leader-elect", true, "elect a leader so that only one replica acts at a time")
 	fs.StringVar(&leaderElectionNS, "leader-election-namespace", "", "namespace of the leader election Lease (default: the pod's namespace)")
 	fs.IntVar(&concurrency, "vm-concurrency", 4, "how many ImpVMs are reconciled at once")
@@ -106,6 +108,7 @@ func run() error {
 		Cache:                         operator.CacheOptions(operator.Options{VM: vmOpts}),
 		Metrics:                       metricsserver.Options{BindAddress: metricsAddr},
 		HealthProbeBindAddress:        probeAddr,
+		PprofBindAddress:              pprofAddr,
 		LeaderElection:                leaderElect,
 		LeaderElectionID:              "imp-operator.imp.dev",
 		LeaderElectionNamespace:       leaderElectionNS,
