@@ -111,9 +111,14 @@ const (
 
 // Fits reports whether n can take a VM asking for req, ignoring capacity, and if not, why.
 func Fits(req Request, n Node) (bool, string) {
+	return fits(req, labels.SelectorFromSet(req.Labels), n)
+}
+
+// fits is Fits with req.Labels as a selector, made once for all the nodes.
+func fits(req Request, sel labels.Selector, n Node) (bool, string) {
 	node := n.Node
 	switch {
-	case !labels.SelectorFromSet(req.Labels).Matches(labels.Set(node.Labels)):
+	case !sel.Matches(labels.Set(node.Labels)):
 		return false, whyLabels
 	case node.Spec.Unschedulable:
 		return false, whyCordoned
@@ -377,7 +382,32 @@ func Overhead(n Node, kind impv1.VMMKind) int64 {
 // Place chooses a node for VM uid among nodes and holds req's resources there, with the memory
 // overhead of the VMM it will run under (Overhead), atomically with respect to every other
 // Place. A VM that already holds a node gets that node again.
+//
+// What does not depend on what other VMs hold (labels, conditions, taints, the agent, the VMM)
+// is checked before taking the ledger's lock, so that concurrent placements wait for each
+// other only while the free capacity of the nodes that fit is compared.
 func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error) {
+	why := map[string]int{}
+	sel := labels.SelectorFromSet(req.Labels)
+	type candidate struct {
+		name             string
+		vcpus, mem, disk int64 // allocatable; disk -1 when not reported
+		overhead         int64
+	}
+	fit := make([]candidate, 0, len(nodes))
+	for _, n := range nodes {
+		if ok, reason := fits(req, sel, n); !ok {
+			why[reason]++
+			continue
+		}
+		alloc := n.Report.Status.Allocatable
+		c := candidate{name: n.Node.Name, vcpus: int64(alloc.VCPUs), mem: alloc.Memory.Value(), disk: -1, overhead: Overhead(n, req.VMM)}
+		if alloc.Disk != nil {
+			c.disk = alloc.Disk.Value()
+		}
+		fit = append(fit, c)
+	}
+
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if h, ok := l.byVM[uid]; ok {
@@ -388,45 +418,27 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 			return "", &QuotaExceeded{Message: why}
 		}
 	}
-	why := map[string]int{}
-	best, bestFree := "", int64(-1)
-	for _, n := range nodes {
-		ok, reason := Fits(req, n)
-		if ok {
-			alloc := n.Report.Status.Allocatable
-			used := l.usage[n.Node.Name]
-			freeCPU := int64(alloc.VCPUs) - used.vcpus
-			freeMem := alloc.Memory.Value() - used.memory
-			switch {
-			case freeCPU < req.VCPUs:
-				ok, reason = false, whyNoCPU
-			case freeMem < req.MemoryBytes+Overhead(n, req.VMM):
-				ok, reason = false, whyNoMemory
-			case alloc.Disk != nil && alloc.Disk.Value()-used.disk < req.DiskBytes:
-				ok, reason = false, whyNoDisk
-			case freeMem > bestFree || (freeMem == bestFree && n.Node.Name < best):
-				best, bestFree = n.Node.Name, freeMem
-			}
-		}
-		if !ok {
-			why[reason]++
+	best, bestFree, bestOverhead := "", int64(-1), int64(0)
+	for _, c := range fit {
+		used := l.usage[c.name]
+		freeMem := c.mem - used.memory
+		switch {
+		case c.vcpus-used.vcpus < req.VCPUs:
+			why[whyNoCPU]++
+		case freeMem < req.MemoryBytes+c.overhead:
+			why[whyNoMemory]++
+		case c.disk >= 0 && c.disk-used.disk < req.DiskBytes:
+			why[whyNoDisk]++
+		case freeMem > bestFree || (freeMem == bestFree && c.name < best):
+			best, bestFree, bestOverhead = c.name, freeMem, c.overhead
 		}
 	}
 	if best == "" {
 		return "", &Unschedulable{Message: unschedulableMessage(len(nodes), why)}
 	}
-	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes + overheadOn(best, req.VMM, nodes),
+	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes + bestOverhead,
 		namespace: req.Namespace, guestMemory: req.MemoryBytes, disk: req.DiskBytes})
 	return best, nil
-}
-
-func overheadOn(name string, kind impv1.VMMKind, nodes []Node) int64 {
-	for _, n := range nodes {
-		if n.Node.Name == name {
-			return Overhead(n, kind)
-		}
-	}
-	return 0
 }
 
 func unschedulableMessage(total int, why map[string]int) string {

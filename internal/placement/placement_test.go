@@ -358,3 +358,39 @@ func TestPlaceCountsDisk(t *testing.T) {
 		})
 	}
 }
+
+// BenchmarkPlace places VMs over 1,000 nodes, one at a time and from 4 goroutines (the
+// operator's workers): go test -run '^$' -bench Place ./internal/placement/
+func BenchmarkPlace(b *testing.B) {
+	nodes := make([]Node, 1000)
+	for i := range nodes {
+		nodes[i] = node(fmt.Sprintf("node-%04d", i), 1<<20, 1<<20)
+	}
+	r := req(1, 1)
+	b.Run("serial", func(b *testing.B) {
+		l := NewLedger()
+		for i := 0; b.Loop(); i++ {
+			if _, err := l.Place(types.UID(fmt.Sprint(i)), r, nodes); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("parallel", func(b *testing.B) {
+		l := NewLedger()
+		var n sync.Mutex
+		i := 0
+		b.SetParallelism(2) // 4 workers on 2 cores
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				n.Lock()
+				i++
+				uid := types.UID(fmt.Sprint(i))
+				n.Unlock()
+				if _, err := l.Place(uid, r, nodes); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+	})
+}
