@@ -109,6 +109,7 @@ type Reconciler struct {
 	ledgerReady bool
 	holders     sync.Map // types.NamespacedName → types.UID of the VM holding there
 	beats       heartbeats
+	fleet       fleet // placement's view of the nodes, kept by the watches
 
 	freed chan event.GenericEvent // capacity was released: retry unplaced VMs
 }
@@ -353,10 +354,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	}
 
 	// Node.
-	nodes, err := r.candidates(ctx)
-	if err != nil {
-		return err
-	}
+	nodes := r.candidates()
 	start := r.Clock.Now()
 	node, err := r.Ledger.Place(vm.UID, placement.Request{
 		VCPUs:       int64(res.VCPUs),
@@ -425,44 +423,6 @@ func firstSeen(vm *impv1.ImpVM, start time.Time) time.Time {
 		return c
 	}
 	return start
-}
-
-// candidates lists every node with its agent's report.
-func (r *Reconciler) candidates(ctx context.Context) ([]placement.Node, error) {
-	var nodes corev1.NodeList
-	if err := r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
-		return nil, fmt.Errorf("listing nodes: %w", err)
-	}
-	var reports impv1.ImpNodeList
-	if err := r.Client.List(ctx, &reports, client.UnsafeDisableDeepCopy); err != nil {
-		return nil, fmt.Errorf("listing ImpNodes: %w", err)
-	}
-	byName := make(map[string]*impv1.ImpNode, len(reports.Items))
-	for i := range reports.Items {
-		byName[reports.Items[i].Name] = &reports.Items[i]
-	}
-	var leases coordinationv1.LeaseList
-	if err := r.Client.List(ctx, &leases, client.InNamespace(r.runSecretNamespace()), client.HasLabels{impv1.AgentLeaseLabel},
-		client.UnsafeDisableDeepCopy); err != nil {
-		return nil, fmt.Errorf("listing the agents' heartbeat Leases: %w", err)
-	}
-	renewed := make(map[string]*metav1.MicroTime, len(leases.Items))
-	for i := range leases.Items {
-		if node, ok := leaseNode(&leases.Items[i]); ok {
-			renewed[node] = leases.Items[i].Spec.RenewTime
-		}
-	}
-	now := r.Clock.Now()
-	out := make([]placement.Node, 0, len(nodes.Items))
-	for i := range nodes.Items {
-		n := placement.Node{Node: &nodes.Items[i], Report: byName[nodes.Items[i].Name]}
-		if n.Report != nil {
-			beat := lastBeat(renewed[n.Node.Name], n.Report.Status.HeartbeatTime)
-			n.AgentSilent = r.beats.silentFor(n.Node.Name, beat, now) > r.Options.AgentHeartbeatTimeout
-		}
-		out = append(out, n)
-	}
-	return out, nil
 }
 
 // checkNode handles a placed VM whose node may be gone. A VM is taken off its node only when

@@ -70,10 +70,12 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		Watches(&impv1.ImpVM{}, enqueueAfter(delay), builder.WithPredicates(startingReport(delay))).
 		Named("impvm").
 		WithOptions(controller.Options{MaxConcurrentReconciles: concurrency}).
-		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(nodeChanged())).
-		Watches(&impv1.ImpNode{}, handler.EnqueueRequestsFromMapFunc(r.forNode), builder.WithPredicates(reportChanged(r.Options.AgentHeartbeatTimeout))).
+		// Every Node, report and heartbeat goes to placement's view of the fleet; those that
+		// can change where VMs go, or whether their node is lost, enqueue them.
+		Watches(&corev1.Node{}, recording(r.fleet.recordNode, nodeChanged(), r.forNode)).
+		Watches(&impv1.ImpNode{}, recording(r.fleet.recordReport, reportChanged(r.Options.AgentHeartbeatTimeout), r.forNode)).
 		// An agent's heartbeat that resumes after a silence: its node may take VMs again.
-		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.forLease), builder.WithPredicates(beatResumed(r.Options.AgentHeartbeatTimeout))).
+		Watches(&coordinationv1.Lease{}, recording(r.fleet.recordLease(r.runSecretNamespace()), beatResumed(r.Options.AgentHeartbeatTimeout), r.forLease)).
 		Watches(&impv1.ImpVMClass{}, handler.EnqueueRequestsFromMapFunc(r.forClass)).
 		// A suspension has its VM's name: the request is the VM's.
 		Watches(&impv1.ImpVMSuspension{}, &handler.EnqueueRequestForObject{}).
