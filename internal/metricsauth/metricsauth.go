@@ -71,7 +71,6 @@ type Reviewer struct {
 	Access AccessReviewer
 	Clock  clock.PassiveClock // the real clock when nil
 
-	mu     sync.Mutex
 	users  ttlCache[*authenticationv1.UserInfo] // by the token's hash; nil: not authenticated
 	access ttlCache[bool]                       // by the review's spec
 }
@@ -113,16 +112,15 @@ func (r *Reviewer) now() time.Time {
 
 // authenticate returns the caller's user, or nil when it has no token the API server accepts.
 func (r *Reviewer) authenticate(req *http.Request) (*authenticationv1.UserInfo, error) {
-	token, ok := strings.CutPrefix(req.Header.Get("Authorization"), "Bearer ")
-	if token = strings.TrimSpace(token); !ok || token == "" {
+	// As the API server reads it: the scheme is case-insensitive.
+	parts := strings.Fields(req.Header.Get("Authorization"))
+	if len(parts) != 2 || !strings.EqualFold(parts[0], "bearer") {
 		return nil, nil
 	}
+	token := parts[1]
 	sum := sha256.Sum256([]byte(token))
 	key := string(sum[:])
-	r.mu.Lock()
-	user, found := r.users.get(key, r.now())
-	r.mu.Unlock()
-	if found {
+	if user, found := r.users.get(key, r.now()); found {
 		return user, nil
 	}
 	ctx, cancel := context.WithTimeout(req.Context(), reviewTimeout)
@@ -131,12 +129,11 @@ func (r *Reviewer) authenticate(req *http.Request) (*authenticationv1.UserInfo, 
 	if err != nil {
 		return nil, fmt.Errorf("creating a TokenReview: %w", err)
 	}
+	var user *authenticationv1.UserInfo
 	if review.Status.Authenticated {
 		user = &review.Status.User
 	}
-	r.mu.Lock()
 	r.users.put(key, user, r.now(), TokenTTL)
-	r.mu.Unlock()
 	return user, nil
 }
 
@@ -158,10 +155,7 @@ func (r *Reviewer) authorize(req *http.Request, user *authenticationv1.UserInfo)
 	}
 	sum := sha256.Sum256(b)
 	key := string(sum[:])
-	r.mu.Lock()
-	allowed, found := r.access.get(key, r.now())
-	r.mu.Unlock()
-	if found {
+	if allowed, found := r.access.get(key, r.now()); found {
 		return allowed, nil
 	}
 	ctx, cancel := context.WithTimeout(req.Context(), reviewTimeout)
@@ -174,15 +168,14 @@ func (r *Reviewer) authorize(req *http.Request, user *authenticationv1.UserInfo)
 	if allowed {
 		ttl = AllowTTL
 	}
-	r.mu.Lock()
 	r.access.put(key, allowed, r.now(), ttl)
-	r.mu.Unlock()
 	return allowed, nil
 }
 
 // ttlCache keeps at most maxCacheLength entries, each until it expires: a caller sending
 // a new token with every request cannot grow it without bound.
 type ttlCache[V any] struct {
+	mu      sync.Mutex
 	entries map[string]entry[V]
 }
 
@@ -192,6 +185,8 @@ type entry[V any] struct {
 }
 
 func (c *ttlCache[V]) get(key string, now time.Time) (V, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	e, ok := c.entries[key]
 	if !ok || !now.Before(e.expires) {
 		var zero V
@@ -203,6 +198,8 @@ func (c *ttlCache[V]) get(key string, now time.Time) (V, bool) {
 // put keeps v for ttl from now. A full cache first drops what has expired, then, if it is
 // still full, any entries: those callers are reviewed again.
 func (c *ttlCache[V]) put(key string, v V, now time.Time, ttl time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if c.entries == nil {
 		c.entries = map[string]entry[V]{}
 	}

@@ -34,36 +34,30 @@ type fleet struct {
 }
 
 func (f *fleet) recordNode(o client.Object, gone bool) {
-	n, ok := o.(*corev1.Node)
-	if !ok {
-		return
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.nodes == nil {
-		f.nodes = map[string]*corev1.Node{}
-	}
-	if gone {
-		delete(f.nodes, n.Name)
-	} else {
-		f.nodes[n.Name] = n
+	if n, ok := o.(*corev1.Node); ok {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		put(&f.nodes, n.Name, n, gone)
 	}
 }
 
 func (f *fleet) recordReport(o client.Object, gone bool) {
-	r, ok := o.(*impv1.ImpNode)
-	if !ok {
-		return
+	if r, ok := o.(*impv1.ImpNode); ok {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		put(&f.reports, r.Name, r, gone)
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.reports == nil {
-		f.reports = map[string]*impv1.ImpNode{}
-	}
-	if gone {
-		delete(f.reports, r.Name)
-	} else {
-		f.reports[r.Name] = r
+}
+
+// put sets (*m)[name], or deletes it when gone; it makes *m when nil.
+func put[V any](m *map[string]V, name string, v V, gone bool) {
+	switch {
+	case gone:
+		delete(*m, name)
+	case *m == nil:
+		*m = map[string]V{name: v}
+	default:
+		(*m)[name] = v
 	}
 }
 
@@ -80,14 +74,7 @@ func (f *fleet) recordLease(ns string) func(client.Object, bool) {
 		}
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		if f.renewed == nil {
-			f.renewed = map[string]*metav1.MicroTime{}
-		}
-		if gone {
-			delete(f.renewed, node)
-		} else {
-			f.renewed[node] = l.Spec.RenewTime
-		}
+		put(&f.renewed, node, l.Spec.RenewTime, gone)
 	}
 }
 
