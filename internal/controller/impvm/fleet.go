@@ -2,6 +2,7 @@ package impvm
 
 import (
 	"context"
+	"strings"
 	"sync"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -69,8 +70,11 @@ func (f *fleet) recordLease(ns string) func(client.Object, bool) {
 			return
 		}
 		node, ok := leaseNode(l)
-		if !ok {
-			return
+		if !ok { // no longer a heartbeat (its holder or label changed): its renewals do not count
+			if node, ok = strings.CutPrefix(l.Name, impv1.AgentLeasePrefix); !ok {
+				return
+			}
+			gone = true
 		}
 		f.mu.Lock()
 		defer f.mu.Unlock()
