@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -61,6 +62,7 @@ func run() error {
 	var (
 		opts                   agent.Options
 		metricsAddr, probeAddr string
+		pprofAddr              string
 		accessAddr, accessDir  string
 		accessCSR              bool
 		accessClient           string
@@ -128,6 +130,7 @@ func run() error {
 	fs.BoolVar(&accessCSR, "access-cert-request", false, "obtain the access endpoint's certificate for this node through the certificates API (signer "+pki.SignerName+", the operator), and renew it; wins over --access-cert-dir")
 	fs.StringVar(&accessClient, "access-client-name", "imp-subresources", "the only client the access endpoint serves: the common name of its certificate, which ca.crt signed")
 	fs.BoolVar(&metricsInsecure, "metrics-insecure", false, "serve metrics over plain HTTP to anyone who reaches the address (development only: bind it to loopback)")
+	fs.StringVar(&pprofAddr, "pprof-bind-address", "0", "address of Go's /debug/pprof endpoints, for profiling (0 disables them; they are unauthenticated and the agent is in the host's network: bind to 127.0.0.1)")
 	fs.StringVar(&probeAddr, "health-probe-bind-address", "127.0.0.1:8091", "address of the /healthz and /readyz endpoints (the node's loopback: the kubelet probes a hostNetwork pod there)")
 	fs.Func("vmms", "VMMs this node offers, best first, comma-separated (firecracker, qemu); default: what probing finds", func(v string) error {
 		for _, k := range strings.Split(v, ",") {
@@ -174,6 +177,9 @@ func run() error {
 	if opts.NodeName == "" {
 		return errors.New("--node-name (or $NODE_NAME) is required")
 	}
+	if err := loopbackOnly(pprofAddr); err != nil {
+		return fmt.Errorf("--pprof-bind-address: %w", err)
+	}
 	mem, err := resource.ParseQuantity(reserveMemory)
 	if err != nil {
 		return fmt.Errorf("--reserve-memory: %w", err)
@@ -204,6 +210,7 @@ func run() error {
 		Cache:                  agent.CacheOptions(opts.NodeName),
 		Metrics:                metrics,
 		HealthProbeBindAddress: probeAddr,
+		PprofBindAddress:       pprofAddr,
 	})
 	if err != nil {
 		return fmt.Errorf("creating the manager: %w", err)
@@ -233,4 +240,20 @@ func run() error {
 	}
 	log.Info("starting imp-agent", "node", opts.NodeName, "accel", a.Opts.Accel)
 	return mgr.Start(ctrl.SetupSignalHandler())
+}
+
+// loopbackOnly refuses an address off the node's loopback ("0" and "" disable the endpoint):
+// the agent is in the host's network, where anything that reaches the node would reach it.
+func loopbackOnly(addr string) error {
+	if addr == "" || addr == "0" {
+		return nil
+	}
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
+	if ip, err := netip.ParseAddr(host); host != "localhost" && (err != nil || !ip.IsLoopback()) {
+		return fmt.Errorf("%s is not on the loopback interface", addr)
+	}
+	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -53,12 +54,13 @@ import (
 func main() {
 	n := flag.Int("n", 10, "VMs")
 	agentBin := flag.String("agent", "bin/imp-agent", "imp-agent binary")
+	heapProfile := flag.String("heap-profile", "", "write the agent's heap profile, taken with all the VMs running, to this file")
 	reportDelay := flag.Duration("report-delay", time.Second, "the agent's --starting-report-delay: Running is written that long after the VMM's exec unless the guest is ready first (negative: at once)")
 	flag.Parse()
 	ctrl.SetLogger(zap.New(zap.Level(zapcore.ErrorLevel)))
 	// testguest and testregistry take a testing.TB: run the benchmark inside one.
 	res := testing.Benchmark(func(b *testing.B) {
-		if err := run(b, *n, *agentBin, *reportDelay); err != nil {
+		if err := run(b, *n, *agentBin, *reportDelay, *heapProfile); err != nil {
 			b.Fatal(err)
 		}
 	})
@@ -67,7 +69,7 @@ func main() {
 	}
 }
 
-func run(b *testing.B, n int, agentBin string, reportDelay time.Duration) error {
+func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapProfile string) error {
 	ctx := context.Background()
 	cl, err := testcluster.Start()
 	if err != nil {
@@ -130,9 +132,18 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration) error 
 	}
 	metricsAddr := ml.Addr().String()
 	ml.Close()
+	pprofAddr := "0"
+	if heapProfile != "" {
+		pl, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return err
+		}
+		pprofAddr = pl.Addr().String()
+		pl.Close()
+	}
 	agent := exec.Command(agentBin, "--metrics-bind-address", metricsAddr, "--metrics-insecure", "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir, "--netns-dir", filepath.Join(tmp, "netns"),
 		"--kernel", kernel, "--initramfs", initrd, "--reserve-vcpus", "0", "--vcpu-overcommit", "8",
-		"--health-probe-bind-address", "0", "--log-level", "error", "--starting-report-delay", reportDelay.String())
+		"--health-probe-bind-address", "0", "--log-level", "error", "--starting-report-delay", reportDelay.String(), "--pprof-bind-address", pprofAddr)
 	agent.Stderr = os.Stderr
 	if err := agent.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", agentBin, err)
@@ -289,6 +300,11 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration) error 
 		return err
 	}
 	rssN := rss(agent.Process.Pid)
+	if heapProfile != "" {
+		if err := fetch("http://"+pprofAddr+"/debug/pprof/heap", heapProfile); err != nil {
+			return fmt.Errorf("the agent's heap profile: %w", err)
+		}
+	}
 	phase(fmt.Sprintf("%d VMs created at once", n), names, before, requests)
 	fmt.Printf("  agent RSS %d MiB with 0 VMs, %d MiB with %d VMs\n", rss0>>10, rssN>>10, n+len(single)+1)
 	return nil
@@ -406,4 +422,21 @@ func rss(pid int) int64 {
 		}
 	}
 	return 0
+}
+
+// fetch writes what url answers to path.
+func fetch(url, path string) error {
+	resp, err := http.Get(url) //nolint:gosec // the agent's loopback pprof endpoint
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, b, 0o644)
 }
