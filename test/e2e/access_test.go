@@ -139,6 +139,18 @@ spec:
 		}
 	}
 	kubectl("-n", "demo", "wait", "--for=condition=Ready", "impvm/loner", "--timeout=5m")
+	// The workload listens on 7001 a moment after the guest says it is ready, and ticks each
+	// second after that. A forwarded connection the guest refuses ends kubectl port-forward
+	// itself (kubectl: "lost connection to pod"), so wait for the first tick.
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+		out, _ := imp("logs", "loner").CombinedOutput()
+		if strings.Contains(string(out), "hello: tick") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("loner's workload never ticked:\n%s", out)
+		}
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -147,14 +159,12 @@ spec:
 	l.Close()
 	fwd := imp("port-forward", "loner", fmt.Sprintf("%d:7001", port))
 	forwarding := &guesttest.Screen{}
-	fwd.Stdout = forwarding
+	fwd.Stdout, fwd.Stderr = forwarding, forwarding
 	if err := fwd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = fwd.Process.Kill(); _ = fwd.Wait() }()
 	forwarding.WaitFor(t, "Forwarding from", time.Minute)
-	// The guest's workload listens on 7001 a moment after the guest says it is ready: a
-	// connection before that is refused in the guest, and the forwarded one ends at once.
 	echo := func(msg []byte) error {
 		conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 		if err != nil {
@@ -172,11 +182,20 @@ spec:
 		}
 		return nil
 	}
-	for deadline := time.Now().Add(time.Minute); echo([]byte("ping")) != nil; time.Sleep(time.Second) {
-		if time.Now().After(deadline) {
-			t.Fatal("the guest's echo server never answered through kubectl imp port-forward")
+	start, tries := time.Now(), 0
+	for {
+		tries++
+		err := echo([]byte("ping"))
+		if err == nil {
+			break
 		}
+		if time.Since(start) > time.Minute {
+			t.Fatalf("the guest's echo server never answered through kubectl imp port-forward: %d tries in %v, the last: %v\n%s",
+				tries, time.Since(start).Round(time.Second), err, forwarding.String())
+		}
+		time.Sleep(time.Second)
 	}
+	t.Logf("the guest's echo server answered through kubectl imp port-forward after %d tries, %v", tries, time.Since(start).Round(time.Millisecond))
 	msg := bytes.Repeat([]byte("to the guest's loopback "), 40000) // ~1 MB
 	if err := echo(msg); err != nil {
 		t.Errorf("echo through kubectl imp port-forward to loner's 127.0.0.1:7001: %v", err)
