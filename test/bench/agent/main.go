@@ -306,7 +306,8 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 		}
 	}
 	phase(fmt.Sprintf("%d VMs created at once", n), names, before, requests)
-	fmt.Printf("  agent RSS %d MiB with 0 VMs, %d MiB with %d VMs\n", rss0>>10, rssN>>10, n+len(single)+1)
+	fmt.Printf("  agent RSS %v with 0 VMs, %v with %d VMs\n", rss0, rssN, n+len(single)+1)
+	fmt.Printf("  agent Go runtime with %d VMs: %s\n", n+len(single)+1, goRuntime(metricsAddr))
 	return nil
 }
 
@@ -407,21 +408,53 @@ func killVMMs(stateDir string) {
 	}
 }
 
-// rss returns a process's resident memory in KiB.
-func rss(pid int) int64 {
+// memory is a process's resident memory in KiB: all of it, anonymous (its heap, stacks) and
+// file-backed (the pages of its binary it touched, shared and reclaimable).
+type memory struct{ rss, anon, file int64 }
+
+func (m memory) String() string {
+	return fmt.Sprintf("%d MiB (anonymous %d, file %d)", m.rss>>10, m.anon>>10, m.file>>10)
+}
+
+func rss(pid int) memory {
+	var m memory
 	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return 0
+		return m
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
-			n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-			return n
+		for prefix, v := range map[string]*int64{"VmRSS:": &m.rss, "RssAnon:": &m.anon, "RssFile:": &m.file} {
+			if s, ok := strings.CutPrefix(sc.Text(), prefix); ok {
+				*v, _ = strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(s), " kB"), 10, 64)
+			}
 		}
 	}
-	return 0
+	return m
+}
+
+// goRuntime describes the agent's goroutines, heap and stacks from its metrics.
+func goRuntime(addr string) string {
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return err.Error()
+	}
+	defer resp.Body.Close()
+	var out []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		name, v, ok := strings.Cut(sc.Text(), " ")
+		f, err := strconv.ParseFloat(v, 64)
+		switch {
+		case !ok || err != nil:
+		case name == "go_goroutines":
+			out = append(out, fmt.Sprintf("%.0f goroutines", f))
+		case name == "go_memstats_heap_inuse_bytes", name == "go_memstats_heap_idle_bytes", name == "go_memstats_heap_released_bytes", name == "go_memstats_stack_inuse_bytes":
+			out = append(out, fmt.Sprintf("%s %.1f MiB", strings.TrimSuffix(strings.TrimPrefix(name, "go_memstats_"), "_bytes"), f/(1<<20)))
+		}
+	}
+	return strings.Join(out, ", ")
 }
 
 // fetch writes what url answers to path.
