@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -45,6 +46,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/subresources"
@@ -672,5 +674,84 @@ func TestOnlyTheNodesOwnAgentIsReached(t *testing.T) {
 		if (err == nil) != tc.ok {
 			t.Errorf("node-y's agent reached as %s's: %v", tc.node, err)
 		}
+	}
+}
+
+// An agent restarted with a certificate kept from an access CA the operator has since replaced
+// serves it at once, and gets a certificate of the current CA straight away: rotating the CA
+// takes effect at the agents' restart, as docs/access.md says.
+func TestAKeptCertificateOfAnOldCAIsReplaced(t *testing.T) {
+	w := newWorld(t) // runs the signer
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	node := "kept-" + w.nsA[len(w.nsA)-5:]
+	old, err := pki.NewCA("an old access CA", time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := pki.Issue(old, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName(node)}, Server: true, Lifetime: time.Hour}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, access.KeptFile), slices.Concat(p.Cert, old.Cert, p.Key), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	agentClient, err := client.New(w.cl.AsNode(t, testcluster.Agent, node), client.Options{Scheme: w.cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	s := &access.Server{Addr: addr, ClientName: pki.ClientName, Handler: http.NotFoundHandler(), Log: logr.Discard(),
+		CSR: &access.CSR{Client: agentClient, Node: node, Dir: dir, Poll: 50 * time.Millisecond}}
+	go func() { _ = s.Start(ctx) }()
+
+	var caSecret corev1.Secret
+	if err := w.cl.Client.Get(ctx, types.NamespacedName{Namespace: subresourcestest.CANamespace, Name: pki.CASecret}, &caSecret); err != nil {
+		t.Fatal(err)
+	}
+	issuer := func(roots []byte) (string, error) {
+		pool := x509.NewCertPool()
+		pool.AppendCertsFromPEM(roots)
+		var got string
+		c, err := tls.Dial("tcp", addr, &tls.Config{RootCAs: pool, ServerName: pki.AgentDNSName(node), MinVersion: tls.VersionTLS13,
+			VerifyConnection: func(cs tls.ConnectionState) error { got = cs.PeerCertificates[0].Issuer.CommonName; return nil }})
+		if err != nil && got == "" {
+			return "", err
+		}
+		if c != nil {
+			c.Close()
+		}
+		return got, nil
+	}
+	// At once: the kept certificate (the handshake then fails on the missing client
+	// certificate, after the server's was verified).
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		got, err := issuer(old.Cert)
+		if got == "an old access CA" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the restarted endpoint did not serve its kept certificate: %q %v", got, err)
+		}
+	}
+	// Then the current CA's.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		got, err := issuer(caSecret.Data["tls.crt"])
+		if got != "" && got != "an old access CA" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the endpoint still serves the old CA's certificate: %q %v", got, err)
+		}
+	}
+	// And it keeps the new one for its next restart.
+	if b, err := os.ReadFile(filepath.Join(dir, access.KeptFile)); err != nil || bytes.Contains(b, old.Cert) {
+		t.Errorf("the kept file still holds the old CA (%v)", err)
 	}
 }

@@ -415,7 +415,10 @@ func (s *Server) Start(ctx context.Context) error {
 	for {
 		var err error
 		if s.CSR != nil {
-			l, renew := s.CSR.kept() // served while it is renewed, if due
+			// A certificate kept from before the restart is served at once, and a new one asked
+			// for straight away: the operator may have replaced the access CA meanwhile
+			// (docs/access.md), and the kept one only bridges the wait for it.
+			l, renew := s.CSR.kept(), time.Now()
 			if l == nil {
 				l, renew, err = s.CSR.issue(ctx)
 			}

@@ -154,15 +154,15 @@ type CSR struct {
 // KeptFile is the file of CSR.Dir that holds the certificate, its CA and its key, PEM.
 const KeptFile = "access.pem"
 
-// kept is the certificate a CSR obtained before, and when to renew it; nil when there is none,
-// or it is not this node's, or it expired.
-func (c *CSR) kept() (*loaded, time.Time) {
+// kept is the certificate a CSR obtained before; nil when there is none, or it is not this
+// node's, or it expired.
+func (c *CSR) kept() *loaded {
 	if c.Dir == "" {
-		return nil, time.Time{}
+		return nil
 	}
 	b, err := os.ReadFile(filepath.Join(c.Dir, KeptFile))
 	if err != nil {
-		return nil, time.Time{}
+		return nil
 	}
 	var certs, key []byte
 	for block, rest := pem.Decode(b); block != nil; block, rest = pem.Decode(rest) {
@@ -174,13 +174,13 @@ func (c *CSR) kept() (*loaded, time.Time) {
 	}
 	leaf, ca := pem.Decode(certs)
 	if leaf == nil {
-		return nil, time.Time{}
+		return nil
 	}
 	l, err := load(pem.EncodeToMemory(leaf), key, ca)
 	if err != nil || !slices.Equal(l.cert.Leaf.DNSNames, []string{pki.AgentDNSName(c.Node)}) {
-		return nil, time.Time{}
+		return nil
 	}
-	return l, renewAt(l)
+	return l
 }
 
 // keep writes the certificate, its CA and its key to Dir, replacing what was there.
