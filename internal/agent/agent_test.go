@@ -381,6 +381,15 @@ func TestHeartbeatIsALease(t *testing.T) {
 	if again.ResourceVersion != report.ResourceVersion {
 		t.Errorf("the ImpNode was written with nothing changed: heartbeat %v, then %v", report.Status.HeartbeatTime, again.Status.HeartbeatTime)
 	}
+	// A Lease that lost its label, which the operator's cache selects on, gets it back.
+	delete(later.Labels, impv1.AgentLeaseLabel)
+	if err := w.c.Client.Update(ctx, &later); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() string {
+		_ = w.c.Client.Get(ctx, key, &later)
+		return later.Labels[impv1.AgentLeaseLabel]
+	}).WithTimeout(30 * time.Second).Should(Equal("true"))
 }
 
 // An agent that cannot write its Lease (here, IMP's namespace is missing) beats in its ImpNode,

@@ -94,6 +94,12 @@ func RenewHeartbeat(ctx context.Context, w client.Writer, r client.Reader, ns, n
 		return nil, fmt.Errorf("reading Lease %s/%s: %w", ns, name, err)
 	default:
 		l.Spec.RenewTime, l.Spec.HolderIdentity = &now, ptr.To(node)
+		if l.Labels[impv1.AgentLeaseLabel] != "true" { // the operator watches only labelled ones
+			if l.Labels == nil {
+				l.Labels = map[string]string{}
+			}
+			l.Labels[impv1.AgentLeaseLabel] = "true"
+		}
 		if err := w.Update(ctx, l); err != nil {
 			return nil, fmt.Errorf("renewing Lease %s/%s: %w", ns, name, err)
 		}

@@ -92,6 +92,13 @@ func (f *fleet) each(fn func(n *corev1.Node, report *impv1.ImpNode, renewed *met
 	}
 }
 
+// agent is node's agent report (nil when it has none) and its Lease's last renewal.
+func (f *fleet) agent(node string) (*impv1.ImpNode, *metav1.MicroTime) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.reports[node], f.renewed[node]
+}
+
 // len is the number of nodes.
 func (f *fleet) len() int {
 	f.mu.RLock()

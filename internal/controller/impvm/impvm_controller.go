@@ -11,7 +11,6 @@ import (
 	"sync"
 	"time"
 
-	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -449,19 +448,8 @@ func (r *Reconciler) checkNode(ctx context.Context, s *scope) error {
 		grace := r.Options.NodeLostGracePeriod
 		notReady := r.notReadyFor(node)
 		silent := grace // no report at all: nothing says the agent lives
-		report := &impv1.ImpNode{}
-		if err := r.Client.Get(ctx, types.NamespacedName{Name: name}, report); err == nil {
-			var renewed *metav1.MicroTime
-			lease := &coordinationv1.Lease{}
-			err := r.Client.Get(ctx, types.NamespacedName{Namespace: r.runSecretNamespace(), Name: impv1.AgentLeasePrefix + name}, lease)
-			if _, ok := leaseNode(lease); err == nil && ok {
-				renewed = lease.Spec.RenewTime
-			} else if err != nil && !apierrors.IsNotFound(err) {
-				return fmt.Errorf("getting the heartbeat Lease of node %s: %w", name, err)
-			}
+		if report, renewed := r.fleet.agent(name); report != nil {
 			silent = r.beats.silentFor(name, lastBeat(renewed, report.Status.HeartbeatTime), r.Clock.Now())
-		} else if !apierrors.IsNotFound(err) {
-			return fmt.Errorf("getting ImpNode %s: %w", name, err)
 		}
 		if notReady >= grace && silent >= grace {
 			s.unreachable = fmt.Sprintf("node %s: its kubelet is not Ready and its IMP agent has not reported for %s. The VM may still run there, "+
