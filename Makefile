@@ -54,8 +54,8 @@ bench-controlplane: ## N VMs over M simulated nodes, RUNS runs: create→Schedul
 bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 	go run ./test/bench/disk -mb 64 -runs 3
 
-bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, agent RSS with 0 and 10 VMs.
-	go build -o bin/ ./cmd/imp-agent
+bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, agent RSS with 0 and 16 VMs.
+	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/ ./cmd/imp-agent # as hack/images.sh builds it
 	go run ./test/bench/agent -n 10
 
 bench-access: ## A QEMU/TCG guest: `exec VM -- true` round trip P50 through the API server; port-forward MiB/s (IMP_BENCH_MIB, 100).

@@ -261,7 +261,8 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 		fmt.Printf("    placement → Running seen  P50 %v  max %v  (through the API: the agent's report, written %s, included)\n",
 			p50(exec).Round(time.Millisecond), exec[len(exec)-1].Round(time.Millisecond), written)
 		fmt.Printf("    create → guest ready      P50 %v  max %v\n", p50(ready).Round(time.Millisecond), ready[len(ready)-1].Round(time.Millisecond))
-		fmt.Printf("    in the agent, run seen → VMM exec  P50 ≤ %v (histogram bucket)\n", after.median("total", before))
+		lo, hi := after.median("total", before)
+		fmt.Printf("    in the agent, run seen → VMM exec  P50 in (%v, %v] (the histogram's bucket)\n", lo, hi)
 		fmt.Printf("    steps, mean per VM:")
 		for _, st := range []string{"secrets", "image_resolve", "base_disk", "image_config", "writable_disk", "network", "exec", "total"} {
 			fmt.Printf(" %s %v", st, after.mean(st, before).Round(10*time.Microsecond))
@@ -376,8 +377,8 @@ func (s steps) mean(st string, before steps) time.Duration {
 	return time.Duration((a.sum - b.sum) / (a.count - b.count) * float64(time.Second))
 }
 
-// median is the upper bound of the bucket that holds the median of step st since before.
-func (s steps) median(st string, before steps) time.Duration {
+// median returns the bounds of the bucket that holds the median of step st since before.
+func (s steps) median(st string, before steps) (lo, hi time.Duration) {
 	a, b := s.get(st), before.get(st)
 	n := a.count - b.count
 	var les []float64
@@ -385,12 +386,14 @@ func (s steps) median(st string, before steps) time.Duration {
 		les = append(les, le)
 	}
 	sort.Float64s(les)
+	prev := 0.0
 	for _, le := range les {
 		if a.buckets[le]-b.buckets[le] >= n/2 {
-			return time.Duration(le * float64(time.Second))
+			return time.Duration(prev * float64(time.Second)), time.Duration(le * float64(time.Second))
 		}
+		prev = le
 	}
-	return 0
+	return 0, 0
 }
 
 func accelOf() string {

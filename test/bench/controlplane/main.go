@@ -4,8 +4,9 @@
 // process, except one, run as a child process so that an agent's memory can be measured.
 //
 // Each run starts its own control plane and measures, for N VMs created by C clients at once:
-//   - bare: the API server alone, the same creates each followed by one status patch from a
-//     watcher, with no IMP: the floor IMP's placement is compared with;
+//   - bare: the API server alone, the same creates each followed by a watcher's status patch
+//     and Event (the writes IMP makes to place a VM), with no IMP: the floor IMP's placement is
+//     compared with;
 //   - placement: create → Scheduled, on nodes whose agents do not start these VMs;
 //   - run: create → Scheduled and create → Running with the guest ready;
 //   - delete: every VM deleted → gone (the agents' Gone handshake).
@@ -25,6 +26,8 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
@@ -35,6 +38,7 @@ import (
 
 	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -59,7 +63,8 @@ type options struct {
 	nodeVCPUs, runN                   int
 	start, boot, heartbeat, delay     time.Duration
 	idle                              time.Duration
-	fleet, bare, impNodeBeats         bool
+	fleet, bare, bareEvents           bool
+	impNodeBeats                      bool
 	operator, operatorArgs            string
 }
 
@@ -80,6 +85,7 @@ func main() {
 	flag.BoolVar(&o.impNodeBeats, "impnode-heartbeats", false, "the agents beat by patching their ImpNode every 30 s, as agents before the Lease did (for comparison)")
 	flag.BoolVar(&o.fleet, "fleet", true, "agents also watch every ImpNetwork, ImpIPAddress and ImpNode, as the real agent does for the overlay")
 	flag.BoolVar(&o.bare, "bare", true, "measure the bare API server first")
+	flag.BoolVar(&o.bareEvents, "bare-events", true, "the bare API server's watcher also creates an Event per VM, as the operator does on placing it: the same writes")
 	flag.StringVar(&o.operator, "operator", "bin/imp-operator", "imp-operator binary")
 	flag.StringVar(&o.operatorArgs, "operator-args", "", "more flags for the operator, space-separated")
 	agentNode := flag.String("agent-node", "", "internal: run one simulated agent for this node")
@@ -270,6 +276,11 @@ func run(o options) (figures, error) {
 	fmt.Printf("  placement (agents do not start these VMs): %d created in %v\n", o.n, createdIn.Round(time.Millisecond))
 	f.latencies("place: create→Scheduled", tr.latencies("place", "created", "scheduled"))
 	f.set("place: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
+	if bare, ok := f.values["bare: create→patched P50"]; ok && bare > 0 {
+		ratio := f.values["place: create→Scheduled P50"] / bare
+		f.set("place: P50 over the bare floor's", "×", ratio)
+		fmt.Printf("  %-34s %.2f× the bare API server's\n", "place: create→Scheduled P50", ratio)
+	}
 	writes, events := reqs.writes("operator")
 	f.set("place: operator writes/VM", "", float64(writes)/float64(o.n))
 	f.set("place: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
@@ -286,6 +297,7 @@ func run(o options) (figures, error) {
 	if path := os.Getenv("BENCH_APISERVER_PROFILE"); path != "" {
 		go profile(ctx, cl.Config, path, 10*time.Second)
 	}
+	cpuRun := machineCPU(op.Process.Pid, child.Process.Pid)
 	start = time.Now()
 	createdIn, err = create(ctx, c, "run", o.runN, o, tr)
 	if err != nil {
@@ -295,6 +307,7 @@ func run(o options) (figures, error) {
 		return f, err
 	}
 	elapsed = time.Since(start)
+	cpuRun = machineCPU(op.Process.Pid, child.Process.Pid).since(cpuRun)
 	time.Sleep(2 * time.Second)
 	reqs, err = countRequests(auditLog, from, size(auditLog))
 	if err != nil {
@@ -316,6 +329,9 @@ func run(o options) (figures, error) {
 		fmt.Printf("  run: %-29s writes/VM %.2f (Events %.2f); all requests/VM: %s\n", who, float64(writes)/float64(o.runN), float64(events)/float64(o.runN), reqs.describe(who, o.runN))
 	}
 	f.set("run: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
+	busy := cpuRun.total() / (elapsed.Seconds() * float64(runtime.NumCPU()))
+	f.set("run: machine CPU busy", "%", 100*busy)
+	fmt.Printf("  %-34s %.0f%% of %d CPUs over %v: %s\n", "run: CPU", 100*busy, runtime.NumCPU(), elapsed.Round(time.Second), cpuRun)
 	rss, hwm := memory(op.Process.Pid)
 	agentRSS, _ := memory(child.Process.Pid)
 	f.set("operator RSS", "MiB", float64(rss)/1024)
@@ -512,6 +528,10 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 					vm.Status.NodeName = nodeName(0)
 					meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed on node " + nodeName(0)})
 					_ = c.Status().Patch(bctx, vm, client.MergeFrom(orig))
+					if o.bareEvents {
+						// As the operator's recorder does: its own write, off the patch's path.
+						go func() { _ = c.Create(bctx, bareEvent(key)) }()
+					}
 				}
 			}
 		}()
@@ -524,7 +544,11 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		return err
 	}
 	elapsed := time.Since(start)
-	fmt.Printf("  bare API server (create, then one status patch by a watcher; no IMP):\n")
+	if o.bareEvents {
+		fmt.Printf("  bare API server (create, then a watcher's status patch and Event, as IMP writes to place; no IMP):\n")
+	} else {
+		fmt.Printf("  bare API server (create, then one status patch by a watcher; no IMP):\n")
+	}
 	f.latencies("bare: create→patched", tr.latencies("bare", "created", "scheduled"))
 	f.set("bare: throughput", "VMs/s", float64(o.n)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f VMs/s\n", "bare: throughput", float64(o.n)/elapsed.Seconds())
@@ -532,6 +556,18 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		return err
 	}
 	return tr.wait(ctx, "bare", "gone", o.n, nil)
+}
+
+// bareEvent is an Event like the operator's on placing the VM key.
+func bareEvent(key types.NamespacedName) *eventsv1.Event {
+	return &eventsv1.Event{
+		ObjectMeta:          metav1.ObjectMeta{Namespace: key.Namespace, GenerateName: key.Name + "."},
+		EventTime:           metav1.NewMicroTime(time.Now()),
+		ReportingController: "imp.dev/bench", ReportingInstance: "bench",
+		Action: "Place", Reason: "Scheduled", Type: corev1.EventTypeNormal,
+		Regarding: corev1.ObjectReference{APIVersion: impv1.GroupVersion.String(), Kind: "ImpVM", Namespace: key.Namespace, Name: key.Name},
+		Note:      "Placed on node " + nodeName(0),
+	}
 }
 
 func startOperator(cl *testcluster.Cluster, dir string, o options) (*exec.Cmd, error) {
@@ -667,6 +703,61 @@ func describeWatch(before, after map[string]float64, n int) string {
 }
 
 // cpuSeconds is the process's user and system CPU time.
+// cpuUse is the CPU seconds of the processes that share the machine in a run.
+type cpuUse struct{ apiserver, etcd, operator, bench, agent float64 }
+
+// machineCPU reads the CPU seconds of the API server and etcd (this process's children), the
+// operator, this process (the simulated agents, the tracker and the creators) and the child
+// agent.
+func machineCPU(operator, agent int) cpuUse {
+	u := cpuUse{operator: cpuSeconds(operator), bench: cpuSeconds(os.Getpid()), agent: cpuSeconds(agent)}
+	for _, pid := range children() {
+		switch comm(pid) {
+		case "kube-apiserver":
+			u.apiserver += cpuSeconds(pid)
+		case "etcd":
+			u.etcd += cpuSeconds(pid)
+		}
+	}
+	return u
+}
+
+func (u cpuUse) since(before cpuUse) cpuUse {
+	return cpuUse{u.apiserver - before.apiserver, u.etcd - before.etcd, u.operator - before.operator, u.bench - before.bench, u.agent - before.agent}
+}
+
+func (u cpuUse) total() float64 { return u.apiserver + u.etcd + u.operator + u.bench + u.agent }
+
+func (u cpuUse) String() string {
+	return fmt.Sprintf("API server %.1f s, etcd %.1f s, operator %.1f s, simulated agents, tracker and creators %.1f s, child agent %.1f s",
+		u.apiserver, u.etcd, u.operator, u.bench, u.agent)
+}
+
+// children lists the processes whose parent is this one.
+func children() []int {
+	stats, _ := filepath.Glob("/proc/[0-9]*/stat")
+	var pids []int
+	for _, p := range stats {
+		raw, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		s := string(raw)
+		fields := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		if len(fields) > 1 && fields[1] == strconv.Itoa(os.Getpid()) {
+			if pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p))); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+	}
+	return pids
+}
+
+func comm(pid int) string {
+	raw, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+	return strings.TrimSpace(string(raw))
+}
+
 func cpuSeconds(pid int) float64 {
 	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
