@@ -34,6 +34,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/proxy"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/utils/clock"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -71,10 +72,24 @@ type Server struct {
 	// AgentPort is where agents serve their access endpoint.
 	AgentPort int
 	Log       logr.Logger
+	// Clock is the real one when nil.
+	Clock clock.PassiveClock
 
-	mu  sync.Mutex
-	trs map[string]*http.Transport // by node
+	mu     sync.Mutex
+	trs    map[string]*nodeTransport // by node
+	pruned time.Time
 }
+
+// nodeTransport is a node's transport and when a request last took it.
+type nodeTransport struct {
+	*http.Transport
+	used time.Time
+}
+
+// agentIdleTimeout closes a connection to an agent that has carried nothing for that long; a
+// node's transport unused for longer holds none and is dropped, so that nodes come and gone
+// leave nothing behind.
+const agentIdleTimeout = 90 * time.Second
 
 // ServeHTTP serves discovery and the subresources to the front proxy and to nobody else.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -172,11 +187,22 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 func (s *Server) transport(node string) *http.Transport {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	now := s.now()
+	if now.Sub(s.pruned) > agentIdleTimeout {
+		for n, tr := range s.trs {
+			if now.Sub(tr.used) > agentIdleTimeout {
+				tr.CloseIdleConnections() // none, normally; streams in flight keep theirs
+				delete(s.trs, n)
+			}
+		}
+		s.pruned = now
+	}
 	if tr := s.trs[node]; tr != nil {
-		return tr
+		tr.used = now
+		return tr.Transport
 	}
 	if s.trs == nil {
-		s.trs = map[string]*http.Transport{}
+		s.trs = map[string]*nodeTransport{}
 	}
 	cfg := s.AgentTLS.Clone()
 	cfg.ServerName = pki.AgentDNSName(node)
@@ -185,10 +211,24 @@ func (s *Server) transport(node string) *http.Transport {
 		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		TLSHandshakeTimeout: 10 * time.Second,
 		MaxIdleConnsPerHost: 4,
-		IdleConnTimeout:     90 * time.Second,
+		IdleConnTimeout:     agentIdleTimeout,
 	}
-	s.trs[node] = tr
+	s.trs[node] = &nodeTransport{Transport: tr, used: now}
 	return tr
+}
+
+// transports is the number of nodes whose transport is kept.
+func (s *Server) transports() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.trs)
+}
+
+func (s *Server) now() time.Time {
+	if s.Clock == nil {
+		return time.Now()
+	}
+	return s.Clock.Now()
 }
 
 // responder reports a failure to reach the agent.

@@ -658,7 +658,11 @@ func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl
 	r.Ledger.Release(vm.UID)
 	orig := vm.DeepCopy()
 	controllerutil.RemoveFinalizer(vm, impv1.VMFinalizer)
-	if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil && !apierrors.IsNotFound(err) {
+	if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); apierrors.IsConflict(err) {
+		// The VM changed since the cache gave it (its agent's Gone report, usually): not an
+		// error. The change's watch event brings the VM back, as it is now.
+		return ctrl.Result{}, nil
+	} else if err != nil && !apierrors.IsNotFound(err) {
 		return ctrl.Result{}, fmt.Errorf("removing finalizer: %w", err)
 	}
 	r.signalFreed()
