@@ -472,14 +472,19 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
 	}
 	// The image, off the workers and within the pull timeout: a registry the tenant chose
-	// holds no worker, however slow. It begins before the report that the run is starting.
-	fetching := a.fetchImage(vm, ref)
+	// holds no worker, however slow (but for fetchWait, once). It begins before the report that
+	// the run is starting.
+	fetching, began := a.fetchImage(vm, ref)
 	starting := base
 	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
 	if err := a.reportLater(ctx, vm, starting); err != nil {
 		return err
 	}
-	f := a.takeFetch(vm.UID, fetching)
+	wait := time.Duration(0)
+	if began {
+		wait = fetchWait
+	}
+	f := a.takeFetch(vm.UID, fetching, wait)
 	if f == nil {
 		return errFetching
 	}

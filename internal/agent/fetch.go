@@ -17,8 +17,9 @@ import (
 )
 
 // fetch is a run's image being resolved and built into its base disk, off the reconcile
-// workers: the registry is the tenant's choice and may be slow, and no worker waits on it.
-// The reconcile that starts the run finds it done on a later pass.
+// workers: the registry is the tenant's choice and may be slow, and no worker waits on it
+// longer than fetchWait, once per run. The reconcile that starts the run finds it done then,
+// or on a later pass.
 type fetch struct {
 	run    string // the run it is for: "<instance>.<restartCount>"
 	began  time.Time
@@ -39,14 +40,14 @@ func runID(vm *impv1.ImpVM) string {
 	return fmt.Sprintf("%d.%d", vm.Status.Instance, vm.Status.RestartCount)
 }
 
-// fetchImage returns the fetch of the VM's current run, starting it unless it runs already;
-// a fetch for another run of the VM is cancelled.
-func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) *fetch {
+// fetchImage returns the fetch of the VM's current run, starting it unless it runs already,
+// and whether it started it; a fetch for another run of the VM is cancelled.
+func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) (*fetch, bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if f := a.fetches[vm.UID]; f != nil {
 		if f.run == runID(vm) {
-			return f
+			return f, false
 		}
 		a.dropFetchLocked(vm.UID)
 	}
@@ -63,7 +64,7 @@ func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) *fetch {
 		default:
 		}
 	}()
-	return f
+	return f, true
 }
 
 func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
@@ -126,10 +127,26 @@ func (f *fetch) finished() bool {
 	}
 }
 
-// takeFetch hands a finished fetch to its run's start and forgets it; nil while it runs.
-func (a *Agent) takeFetch(uid types.UID, f *fetch) *fetch {
+// fetchWait is how long the pass that begins a fetch waits for it before it lets its worker
+// go: a fetch that needs no registry (an image pinned by digest whose disk is on the node) is
+// done within it, and its start goes on in the same pass instead of queueing again behind other
+// VMs'. Later passes do not wait, so a registry that never answers costs a worker this once.
+const fetchWait = 100 * time.Millisecond
+
+// takeFetch hands a finished fetch to its run's start and forgets it, waiting up to wait for it
+// to finish; nil while it runs.
+func (a *Agent) takeFetch(uid types.UID, f *fetch, wait time.Duration) *fetch {
 	if !f.finished() {
-		return nil
+		if wait <= 0 {
+			return nil
+		}
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		select {
+		case <-f.done:
+		case <-t.C:
+			return nil
+		}
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
