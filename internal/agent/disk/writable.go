@@ -80,7 +80,11 @@ func (w *Writables) template(mib int64) (string, error) {
 		}
 		tmp := p + ".tmp"
 		_ = os.Remove(tmp)
-		out, err := exec.Command(mkfs, "-q", "-F", "-t", "ext4", "-L", guestinit.WritableLabel, tmp, fmt.Sprintf("%dM", mib)).CombinedOutput()
+		// The file is new, so it reads as zeros: mkfs need not zero the journal and inode
+		// tables, which it otherwise allocates (33 MB of a 1 GiB file system, 1 GB of a 1 TiB
+		// one; unwritten extents, which the VMs' sparse copies skip, but the templates' space).
+		out, err := exec.Command(mkfs, "-q", "-F", "-t", "ext4", "-E", "lazy_itable_init=1,lazy_journal_init=1",
+			"-L", guestinit.WritableLabel, tmp, fmt.Sprintf("%dM", mib)).CombinedOutput()
 		if err != nil {
 			return nil, fmt.Errorf("building the writable disk template: %w: %s", err, out)
 		}
