@@ -37,6 +37,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/manager"
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -244,6 +245,14 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	if err := mgr.Add(sweeper{a}); err != nil {
+		return err
+	}
+	// The spare writable disks being made are finished before the agent stops.
+	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
+		<-ctx.Done()
+		a.writables.Wait()
+		return nil
+	})); err != nil {
 		return err
 	}
 	return ctrl.NewControllerManagedBy(mgr).

@@ -4,9 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -19,16 +21,21 @@ import (
 // guestinit.WritableLabel, where imp-init keeps the overlay's upper layer. The file system of
 // each size is made once, by mkfs, as a template in Dir; a VM's disk is a copy of it, a reflink
 // where the file system allows, else a sparse copy of the little the template holds — no mkfs
-// per VM. At most Keep templates (8 when 0) stay, the least recently used going first: sizes
-// are the tenants' choice.
+// per VM. Spares copies of each template are kept ready, copied and synced off the starts'
+// path, so that a start takes one by a rename. At most Keep templates (8 when 0) stay, with
+// their spares, the least recently used going first: sizes are the tenants' choice.
 type Writables struct {
 	Dir  string
 	Mkfs string // mkfs.ext4 to run (default: from PATH)
 	Keep int
+	// Spares is how many copies of each template are kept ready: 4 when 0, none when negative.
+	Spares int
 
-	builds singleflight.Group
-	mu     sync.Mutex
-	used   map[string]time.Time // template → last use
+	builds    singleflight.Group
+	mu        sync.Mutex
+	used      map[string]time.Time // template → last use
+	refilling map[string]bool      // template → its spares are being made; true: look again after
+	refills   sync.WaitGroup
 }
 
 // Ensure creates the writable disk of size bytes at path when it does not exist. An existing
@@ -39,15 +46,20 @@ func (w *Writables) Ensure(path string, size int64) error {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
+	mib := max(size>>20, 16)
+	if tmpl, err := w.template(mib); err == nil && w.takeSpare(tmpl, path) {
+		w.refill(tmpl)
+		return nil
+	}
 	work, err := os.MkdirTemp(filepath.Dir(path), ".writable-")
 	if err != nil {
 		return fmt.Errorf("creating a build directory: %w", err)
 	}
 	defer os.RemoveAll(work)
 	tmp := filepath.Join(work, "disk.ext4")
+	var tmpl string
 	for try := 0; ; try++ {
-		tmpl, err := w.template(max(size>>20, 16))
-		if err != nil {
+		if tmpl, err = w.template(mib); err != nil {
 			return err
 		}
 		// A template evicted between its lookup and its copy is made again, once.
@@ -61,8 +73,102 @@ func (w *Writables) Ensure(path string, size int64) error {
 	if err := syncFile(tmp); err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	w.refill(tmpl)
+	return nil
 }
+
+// spareSuffix marks a spare copy of a template: "<template>.spare-<random>", with ".tmp"
+// until it is synced.
+const spareSuffix = ".spare-"
+
+// takeSpare renames a spare copy of tmpl to path; false when there is none (or path is on
+// another file system).
+func (w *Writables) takeSpare(tmpl, path string) bool {
+	spares, _ := filepath.Glob(tmpl + spareSuffix + "*")
+	for _, s := range spares {
+		if !strings.HasSuffix(s, ".tmp") && os.Rename(s, path) == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// refill makes spare copies of tmpl, in the background, until Spares are ready.
+func (w *Writables) refill(tmpl string) {
+	want := w.Spares
+	if want == 0 {
+		want = 4
+	}
+	if want < 0 {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.refilling == nil {
+		w.refilling = map[string]bool{}
+	}
+	if _, running := w.refilling[tmpl]; running {
+		w.refilling[tmpl] = true // a spare was taken since it counted: it counts again
+		return
+	}
+	w.refilling[tmpl] = false
+	w.refills.Add(1)
+	go func() {
+		defer w.refills.Done()
+		for {
+			w.fillSpares(tmpl, want)
+			w.mu.Lock()
+			again := w.refilling[tmpl]
+			if !again {
+				delete(w.refilling, tmpl)
+				w.mu.Unlock()
+				return
+			}
+			w.refilling[tmpl] = false
+			w.mu.Unlock()
+		}
+	}()
+}
+
+// fillSpares copies tmpl until want spares are ready; a template evicted meanwhile ends it.
+func (w *Writables) fillSpares(tmpl string, want int) {
+	spares, _ := filepath.Glob(tmpl + spareSuffix + "*")
+	ready := 0
+	for _, s := range spares {
+		if strings.HasSuffix(s, ".tmp") {
+			_ = os.Remove(s) // an earlier agent's, cut short: only one refill runs per template
+		} else {
+			ready++
+		}
+	}
+	for ; ready < want; ready++ {
+		tmp := fmt.Sprintf("%s%s%016x.tmp", tmpl, spareSuffix, rand.Uint64())
+		err := cloneFile(tmpl, tmp)
+		if err == nil {
+			err = syncFile(tmp)
+		}
+		if err == nil {
+			// Under the lock eviction takes: a template evicted meanwhile keeps no spare.
+			w.mu.Lock()
+			if _, kept := w.used[tmpl]; kept {
+				err = os.Rename(tmp, strings.TrimSuffix(tmp, ".tmp"))
+			} else {
+				err = fs.ErrNotExist
+			}
+			w.mu.Unlock()
+		}
+		if err != nil {
+			_ = os.Remove(tmp)
+			return // the next start copies, and refills again
+		}
+	}
+}
+
+// Wait waits for the spares being made.
+func (w *Writables) Wait() { w.refills.Wait() }
 
 // template returns the template of mib MiB, making it when missing.
 func (w *Writables) template(mib int64) (string, error) {
@@ -120,6 +226,10 @@ func (w *Writables) touch(p string) {
 			}
 		}
 		_ = os.Remove(oldest) // a copy under way keeps its open file
+		spares, _ := filepath.Glob(oldest + spareSuffix + "*")
+		for _, s := range spares {
+			_ = os.Remove(s)
+		}
 		delete(w.used, oldest)
 	}
 }
