@@ -55,7 +55,23 @@ func (l Limits) files() map[string]string {
 // hierarchy it cannot move the process into is an error: a VMM left in the agent container's
 // cgroup there is ended with the agent's pod.
 func Place(root, name string, pid int, lim Limits) ([]string, error) {
-	var used []string
+	s, err := Prepare(root, name, lim)
+	if err != nil {
+		return nil, err
+	}
+	return s.Join(pid, false)
+}
+
+// Set is a VM's cgroup in each hierarchy, made with its limits, for its VMM to be started in.
+type Set struct {
+	dirs    []string
+	unified string // the one of the unified hierarchy (cgroup v2, or hybrid hosts'), if any
+}
+
+// Prepare creates the cgroup Parent/name of every hierarchy under root with lim in place, and
+// returns them, for a process to start in (Unified) and join (Join).
+func Prepare(root, name string, lim Limits) (*Set, error) {
+	s := &Set{}
 	var errs []error
 	for _, h := range hierarchies(root) {
 		dir := filepath.Join(h, Parent, name)
@@ -80,13 +96,49 @@ func Place(root, name string, pid int, lim Limits) ([]string, error) {
 				errs = append(errs, fmt.Errorf("setting %s to %s: %w", p, v, err))
 			}
 		}
-		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
-			errs = append(errs, fmt.Errorf("moving %d into %s: %w", pid, dir, err))
-			continue
+		s.dirs = append(s.dirs, dir)
+		if _, err := os.Stat(filepath.Join(h, "cgroup.controllers")); err == nil {
+			s.unified = dir
+		}
+	}
+	if len(errs) > 0 || len(s.dirs) == 0 {
+		return nil, fmt.Errorf("preparing cgroups %s: %w", name, errors.Join(errs...))
+	}
+	return s, nil
+}
+
+// Unified opens the set's cgroup of the unified hierarchy, for a process to be started in it
+// (syscall.SysProcAttr's UseCgroupFD: Linux's CLONE_INTO_CGROUP): it then never runs outside
+// its limits there, and needs no move into it, which takes the kernel a grace period of RCU
+// under its cgroup lock. Nil on a host without one.
+func (s *Set) Unified() *os.File {
+	if s.unified == "" {
+		return nil
+	}
+	f, err := os.Open(s.unified)
+	if err != nil {
+		return nil
+	}
+	return f
+}
+
+// Join moves process pid (all its threads) into the set's cgroups, but the unified one when it
+// was started in it (born), and returns the directories it is in. A hierarchy it cannot move
+// the process into is an error: a VMM left in the agent container's cgroup there is ended with
+// the agent's pod.
+func (s *Set) Join(pid int, born bool) ([]string, error) {
+	var used []string
+	var errs []error
+	for _, dir := range s.dirs {
+		if !(born && dir == s.unified) {
+			if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
+				errs = append(errs, fmt.Errorf("moving %d into %s: %w", pid, dir, err))
+				continue
+			}
 		}
 		used = append(used, dir)
 	}
-	if len(errs) > 0 || len(used) == 0 {
+	if len(errs) > 0 {
 		return used, fmt.Errorf("placing process %d in cgroups of its own: %w", pid, errors.Join(errs...))
 	}
 	return used, nil

@@ -5,8 +5,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 // TestPlace moves a real process into IMP's cgroups of this host's hierarchies and checks the
@@ -53,5 +56,97 @@ func TestPlace(t *testing.T) {
 		if strings.Contains(l, "/"+Parent+"/test-place") {
 			t.Errorf("the test itself moved: %s", l)
 		}
+	}
+}
+
+// TestStartInUnified starts a real process in its prepared cgroup of the unified hierarchy
+// (CLONE_INTO_CGROUP): /proc shows it there before anything moves it, then in every
+// hierarchy once it joins the rest.
+func TestStartInUnified(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create cgroups")
+	}
+	set, err := Prepare(Root, "test-born", Limits{MemoryBytes: 96 << 20, Pids: 42})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer Remove(Root, "test-born")
+	f := set.Unified()
+	if f == nil {
+		if _, err := os.Stat(filepath.Join(Root, "unified", "cgroup.controllers")); err == nil || Version(Root) == 2 {
+			t.Fatal("no cgroup of the unified hierarchy prepared, on a host that has one")
+		}
+		t.Skip("this host has no unified cgroup hierarchy")
+	}
+	defer f.Close()
+	cmd := exec.Command("sleep", "60")
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd())}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	lines, err := Of(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(lines, "0::/"+Parent+"/test-born") {
+		t.Fatalf("started in %v, want 0::/%s/test-born", lines, Parent)
+	}
+	if _, err := set.Join(cmd.Process.Pid, true); err != nil {
+		t.Fatal(err)
+	}
+	lines, _ = Of(cmd.Process.Pid)
+	for _, l := range lines {
+		if !strings.HasSuffix(l, "/"+Parent+"/test-born") {
+			t.Errorf("joined, but /proc says %s", l)
+		}
+	}
+}
+
+// BenchmarkStart starts a process in its cgroup of the unified hierarchy alone, as on a
+// cgroup v2 host: moved into it after it starts, or started in it; 50 ms apart.
+//
+//	go test -run '^$' -bench BenchmarkStart ./internal/agent/cgroup/
+func BenchmarkStart(b *testing.B) {
+	root := Root
+	if Version(root) != 2 {
+		root = filepath.Join(Root, "unified") // a hybrid host's
+	}
+	if os.Geteuid() != 0 || Version(root) != 2 {
+		b.Skip("needs root and the unified cgroup hierarchy")
+	}
+	for _, born := range []bool{false, true} {
+		b.Run(map[bool]string{false: "moved", true: "born"}[born], func(b *testing.B) {
+			for i := 0; b.Loop(); i++ {
+				name := fmt.Sprintf("bench-start-%d", i)
+				set, err := Prepare(root, name, Limits{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				cmd := exec.Command("sleep", "60")
+				var f *os.File
+				if born {
+					f = set.Unified()
+					cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd())}
+				}
+				if err := cmd.Start(); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := set.Join(cmd.Process.Pid, born); err != nil {
+					b.Fatal(err)
+				}
+				b.StopTimer()
+				if f != nil {
+					f.Close()
+				}
+				_ = cmd.Process.Kill()
+				_ = cmd.Wait()
+				Remove(root, name)
+				// Starts apart, as VMs' are: the kernel's cgroup lock is back to its
+				// readers' fast path, which a move has to leave.
+				time.Sleep(50 * time.Millisecond)
+				b.StartTimer()
+			}
+		})
 	}
 }

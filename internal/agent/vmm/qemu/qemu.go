@@ -255,26 +255,53 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(bin, s.Args()...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.ExtraFiles = files
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if s.UID != 0 {
-		// Its own uid and nothing else: no supplementary group, no capability. (KVM: the
-		// group that owns /dev/kvm.)
-		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(s.UID), Gid: uint32(s.GID), Groups: kvmGroup(s.Accel)}
-	} else {
-		cmd.Dir = s.Dir
+	command := func(cg *os.File) *exec.Cmd {
+		cmd := exec.Command(bin, s.Args()...)
+		cmd.Stdout, cmd.Stderr = logf, logf
+		cmd.ExtraFiles = files
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		if s.UID != 0 {
+			// Its own uid and nothing else: no supplementary group, no capability. (KVM: the
+			// group that owns /dev/kvm.)
+			cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(s.UID), Gid: uint32(s.GID), Groups: kvmGroup(s.Accel)}
+		} else {
+			cmd.Dir = s.Dir
+		}
+		if cg != nil {
+			cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, int(cg.Fd())
+		}
+		return cmd
 	}
-	if err := cmd.Start(); err != nil {
+	// Its cgroups, limits in place, before it starts: where the host has the unified hierarchy
+	// (cgroup v2), it starts in its cgroup there.
+	var cgroups *cgroup.Set
+	var unified *os.File
+	if s.CgroupRoot != "" {
+		if cgroups, err = cgroup.Prepare(s.CgroupRoot, filepath.Base(s.Dir), s.Limits()); err != nil {
+			return nil, err
+		}
+		if unified = cgroups.Unified(); unified != nil {
+			defer unified.Close()
+		}
+	}
+	cmd := command(unified)
+	err = cmd.Start()
+	if err != nil && unified != nil {
+		// A kernel before 5.7 (no CLONE_INTO_CGROUP), or a cgroup it may not start in: it
+		// starts where the agent is and moves.
+		unified = nil
+		cmd = command(nil)
+		err = cmd.Start()
+	}
+	if err != nil {
 		return nil, fmt.Errorf("starting %s: %w", bin, err)
 	}
 	// Reap it if it exits while this process lives; after a restart the new agent's parent
 	// (init or the container's subreaper) does.
 	go func() { _ = cmd.Wait() }()
 	failpoint.Crash("vmm-started")
-	if s.CgroupRoot != "" {
-		if _, err := cgroup.Place(s.CgroupRoot, filepath.Base(s.Dir), cmd.Process.Pid, s.Limits()); err != nil {
+	if cgroups != nil {
+		if _, err := cgroups.Join(cmd.Process.Pid, unified != nil); err != nil {
 			_ = cmd.Process.Kill()
 			return nil, err
 		}
