@@ -54,6 +54,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/scheme"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
@@ -63,7 +64,7 @@ type options struct {
 	nodeVCPUs, runN                   int
 	start, boot, heartbeat, delay     time.Duration
 	idle                              time.Duration
-	fleet, bare, bareEvents           bool
+	fleet, bare, bareEvents, bareRun  bool
 	impNodeBeats                      bool
 	operator, operatorArgs            string
 }
@@ -85,6 +86,7 @@ func main() {
 	flag.BoolVar(&o.impNodeBeats, "impnode-heartbeats", false, "the agents beat by patching their ImpNode every 30 s, as agents before the Lease did (for comparison)")
 	flag.BoolVar(&o.fleet, "fleet", true, "agents also watch every ImpNetwork, ImpIPAddress and ImpNode, as the real agent does for the overlay")
 	flag.BoolVar(&o.bare, "bare", true, "measure the bare API server first")
+	flag.BoolVar(&o.bareRun, "bare-run", true, "the bare API server's floor of the run phase too: its writes, by watchers that decide nothing")
 	flag.BoolVar(&o.bareEvents, "bare-events", true, "the bare API server's watcher also creates an Event per VM, as the operator does on placing it: the same writes")
 	flag.StringVar(&o.operator, "operator", "bin/imp-operator", "imp-operator binary")
 	flag.StringVar(&o.operatorArgs, "operator-args", "", "more flags for the operator, space-separated")
@@ -196,7 +198,7 @@ func run(o options) (figures, error) {
 			return f, err
 		}
 	}
-	for _, ns := range []string{"bare", "place", "run"} {
+	for _, ns := range []string{"bare", "bare-run", "place", "run"} {
 		if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
 			return f, err
 		}
@@ -207,6 +209,10 @@ func run(o options) (figures, error) {
 	}
 
 	if o.bare {
+		// IMP's FlowSchema first: the floor's requests are classified as IMP's are.
+		if err := cl.ApplyChartObjects(ctx, "FlowSchema"); err != nil {
+			return f, err
+		}
 		if err := bareRun(ctx, cl, o, tr, &f); err != nil {
 			return f, err
 		}
@@ -321,6 +327,11 @@ func run(o options) (figures, error) {
 	fmt.Printf("  run (agents start the VMs): %d created in %v\n", o.runN, createdIn.Round(time.Millisecond))
 	f.latencies("run: create→Scheduled", tr.latencies("run", "created", "scheduled"))
 	f.latencies("run: create→Running, guest ready", tr.latencies("run", "created", "ready"))
+	if bare, ok := f.values["bare: create→Running, guest ready P50"]; ok && bare > 0 {
+		ratio := f.values["run: create→Running, guest ready P50"] / bare
+		f.set("run: P50 over the bare floor's", "×", ratio)
+		fmt.Printf("  %-34s %.2f× the bare API server's\n", "run: guest ready P50", ratio)
+	}
 	f.set("run: throughput", "VMs/s", float64(o.runN)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f VMs/s ready\n", "run: throughput", float64(o.runN)/elapsed.Seconds())
 	for _, who := range []string{"operator", "agents"} {
@@ -493,11 +504,33 @@ func parallel(n, workers int, f func(int) error) error {
 	return <-errs
 }
 
-// bareRun is the floor: the same creates, each answered by one status patch from a watcher,
-// with no IMP installed.
+// bareRun is the floor: the same creates, each answered by a watcher's status patch and Event
+// (the operator's writes to place a VM), with no IMP installed. With -bare-run, it then
+// measures the floor of the run phase too: the same writes as IMP's to reach Running with the
+// guest ready — the placement's patch and Event; a patch by the VM's "agent" with the guest
+// ready, -start plus -boot later; a patch to Running with an Event — by watchers that decide
+// nothing.
 func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracker, f *figures) error {
+	// The creates as the admin, as IMP's; the watchers' writes as the operator and an agent,
+	// so that API Priority and Fairness treats them as it treats IMP's.
 	c := cl.Client
-	informers, err := cache.New(cl.Config, cache.Options{Scheme: cl.Scheme, DefaultNamespaces: map[string]cache.Config{"bare": {}}})
+	opCfg, err := cl.ConfigAs(testcluster.Operator, "")
+	if err != nil {
+		return err
+	}
+	agCfg, err := cl.ConfigAs(testcluster.Agent, nodeName(0))
+	if err != nil {
+		return err
+	}
+	opc, err := client.New(opCfg, client.Options{Scheme: cl.Scheme})
+	if err != nil {
+		return err
+	}
+	agc, err := client.New(agCfg, client.Options{Scheme: cl.Scheme})
+	if err != nil {
+		return err
+	}
+	informers, err := cache.New(opCfg, cache.Options{Scheme: cl.Scheme, DefaultNamespaces: map[string]cache.Config{"bare": {}, "bare-run": {}}})
 	if err != nil {
 		return err
 	}
@@ -507,31 +540,67 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	if err != nil {
 		return err
 	}
-	queue := make(chan types.NamespacedName, o.n)
-	if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
-		vm := obj.(*impv1.ImpVM)
-		queue <- client.ObjectKeyFromObject(vm)
-	}}); err != nil {
+	type step struct {
+		key     types.NamespacedName
+		running bool // the patch to Running, else the placement
+	}
+	operator := make(chan step, 2*max(o.n, o.runN))
+	// The agents' part: the guest ready, -start plus -boot after the placement is seen.
+	agentStart := func(key types.NamespacedName) {
+		time.Sleep(o.start + o.boot)
+		boot := (o.start + o.boot).Milliseconds()
+		started := metav1.Now()
+		p, err := agent.RuntimePatch(impv1.RuntimeStatus{State: impv1.RuntimeRunning, StartedAt: &started, GuestReady: true, BootMilliseconds: &boot, Message: "the guest is ready"})
+		if err == nil {
+			_ = agc.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name}}, client.RawPatch(types.MergePatchType, p))
+		}
+	}
+	if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) { operator <- step{key: client.ObjectKeyFromObject(obj.(*impv1.ImpVM))} },
+		UpdateFunc: func(oldObj, newObj any) {
+			old, vm := oldObj.(*impv1.ImpVM), newObj.(*impv1.ImpVM)
+			if vm.Namespace != "bare-run" {
+				return
+			}
+			switch {
+			case old.Status.NodeName == "" && vm.Status.NodeName != "":
+				go agentStart(client.ObjectKeyFromObject(vm))
+			case vm.Status.Runtime != nil && vm.Status.Runtime.GuestReady && (old.Status.Runtime == nil || !old.Status.Runtime.GuestReady):
+				operator <- step{key: client.ObjectKeyFromObject(vm), running: true}
+			}
+		},
+	}); err != nil {
 		return err
 	}
 	go func() { _ = informers.Start(bctx) }()
 	informers.WaitForCacheSync(bctx)
+	event := func(key types.NamespacedName, reason, note string) {
+		if o.bareEvents {
+			// As the operator's recorder does: its own write, off the patch's path.
+			go func() { _ = opc.Create(bctx, bareEvent(key, reason, note)) }()
+		}
+	}
 	for w := 0; w < o.creators; w++ {
 		go func() {
 			for {
 				select {
 				case <-bctx.Done():
 					return
-				case key := <-queue:
-					vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name}}
+				case st := <-operator:
+					vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: st.key.Namespace, Name: st.key.Name}}
 					orig := vm.DeepCopy()
-					vm.Status.NodeName = nodeName(0)
-					meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed on node " + nodeName(0)})
-					_ = c.Status().Patch(bctx, vm, client.MergeFrom(orig))
-					if o.bareEvents {
-						// As the operator's recorder does: its own write, off the patch's path.
-						go func() { _ = c.Create(bctx, bareEvent(key)) }()
+					node := nodeName(0)
+					if st.running {
+						vm.Status.Phase = impv1.VMRunning
+						meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "the guest is ready"})
+						_ = opc.Status().Patch(bctx, vm, client.MergeFrom(orig))
+						event(st.key, "Started", "The guest is ready")
+						continue
 					}
+					vm.Status.NodeName = node
+					meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed on node " + node})
+					_ = opc.Status().Patch(bctx, vm, client.MergeFrom(orig))
+					event(st.key, "Scheduled", "Placed on node "+node)
 				}
 			}
 		}()
@@ -555,18 +624,43 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	if err := deleteAll(ctx, c, o, tr, map[string]int{"bare": o.n}); err != nil {
 		return err
 	}
-	return tr.wait(ctx, "bare", "gone", o.n, nil)
+	if err := tr.wait(ctx, "bare", "gone", o.n, nil); err != nil {
+		return err
+	}
+	if !o.bareRun {
+		return nil
+	}
+	cpu := machineCPU(0, 0)
+	start = time.Now()
+	if _, err := create(ctx, c, "bare-run", o.runN, o, tr); err != nil {
+		return err
+	}
+	if err := tr.wait(ctx, "bare-run", "ready", o.runN, nil); err != nil {
+		return err
+	}
+	elapsed = time.Since(start)
+	cpu = machineCPU(0, 0).since(cpu)
+	fmt.Printf("  bare API server, the run's writes (create; placement patch and Event; a patch with the guest ready %v later; Running patch and Event; no IMP):\n", o.start+o.boot)
+	f.latencies("bare: create→Running, guest ready", tr.latencies("bare-run", "created", "ready"))
+	f.set("bare: run throughput", "VMs/s", float64(o.runN)/elapsed.Seconds())
+	fmt.Printf("  %-34s %.0f VMs/s\n", "bare: run throughput", float64(o.runN)/elapsed.Seconds())
+	fmt.Printf("  %-34s %.0f%% of %d CPUs over %v: API server %.1f s, etcd %.1f s, this process %.1f s\n", "bare: run CPU",
+		100*cpu.total()/(elapsed.Seconds()*float64(runtime.NumCPU())), runtime.NumCPU(), elapsed.Round(time.Second), cpu.apiserver, cpu.etcd, cpu.bench)
+	if err := deleteAll(ctx, c, o, tr, map[string]int{"bare-run": o.runN}); err != nil {
+		return err
+	}
+	return tr.wait(ctx, "bare-run", "gone", o.runN, nil)
 }
 
-// bareEvent is an Event like the operator's on placing the VM key.
-func bareEvent(key types.NamespacedName) *eventsv1.Event {
+// bareEvent is an Event like the operator's about the VM key.
+func bareEvent(key types.NamespacedName, reason, note string) *eventsv1.Event {
 	return &eventsv1.Event{
 		ObjectMeta:          metav1.ObjectMeta{Namespace: key.Namespace, GenerateName: key.Name + "."},
 		EventTime:           metav1.NewMicroTime(time.Now()),
 		ReportingController: "imp.dev/bench", ReportingInstance: "bench",
-		Action: "Place", Reason: "Scheduled", Type: corev1.EventTypeNormal,
+		Action: reason, Reason: reason, Type: corev1.EventTypeNormal,
 		Regarding: corev1.ObjectReference{APIVersion: impv1.GroupVersion.String(), Kind: "ImpVM", Namespace: key.Namespace, Name: key.Name},
-		Note:      "Placed on node " + nodeName(0),
+		Note:      note,
 	}
 }
 
