@@ -250,7 +250,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	// The spare writable disks being made are finished before the agent stops.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
 		<-ctx.Done()
-		a.writables.Wait()
+		a.writables.Stop()
 		return nil
 	})); err != nil {
 		return err

@@ -76,10 +76,10 @@ func TestOnlyAuthorizedReaders(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	scrape := func(method, path, token string) int {
+	scrape := func(method, path, auth string) int {
 		req := httptest.NewRequest(method, path, nil)
-		if token != "" {
-			req.Header.Set("Authorization", "Bearer "+token)
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
 		}
 		w := httptest.NewRecorder()
 		h.ServeHTTP(w, req)
@@ -87,18 +87,22 @@ func TestOnlyAuthorizedReaders(t *testing.T) {
 	}
 
 	for _, tc := range []struct {
-		name, method, path, token string
-		want                      int
+		name, method, path, auth string
+		want                     int
 	}{
-		{"the reader", "GET", "/metrics", reader, http.StatusOK},
+		{"the reader", "GET", "/metrics", "Bearer " + reader, http.StatusOK},
+		{"the reader, the scheme in lower case (as the API server reads it)", "GET", "/metrics", "bearer " + reader, http.StatusOK},
 		{"no token", "GET", "/metrics", "", http.StatusUnauthorized},
-		{"a token the API server did not issue", "GET", "/metrics", "not-a-token", http.StatusUnauthorized},
-		{"a signed token, altered", "GET", "/metrics", reader[:len(reader)-4] + "AAAA", http.StatusUnauthorized},
-		{"another account", "GET", "/metrics", other, http.StatusForbidden},
-		{"the reader, another path", "GET", "/debug/pprof/", reader, http.StatusForbidden},
-		{"the reader, another verb", "POST", "/metrics", reader, http.StatusForbidden},
+		{"the scheme alone", "GET", "/metrics", "Bearer", http.StatusUnauthorized},
+		{"another scheme", "GET", "/metrics", "Basic " + reader, http.StatusUnauthorized},
+		{"the reader's token and more", "GET", "/metrics", "Bearer " + reader + " " + other, http.StatusUnauthorized},
+		{"a token the API server did not issue", "GET", "/metrics", "Bearer not-a-token", http.StatusUnauthorized},
+		{"a signed token, altered", "GET", "/metrics", "Bearer " + reader[:len(reader)-4] + "AAAA", http.StatusUnauthorized},
+		{"another account", "GET", "/metrics", "Bearer " + other, http.StatusForbidden},
+		{"the reader, another path", "GET", "/debug/pprof/", "Bearer " + reader, http.StatusForbidden},
+		{"the reader, another verb", "POST", "/metrics", "Bearer " + reader, http.StatusForbidden},
 	} {
-		if got := scrape(tc.method, tc.path, tc.token); got != tc.want {
+		if got := scrape(tc.method, tc.path, tc.auth); got != tc.want {
 			t.Errorf("%s: %s %s got %d, want %d", tc.name, tc.method, tc.path, got, tc.want)
 		}
 	}
@@ -109,14 +113,14 @@ func TestOnlyAuthorizedReaders(t *testing.T) {
 	if err := admin.RbacV1().ClusterRoleBindings().Delete(ctx, binding.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if got := scrape("GET", "/metrics", reader); got != http.StatusOK {
+	if got := scrape("GET", "/metrics", "Bearer "+reader); got != http.StatusOK {
 		t.Errorf("the reader, again within the cache: got %d, want 200", got)
 	}
 	if tokens.n != before {
 		t.Errorf("a scrape within the token's TTL made %d TokenReviews", tokens.n-before)
 	}
 	clock.SetTime(clock.Now().Add(metricsauth.AllowTTL + time.Second))
-	if got := scrape("GET", "/metrics", reader); got != http.StatusForbidden {
+	if got := scrape("GET", "/metrics", "Bearer "+reader); got != http.StatusForbidden {
 		t.Errorf("the revoked reader, after the allowance expired: got %d, want 403", got)
 	}
 	if tokens.n != before+1 {

@@ -36,6 +36,7 @@ type Writables struct {
 	used      map[string]time.Time // template → last use
 	refilling map[string]bool      // template → its spares are being made; true: look again after
 	refills   sync.WaitGroup
+	stopped   bool // Stop was called: no refill begins
 }
 
 // Ensure creates the writable disk of size bytes at path when it does not exist. An existing
@@ -47,7 +48,11 @@ func (w *Writables) Ensure(path string, size int64) error {
 		return err
 	}
 	mib := max(size>>20, 16)
-	if tmpl, err := w.template(mib); err == nil && w.takeSpare(tmpl, path) {
+	tmpl, err := w.template(mib)
+	if err != nil {
+		return err
+	}
+	if w.takeSpare(tmpl, path) {
 		w.refill(tmpl)
 		return nil
 	}
@@ -57,18 +62,16 @@ func (w *Writables) Ensure(path string, size int64) error {
 	}
 	defer os.RemoveAll(work)
 	tmp := filepath.Join(work, "disk.ext4")
-	var tmpl string
-	for try := 0; ; try++ {
+	err = cloneFile(tmpl, tmp)
+	if errors.Is(err, fs.ErrNotExist) {
+		// A template evicted between its lookup and its copy is made again, once.
 		if tmpl, err = w.template(mib); err != nil {
 			return err
 		}
-		// A template evicted between its lookup and its copy is made again, once.
-		if err = cloneFile(tmpl, tmp); errors.Is(err, fs.ErrNotExist) && try == 0 {
-			continue
-		} else if err != nil {
-			return fmt.Errorf("copying the writable disk's template: %w", err)
-		}
-		break
+		err = cloneFile(tmpl, tmp)
+	}
+	if err != nil {
+		return fmt.Errorf("copying the writable disk's template: %w", err)
 	}
 	if err := syncFile(tmp); err != nil {
 		return err
@@ -107,6 +110,9 @@ func (w *Writables) refill(tmpl string) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if w.stopped {
+		return
+	}
 	if w.refilling == nil {
 		w.refilling = map[string]bool{}
 	}
@@ -169,6 +175,14 @@ func (w *Writables) fillSpares(tmpl string, want int) {
 
 // Wait waits for the spares being made.
 func (w *Writables) Wait() { w.refills.Wait() }
+
+// Stop waits for the spares being made, and begins none after: the agent is stopping.
+func (w *Writables) Stop() {
+	w.mu.Lock()
+	w.stopped = true // refills begin under the lock: none is added to refills while it waits
+	w.mu.Unlock()
+	w.refills.Wait()
+}
 
 // template returns the template of mib MiB, making it when missing.
 func (w *Writables) template(mib int64) (string, error) {

@@ -169,3 +169,17 @@ func TestWritableSpares(t *testing.T) {
 		t.Errorf("%d spares of the new size, want 2", n)
 	}
 }
+
+// TestWritablesStop: once stopped, a VM's disk is still made, but no spare is begun after it.
+func TestWritablesStop(t *testing.T) {
+	dir := t.TempDir()
+	w := &Writables{Dir: filepath.Join(dir, "templates"), Spares: 2}
+	w.Stop()
+	if err := w.Ensure(filepath.Join(dir, "a.ext4"), 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	w.Wait()
+	if spares, _ := filepath.Glob(filepath.Join(w.Dir, "*"+spareSuffix+"*")); len(spares) != 0 {
+		t.Errorf("spares made after Stop: %v", spares)
+	}
+}
