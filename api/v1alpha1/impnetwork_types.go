@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -11,6 +12,86 @@ type NATSpec struct {
 	// +optional
 	// +kubebuilder:default=false
 	Enabled bool `json:"enabled"`
+}
+
+// Egress policies of a network's NAT egress (spec.egress.internet).
+const (
+	// EgressInternetAllow: VMs reach public addresses.
+	EgressInternetAllow = "Allow"
+	// EgressInternetDeny: VMs reach only what spec.egress.allow lists.
+	EgressInternetDeny = "Deny"
+)
+
+// EgressSpec says where the VMs of a network with NAT may connect outside it. In order, first
+// match wins: the cluster's denied CIDRs (network.egressDeniedCIDRs), link-local addresses
+// and the overlay ports of every node (UDP 4789, 6081, 8472 and the agents' VXLAN port) are
+// never reached; then deny; then allow; then public addresses when internet is Allow;
+// everything else is dropped. Public addresses are all but 0.0.0.0/8, 10.0.0.0/8,
+// 100.64.0.0/10, 127.0.0.0/8, 169.254.0.0/16, 172.16.0.0/12, 192.0.0.0/24, 192.168.0.0/16,
+// 198.18.0.0/15, 224.0.0.0/4 and 240.0.0.0/4: the private, shared, loopback, link-local,
+// benchmarking, multicast and reserved ranges, where a cluster's nodes, pods, services and
+// neighbours live. A network without NAT has no egress at all.
+type EgressSpec struct {
+	// internet: Allow (the default) lets VMs reach public addresses; Deny reaches only what
+	// allow lists.
+	// +optional
+	// +kubebuilder:validation:Enum=Allow;Deny
+	// +kubebuilder:default=Allow
+	Internet string `json:"internet,omitempty"`
+
+	// allow lists destinations reached beyond public addresses (a database on a private
+	// range, another network of the data centre), or with internet Deny, the only ones. The
+	// cluster's denied CIDRs win over it.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=32
+	Allow []EgressRule `json:"allow,omitempty"`
+
+	// deny lists destinations never reached, public or allowed.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=32
+	Deny []EgressRule `json:"deny,omitempty"`
+}
+
+// EgressRule is a destination: an IPv4 CIDR, and optionally ports.
+type EgressRule struct {
+	// cidr is an IPv4 range in canonical form, such as 10.20.0.0/16 or 192.0.2.7/32.
+	// +required
+	// +kubebuilder:validation:MinLength=9
+	// +kubebuilder:validation:MaxLength=18
+	// +kubebuilder:validation:XValidation:rule="isCIDR(self) && cidr(self).ip().family() == 4",message="cidr must be an IPv4 CIDR such as 10.20.0.0/16"
+	// +kubebuilder:validation:XValidation:rule="!isCIDR(self) || cidr(self) == cidr(self).masked()",message="cidr must be a network address with no host bits set, such as 10.20.0.0/16"
+	CIDR string `json:"cidr"`
+
+	// ports the rule applies to; empty: every port and protocol (ICMP included).
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=16
+	Ports []EgressPort `json:"ports,omitempty"`
+}
+
+// EgressPort is a port, or a range of ports, of TCP or UDP.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.endPort) || self.endPort >= self.port",message="endPort must not be below port",fieldPath=".endPort"
+type EgressPort struct {
+	// protocol: TCP (the default) or UDP.
+	// +optional
+	// +kubebuilder:validation:Enum=TCP;UDP
+	// +kubebuilder:default=TCP
+	Protocol corev1.Protocol `json:"protocol,omitempty"`
+
+	// port is the destination port, or the first of a range.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=65535
+	Port int32 `json:"port"`
+
+	// endPort, when set, makes the rule a range from port to endPort.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=65535
+	EndPort *int32 `json:"endPort,omitempty"`
 }
 
 // DNSSpec is the resolver configuration written into the VMs of a network.
@@ -64,6 +145,11 @@ type ImpNetworkSpec struct {
 	// nat configures egress to addresses outside the network.
 	// +optional
 	NAT NATSpec `json:"nat,omitempty"`
+
+	// egress says where the VMs may connect through NAT: by default public addresses only,
+	// never the cluster's nodes, pods or private ranges (see EgressSpec).
+	// +optional
+	Egress *EgressSpec `json:"egress,omitempty"`
 
 	// dns is the resolver configuration of the network's VMs.
 	// +optional

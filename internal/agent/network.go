@@ -8,6 +8,7 @@ import (
 	"sort"
 	"sync"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -121,8 +122,54 @@ func hostNetwork(net *impv1.ImpNetwork) (hostnet.Network, error) {
 	if err != nil {
 		return hostnet.Network{}, err
 	}
+	eg, err := hostEgress(net.Spec.Egress)
+	if err != nil {
+		return hostnet.Network{}, err
+	}
 	return hostnet.Network{Namespace: net.Namespace, Name: net.Name, UID: string(net.UID), VNI: uint32(net.Status.VNI),
-		Prefix: p, Gateway: gw, NAT: net.Spec.NAT.Enabled}, nil
+		Prefix: p, Gateway: gw, NAT: net.Spec.NAT.Enabled, Egress: eg}, nil
+}
+
+// hostEgress is the node's form of a network's egress policy: public addresses only when
+// the network says nothing.
+func hostEgress(spec *impv1.EgressSpec) (hostnet.Egress, error) {
+	if spec == nil {
+		return hostnet.PublicEgress, nil
+	}
+	e := hostnet.Egress{Internet: spec.Internet != impv1.EgressInternetDeny}
+	rules := func(in []impv1.EgressRule) ([]hostnet.EgressRule, error) {
+		var out []hostnet.EgressRule
+		for _, r := range in {
+			p, err := netip.ParsePrefix(r.CIDR)
+			if err != nil || !p.Addr().Is4() {
+				return nil, fmt.Errorf("egress cidr %q is not an IPv4 CIDR", r.CIDR)
+			}
+			hr := hostnet.EgressRule{Prefix: p.Masked()}
+			for _, port := range r.Ports {
+				pr := hostnet.PortRange{Protocol: unix.IPPROTO_TCP, From: uint16(port.Port), To: uint16(port.Port)}
+				if port.Protocol == corev1.ProtocolUDP {
+					pr.Protocol = unix.IPPROTO_UDP
+				}
+				if port.EndPort != nil {
+					pr.To = uint16(*port.EndPort)
+				}
+				if port.Port < 1 || port.Port > 65535 || pr.To < pr.From {
+					return nil, fmt.Errorf("egress port %d-%d of %s is not a port range", pr.From, pr.To, r.CIDR)
+				}
+				hr.Ports = append(hr.Ports, pr)
+			}
+			out = append(out, hr)
+		}
+		return out, nil
+	}
+	var err error
+	if e.Allow, err = rules(spec.Allow); err != nil {
+		return hostnet.Egress{}, err
+	}
+	if e.Deny, err = rules(spec.Deny); err != nil {
+		return hostnet.Egress{}, err
+	}
+	return e, nil
 }
 
 // Reconcile plumbs one network on this node, or removes it when no local VM uses it.

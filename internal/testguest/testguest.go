@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
@@ -60,6 +61,12 @@ func Artifacts(t testing.TB, dir string) (kernel, initrd string) {
 // user app (uid 1000) and its home /home/app, and returns its digest reference.
 func Image(t testing.TB, host, repo string) name.Digest {
 	t.Helper()
+	return ImageAs(t, host, repo, authn.DefaultKeychain)
+}
+
+// ImageAs is Image pushed with kc's credentials.
+func ImageAs(t testing.TB, host, repo string, kc authn.Keychain) name.Digest {
+	t.Helper()
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "hello")
 	build(t, bin, "github.com/syscode-labs/imp/internal/testguest/hello")
@@ -67,7 +74,7 @@ func Image(t testing.TB, host, repo string) name.Digest {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return testregistry.PushWithEntrypoint(t, host, repo, []string{"/bin/hello"}, testregistry.FilesLayer(t,
+	return testregistry.PushWithEntrypoint(t, host, repo, kc, []string{"/bin/hello"}, testregistry.FilesLayer(t,
 		testregistry.File{Name: "bin/hello", Mode: 0o755, Data: hello},
 		testregistry.File{Name: "etc/passwd", Mode: 0o644, Data: []byte("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")},
 		testregistry.File{Name: "home/app/", Mode: 0o755, Dir: true, Uid: 1000, Gid: 1000},

@@ -5,6 +5,7 @@ package testregistry
 import (
 	"archive/tar"
 	"bytes"
+	"fmt"
 	"io"
 	"log"
 	"net/http"
@@ -130,8 +131,8 @@ func Push(t testing.TB, host, repo string, kc authn.Keychain, layers ...v1.Layer
 	return write(t, host, repo, kc, img)
 }
 
-// PushWithEntrypoint is Push of an image whose config has entrypoint.
-func PushWithEntrypoint(t testing.TB, host, repo string, entrypoint []string, layers ...v1.Layer) name.Digest {
+// PushWithEntrypoint is Push of an image whose config has entrypoint, with kc's credentials.
+func PushWithEntrypoint(t testing.TB, host, repo string, kc authn.Keychain, entrypoint []string, layers ...v1.Layer) name.Digest {
 	t.Helper()
 	img, err := mutate.AppendLayers(empty.Image, layers...)
 	if err != nil {
@@ -141,7 +142,7 @@ func PushWithEntrypoint(t testing.TB, host, repo string, entrypoint []string, la
 	if err != nil {
 		t.Fatal(err)
 	}
-	return write(t, host, repo, authn.DefaultKeychain, img)
+	return write(t, host, repo, kc, img)
 }
 
 func write(t testing.TB, host, repo string, kc authn.Keychain, img v1.Image) name.Digest {
@@ -158,4 +159,52 @@ func write(t testing.TB, host, repo string, kc authn.Keychain, img v1.Image) nam
 		t.Fatal(err)
 	}
 	return ref.Context().Digest(d.String())
+}
+
+// StartImpostor serves, until the test ends, a registry that claims to hold image d (of
+// another registry, read with kc) without holding its content: every manifest request, by
+// any tag or digest, is answered 200 with d's digest and its manifest (which, like the
+// config, it also serves: both may leak), and every other blob with bytes that are not it.
+// It returns its host:port and the number of requests it got.
+func StartImpostor(t testing.TB, d name.Digest, kc authn.Keychain) (string, *atomic.Int64) {
+	t.Helper()
+	desc, err := remote.Get(d, remote.WithAuthFromKeychain(kc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := desc.Image()
+	if err != nil {
+		t.Fatal(err)
+	}
+	config, err := img.RawConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	configDigest, err := img.ConfigName()
+	if err != nil {
+		t.Fatal(err)
+	}
+	requests := new(atomic.Int64)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		requests.Add(1)
+		switch p := r.URL.Path; {
+		case p == "/v2/" || p == "/v2":
+			w.WriteHeader(http.StatusOK)
+		case strings.Contains(p, "/manifests/"):
+			w.Header().Set("Docker-Content-Digest", d.DigestStr())
+			w.Header().Set("Content-Type", string(desc.MediaType))
+			w.Header().Set("Content-Length", fmt.Sprint(len(desc.Manifest)))
+			if r.Method != http.MethodHead {
+				_, _ = w.Write(desc.Manifest)
+			}
+		case strings.HasSuffix(p, "/blobs/"+configDigest.String()):
+			_, _ = w.Write(config)
+		case strings.Contains(p, "/blobs/"):
+			_, _ = w.Write([]byte("not the layer you are looking for"))
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://"), requests
 }

@@ -137,7 +137,11 @@ func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain
 		if err := s.build(ctx, d, kc, target); err != nil {
 			return nil, err
 		}
-		s.Verified(d, kc)
+		// Built from d's repository with these credentials: its first provenance, and their
+		// access proven.
+		if key, err := accessKey(d.Context(), kc); err == nil {
+			s.verify(d.DigestStr(), key)
+		}
 		return nil, nil
 	})
 	if err != nil {
@@ -246,8 +250,11 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 	if err := os.Chmod(tmp, 0o444); err != nil {
 		return err
 	}
-	// Its config beside it, kept only for an image the node accepted.
+	// Its config and provenance beside it, kept only for an image the node accepted.
 	if _, err := s.keepConfig(d, img); err != nil {
+		return err
+	}
+	if err := s.addProvenance(d); err != nil {
 		return err
 	}
 	if err := os.Rename(tmp, target); err != nil {
@@ -296,12 +303,19 @@ func (s *BaseStore) GC(inUse func() map[string]bool) (removed []string, err erro
 		switch {
 		case strings.HasPrefix(n, ".build-") && !s.active[n]:
 		case strings.HasSuffix(n, ".ext4") && !keep[digest] && s.leases[digest] == 0:
-			// The image's config and the credentials known to reach it go with its disk.
-			_ = os.Remove(filepath.Join(s.Dir, strings.TrimSuffix(n, ".ext4")+".config.json"))
+			// The image's config, provenance and the credentials known to reach it go with
+			// its disk.
+			for _, ext := range sidecars {
+				_ = os.Remove(filepath.Join(s.Dir, strings.TrimSuffix(n, ".ext4")+ext))
+			}
 			delete(s.access, digest)
-		case strings.HasSuffix(n, ".config.json") && s.leases[strings.Replace(strings.TrimSuffix(n, ".config.json"), "-", ":", 1)] == 0:
-			// A config whose disk is gone (a crash between the two).
-			if _, err := os.Stat(filepath.Join(s.Dir, strings.TrimSuffix(n, ".config.json")+".ext4")); err == nil {
+		case sidecar(n) != "" && s.leases[strings.Replace(sidecar(n), "-", ":", 1)] == 0:
+			// A config or provenance whose disk is gone (a crash between the two), unless it
+			// went with its disk above.
+			if _, err := os.Stat(filepath.Join(s.Dir, sidecar(n)+".ext4")); err == nil {
+				continue
+			}
+			if _, err := os.Lstat(filepath.Join(s.Dir, n)); errors.Is(err, fs.ErrNotExist) {
 				continue
 			}
 		default:
@@ -313,6 +327,20 @@ func (s *BaseStore) GC(inUse func() map[string]bool) (removed []string, err erro
 		removed = append(removed, n)
 	}
 	return removed, nil
+}
+
+// sidecars are the files kept beside a base disk "sha256-<hex>.ext4": its image's config and
+// provenance.
+var sidecars = []string{".config.json", ".repos"}
+
+// sidecar is the base name ("sha256-<hex>") of a file beside a base disk, "" for another.
+func sidecar(file string) string {
+	for _, ext := range sidecars {
+		if b, ok := strings.CutSuffix(file, ext); ok && strings.HasPrefix(b, "sha256-") {
+			return b
+		}
+	}
+	return ""
 }
 
 // PullSecretKeychain is an authn.Keychain from the .dockerconfigjson of image pull secrets.

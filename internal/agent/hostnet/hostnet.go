@@ -71,6 +71,9 @@ type Network struct {
 	Prefix  netip.Prefix
 	Gateway netip.Addr
 	NAT     bool
+	// Egress is where NAT egress may go (the zero value: nowhere; PublicEgress: public
+	// addresses only).
+	Egress Egress
 }
 
 // Key is "namespace/name".

@@ -26,7 +26,11 @@ import (
 
 func network(name, cidr string, vni uint32, nat bool) hostnet.Network {
 	p := netip.MustParsePrefix(cidr)
-	return hostnet.Network{Namespace: "ns", Name: name, UID: "uid-" + name, VNI: vni, Prefix: p, Gateway: p.Addr().Next(), NAT: nat}
+	n := hostnet.Network{Namespace: "ns", Name: name, UID: "uid-" + name, VNI: vni, Prefix: p, Gateway: p.Addr().Next(), NAT: nat}
+	if nat {
+		n.Egress = hostnet.PublicEgress // the agent's default
+	}
+	return n
 }
 
 func open(t *testing.T, ns string, vtep string) *hostnet.Host {
@@ -164,11 +168,12 @@ func TestNetworkLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The node's: input 2 (transit links, VXLAN peers), forward 3 (between networks,
-	// not IPv4, link-local), 1 masquerade; the network's: input 4, forward 4, 1 masquerade,
-	// bridge prerouting 2; the tap's chain: 5.
-	if len(rules) != 6+11+5 {
-		t.Errorf("rules after Attach = %d, want 22:\n%s", len(rules), strings.Join(rules, "\n"))
+	// The node's: input 2 (transit links, VXLAN peers), forward 7 (between networks,
+	// not IPv4, link-local, four overlay ports), 1 masquerade; the network's: input 4,
+	// forward 15 (bridged, replies, the 11 non-public ranges, public egress, the rest), 1
+	// masquerade, bridge prerouting 2; the tap's chain: 5.
+	if len(rules) != 10+22+5 {
+		t.Errorf("rules after Attach = %d, want 37:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")

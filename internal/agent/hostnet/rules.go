@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/google/nftables"
@@ -98,12 +99,9 @@ func networkRules(id string, n Network, overlay bool) []rule {
 			cat(ifname(expr.MetaKeyOIFNAME, br, true), ctEstablished(), verdict(expr.VerdictAccept))},
 	}
 	if n.NAT {
-		rs = append(rs,
-			rule{spaceForward, fmt.Sprintf("iifname %q oifname %q accept", br, up),
-				cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, up, true), verdict(expr.VerdictAccept))},
-			rule{natChain, fmt.Sprintf("oifname %q counter masquerade", up),
-				cat(ifname(expr.MetaKeyOIFNAME, up, true), []expr.Any{&expr.Counter{}, &expr.Masq{}})},
-		)
+		rs = append(rs, egressRules(br, up, n.Egress)...)
+		rs = append(rs, rule{natChain, fmt.Sprintf("oifname %q counter masquerade", up),
+			cat(ifname(expr.MetaKeyOIFNAME, up, true), []expr.Any{&expr.Counter{}, &expr.Masq{}})})
 	}
 	rs = append(rs,
 		rule{spaceForward, "counter drop", drop()},
@@ -126,7 +124,8 @@ func networkRules(id string, n Network, overlay bool) []rule {
 }
 
 // nodeRules are the node's: nothing arriving over a transit link reaches the node; egress
-// reaches neither another network, nor link-local addresses, nor the denied CIDRs; transit
+// reaches neither another network, nor link-local addresses, nor the denied CIDRs, nor any
+// overlay port (IMP's and the usual CNIs': a node's address is what their peers trust); transit
 // addresses leave masqueraded to the node's. With an overlay, the VXLAN port takes packets
 // only from the nodes of each network (set vxlan-peers).
 func (h *Host) nodeRules() []rule {
@@ -143,6 +142,11 @@ func (h *Host) nodeRules() []rule {
 		p = p.Masked()
 		rs = append(rs, rule{nodeForward, fmt.Sprintf("%s ip daddr %s counter drop", egress, p), cat(from(), prefixCmp(16, p, expr.CmpOpEq), drop())})
 	}
+	ports := OverlayPorts
+	if !slices.Contains(ports, uint16(h.opts.VXLANPort)) {
+		ports = append(slices.Clone(ports), uint16(h.opts.VXLANPort))
+	}
+	rs = append(rs, overlayPortRules(from, egress, ports)...)
 	t := h.opts.TransitCIDR
 	rs = append(rs, rule{natChain, fmt.Sprintf("ip saddr %s oifname != \"%s*\" counter masquerade", t, egressPrefix),
 		cat(ipv4(), prefixCmp(12, t, expr.CmpOpEq), []expr.Any{&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
