@@ -81,6 +81,20 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 	if err := report(asA, "on-a", nodeA, "mine"); err != nil {
 		t.Errorf("the agent of %s could not report its own VM: %v", nodeA, err)
 	}
+	// What the operator decides stays the operator's: a VM's resources (which the quota
+	// ledger reloads: 1Ti would make the namespace's VMs QuotaExceeded on every node), its
+	// phase, its address.
+	for _, patch := range []string{
+		`{"status":{"resources":{"vcpus":64,"memory":"1Ti","diskSize":"1Ti"}}}`,
+		`{"status":{"phase":"Failed"}}`,
+		`{"status":{"ip":"10.0.0.9"}}`,
+		`{"status":{"runtime":{"instance":1,"run":1,"state":"Running"},"restartCount":7}}`,
+	} {
+		err := asA.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "on-a"}}, client.RawPatch(types.MergePatchType, []byte(patch)))
+		if !refused(err, "may write status.runtime of on-a only") {
+			t.Errorf("the agent of %s patched %s: %v", nodeA, patch, err)
+		}
+	}
 	if err := report(asA, "on-a", nodeB, "moved"); !refused(err, "VMs placed on its node only") {
 		t.Errorf("the agent of %s moved its VM to %s: %v", nodeA, nodeB, err)
 	}

@@ -11,8 +11,11 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -243,5 +246,50 @@ spec:
 	}
 	if out, err := apply("fits", 2, "2Gi", "1Gi"); err != nil {
 		t.Errorf("a VM that fits was refused: %v\n%s", err, out)
+	}
+}
+
+// TestOnlyTheOperatorClaimsPressure: with the chart's admission policy, a tenant with the
+// chart's imp-edit role cannot create an ImpVMSuspension of reason PressureLifecycle (which
+// skips the suspendedMemory quota and blames memory pressure), nor change one of its own to
+// it; reason User is theirs, and the operator's identity may claim pressure.
+func TestOnlyTheOperatorClaimsPressure(t *testing.T) {
+	e := newEnv(t)
+	e.cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	ctx := context.Background()
+	_ = e.cl.As(t, testcluster.Operator) // the chart's roles, imp-edit included
+	e.create(&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tenant-edit"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "imp-edit"},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "tenant"}}})
+	cfg := rest.CopyConfig(e.cl.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: "tenant", Groups: []string{"system:authenticated"}}
+	tenant, err := client.New(cfg, client.Options{Scheme: e.cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	operator, err := client.New(e.cl.As(t, testcluster.Operator), client.Options{Scheme: e.cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	susp := func(name, reason string) *impv1.ImpVMSuspension {
+		return &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}, Spec: impv1.ImpVMSuspensionSpec{Reason: reason}}
+	}
+	create := func(cl client.Client, s *impv1.ImpVMSuspension) error { return cl.Create(ctx, s, client.DryRunAll) }
+	// The policy takes a moment to be in force.
+	eventually(t, func() error { return create(tenant, susp("probe", impv1.SuspendReasonPressure)) }).
+		Should(MatchError(ContainSubstring("only IMP's operator suspends a VM for PressureLifecycle")))
+	if err := create(tenant, susp("mine", impv1.SuspendReasonUser)); err != nil {
+		t.Errorf("the tenant cannot suspend for reason User: %v", err)
+	}
+	s := susp("changed", impv1.SuspendReasonUser)
+	if err := tenant.Create(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	s.Spec.Reason = impv1.SuspendReasonPressure
+	if err := tenant.Update(ctx, s); err == nil || !apierrors.IsForbidden(err) && !apierrors.IsInvalid(err) {
+		t.Errorf("the tenant changed its suspension's reason to PressureLifecycle: %v", err)
+	}
+	if err := create(operator, susp("pressure", impv1.SuspendReasonPressure)); err != nil {
+		t.Errorf("the operator cannot suspend for pressure: %v", err)
 	}
 }
