@@ -6,11 +6,14 @@ import (
 	"testing"
 	"time"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -139,5 +142,51 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 	}
 	if got.Status.Runtime != nil {
 		t.Errorf("the VM on %s carries a report: %+v", nodeB, got.Status.Runtime)
+	}
+}
+
+// TestAgentCannotBecomeTheOperator: with the chart's identities, an agent's token (bound to its
+// node) cannot get a token of the operator's ServiceAccount, impersonate it, or list the
+// Secrets of IMP's namespace to find one; root on a VM node, holding the agent's token, gets
+// no more than the agent's authority (and the chart keeps the operator off VM nodes).
+func TestAgentCannotBecomeTheOperator(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	cs, err := kubernetes.NewForConfig(c.AsNode(t, testcluster.Agent, "imp-auth-op"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := testcluster.ChartNamespace
+	if _, err := cs.CoreV1().ServiceAccounts(ns).CreateToken(ctx, testcluster.Operator, &authenticationv1.TokenRequest{}, metav1.CreateOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent asked for the operator's token: %v", err)
+	}
+	if _, err := cs.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent listed the Secrets of %s: %v", ns, err)
+	}
+	// Impersonation, asked of the API server's authorizer for the agent's identity (a client
+	// that impersonates already cannot impersonate again).
+	for _, attrs := range []authorizationv1.ResourceAttributes{
+		{Verb: "impersonate", Resource: "serviceaccounts", Namespace: ns, Name: testcluster.Operator},
+		{Verb: "impersonate", Resource: "users", Name: "system:serviceaccount:" + ns + ":" + testcluster.Operator},
+		{Verb: "list", Group: "imp.dev", Resource: "impvms"}, // allowed: the review is the agent's
+	} {
+		sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+			User: "system:serviceaccount:" + ns + ":" + testcluster.Agent, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
+			ResourceAttributes: &attrs}}
+		if err := c.Client.Create(ctx, sar); err != nil {
+			t.Fatal(err)
+		}
+		if want := attrs.Verb == "list"; sar.Status.Allowed != want {
+			t.Errorf("the agent may %s %s %s: %v, want %v", attrs.Verb, attrs.Resource, attrs.Name, sar.Status.Allowed, want)
+		}
+	}
+	// The operator's own token works for what the operator does, so the refusals above are the
+	// agent's.
+	op, err := kubernetes.NewForConfig(c.As(t, testcluster.Operator))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := op.CoreV1().Secrets(ns).Get(ctx, "imp-no-such-run", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the operator's identity cannot read its run Secrets: %v", err)
 	}
 }

@@ -4,6 +4,7 @@
 package chart_test
 
 import (
+	"reflect"
 	"sort"
 	"strings"
 	"testing"
@@ -16,6 +17,8 @@ import (
 	"helm.sh/helm/v3/pkg/releaseutil"
 	"helm.sh/helm/v3/pkg/strvals"
 	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"sigs.k8s.io/yaml"
@@ -328,5 +331,74 @@ func TestAdmissionWait(t *testing.T) {
 	}
 	if _, ok := m["Job/imp-admission-wait"]; ok {
 		t.Error("the admission wait rendered with admissionWait.enabled=false")
+	}
+}
+
+// The operator, which reads the Secrets ImpVMs reference and signs the agents' access, never
+// runs on a node that runs VMs: by default its pods (and the Jobs with its identity) require
+// imp/enabled not "true", added to each required node term the values give, and only
+// operator.runOnVMNodes lifts it.
+func TestOperatorOffVMNodes(t *testing.T) {
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.APIVersions = append(caps.APIVersions, "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+	off := corev1.NodeSelectorRequirement{Key: "imp/enabled", Operator: corev1.NodeSelectorOpNotIn, Values: []string{"true"}}
+	terms := func(t *testing.T, m map[string]string) map[string][]corev1.NodeSelectorTerm {
+		t.Helper()
+		out := map[string][]corev1.NodeSelectorTerm{}
+		for _, k := range []string{"Deployment/imp-operator", "Job/imp-admission-wait"} {
+			var spec corev1.PodSpec
+			if k[0] == 'D' {
+				spec = decode[appsv1.Deployment](t, m[k]).Spec.Template.Spec
+			} else {
+				spec = decode[batchv1.Job](t, m[k]).Spec.Template.Spec
+			}
+			if a := spec.Affinity; a != nil && a.NodeAffinity != nil && a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution != nil {
+				out[k] = a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms
+			} else {
+				out[k] = nil
+			}
+		}
+		return out
+	}
+	m, err := render(t, caps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, ts := range terms(t, m) {
+		if len(ts) != 1 || !reflect.DeepEqual(ts[0].MatchExpressions, []corev1.NodeSelectorRequirement{off}) {
+			t.Errorf("%s: required node terms %+v, want imp/enabled NotIn [true] alone", k, ts)
+		}
+	}
+	// The values' own terms each get it, and their other affinities stay.
+	zone := "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
+	m, err = render(t, caps, zone+"[0].matchExpressions[0].key=zone", zone+"[0].matchExpressions[0].operator=In", zone+"[0].matchExpressions[0].values[0]=a",
+		zone+"[1].matchExpressions[0].key=zone", zone+"[1].matchExpressions[0].operator=In", zone+"[1].matchExpressions[0].values[0]=b",
+		"operator.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight=1",
+		"operator.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].podAffinityTerm.topologyKey=kubernetes.io/hostname")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, ts := range terms(t, m) {
+		if len(ts) != 2 {
+			t.Errorf("%s: required node terms %+v, want the values' two", k, ts)
+			continue
+		}
+		for i, tm := range ts {
+			if len(tm.MatchExpressions) != 2 || tm.MatchExpressions[0].Key != "zone" || !reflect.DeepEqual(tm.MatchExpressions[1], off) {
+				t.Errorf("%s: term %d is %+v, want its zone and imp/enabled NotIn [true]", k, i, tm)
+			}
+		}
+	}
+	if a := decode[appsv1.Deployment](t, m["Deployment/imp-operator"]).Spec.Template.Spec.Affinity; a.PodAntiAffinity == nil {
+		t.Error("the values' podAntiAffinity was lost")
+	}
+	m, err = render(t, caps, "operator.runOnVMNodes=true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, ts := range terms(t, m) {
+		if ts != nil {
+			t.Errorf("%s with operator.runOnVMNodes: required node terms %+v, want none", k, ts)
+		}
 	}
 }

@@ -229,6 +229,9 @@ kvm:
 operator:
   nodeSelector:
     imp.test/node: %[1]s
+  # This machine is the cluster's one node, and it runs VMs: the operator may run beside them
+  # (by default it never does: root on a VM node would get its token).
+  runOnVMNodes: true
 agent:
   stateDir: %[2]s%[6]s
   reserve: {vcpus: 0, memory: "0", disk: 1Gi}

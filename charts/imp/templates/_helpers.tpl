@@ -77,3 +77,33 @@ never over the image's own directories (firecracker in /usr/local/bin would hide
 {{- define "imp.accessNamespace" -}}
 {{- printf "%s-access" (default "default" .Release.Namespace) -}}
 {{- end }}
+
+{{/*
+The affinity of the operator's pods (and of the Jobs that run with its identity): operator.affinity,
+and, unless operator.runOnVMNodes, required to be off the nodes that run VMs (imp/enabled=true),
+added to each of its required node selector terms. Root on a VM node must not get the operator's
+token, which reads the Secrets ImpVMs reference and holds the access CA's authority.
+*/}}
+{{- define "imp.operatorAffinity" -}}
+{{- $aff := deepCopy (.Values.operator.affinity | default dict) -}}
+{{- if not .Values.operator.runOnVMNodes -}}
+{{- $off := dict "key" "imp/enabled" "operator" "NotIn" "values" (list "true") -}}
+{{- $na := get $aff "nodeAffinity" | default dict -}}
+{{- $req := get $na "requiredDuringSchedulingIgnoredDuringExecution" | default dict -}}
+{{- $terms := list -}}
+{{- range (get $req "nodeSelectorTerms" | default list) -}}
+{{- $t := deepCopy . -}}
+{{- $_ := set $t "matchExpressions" (append (get $t "matchExpressions" | default list) $off) -}}
+{{- $terms = append $terms $t -}}
+{{- end -}}
+{{- if not $terms -}}
+{{- $terms = list (dict "matchExpressions" (list $off)) -}}
+{{- end -}}
+{{- $_ := set $req "nodeSelectorTerms" $terms -}}
+{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req -}}
+{{- $_ := set $aff "nodeAffinity" $na -}}
+{{- end -}}
+{{- if $aff -}}
+{{- toYaml $aff -}}
+{{- end -}}
+{{- end -}}
