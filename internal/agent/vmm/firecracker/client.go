@@ -13,6 +13,12 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 )
 
+// MaxResponseBytes bounds an answer of the API (the largest, GET /vm/config, is a few KiB).
+const MaxResponseBytes = 1 << 20
+
+// maxFault bounds the fault message an error carries (it reaches a VM's status).
+const maxFault = 512
+
 // Client speaks Firecracker's API over its unix socket.
 type Client struct {
 	http *http.Client
@@ -62,7 +68,15 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 		return fmt.Errorf("firecracker %s %s: %w", method, path, err)
 	}
 	defer resp.Body.Close()
-	data, _ := io.ReadAll(resp.Body)
+	// A compromised VMM may answer with gigabytes: the agent reads no more than any answer
+	// of the API needs.
+	data, err := io.ReadAll(io.LimitReader(resp.Body, MaxResponseBytes+1))
+	if err != nil {
+		return fmt.Errorf("firecracker %s %s: reading the answer: %w", method, path, err)
+	}
+	if len(data) > MaxResponseBytes {
+		return fmt.Errorf("firecracker %s %s: the answer is longer than %d bytes", method, path, MaxResponseBytes)
+	}
 	if resp.StatusCode >= 300 {
 		var f struct {
 			FaultMessage string `json:"fault_message"`
@@ -70,6 +84,9 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 		_ = json.Unmarshal(data, &f)
 		if f.FaultMessage == "" {
 			f.FaultMessage = string(data)
+		}
+		if len(f.FaultMessage) > maxFault {
+			f.FaultMessage = f.FaultMessage[:maxFault] + "..."
 		}
 		return &APIError{Method: method, Path: path, Status: resp.StatusCode, Fault: f.FaultMessage}
 	}

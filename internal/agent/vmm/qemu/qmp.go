@@ -30,7 +30,7 @@ func DialQMP(dir string, timeout time.Duration) (*QMP, error) {
 	var greeting struct {
 		QMP *json.RawMessage `json:"QMP"`
 	}
-	line, err := q.r.ReadBytes('\n')
+	line, err := q.readLine()
 	if err == nil {
 		err = json.Unmarshal(line, &greeting)
 	}
@@ -43,6 +43,26 @@ func DialQMP(dir string, timeout time.Duration) (*QMP, error) {
 		return nil, err
 	}
 	return q, nil
+}
+
+// MaxQMPLine bounds a line QEMU sends (a command's answer or an event; the agent's largest,
+// query-migrate, is under 1 KiB): a compromised VMM that streams without end costs the agent
+// this much, never its memory.
+const MaxQMPLine = 1 << 20
+
+// readLine reads one line of at most MaxQMPLine bytes.
+func (q *QMP) readLine() ([]byte, error) {
+	var line []byte
+	for {
+		part, err := q.r.ReadSlice('\n')
+		if len(line)+len(part) > MaxQMPLine {
+			return nil, fmt.Errorf("a QMP line longer than %d bytes", MaxQMPLine)
+		}
+		line = append(line, part...)
+		if err != bufio.ErrBufferFull {
+			return line, err
+		}
+	}
 }
 
 // Close closes the connection.
@@ -80,7 +100,7 @@ func (q *QMP) execute(command string, args any, f *os.File) (json.RawMessage, er
 		return nil, fmt.Errorf("QMP %s: %w", command, err)
 	}
 	for {
-		line, err := q.r.ReadBytes('\n')
+		line, err := q.readLine()
 		if err != nil {
 			return nil, fmt.Errorf("QMP %s: %w", command, err)
 		}
