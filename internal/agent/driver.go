@@ -193,7 +193,7 @@ func (d firecrackerDriver) suspend(ctx context.Context, vm *impv1.ImpVM, dir str
 
 // quit sends Ctrl-Alt-Del, on which Firecracker exits with the guest's reset.
 func (d firecrackerDriver) quit(ctx context.Context, uid types.UID) error {
-	c := firecracker.NewClient(filepath.Join(d.a.jailRoot(uid), "run/firecracker.socket"))
+	c := firecracker.NewJailClient(d.a.jailRoot(uid))
 	return c.Do(ctx, "PUT", "/actions", firecracker.Action{ActionType: "SendCtrlAltDel"}, nil)
 }
 

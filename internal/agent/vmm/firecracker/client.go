@@ -26,10 +26,14 @@ type Client struct {
 
 // NewClient returns a client of the API socket at path.
 func NewClient(path string) *Client {
+	return newClient(func(context.Context) (net.Conn, error) { return vmm.DialUnix(path) })
+}
+
+func newClient(dial func(context.Context) (net.Conn, error)) *Client {
 	return &Client{http: &http.Client{
 		Timeout: 30 * time.Second,
-		Transport: &http.Transport{DialContext: func(context.Context, string, string) (net.Conn, error) {
-			return vmm.DialUnix(path)
+		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return dial(ctx)
 		}},
 	}}
 }

@@ -294,7 +294,7 @@ func Start(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) 
 // Suspend pauses the VM, writes its snapshot (state and memory) into the jail and kills the
 // VMM, whose memory goes back to the node. When the snapshot fails the VM is resumed.
 func Suspend(ctx context.Context, s Spec, rec *vmm.Record) error {
-	c := NewClient(s.APISocket())
+	c := NewJailClient(s.ChrootDir())
 	if err := Pause(ctx, c); err != nil {
 		return err
 	}
@@ -316,8 +316,7 @@ func Suspend(ctx context.Context, s Spec, rec *vmm.Record) error {
 
 // Snapshotted says whether the VM jailed for s has a snapshot to resume from.
 func Snapshotted(s Spec) bool {
-	_, err := os.Stat(filepath.Join(s.ChrootDir(), jailSnapshotState))
-	return err == nil
+	return existsInJail(s.ChrootDir(), jailSnapshotState)
 }
 
 // ResumeSnapshot starts a fresh VMM in the VM's jail and loads its snapshot, resuming the VM
@@ -326,7 +325,7 @@ func ResumeSnapshot(ctx context.Context, s Spec, configHash string) (*vmm.Record
 	rec, err := launch(ctx, s, configHash, func(c *Client) error { return LoadSnapshot(ctx, c, jailSnapshotState, jailSnapshotMem, true) })
 	if err == nil {
 		for _, f := range []string{jailSnapshotState, jailSnapshotMem} {
-			_ = os.Remove(filepath.Join(s.ChrootDir(), f))
+			_ = removeInJail(s.ChrootDir(), f)
 		}
 	}
 	return rec, err
@@ -336,7 +335,9 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 	if err := PrepareChroot(s); err != nil {
 		return nil, err
 	}
-	_ = os.Remove(s.APISocket())
+	if err := removeInJail(s.ChrootDir(), jailAPISock); err != nil {
+		return nil, fmt.Errorf("removing the old API socket: %w", err)
+	}
 	logf, err := os.OpenFile(filepath.Join(s.Dir, JailerLog), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, err
@@ -365,10 +366,10 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 		_ = cmd.Process.Kill()
 		return nil, err
 	}
-	if err := waitForSocket(ctx, s.APISocket(), rec, 10*time.Second); err != nil {
+	if err := waitForSocket(ctx, s.ChrootDir(), rec, 10*time.Second); err != nil {
 		return fail(err)
 	}
-	if err := configure(NewClient(s.APISocket())); err != nil {
+	if err := configure(NewJailClient(s.ChrootDir())); err != nil {
 		return fail(err)
 	}
 	if err := vmm.WriteRecord(s.Dir, rec); err != nil {
@@ -404,17 +405,17 @@ func OpenConsole(dir string) (*os.File, error) {
 	return os.OpenFile(filepath.Join(dir, ConsoleInput), os.O_WRONLY|syscall.O_NONBLOCK|syscall.O_NOFOLLOW, 0)
 }
 
-func waitForSocket(ctx context.Context, path string, rec *vmm.Record, timeout time.Duration) error {
+func waitForSocket(ctx context.Context, root string, rec *vmm.Record, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
-		if _, err := os.Stat(path); err == nil {
+		if existsInJail(root, jailAPISock) {
 			return nil
 		}
 		if !rec.Alive() {
 			return errors.New("the jailer exited before Firecracker's API socket appeared (see jailer.log)")
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			return fmt.Errorf("no API socket at %s after %v", path, timeout)
+			return fmt.Errorf("no API socket at %s after %v", filepath.Join(root, jailAPISock), timeout)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -519,7 +520,7 @@ func DialSession(root string) (net.Conn, error) {
 }
 
 func dialPort(root string, port int) (net.Conn, error) {
-	conn, err := vmm.DialUnix(filepath.Join(root, jailVsock))
+	conn, err := dialInJail(root, jailVsock)
 	if err != nil {
 		return nil, err
 	}

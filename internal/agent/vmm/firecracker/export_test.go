@@ -1,0 +1,7 @@
+package firecracker
+
+// RemoveInJail and ExistsInJail are the jail's file operations, for the attack tests.
+var (
+	RemoveInJail = removeInJail
+	ExistsInJail = existsInJail
+)
