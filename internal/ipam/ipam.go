@@ -184,6 +184,42 @@ func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *im
 	return netip.Addr{}, ErrExhausted
 }
 
+// ReleaseOn deletes the address vm holds on net, if it holds one, and returns it: asked of
+// the allocator's memory of the network (loaded from the API once), so that asking for a VM
+// that holds none costs no request.
+func (a *Allocator) ReleaseOn(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM) (netip.Addr, error) {
+	key := client.ObjectKeyFromObject(net)
+	n := a.network(key)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !n.synced {
+		if err := a.sync(ctx, key, n); err != nil {
+			return netip.Addr{}, err
+		}
+	}
+	addr, ok := n.byVM[vm.UID]
+	if !ok {
+		return netip.Addr{}, nil
+	}
+	claim := &impv1.ImpIPAddress{}
+	err := a.reader.Get(ctx, types.NamespacedName{Namespace: net.Namespace, Name: impv1.IPAddressName(net.Name, addr.String())}, claim)
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return netip.Addr{}, fmt.Errorf("reading address %s of network %s: %w", addr, net.Name, err)
+	case claim.Spec.VMRef.UID == vm.UID: // our memory may be behind: only vm's own goes
+		if err := a.writer.Delete(ctx, claim, client.Preconditions{UID: &claim.UID}); err != nil && !apierrors.IsNotFound(err) {
+			return netip.Addr{}, fmt.Errorf("releasing address %s of network %s: %w", addr, net.Name, err)
+		}
+	}
+	delete(n.byVM, vm.UID)
+	delete(n.nodeOf, vm.UID)
+	if n.used[addr] == vm.UID {
+		delete(n.used, addr)
+	}
+	return addr, nil
+}
+
 // Release deletes every address vm holds in its namespace.
 func (a *Allocator) Release(ctx context.Context, vm *impv1.ImpVM) error {
 	var list impv1.ImpIPAddressList

@@ -310,6 +310,14 @@ func consistently(t *testing.T, f any, d time.Duration) AsyncAssertion {
 // the returned function kills it (SIGKILL: a crash, not a shutdown) or the test ends.
 func (e *env) startOperatorProcess() (kill func()) {
 	e.t.Helper()
+	kill, _ = e.startOperatorProcessWith()
+	return kill
+}
+
+// startOperatorProcessWith is startOperatorProcess with env added to the process's
+// environment (a failpoint); exited is closed when the process has ended.
+func (e *env) startOperatorProcessWith(env ...string) (kill func(), exited <-chan struct{}) {
+	e.t.Helper()
 	operatorBinary.Do(func() {
 		dir, err := os.MkdirTemp("", "imp-operator-bin")
 		if err != nil {
@@ -330,13 +338,15 @@ func (e *env) startOperatorProcess() (kill func()) {
 		"--node-lost-grace-period", e.opts.VM.NodeLostGracePeriod.String(), "--agent-heartbeat-timeout", e.opts.VM.AgentHeartbeatTimeout.String(),
 		"--deletion-timeout", e.opts.VM.DeletionTimeout.String())
 	cmd.Stderr = os.Stderr
+	cmd.Env = append(os.Environ(), env...)
 	if err := cmd.Start(); err != nil {
 		e.t.Fatal(err)
 	}
-	var once sync.Once
-	kill = func() { once.Do(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }) }
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	kill = func() { _ = cmd.Process.Kill(); <-done }
 	e.t.Cleanup(kill)
-	return kill
+	return kill, done
 }
 
 var (

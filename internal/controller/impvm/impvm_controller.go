@@ -30,6 +30,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/placement"
 	"github.com/syscode-labs/imp/internal/runsecret"
@@ -368,12 +369,12 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	var unsched *placement.Unschedulable
 	if errors.As(err, &unsched) {
 		s.schedReason, s.schedMsg = impv1.ReasonNoNodeAvailable, unsched.Message
-		return nil
+		return r.releaseUnplaced(ctx, net, vm)
 	}
 	var exceeded *placement.QuotaExceeded
 	if errors.As(err, &exceeded) {
 		s.schedReason, s.schedMsg = impv1.ReasonQuotaExceeded, exceeded.Message
-		return nil
+		return r.releaseUnplaced(ctx, net, vm)
 	}
 	if err != nil {
 		return fmt.Errorf("placing: %w", err)
@@ -383,6 +384,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	var addr netip.Addr
 	if net != nil {
 		addr, err = r.IPAM.Allocate(ctx, net, vm, node)
+		failpoint.Crash("operator-address-claimed")
 		if err != nil {
 			r.Ledger.Release(vm.UID)
 			if errors.Is(err, ipam.ErrExhausted) {
@@ -412,6 +414,24 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory)", node, res.VCPUs, res.Memory.String())
 	}
 	log.FromContext(ctx).V(1).Info("placed", "node", klog.KRef("", node), "instance", vm.Status.Instance)
+	return nil
+}
+
+// releaseUnplaced releases the address an unplaced VM holds on net: one an operator claimed
+// and then died before writing the placement (the address names a node the VM is not on).
+// A VM that waits for room holds no address, so that waiting VMs do not drain a small
+// network; it gets one again when it is placed.
+func (r *Reconciler) releaseUnplaced(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM) error {
+	if net == nil {
+		return nil
+	}
+	released, err := r.IPAM.ReleaseOn(ctx, net, vm)
+	if err != nil {
+		return fmt.Errorf("releasing the address of an unplaced VM: %w", err)
+	}
+	if released.IsValid() {
+		log.FromContext(ctx).Info("released the address of a VM that is not placed", "address", released, "network", net.Name)
+	}
 	return nil
 }
 

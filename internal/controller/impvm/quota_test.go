@@ -15,11 +15,13 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
@@ -291,5 +293,58 @@ func TestOnlyTheOperatorClaimsPressure(t *testing.T) {
 	}
 	if err := create(operator, susp("pressure", impv1.SuspendReasonPressure)); err != nil {
 		t.Errorf("the operator cannot suspend for pressure: %v", err)
+	}
+}
+
+// TestAnAddressWithoutAPlacementIsReleased: the operator is killed (a failpoint) between
+// claiming a VM's address, which names the node it chose, and writing the placement. When the
+// operator is back and the VM has no room any more, the VM waits unplaced holding no address
+// (it held one naming a node it is not on, draining the network); once there is room again it
+// is placed with an address.
+func TestAnAddressWithoutAPlacementIsReleased(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	node := e.node("only", 4, 4)
+	e.startAgent(nil)
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "small"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.40.0.0/29"}})
+	_, exited := e.startOperatorProcessWith(failpoint.EnvVar + "=operator-address-claimed")
+	vm := e.vm("waits", 1, "1Gi")
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "small"}
+	e.create(vm)
+	select {
+	case <-exited:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the operator never reached its failpoint")
+	}
+	addresses := func() []string {
+		var list impv1.ImpIPAddressList
+		if err := e.c.List(ctx, &list, client.InNamespace(e.ns)); err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, a := range list.Items {
+			out = append(out, a.Spec.Address+"@"+a.Spec.NodeName)
+		}
+		return out
+	}
+	if got := addresses(); len(got) != 1 || e.get("waits").Status.NodeName != "" {
+		t.Fatalf("after the crash: addresses %v, node %q; want one address and no placement", got, e.get("waits").Status.NodeName)
+	}
+	// No room now: the node leaves the VM's pool.
+	patch := client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"labels":{"imp.test/pool":null}}}`))
+	if err := e.c.Patch(ctx, node, patch); err != nil {
+		t.Fatal(err)
+	}
+	e.startOperator()
+	eventually(t, func() string { return scheduled(e.get("waits")) }).Should(Equal(impv1.ReasonNoNodeAvailable))
+	eventually(t, addresses).Should(BeEmpty(), "a VM that waits for room holds an address")
+	// Room again: placed, with an address.
+	patch = client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"labels":{"imp.test/pool":"`+e.pool+`"}}}`))
+	if err := e.c.Patch(ctx, node, patch); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("waits").Status.IP }).ShouldNot(BeEmpty())
+	if got := addresses(); len(got) != 1 || !strings.HasSuffix(got[0], "@"+node.Name) {
+		t.Errorf("placed: addresses %v, want one naming %s", got, node.Name)
 	}
 }
