@@ -21,6 +21,7 @@ import (
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
+	"github.com/syscode-labs/imp/internal/subresources"
 )
 
 func main() {
@@ -74,6 +75,8 @@ func run() error {
 	fs.StringVar(&sub.service, "subresources-service", "imp-subresources", "the subresource server's Service, named in its serving certificate")
 	fs.StringVar(&sub.apiService, "subresources-apiservice", "v1alpha1.subresources.imp.dev", "the APIService whose caBundle gets the access CA (empty: left alone)")
 	fs.IntVar(&sub.agentPort, "agent-access-port", 10260, "port of the agents' access endpoint")
+	fs.IntVar(&sub.maxStreamsPerUser, "max-streams-per-user", subresources.DefaultMaxStreamsPerUser, "subresource requests (exec, port-forward, console, followed logs) one user may have open at once through one operator replica; past it, 429")
+	fs.IntVar(&sub.maxStreamsPerVM, "max-streams-per-vm", subresources.DefaultMaxStreamsPerVM, "subresource requests open at once to one ImpVM through one operator replica; past it, 429")
 	fs.DurationVar(&admissionTimeout, "wait-for-admission", 0, "instead of running: wait until the API server admits ImpVMs in --run-secret-namespace (a dry-run create, retried each second) for at most this long, then exit (the chart's post-install hook)")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {

@@ -25,6 +25,7 @@ type subresourceFlags struct {
 	addr, namespace, caNamespace, service string
 	apiService                            string
 	agentPort                             int
+	maxStreamsPerUser, maxStreamsPerVM    int
 }
 
 // setup adds the access certificates' rotator, the agents' certificate signer and the
@@ -45,7 +46,8 @@ func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.
 		return fmt.Errorf("setting up the agents' certificate signer: %w", err)
 	}
 	fp := &subresources.FrontProxy{}
-	srv := &subresources.Server{Reader: mgr.GetClient(), FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: f.agentPort, Log: log}
+	srv := &subresources.Server{Reader: mgr.GetClient(), FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: f.agentPort, Log: log,
+		MaxStreamsPerUser: f.maxStreamsPerUser, MaxStreamsPerVM: f.maxStreamsPerVM}
 	return errors.Join(mgr.Add(rot), mgr.Add(nonLeader(func(ctx context.Context) error {
 		// The front proxy's identity, at start and every 5 minutes (the API server's CA
 		// rotates rarely).

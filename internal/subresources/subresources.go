@@ -12,6 +12,7 @@
 package subresources
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -40,6 +41,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/pki"
+	"github.com/syscode-labs/imp/internal/streamcap"
 )
 
 // Group and Version of the subresources' API.
@@ -74,10 +76,41 @@ type Server struct {
 	Log       logr.Logger
 	// Clock is the real one when nil.
 	Clock clock.PassiveClock
+	// MaxStreamsPerUser and MaxStreamsPerVM bound the requests (streams: exec, port-forward,
+	// console, a followed log) open at once for one user and to one VM, through this server;
+	// past them a request is refused 429. Defaults: DefaultMaxStreamsPerUser, PerVM.
+	MaxStreamsPerUser, MaxStreamsPerVM int
+
+	capsOnce       sync.Once
+	perUser, perVM *streamcap.Limiter
 
 	mu     sync.Mutex
 	trs    map[string]*nodeTransport // by node
 	pruned time.Time
+}
+
+// The default bounds of streams open at once through one server.
+const (
+	DefaultMaxStreamsPerUser = 64
+	DefaultMaxStreamsPerVM   = 32
+)
+
+// acquire counts a stream of user to the VM key, or says why not.
+func (s *Server) acquire(user string, key types.NamespacedName) (func(), error) {
+	s.capsOnce.Do(func() {
+		s.perUser = streamcap.New(cmp.Or(s.MaxStreamsPerUser, DefaultMaxStreamsPerUser), "user")
+		s.perVM = streamcap.New(cmp.Or(s.MaxStreamsPerVM, DefaultMaxStreamsPerVM), "ImpVM")
+	})
+	releaseUser, err := s.perUser.Acquire(user)
+	if err != nil {
+		return nil, err
+	}
+	releaseVM, err := s.perVM.Acquire(key.String())
+	if err != nil {
+		releaseUser()
+		return nil, err
+	}
+	return func() { releaseVM(); releaseUser() }, nil
 }
 
 // nodeTransport is a node's transport and when a request last took it.
@@ -149,6 +182,13 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		return
 	}
 	log := s.Log.WithValues("vm", types.NamespacedName{Namespace: ns, Name: name}, "subresource", sub, "user", user)
+	release, err := s.acquire(user, types.NamespacedName{Namespace: ns, Name: name})
+	if err != nil {
+		log.Info("refused", "reason", err.Error())
+		writeStatus(w, apierrors.NewTooManyRequests(err.Error(), 1))
+		return
+	}
+	defer release()
 	ctx := r.Context()
 	vm := &impv1.ImpVM{}
 	if err := s.Reader.Get(ctx, types.NamespacedName{Namespace: ns, Name: name}, vm); err != nil {

@@ -755,3 +755,84 @@ func TestAKeptCertificateOfAnOldCAIsReplaced(t *testing.T) {
 		t.Errorf("the kept file still holds the old CA (%v)", err)
 	}
 }
+
+// TestStreamsAreCapped: a user with view rights opens followed logs, each held open: past
+// DefaultMaxStreamsPerVM to one VM the next is refused 429 naming the VM, for another user
+// too, until one closes; past DefaultMaxStreamsPerUser over two VMs the user's next is refused
+// naming the user.
+func TestStreamsAreCapped(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	viewer := w.user(t, "vicky", "imp-view")
+	other := w.user(t, "olga", "imp-view")
+	rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: w.nsB, Name: "vicky-imp-view"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "imp-view"},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "vicky"}}}
+	if err := w.cl.Client.Create(ctx, rb); err != nil {
+		t.Fatal(err)
+	}
+	follow := func(cfg *rest.Config, ns string) (*http.Response, error) {
+		hc, err := rest.HTTPClientFor(cfg)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := hc.Get(strings.TrimSuffix(cfg.Host, "/") + w.path(ns, "log") + "?follow=true")
+		if err != nil {
+			return nil, err
+		}
+		t.Cleanup(func() { resp.Body.Close() })
+		return resp, nil
+	}
+	refusal := func(resp *http.Response) string {
+		if resp.StatusCode == http.StatusOK {
+			return "200: a stream, served"
+		}
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return fmt.Sprintf("%d %s", resp.StatusCode, b)
+	}
+	var open []*http.Response
+	for i := range subresources.DefaultMaxStreamsPerVM {
+		resp, err := follow(viewer, w.nsA)
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("stream %d: %v %v", i, err, resp)
+		}
+		open = append(open, resp)
+	}
+	for _, cfg := range []*rest.Config{viewer, other} {
+		resp, err := follow(cfg, w.nsA)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := refusal(resp); resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(got, "ImpVM "+w.nsA+"/vm has 32 streams open") {
+			t.Errorf("a stream past the VM's bound: %s", got)
+		}
+	}
+	// 32 to B too: vicky's 64, her bound, and the next is refused for her.
+	for i := range subresources.DefaultMaxStreamsPerVM {
+		resp, err := follow(viewer, w.nsB)
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("stream %d to B: %v %v", i, err, resp)
+		}
+	}
+	resp, err := follow(viewer, w.nsB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := refusal(resp); resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(got, "user vicky has 64 streams open") {
+		t.Errorf("a stream past the user's bound: %s", got)
+	}
+	// One of vicky's to A closes: olga's is served.
+	open[0].Body.Close()
+	// The subresource server sees the close when its copy next fails: a moment.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := follow(other, w.nsA)
+		if err == nil && resp.StatusCode == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after one closed, another is still refused: %v %v", err, resp)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
