@@ -54,6 +54,7 @@ start() { # name, args...
 start imp-operator bin/imp-operator --kubeconfig "$KUBECONFIG" --leader-elect=false \
   --metrics-bind-address 127.0.0.1:18080 --health-probe-bind-address 127.0.0.1:18081 --log-format text
 start imp-agent bin/imp-agent --kubeconfig "$KUBECONFIG" --node-name "$NODE" --state-dir "$STATE/node" \
+  --local-registry "127.0.0.1:$REGISTRY_PORT" \
   --kernel "$KERNEL" --initramfs "$STATE/boot/initramfs.cpio.gz" --reserve-vcpus 0 --vcpu-overcommit 4 \
   --metrics-bind-address 127.0.0.1:18090 --health-probe-bind-address 127.0.0.1:18091 --log-format text
 for p in 18081 18091; do

@@ -123,6 +123,10 @@ func run() error {
 		opts.InsecureRegistries = append(opts.InsecureRegistries, s)
 		return nil
 	})
+	fs.Func("local-registry", "registry on a loopback or link-local address that images may name: host:port, or host for any port (repeatable; an --insecure-registry counts too); any other there is refused", func(s string) error {
+		opts.LocalRegistries = append(opts.LocalRegistries, s)
+		return nil
+	})
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
 	fs.StringVar(&accessAddr, "access-bind-address", ":10260", "address of the access endpoint (exec, port-forward, console log) that IMP's subresource server reaches over mutual TLS")
 	fs.StringVar(&accessDir, "access-cert-dir", "", "directory of the access endpoint's tls.crt, tls.key and the client CA ca.crt, read again when they change; empty: no access endpoint")

@@ -18,12 +18,14 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -43,9 +45,11 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
+	"github.com/syscode-labs/imp/internal/agent/pullnet"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
@@ -86,6 +90,10 @@ type Options struct {
 	VCPUOvercommit float64
 	// InsecureRegistries may be reached over plain HTTP (loopback registries always may).
 	InsecureRegistries []string
+	// LocalRegistries are registries on a loopback or link-local address that images may name
+	// ("host:port", or "host" for any port); InsecureRegistries count as named too. Any other
+	// on such an address is refused (pullnet).
+	LocalRegistries []string
 	// MaxImageBytes bounds the files of one image.
 	MaxImageBytes int64
 	// MaxImageEntries bounds the entries of one image (disk.DefaultMaxEntries when 0).
@@ -215,7 +223,8 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		a.Opts.PullTimeout = 5 * time.Minute
 	}
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries,
-		ResolveTTL: a.Opts.ImageResolveTTL}
+		ResolveTTL:    a.Opts.ImageResolveTTL,
+		RemoteOptions: []remote.Option{remote.WithTransport(pullnet.Transport(append(slices.Clone(a.Opts.LocalRegistries), a.Opts.InsecureRegistries...)))}}
 	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*stopping{}
@@ -459,7 +468,8 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Start", "%v", err)
 		failed := base
 		now := metav1.Now()
-		failed.State, failed.Reason, failed.Message, failed.FinishedAt = impv1.RuntimeExited, reason, err.Error(), &now
+		// A registry's answer, the tenant's to choose, may be in err: printable, one line, bounded.
+		failed.State, failed.Reason, failed.Message, failed.FinishedAt = impv1.RuntimeExited, reason, guestchan.Sanitize(err.Error()), &now
 		return a.report(ctx, vm, failed)
 	}
 	// Provenance first: nothing of the VM is made while a pinned artifact differs. Checked as

@@ -185,6 +185,7 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 		t.Fatal(err)
 	}
 	opts.Accel, opts.ReportInterval, opts.HeartbeatInterval, opts.VCPUOvercommit, opts.CgroupRoot = "tcg", time.Second, time.Second, 4, cgroup.Root
+	opts.LocalRegistries = append(opts.LocalRegistries, "127.0.0.1") // the tests' registries
 	if opts.NetNSDir == "" {
 		opts.NetNSDir = testnetns.PinDir(t) // each simulated node its own, never the machine's
 	}
@@ -524,7 +525,7 @@ func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
 	killVMMs(t, pw.stateDir)
 	nsDir := testnetns.PinDir(t)
 	pw.startAgent = func(env ...string) *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir,
+		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir, "--local-registry", "127.0.0.1",
 			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4",
 			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
 		cmd.Env = append(os.Environ(), env...)

@@ -4,9 +4,13 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -90,5 +94,45 @@ func TestAnotherTenantsPrivateImage(t *testing.T) {
 	}
 	if asked.Load() == 0 {
 		t.Error("the impostor registry was never asked")
+	}
+}
+
+// TestLoopbackRegistryIsRefused: a VM names an image at localhost:<port>, where a server of
+// the node (a stand-in for the kubelet's read-only port, an exporter) answers every request
+// with its secrets. The agent, whose flags name only the tests' registry address, refuses to
+// dial it: the VM fails with ImagePullFailed, and nothing the server said is in its status.
+func TestLoopbackRegistryIsRefused(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	var asked atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) {
+		asked.Add(1)
+		rw.WriteHeader(http.StatusNotFound)
+		_, _ = io.WriteString(rw, "node-secret-token: s3cr3t\x1b[2J")
+	}))
+	t.Cleanup(srv.Close)
+	port := srv.URL[strings.LastIndex(srv.URL, ":")+1:]
+	vm := w.vm("peek")
+	vm.Spec.Image = "localhost:" + port + "/x:y"
+	vm.Spec.RunStrategy = impv1.RunStrategyOnce
+	if err := w.c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	g.Eventually(func() string {
+		if rt := w.get("peek").Status.Runtime; rt != nil {
+			return rt.Reason + ": " + rt.Message
+		}
+		return ""
+	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(ContainSubstring("ImagePullFailed"))
+	msg := w.get("peek").Status.Runtime.Message
+	if strings.Contains(msg, "s3cr3t") || strings.Contains(msg, "\x1b") {
+		t.Errorf("the local server's answer reached the VM's status: %q", msg)
+	}
+	if !strings.Contains(msg, "loopback or link-local") {
+		t.Errorf("refused for another reason: %q", msg)
+	}
+	if asked.Load() != 0 {
+		t.Errorf("the local server was asked %d times", asked.Load())
 	}
 }

@@ -141,7 +141,7 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 		pprofAddr = pl.Addr().String()
 		pl.Close()
 	}
-	agent := exec.Command(agentBin, "--metrics-bind-address", metricsAddr, "--metrics-insecure", "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir, "--netns-dir", filepath.Join(tmp, "netns"),
+	agent := exec.Command(agentBin, "--metrics-bind-address", metricsAddr, "--metrics-insecure", "--local-registry", "127.0.0.1", "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir, "--netns-dir", filepath.Join(tmp, "netns"),
 		"--kernel", kernel, "--initramfs", initrd, "--reserve-vcpus", "0", "--vcpu-overcommit", "8",
 		"--health-probe-bind-address", "0", "--log-level", "error", "--starting-report-delay", reportDelay.String(), "--pprof-bind-address", pprofAddr)
 	agent.Stderr = os.Stderr
