@@ -151,6 +151,9 @@ func hostEgress(spec *impv1.EgressSpec) (hostnet.Egress, error) {
 					pr.Protocol = unix.IPPROTO_UDP
 				}
 				if port.EndPort != nil {
+					if *port.EndPort < 1 || *port.EndPort > 65535 {
+						return nil, fmt.Errorf("egress endPort %d of %s is not a port", *port.EndPort, r.CIDR)
+					}
 					pr.To = uint16(*port.EndPort)
 				}
 				if port.Port < 1 || port.Port > 65535 || pr.To < pr.From {
