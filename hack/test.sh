@@ -8,7 +8,7 @@
 # Env: IMP_CACHE [~/.cache/imp]   where built binaries live (kept between runs)
 #      KUBEBUILDER_ASSETS         use these etcd/kube-apiserver/kubectl instead of building them
 #      GO_TEST_FLAGS              extra flags for go test (e.g. -run Foo, -v)
-#      IMP_FUZZTIME [20s]         how long each fuzzer runs (guest channel, layer extractor)
+#      IMP_FUZZTIME               -fuzztime of each fuzzer (default: executions worth ~20 s each)
 #      IMP_E2E_VMM                firecracker: the end-to-end VM runs under Firecracker (a KVM
 #                                 host with firecracker and jailer in /usr/local/bin); default
 #                                 QEMU under TCG
@@ -57,12 +57,15 @@ go test -count=1 -timeout 45m ${GO_TEST_FLAGS:-} ./...
 
 step "fuzz"
 # What a guest writes on its channel and what a registry serves as a layer are untrusted: a
-# bounded run of each fuzzer on top of the seed corpus the unit tests already ran
-# (IMP_FUZZTIME each, default 20s). Minimizing an interesting input is bounded to 200
-# executions: Go's default (60 s each) spent most of the budget minimizing, at 0 execs/s.
-for target in "FuzzGuestChannel ./internal/agent/guestchan/" "FuzzApplyLayer ./internal/agent/disk/"; do
+# bounded run of each fuzzer on top of the seed corpus the unit tests already ran. Bounded by
+# executions (about 20 s each here), not by time: a duration's deadline can end a worker mid-
+# input and fail the run with "context deadline exceeded" and no crasher (go.dev/issue/75804),
+# as it did here once. Minimizing an interesting input is bounded to 200 executions: Go's
+# default (60 s each) spent most of the budget minimizing, at 0 execs/s. IMP_FUZZTIME, when
+# set, is the -fuzztime of both.
+for target in "FuzzGuestChannel ./internal/agent/guestchan/ 250000x" "FuzzApplyLayer ./internal/agent/disk/ 15000x"; do
   set -- $target
-  go test -run '^$' -fuzz "^$1\$" -fuzztime "${IMP_FUZZTIME:-20s}" -fuzzminimizetime 200x "$2"
+  go test -run '^$' -fuzz "^$1\$" -fuzztime "${IMP_FUZZTIME:-$3}" -fuzzminimizetime 200x "$2"
 done
 
 step "done in $((SECONDS - t0))s"
