@@ -124,7 +124,7 @@ func TestLoopbackRegistryIsRefused(t *testing.T) {
 			return rt.Reason + ": " + rt.Message
 		}
 		return ""
-	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(ContainSubstring("ImagePullFailed"))
+	}).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(ContainSubstring("ImagePullFailed"))
 	msg := w.get("peek").Status.Runtime.Message
 	if strings.Contains(msg, "s3cr3t") || strings.Contains(msg, "\x1b") {
 		t.Errorf("the local server's answer reached the VM's status: %q", msg)
