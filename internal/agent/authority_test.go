@@ -157,6 +157,10 @@ func TestAgentCannotBecomeTheOperator(t *testing.T) {
 		t.Fatal(err)
 	}
 	ns := testcluster.ChartNamespace
+	// The client is the agent's, with the agent's rights: reading a Node is one of them.
+	if _, err := cs.CoreV1().Nodes().Get(ctx, "imp-auth-op", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Fatalf("the agent's client cannot do what the agent may: %v", err)
+	}
 	if _, err := cs.CoreV1().ServiceAccounts(ns).CreateToken(ctx, testcluster.Operator, &authenticationv1.TokenRequest{}, metav1.CreateOptions{}); !apierrors.IsForbidden(err) {
 		t.Errorf("the agent asked for the operator's token: %v", err)
 	}

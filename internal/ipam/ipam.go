@@ -67,6 +67,19 @@ func (a *Allocator) network(key types.NamespacedName) *network {
 	return n
 }
 
+// lockSynced returns the network key locked, its claims loaded from the API once.
+func (a *Allocator) lockSynced(ctx context.Context, key types.NamespacedName) (*network, error) {
+	n := a.network(key)
+	n.mu.Lock()
+	if !n.synced {
+		if err := a.sync(ctx, key, n); err != nil {
+			n.mu.Unlock()
+			return nil, err
+		}
+	}
+	return n, nil
+}
+
 // sync reloads the network's claims from the API. Called with n.mu held.
 func (a *Allocator) sync(ctx context.Context, key types.NamespacedName, n *network) error {
 	var list impv1.ImpIPAddressList
@@ -102,14 +115,11 @@ func (a *Allocator) Allocate(ctx context.Context, net *impv1.ImpNetwork, vm *imp
 		return netip.Addr{}, err
 	}
 	key := client.ObjectKeyFromObject(net)
-	n := a.network(key)
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if !n.synced {
-		if err := a.sync(ctx, key, n); err != nil {
-			return netip.Addr{}, err
-		}
+	n, err := a.lockSynced(ctx, key)
+	if err != nil {
+		return netip.Addr{}, err
 	}
+	defer n.mu.Unlock()
 	if addr, ok := n.byVM[vm.UID]; ok && prefix.Contains(addr) {
 		return addr, a.locate(ctx, net, vm.UID, n, addr, node)
 	}
@@ -188,21 +198,17 @@ func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *im
 // the allocator's memory of the network (loaded from the API once), so that asking for a VM
 // that holds none costs no request.
 func (a *Allocator) ReleaseOn(ctx context.Context, net *impv1.ImpNetwork, vm *impv1.ImpVM) (netip.Addr, error) {
-	key := client.ObjectKeyFromObject(net)
-	n := a.network(key)
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if !n.synced {
-		if err := a.sync(ctx, key, n); err != nil {
-			return netip.Addr{}, err
-		}
+	n, err := a.lockSynced(ctx, client.ObjectKeyFromObject(net))
+	if err != nil {
+		return netip.Addr{}, err
 	}
+	defer n.mu.Unlock()
 	addr, ok := n.byVM[vm.UID]
 	if !ok {
 		return netip.Addr{}, nil
 	}
 	claim := &impv1.ImpIPAddress{}
-	err := a.reader.Get(ctx, types.NamespacedName{Namespace: net.Namespace, Name: impv1.IPAddressName(net.Name, addr.String())}, claim)
+	err = a.reader.Get(ctx, types.NamespacedName{Namespace: net.Namespace, Name: impv1.IPAddressName(net.Name, addr.String())}, claim)
 	switch {
 	case apierrors.IsNotFound(err):
 	case err != nil:

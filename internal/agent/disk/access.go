@@ -152,15 +152,22 @@ func (s *BaseStore) provenance(d name.Digest) ([]string, error) {
 	return s.provenanceLocked(d)
 }
 
+// provenanceLocked reads the provenance file once per digest while the store lives (a tag's
+// start asks on every run): kept in memory with it, dropped with its disk.
 func (s *BaseStore) provenanceLocked(d name.Digest) ([]string, error) {
-	data, err := os.ReadFile(s.provenancePath(d))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+	if repos, ok := s.provs[d.DigestStr()]; ok {
+		return repos, nil
 	}
-	if err != nil {
+	data, err := os.ReadFile(s.provenancePath(d))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("reading the provenance of %s: %w", d.DigestStr(), err)
 	}
-	return strings.Fields(string(data)), nil
+	repos := strings.Fields(string(data))
+	if s.provs == nil {
+		s.provs = map[string][]string{}
+	}
+	s.provs[d.DigestStr()] = repos
+	return repos, nil
 }
 
 // maxProvenance bounds the repositories kept per image: past it, the oldest is forgotten
@@ -179,14 +186,18 @@ func (s *BaseStore) addProvenance(d name.Digest) error {
 	if slices.Contains(repos, repo) {
 		return nil
 	}
-	repos = append(repos, repo)
+	repos = append(slices.Clone(repos), repo) // the kept slice is the one readers hold
 	if len(repos) > maxProvenance {
 		repos = repos[len(repos)-maxProvenance:]
 	}
 	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 		return err
 	}
-	return writeFileAtomic(s.Dir, s.provenancePath(d), []byte(strings.Join(repos, "\n")+"\n"))
+	if err := writeFileAtomic(s.Dir, s.provenancePath(d), []byte(strings.Join(repos, "\n")+"\n")); err != nil {
+		return err
+	}
+	s.provs[d.DigestStr()] = repos
+	return nil
 }
 
 // writeFileAtomic writes data to path through a temporary file of dir and a rename, so that

@@ -53,7 +53,8 @@ type BaseStore struct {
 	mu      sync.Mutex
 	active  map[string]bool            // build directories in use, which GC leaves alone
 	leases  map[string]int             // digest → leases held (Ensure until its release)
-	access  map[string]map[string]bool // digest → credentials the registry let pull it (Authorize)
+	access  map[string]map[string]bool // digest → repository and credentials proven (Authorize)
+	provs   map[string][]string        // digest → its provenance file, as read or written
 	pullers map[string]*remote.Puller  // registry sessions, by registry and credentials
 	tags    map[string]resolvedTag     // tag and credentials → digest, within ResolveTTL
 }
@@ -309,6 +310,7 @@ func (s *BaseStore) GC(inUse func() map[string]bool) (removed []string, err erro
 				_ = os.Remove(filepath.Join(s.Dir, strings.TrimSuffix(n, ".ext4")+ext))
 			}
 			delete(s.access, digest)
+			delete(s.provs, digest)
 		case sidecar(n) != "" && s.leases[strings.Replace(sidecar(n), "-", ":", 1)] == 0:
 			// A config or provenance whose disk is gone (a crash between the two), unless it
 			// went with its disk above.
