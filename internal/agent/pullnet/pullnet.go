@@ -21,8 +21,9 @@ import (
 // local registries that may be reached: "host:port", or "host" for any of its ports.
 func Transport(allowed []string) *http.Transport {
 	d := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
+	// The node's proxy (HTTPS_PROXY, NO_PROXY) is used as before: a connection to the proxy is
+	// checked as any other, so a proxy on the node's loopback must be named too.
 	t := http.DefaultTransport.(*http.Transport).Clone()
-	t.Proxy = nil // the node's proxy settings are not the tenant's to use
 	t.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
 		host, port, err := net.SplitHostPort(addr)
 		if err != nil {

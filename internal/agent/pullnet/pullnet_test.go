@@ -31,6 +31,9 @@ func TestLocalRegistriesOnlyWhenNamed(t *testing.T) {
 		b, err := io.ReadAll(resp.Body)
 		return string(b), err
 	}
+	if pullnet.Transport(nil).Proxy == nil {
+		t.Error("the node's proxy settings are not used")
+	}
 	localhost := "http://localhost:" + secret.URL[strings.LastIndex(secret.URL, ":")+1:]
 	for _, tc := range []struct {
 		name    string
