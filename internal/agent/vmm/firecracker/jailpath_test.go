@@ -1,6 +1,7 @@
 package firecracker_test
 
 import (
+	"bufio"
 	"context"
 	"net"
 	"os"
@@ -49,8 +50,12 @@ func TestJailSocketLinksAreNotFollowed(t *testing.T) {
 				return
 			}
 			dialled.Add(1)
-			_, _ = c.Write([]byte("OK 1\n"))
-			c.Close()
+			go func() { // as Firecracker does: the CONNECT line, then the acknowledgement
+				defer c.Close()
+				if _, err := bufio.NewReader(c).ReadString('\n'); err == nil {
+					_, _ = c.Write([]byte("OK 1\n"))
+				}
+			}()
 		}
 	}()
 	if err := os.WriteFile(filepath.Join(b, "snapshot/vm.mem"), []byte("B's memory"), 0o600); err != nil {
