@@ -18,6 +18,19 @@ type NodeResources struct {
 	Disk *resource.Quantity `json:"disk,omitempty"`
 }
 
+// NodeImages is what a node holds of VM images on its state file system, beside the VMs'
+// disks: allocatable.disk leaves it out.
+type NodeImages struct {
+	// disks is the number of base disks (one per image digest).
+	// +kubebuilder:validation:Minimum=0
+	Disks int32 `json:"disks"`
+	// bytes the base disks take, in whole MiB.
+	Bytes resource.Quantity `json:"bytes"`
+	// builds of base disks in progress.
+	// +kubebuilder:validation:Minimum=0
+	Builds int32 `json:"builds"`
+}
+
 // VMMCapability is a VMM a node can run.
 type VMMCapability struct {
 	// kind of the VMM.
@@ -72,6 +85,9 @@ type ImpNodeStatus struct {
 	// +optional
 	// +listType=atomic
 	Networks []NodeNetwork `json:"networks,omitempty"`
+	// images is what the node holds of VM images: base disks, and builds in progress.
+	// +optional
+	Images *NodeImages `json:"images,omitempty"`
 	// agentVersion is the version of the node's agent.
 	// +optional
 	AgentVersion string `json:"agentVersion,omitempty"`

@@ -58,6 +58,25 @@ func runPreflightMode(cfg preflight.Config) error {
 	return nil
 }
 
+// bytesFlag defines a flag of a byte count written as a quantity ("16Gi"), set to def.
+func bytesFlag(fs *flag.FlagSet, p *int64, name, def, usage string) {
+	set := func(v string) error {
+		q, err := resource.ParseQuantity(v)
+		if err != nil {
+			return err
+		}
+		if q.Sign() < 0 {
+			return fmt.Errorf("%s is negative", v)
+		}
+		*p = q.Value()
+		return nil
+	}
+	if err := set(def); err != nil {
+		panic(err)
+	}
+	fs.Func(name, usage+" (default "+def+")", set)
+}
+
 func run() error {
 	var (
 		opts                   agent.Options
@@ -87,6 +106,12 @@ func run() error {
 	fs.StringVar(&reserveDisk, "reserve-disk", "20Gi", "space of the state directory's file system kept for base images, logs and the host, not offered to VMs' writable disks")
 	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each file a VM writes on the node: its console, its VMM's log (and Firecracker's metrics and jailer output); past it a file keeps its newest half")
 	fs.Int64Var(&opts.MaxImageEntries, "max-image-entries", 500_000, "most entries (files, directories, links) one image may hold on the node")
+	bytesFlag(fs, &opts.MaxImageBytes, "max-image-bytes", "16Gi", "most bytes of files one image may hold on the node")
+	fs.IntVar(&opts.ImageBuilds.Concurrent, "image-builds", 2, "images the node builds into base disks at once (0: unbounded)")
+	fs.IntVar(&opts.ImageBuilds.PerTenantConcurrent, "image-builds-per-namespace", 1, "images of one namespace's VMs the node builds at once (0: unbounded)")
+	bytesFlag(fs, &opts.ImageBuilds.InFlight, "image-build-bytes", "40Gi", "bytes the node's image builds hold at once on the state file system, extracted files and the disks made of them (0: unbounded)")
+	bytesFlag(fs, &opts.ImageBuilds.PerTenantInFlight, "image-build-bytes-per-namespace", "34Gi", "bytes the builds of one namespace's images hold at once (0: unbounded)")
+	bytesFlag(fs, &opts.ImageBuilds.MinFree, "image-build-min-free", "5Gi", "free space of the state file system that image builds never write into: VMs' sparse disks grow there (0: none)")
 	fs.DurationVar(&opts.FinishedDiskRetention, "finished-disk-retention", 24*time.Hour, "how long a VM that finished (Succeeded or Failed) keeps its disks on the node (0: until it is deleted)")
 	fs.DurationVar(&opts.PullTimeout, "image-pull-timeout", 5*time.Minute, "longest time resolving and pulling a VM's image may take")
 	fs.DurationVar(&opts.ImageResolveTTL, "image-resolve-ttl", 0, "how long what a tag resolved to is kept, per pull credentials: a start within it asks the registry nothing (0: ask at every start)")

@@ -98,6 +98,9 @@ type Options struct {
 	MaxImageBytes int64
 	// MaxImageEntries bounds the entries of one image (disk.DefaultMaxEntries when 0).
 	MaxImageEntries int64
+	// ImageBuilds bound the node's image builds together: at once, bytes in flight (in all
+	// and per namespace), and the free space they never write into.
+	ImageBuilds disk.BuildLimits
 	// RunSecretNamespace is IMP's namespace, where the operator writes each VM's run Secret:
 	// the only Secrets this agent reads (runsecret.DefaultNamespace when empty).
 	RunSecretNamespace string
@@ -196,7 +199,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		a.Opts.Accel = qemu.Accel()
 	}
 	if a.Opts.MaxImageBytes == 0 {
-		a.Opts.MaxImageBytes = 64 << 30
+		a.Opts.MaxImageBytes = 16 << 30
 	}
 	if a.Opts.ConsoleLogBytes == 0 {
 		a.Opts.ConsoleLogBytes = 1 << 20
@@ -223,6 +226,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		a.Opts.PullTimeout = 5 * time.Minute
 	}
 	a.images = &disk.BaseStore{Dir: filepath.Join(a.Opts.StateDir, "images"), MaxBytes: a.Opts.MaxImageBytes, MaxEntries: a.Opts.MaxImageEntries,
+		Limits:        a.Opts.ImageBuilds,
 		ResolveTTL:    a.Opts.ImageResolveTTL,
 		RemoteOptions: []remote.Option{remote.WithTransport(pullnet.Transport(append(slices.Clone(a.Opts.LocalRegistries), a.Opts.InsecureRegistries...)))}}
 	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}

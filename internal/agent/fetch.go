@@ -89,7 +89,7 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 	}
 	step("image_resolve")
 	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
-	if f.baseDisk, f.release, err = a.images.Ensure(ctx, f.digest, kc); err != nil {
+	if f.baseDisk, f.release, err = a.images.Ensure(ctx, vm.Namespace, f.digest, kc); err != nil {
 		if errors.Is(err, disk.ErrUnsafeLayer) {
 			return "ImageRefused", err
 		}

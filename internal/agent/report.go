@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	iofs "io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -123,14 +124,22 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 		VCPUs:  int32(float64(max(cpus-a.Opts.ReserveVCPUs, 0)) * max(a.Opts.VCPUOvercommit, 1)),
 		Memory: *resource.NewQuantity(max(mem-a.Opts.ReserveMemory, 0), resource.BinarySI),
 	}
-	// Disk: the file system of the state directory, where the VMs' writable disks live; the
-	// reserve keeps room for base images, logs and the node. Placement sums the VMs' diskSize
-	// against it (sparse files: a bound, not a measure of what is written).
+	// Disk: the file system of the state directory, where the VMs' writable disks and
+	// suspended memory live. Placement sums the VMs' diskSize (and suspended memory) against
+	// allocatable: what is free plus what those files already take, less the reserve. What
+	// else fills the file system (base disks, builds, logs, the node's own files) is not
+	// offered, so placement never counts on space that something else took.
 	var fs unix.Statfs_t
 	if err := unix.Statfs(a.Opts.StateDir, &fs); err == nil {
 		total := int64(fs.Blocks) * fs.Bsize
+		free := int64(fs.Bavail) * fs.Bsize
 		node.Status.Capacity.Disk = resource.NewQuantity(total, resource.BinarySI)
-		node.Status.Allocatable.Disk = resource.NewQuantity(max(total-a.Opts.ReserveDisk, 0), resource.BinarySI)
+		offered := min(total, free+a.vmBytes()) - a.Opts.ReserveDisk
+		node.Status.Allocatable.Disk = resource.NewQuantity(max(offered, 0)&^(reportGranule-1), resource.BinarySI)
+	}
+	if u, err := a.images.Usage(); err == nil {
+		node.Status.Images = &impv1.NodeImages{Disks: int32(u.Disks), Builds: int32(u.Builds),
+			Bytes: *resource.NewQuantity(u.DiskBytes&^(1<<20-1), resource.BinarySI)}
 	}
 	node.Status.VMMs = vmms
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
@@ -151,6 +160,34 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 		return fmt.Errorf("reporting ImpNode %s: %w", a.Opts.NodeName, err)
 	}
 	return nil
+}
+
+// reportGranule rounds the allocatable disk down: free space moves with every write, and a
+// report is written (and reaches every agent's watch) only when it changes.
+const reportGranule = 256 << 20
+
+// vmBytes is what the VMs' state directories and jails take on the state file system (a file
+// linked twice counted once): the writable disks and suspended memory that placement counts
+// at their full size, and the VMs' small files beside them.
+func (a *Agent) vmBytes() int64 {
+	type fileID struct{ dev, ino uint64 }
+	seen := map[fileID]bool{}
+	var n int64
+	for _, top := range []string{filepath.Join(a.Opts.StateDir, "vms"), a.jailBase()} {
+		_ = filepath.WalkDir(top, func(p string, d iofs.DirEntry, err error) error {
+			if err != nil || !d.Type().IsRegular() {
+				return nil
+			}
+			var st unix.Stat_t
+			if unix.Lstat(p, &st) != nil || seen[fileID{st.Dev, st.Ino}] {
+				return nil
+			}
+			seen[fileID{st.Dev, st.Ino}] = true
+			n += st.Blocks * 512
+			return nil
+		})
+	}
+	return n
 }
 
 func artifact(path string) *impv1.Artifact {

@@ -5,6 +5,7 @@ package testregistry
 import (
 	"archive/tar"
 	"bytes"
+	"compress/gzip"
 	"fmt"
 	"io"
 	"log"
@@ -87,6 +88,44 @@ func Layer(t testing.TB, tarData []byte) v1.Layer {
 		t.Fatal(err)
 	}
 	return l
+}
+
+// Bomb makes a layer that compresses to little and extracts to one file of size zeros, with a
+// tag file that tells bombs apart: the tar is made as it is read, never held in memory.
+func Bomb(t testing.TB, tag string, size int64) v1.Layer {
+	t.Helper()
+	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
+		pr, pw := io.Pipe()
+		go func() {
+			tw := tar.NewWriter(pw)
+			err := tw.WriteHeader(&tar.Header{Name: "tag", Mode: 0o644, Size: int64(len(tag)), Typeflag: tar.TypeReg})
+			if err == nil {
+				_, err = tw.Write([]byte(tag))
+			}
+			if err == nil {
+				err = tw.WriteHeader(&tar.Header{Name: "zeros", Mode: 0o644, Size: size, Typeflag: tar.TypeReg})
+			}
+			if err == nil {
+				_, err = io.CopyN(tw, zeros{}, size)
+			}
+			if err == nil {
+				err = tw.Close()
+			}
+			pw.CloseWithError(err)
+		}()
+		return pr, nil
+	}, tarball.WithCompressionLevel(gzip.BestSpeed))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
 }
 
 // File is a regular file of a layer, or a directory when Dir is set.

@@ -32,7 +32,7 @@ func TestAnImpostorRegistryGetsNoDisk(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	store := &BaseStore{Dir: dir, MaxBytes: 1 << 30}
-	if _, _, err := store.Ensure(ctx, d, a); err != nil {
+	if _, _, err := store.Ensure(ctx, "team", d, a); err != nil {
 		t.Fatal(err)
 	}
 	if err := store.Authorize(ctx, d, a); err != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"golang.org/x/sync/singleflight"
+	"golang.org/x/sys/unix"
 	"k8s.io/utils/clock"
 )
 
@@ -48,15 +49,19 @@ type BaseStore struct {
 	ResolveTTL time.Duration
 	// Clock measures ResolveTTL (default: the real clock).
 	Clock clock.PassiveClock
+	// Limits bound the store's builds together: at once, bytes in flight, free space kept.
+	Limits BuildLimits
 
-	builds  singleflight.Group
-	mu      sync.Mutex
-	active  map[string]bool            // build directories in use, which GC leaves alone
-	leases  map[string]int             // digest → leases held (Ensure until its release)
-	access  map[string]map[string]bool // digest → repository and credentials proven (Authorize)
-	provs   map[string][]string        // digest → its provenance file, as read or written
-	pullers map[string]*remote.Puller  // registry sessions, by registry and credentials
-	tags    map[string]resolvedTag     // tag and credentials → digest, within ResolveTTL
+	builds   singleflight.Group
+	gateOnce sync.Once
+	gate     *gate
+	mu       sync.Mutex
+	active   map[string]bool            // build directories in use, which GC leaves alone
+	leases   map[string]int             // digest → leases held (Ensure until its release)
+	access   map[string]map[string]bool // digest → repository and credentials proven (Authorize)
+	provs    map[string][]string        // digest → its provenance file, as read or written
+	pullers  map[string]*remote.Puller  // registry sessions, by registry and credentials
+	tags     map[string]resolvedTag     // tag and credentials → digest, within ResolveTTL
 }
 
 // resolvedTag is what a tag resolved to, and when.
@@ -122,10 +127,11 @@ func (s *BaseStore) Path(d name.Digest) string {
 	return filepath.Join(s.Dir, strings.Replace(d.DigestStr(), ":", "-", 1)+".ext4")
 }
 
-// Ensure returns the base disk of image d, pulling and building it when it is not there yet,
-// and a lease on it: GC leaves the disk alone until release is called (once; later calls do
-// nothing). Concurrent calls for one digest share one build.
-func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain) (path string, release func(), err error) {
+// Ensure returns the base disk of image d, pulling and building it for tenant (a namespace,
+// whose builds Limits bound together) when it is not there yet, and a lease on it: GC leaves the
+// disk alone until release is called (once; later calls do nothing). Concurrent calls for one
+// digest share one build, counted against the tenant of the first.
+func (s *BaseStore) Ensure(ctx context.Context, tenant string, d name.Digest, kc authn.Keychain) (path string, release func(), err error) {
 	release = s.lease(d.DigestStr())
 	target := s.Path(d)
 	if _, err := os.Stat(target); err == nil {
@@ -135,7 +141,12 @@ func (s *BaseStore) Ensure(ctx context.Context, d name.Digest, kc authn.Keychain
 		if _, err := os.Stat(target); err == nil {
 			return nil, nil
 		}
-		if err := s.build(ctx, d, kc, target); err != nil {
+		adm, err := s.buildGate().admit(ctx, tenant)
+		if err != nil {
+			return nil, fmt.Errorf("building the base disk of %s: %w", d, err)
+		}
+		defer adm.done()
+		if err := s.build(ctx, d, kc, target, adm); err != nil {
 			return nil, err
 		}
 		// Built from d's repository with these credentials: its first provenance, and their
@@ -172,7 +183,48 @@ func (s *BaseStore) lease(digest string) func() {
 	}
 }
 
-func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain, target string) error {
+func (s *BaseStore) buildGate() *gate {
+	s.gateOnce.Do(func() { s.gate = &gate{limits: s.Limits, dir: s.Dir} })
+	return s.gate
+}
+
+// Usage is what the store holds on the node: its base disks (count and allocated bytes), and
+// the builds running with the bytes they hold.
+type Usage struct {
+	Disks      int
+	DiskBytes  int64
+	Builds     int
+	BuildBytes int64
+}
+
+// Usage returns what the store holds on the node now.
+func (s *BaseStore) Usage() (Usage, error) {
+	var u Usage
+	u.Builds, u.BuildBytes = s.buildGate().inFlight()
+	paths, err := filepath.Glob(filepath.Join(s.Dir, "sha256-*.ext4"))
+	if err != nil {
+		return u, err
+	}
+	for _, p := range paths {
+		if n, err := Allocated(p); err == nil {
+			u.Disks++
+			u.DiskBytes += n
+		}
+	}
+	return u, nil
+}
+
+// Allocated returns the bytes the file at p takes on its file system (a sparse file's written
+// blocks).
+func Allocated(p string) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return 0, fmt.Errorf("reading the size of %s: %w", p, err)
+	}
+	return st.Blocks * 512, nil
+}
+
+func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain, target string, adm *admission) error {
 	img, err := remote.Image(d, append(s.RemoteOptions, remote.WithContext(ctx), remote.WithAuthFromKeychain(kc))...)
 	if err != nil {
 		return fmt.Errorf("pulling %s: %w", d, err)
@@ -209,7 +261,7 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 		return fmt.Errorf("listing the layers of %s: %w", d, err)
 	}
 	var rep ExtractReport // summed over layers: sizes the disk, overestimating what replaced files
-	budget := Budget{Bytes: s.MaxBytes, Entries: s.MaxEntries}
+	budget := Budget{Bytes: s.MaxBytes, Entries: s.MaxEntries, build: adm}
 	if budget.Entries == 0 {
 		budget.Entries = DefaultMaxEntries
 	}
@@ -235,6 +287,10 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 	entries := rep.Files + rep.Dirs + rep.Symlinks + rep.Hardlinks
 	size := sizeFor(rep.Bytes, entries)
 	tmp := filepath.Join(work, "disk.ext4")
+	// The disk is made beside the files it copies: both are held until the build ends.
+	if err := adm.charge(size); err != nil {
+		return fmt.Errorf("building the ext4 disk of %s (%s): %w", d, bytesString(size), err)
+	}
 	mkfs := s.Mkfs
 	if mkfs == "" {
 		mkfs = "mkfs.ext4"

@@ -71,7 +71,7 @@ func TestBaseDiskFromRegistry(t *testing.T) {
 	errs := make([]error, 4)
 	for i := range paths {
 		wg.Add(1)
-		go func() { defer wg.Done(); paths[i], _, errs[i] = store.Ensure(ctx, d, anonymous) }()
+		go func() { defer wg.Done(); paths[i], _, errs[i] = store.Ensure(ctx, "team", d, anonymous) }()
 	}
 	wg.Wait()
 	for i := range paths {
@@ -104,7 +104,7 @@ func TestBaseDiskFromRegistry(t *testing.T) {
 
 	// Present: not rebuilt.
 	before := fi.ModTime()
-	_, release, err := store.Ensure(ctx, d, anonymous)
+	_, release, err := store.Ensure(ctx, "team", d, anonymous)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,7 +116,7 @@ func TestBaseDiskFromRegistry(t *testing.T) {
 	// GC keeps what is leased or used, and removes the rest. The four concurrent Ensures above
 	// leaked their leases on purpose: a fresh store stands for an agent restarted since.
 	store = &BaseStore{Dir: store.Dir}
-	_, release, _ = store.Ensure(ctx, d, anonymous)
+	_, release, _ = store.Ensure(ctx, "team", d, anonymous)
 	if removed, err := store.GC(nothing); err != nil || len(removed) != 0 {
 		t.Errorf("GC removed %v, %v while the disk was leased", removed, err)
 	}
@@ -154,7 +154,7 @@ func TestBaseDiskRefusesUnsafeImages(t *testing.T) {
 			}
 			d := testregistry.Push(t, host, "evil", authn.DefaultKeychain, ls...)
 			store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
-			_, _, err := store.Ensure(context.Background(), d, anonymous)
+			_, _, err := store.Ensure(context.Background(), "team", d, anonymous)
 			if !errors.Is(err, ErrUnsafeLayer) {
 				t.Fatalf("error = %v, want ErrUnsafeLayer", err)
 			}
@@ -205,10 +205,10 @@ func TestPullSecrets(t *testing.T) {
 		t.Error("resolved a private image anonymously after the credentials did")
 	}
 	bad, _ := NewPullSecretKeychain(secret("puller", "wrong"))
-	if _, _, err := store.Ensure(ctx, d, bad); err == nil {
+	if _, _, err := store.Ensure(ctx, "team", d, bad); err == nil {
 		t.Error("pulled with a wrong password")
 	}
-	if _, _, err := store.Ensure(ctx, d, good); err != nil {
+	if _, _, err := store.Ensure(ctx, "team", d, good); err != nil {
 		t.Errorf("pulling with the pull secret: %v", err)
 	}
 }
@@ -269,7 +269,7 @@ func TestGCSparesBuildsInProgress(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 	}()
-	path, release, err := store.Ensure(context.Background(), d, anonymous)
+	path, release, err := store.Ensure(context.Background(), "team", d, anonymous)
 	// GC keeps running after the build: the lease still protects the disk.
 	time.Sleep(20 * time.Millisecond)
 	_, statErr := os.Stat(path)
@@ -312,7 +312,7 @@ func TestGCDuringManyStarts(t *testing.T) {
 	}()
 	defer func() { close(done); <-stopped }()
 	for i := range 25 {
-		path, release, err := store.Ensure(context.Background(), d, anonymous)
+		path, release, err := store.Ensure(context.Background(), "team", d, anonymous)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -355,7 +355,7 @@ func TestAuthorizeAnotherTenantsDisk(t *testing.T) {
 	d := testregistry.Push(t, host, "private", good, layer(t, file("f", "private\n")))
 	ctx := context.Background()
 	store := &BaseStore{Dir: t.TempDir(), MaxBytes: 1 << 30}
-	if _, _, err := store.Ensure(ctx, d, good); err != nil {
+	if _, _, err := store.Ensure(ctx, "team", d, good); err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {

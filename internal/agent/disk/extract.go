@@ -31,7 +31,13 @@ type Budget struct {
 	// Entries still allowed: files, directories, links and whiteouts, each an inode or a
 	// removal — millions of empty files exhaust a node's inodes, not its bytes.
 	Entries int64
+	// build, when set, is charged what is written as it is written, a block per entry and
+	// every file's bytes: the node's builds are bounded together (BuildLimits).
+	build *admission
 }
+
+// entryBytes is what an entry is charged beside its data: an inode and a block.
+const entryBytes = 4096
 
 // ExtractReport counts what an extraction wrote and skipped.
 type ExtractReport struct {
@@ -94,6 +100,11 @@ func ApplyLayer(r io.Reader, dir string, budget *Budget) (ExtractReport, error) 
 			return rep, fmt.Errorf("%w: more entries than allowed, at %s", ErrTooLarge, hdr.Name)
 		}
 		budget.Entries--
+		if budget.build != nil {
+			if err := budget.build.charge(entryBytes); err != nil {
+				return rep, fmt.Errorf("at %s: %w", hdr.Name, err)
+			}
+		}
 		name, err := entryName(hdr.Name)
 		if err != nil {
 			return rep, err
@@ -143,7 +154,11 @@ func ApplyLayer(r io.Reader, dir string, budget *Budget) (ExtractReport, error) 
 			if err != nil {
 				return rep, unsafeOr(err, "creating %s", hdr.Name)
 			}
-			n, err := io.Copy(f, io.LimitReader(tr, hdr.Size))
+			var w io.Writer = f
+			if budget.build != nil {
+				w = chargingWriter{w: f, a: budget.build}
+			}
+			n, err := io.Copy(w, io.LimitReader(tr, hdr.Size))
 			if cerr := f.Close(); err == nil {
 				err = cerr
 			}

@@ -50,7 +50,7 @@ func NewHost(b *testing.B) (*Host, error) {
 	tmp := b.TempDir()
 	kernel, initrd := testguest.Artifacts(b, tmp)
 	ref := testguest.Image(b, testregistry.Start(b, "", ""), "hello")
-	base, _, err := (&disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}).Ensure(context.Background(), ref, disk.PullSecretKeychain{})
+	base, _, err := (&disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}).Ensure(context.Background(), "bench", ref, disk.PullSecretKeychain{})
 	if err != nil {
 		return nil, err
 	}

@@ -69,7 +69,7 @@ func run(mb, runs int) error {
 		store := &disk.BaseStore{Dir: filepath.Join(dir, "images"), MaxBytes: 1 << 40}
 		kc := disk.PullSecretKeychain{}
 		t0 := time.Now()
-		if _, _, err := store.Ensure(context.Background(), d, kc); err != nil {
+		if _, _, err := store.Ensure(context.Background(), "bench", d, kc); err != nil {
 			return err
 		}
 		cold = append(cold, time.Since(t0))
@@ -79,7 +79,7 @@ func run(mb, runs int) error {
 			return err
 		}
 		t1 := time.Now()
-		if _, _, err := store.Ensure(context.Background(), d, kc); err != nil {
+		if _, _, err := store.Ensure(context.Background(), "bench", d, kc); err != nil {
 			return err
 		}
 		t2 := time.Now()

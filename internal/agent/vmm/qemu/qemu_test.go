@@ -319,7 +319,7 @@ func guestSpec(t *testing.T, cfg guestinit.Config) Spec {
 	kernel, initrd := testguest.Artifacts(t, tmp)
 	ref := testguest.Image(t, testregistry.Start(t, "", ""), "hello")
 	store := &disk.BaseStore{Dir: filepath.Join(tmp, "images"), MaxBytes: 1 << 30}
-	base, _, err := store.Ensure(context.Background(), ref, disk.PullSecretKeychain{})
+	base, _, err := store.Ensure(context.Background(), "team", ref, disk.PullSecretKeychain{})
 	if err != nil {
 		t.Fatal(err)
 	}
