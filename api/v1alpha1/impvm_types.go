@@ -356,6 +356,11 @@ type RuntimeStatus struct {
 	// message is detail for humans.
 	// +optional
 	Message string `json:"message,omitempty"`
+	// disksRemoved: the VM finished (Succeeded or Failed) and its node removed its disks after
+	// the agent's finished-disk retention. Until then the disks count against the node's disk
+	// and the namespace's ImpQuota disk.
+	// +optional
+	DisksRemoved bool `json:"disksRemoved,omitempty"`
 }
 
 // ImpVMStatus is the observed state of an ImpVM. The operator writes everything but runtime:

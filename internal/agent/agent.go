@@ -344,7 +344,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return a.teardown(ctx, vm)
 	}
 	if vm.Status.Phase == impv1.VMSucceeded || vm.Status.Phase == impv1.VMFailed {
-		return a.retire(vm) // final: no fresh read needed
+		return a.retire(ctx, vm) // final: no fresh read needed
 	}
 	dir := a.vmDir(vm.UID)
 	m, _ := readMeta(dir)
@@ -439,9 +439,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 // retire removes the disks of a VM that finished (Succeeded or Failed) once it has been
 // finished for Options.FinishedDiskRetention; its console stays for kubectl imp logs until the
 // VM is deleted.
-func (a *Agent) retire(vm *impv1.ImpVM) (ctrl.Result, error) {
+func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
 	rt := vm.Status.Runtime
-	if a.Opts.FinishedDiskRetention <= 0 || rt == nil || rt.FinishedAt == nil {
+	if a.Opts.FinishedDiskRetention <= 0 || rt == nil || rt.FinishedAt == nil || rt.DisksRemoved {
 		return ctrl.Result{}, nil
 	}
 	if left := a.Opts.FinishedDiskRetention - time.Since(rt.FinishedAt.Time); left > 0 {
@@ -456,7 +456,14 @@ func (a *Agent) retire(vm *impv1.ImpVM) (ctrl.Result, error) {
 			return ctrl.Result{}, fmt.Errorf("removing the disks of finished VM %s: %w", vm.Name, err)
 		}
 	}
-	return ctrl.Result{}, a.removeJail(vm.UID)
+	if err := a.removeJail(vm.UID); err != nil {
+		return ctrl.Result{}, err
+	}
+	// The operator counts the disks against the node and the quota until this says they are
+	// gone.
+	done := *rt.DeepCopy()
+	done.DisksRemoved = true
+	return ctrl.Result{}, a.report(ctx, vm, done)
 }
 
 // errFetching: the run's image is still being fetched; the start resumes on a later pass.
@@ -721,7 +728,7 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	a.reports[key]++ // voids a deferred report
 	a.mu.Unlock()
 	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
-		cur.GuestReady == rt.GuestReady && cur.Message == rt.Message {
+		cur.GuestReady == rt.GuestReady && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved {
 		return nil
 	}
 	patch, err := RuntimePatch(rt)
@@ -751,7 +758,7 @@ func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) {
 	if err := json.Unmarshal(raw, &fields); err != nil {
 		return nil, err
 	}
-	for _, f := range []string{"startedAt", "bootMilliseconds", "guestReady", "finishedAt", "exitCode", "reason", "message"} {
+	for _, f := range []string{"startedAt", "bootMilliseconds", "guestReady", "finishedAt", "exitCode", "reason", "message", "disksRemoved"} {
 		if _, ok := fields[f]; !ok {
 			fields[f] = nil
 		}

@@ -1051,4 +1051,9 @@ func TestFinishedVMsLoseTheirDisks(t *testing.T) {
 	if w.get("done") == nil {
 		t.Error("the finished ImpVM is gone")
 	}
+	// The operator counts the disks until the agent says they are gone (issue 27, item 6).
+	g.Eventually(func() bool {
+		v := w.get("done")
+		return v != nil && v.Status.Runtime != nil && v.Status.Runtime.DisksRemoved && v.Status.Runtime.FinishedAt != nil
+	}).WithTimeout(time.Minute).Should(BeTrue(), "the removal of the disks is not reported")
 }

@@ -216,6 +216,17 @@ type holding struct {
 	guestMemory int64
 	disk        int64
 	suspended   bool
+	// finished: the VM ended (Succeeded or Failed) and holds its disk alone, until its node
+	// removes it.
+	finished bool
+}
+
+// nodeDisk is what h holds of its node's disk: its disk, and a suspended VM's memory file.
+func (h holding) nodeDisk() int64 {
+	if h.suspended {
+		return h.disk + h.guestMemory
+	}
+	return h.disk
 }
 
 // Holding is what a placed VM holds: on its node, vCPUs and its guest's memory plus its VMM's
@@ -223,8 +234,12 @@ type holding struct {
 type Holding struct {
 	Node, Namespace               string
 	VCPUs, Memory, Overhead, Disk int64
-	// Suspended: the VM is suspended or being suspended (its memory counts as such).
+	// Suspended: the VM is suspended or being suspended (its memory counts as such, and its
+	// memory file against the node's disk).
 	Suspended bool
+	// Finished: the VM ended (Succeeded or Failed) and its disks are still on its node: it
+	// holds its disk there and in its namespace, nothing else, and is no VM of the quota.
+	Finished bool
 }
 
 // Ledger counts what placed VMs hold on each node. It is the operator's memory of its own
@@ -248,8 +263,27 @@ func NewLedger() *Ledger {
 func (l *Ledger) Hold(uid types.UID, h Holding) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.hold(uid, holding{node: h.Node, vcpus: h.VCPUs, memory: h.Memory + h.Overhead, namespace: h.Namespace, guestMemory: h.Memory, disk: h.Disk,
-		suspended: h.Suspended})
+	hh := holding{node: h.Node, vcpus: h.VCPUs, memory: h.Memory + h.Overhead, namespace: h.Namespace, guestMemory: h.Memory, disk: h.Disk,
+		suspended: h.Suspended}
+	if h.Finished {
+		hh = finished(hh)
+	}
+	l.hold(uid, hh)
+}
+
+// finished is what h holds once its VM ended: its disk.
+func finished(h holding) holding {
+	return holding{node: h.node, namespace: h.namespace, disk: h.disk, finished: true}
+}
+
+// Finish counts VM uid, which ended, as holding its disk alone: its vCPUs and memory are free,
+// its disk is not until Release (when its node removed it).
+func (l *Ledger) Finish(uid types.UID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if h, ok := l.byVM[uid]; ok && !h.finished {
+		l.hold(uid, finished(h))
+	}
 }
 
 // Suspend counts VM uid's memory as suspended, unless that takes its namespace past one of
@@ -289,10 +323,12 @@ func (l *Ledger) hold(uid types.UID, h holding) {
 	u := l.usage[h.node]
 	u.vcpus += h.vcpus
 	u.memory += h.memory
-	u.disk += h.disk
+	u.disk += h.nodeDisk()
 	l.usage[h.node] = u
 	n := l.nsUsage[h.namespace]
-	n.VMs++
+	if !h.finished {
+		n.VMs++
+	}
 	n.VCPUs += h.vcpus
 	n.Memory += h.guestMemory
 	n.Disk += h.disk
@@ -325,14 +361,16 @@ func (l *Ledger) release(uid types.UID) {
 	u := l.usage[h.node]
 	u.vcpus -= h.vcpus
 	u.memory -= h.memory
-	u.disk -= h.disk
+	u.disk -= h.nodeDisk()
 	if u.vcpus == 0 && u.memory == 0 && u.disk == 0 {
 		delete(l.usage, h.node)
 	} else {
 		l.usage[h.node] = u
 	}
 	n := l.nsUsage[h.namespace]
-	n.VMs--
+	if !h.finished {
+		n.VMs--
+	}
 	n.VCPUs -= h.vcpus
 	n.Memory -= h.guestMemory
 	n.Disk -= h.disk

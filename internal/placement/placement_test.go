@@ -394,3 +394,56 @@ func BenchmarkPlace(b *testing.B) {
 		})
 	})
 }
+
+// TestWhatStaysOnDiskIsCounted (issue 27, item 6): a VM that ended frees its vCPUs, memory
+// and place among the quota's VMs, but its disk holds its node's disk and its namespace's disk
+// quota until Release (its node removed it); a suspended VM's memory file holds its node's disk.
+func TestWhatStaysOnDiskIsCounted(t *testing.T) {
+	n := node("a", 8, 8, func(n *Node) { n.Report.Status.Allocatable.Disk = resource.NewQuantity(10*gi, resource.BinarySI) })
+	disk := func(r Request, giB int64) Request { r.DiskBytes, r.Namespace = giB*gi, "team"; return r }
+	q := []Quota{{Name: "q", Disk: &[]int64{10 * gi}[0]}}
+	l := NewLedger()
+	if _, err := l.Place("once", disk(req(4, 4), 8), []Node{n}); err != nil {
+		t.Fatal(err)
+	}
+	l.Finish("once")
+	l.Finish("once") // idempotent
+	if u := l.NamespaceUsage("team"); u != (Usage{Disk: 8 * gi}) {
+		t.Errorf("usage of the ended VM %+v; want its disk alone", u)
+	}
+	if vcpus, mem := l.Used("a"); vcpus != 0 || mem != 0 {
+		t.Errorf("the ended VM holds %d vCPUs, %d bytes", vcpus, mem)
+	}
+	// Its disk still fills the node, and the quota: another of 8 GiB fits in neither.
+	var u *Unschedulable
+	if _, err := l.Place("next", disk(req(1, 1), 8), []Node{n}); !errors.As(err, &u) || !strings.Contains(u.Message, "too little free disk") {
+		t.Errorf("a VM placed on the ended VM's disk: %v", err)
+	}
+	r := disk(req(1, 1), 4)
+	r.Quotas = q
+	var qe *QuotaExceeded
+	if _, err := l.Place("next", r, []Node{n}); !errors.As(err, &qe) || qe.Message != "ImpQuota q: disk 8Gi of 10Gi used, asked 4Gi" {
+		t.Errorf("the quota with an ended VM's disk: %v", err)
+	}
+	// Its node removed the disk.
+	l.Release("once")
+	if _, err := l.Place("next", disk(req(1, 1), 8), []Node{n}); err != nil {
+		t.Errorf("after the disk went: %v", err)
+	}
+	l.Release("next")
+
+	// A suspended VM's memory is on the node's disk.
+	if _, err := l.Place("s", disk(req(1, 4), 2), []Node{n}); err != nil {
+		t.Fatal(err)
+	}
+	if why := l.Suspend("s", nil); why != "" {
+		t.Fatal(why)
+	}
+	if _, err := l.Place("t", disk(req(1, 1), 5), []Node{n}); !errors.As(err, &u) {
+		t.Errorf("a VM placed on a suspended VM's memory file: %v", err)
+	}
+	l.Resume("s")
+	if _, err := l.Place("t", disk(req(1, 1), 5), []Node{n}); err != nil {
+		t.Errorf("after the resume: %v", err)
+	}
+}

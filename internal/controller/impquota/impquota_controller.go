@@ -51,15 +51,21 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	return ctrl.Result{}, nil
 }
 
-// Used is what vms hold against a quota: those placed and not Succeeded or Failed, as the
-// placement ledger counts them.
+// Used is what vms hold against a quota, as the placement ledger counts them: those placed
+// and not Succeeded or Failed, and the disks of those that ended until their node removed them.
 func Used(vms []impv1.ImpVM) impv1.QuotaResources {
 	var n, cpus int32
 	var mem, disk, susp resource.Quantity
 	mem.Format, disk.Format, susp.Format = resource.BinarySI, resource.BinarySI, resource.BinarySI
 	for i := range vms {
 		st := &vms[i].Status
-		if st.NodeName == "" || st.Resources == nil || st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
+		if st.NodeName == "" || st.Resources == nil {
+			continue
+		}
+		if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
+			if rt := st.Runtime; rt == nil || !rt.DisksRemoved || rt.Instance != st.Instance {
+				disk.Add(st.Resources.DiskSize)
+			}
 			continue
 		}
 		n++

@@ -254,14 +254,15 @@ func (r *Reconciler) loadLedger(ctx context.Context) error {
 	return nil
 }
 
-// holdIfPlaced records what a VM holds on its node, if it is placed and may run.
+// holdIfPlaced records what a VM holds on its node, if it is placed: all it asked for while
+// it may run, its disk alone once it ended, until its node removed that.
 func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
-	if vm.Status.NodeName == "" || vm.Status.Resources == nil || isTerminal(vm.Status.Phase) {
+	if vm.Status.NodeName == "" || vm.Status.Resources == nil || (isTerminal(vm.Status.Phase) && disksRemoved(vm)) {
 		return
 	}
 	res := vm.Status.Resources
 	h := placement.Holding{Node: vm.Status.NodeName, Namespace: vm.Namespace, VCPUs: int64(res.VCPUs), Memory: res.Memory.Value(),
-		Disk: res.DiskSize.Value(), Suspended: vm.Status.Suspension != nil}
+		Disk: res.DiskSize.Value(), Suspended: vm.Status.Suspension != nil, Finished: isTerminal(vm.Status.Phase)}
 	if res.MemoryOverhead != nil {
 		h.Overhead = res.MemoryOverhead.Value()
 	}
@@ -270,6 +271,12 @@ func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
 }
 
 func isTerminal(p impv1.VMPhase) bool { return p == impv1.VMSucceeded || p == impv1.VMFailed }
+
+// disksRemoved: the VM's node says it removed the disks of the VM's last run.
+func disksRemoved(vm *impv1.ImpVM) bool {
+	rt := vm.Status.Runtime
+	return rt != nil && rt.DisksRemoved && rt.Instance == vm.Status.Instance
+}
 
 func (r *Reconciler) reconcileExpiry(ctx context.Context, s *scope) error {
 	vm := s.vm
@@ -292,6 +299,13 @@ func (r *Reconciler) reconcileExpiry(ctx context.Context, s *scope) error {
 func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	vm := s.vm
 	if isTerminal(vm.Status.Phase) {
+		// An ended VM's disks hold its node's disk and its quota until its node removed them.
+		if disksRemoved(vm) {
+			if _, held := r.Ledger.NodeOf(vm.UID); held {
+				r.Ledger.Release(vm.UID)
+				r.signalFreed()
+			}
+		}
 		return nil
 	}
 	if vm.Status.NodeName != "" {
@@ -577,7 +591,7 @@ func (r *Reconciler) reconcileRuns(_ context.Context, s *scope) error {
 		if failed {
 			vm.Status.Phase = impv1.VMFailed
 		}
-		r.Ledger.Release(vm.UID)
+		r.Ledger.Finish(vm.UID) // its disks stay until its node's retention removes them
 		r.signalFreed()
 		return nil
 	}

@@ -2,6 +2,7 @@ package impvm_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -347,4 +348,49 @@ func TestAnAddressWithoutAPlacementIsReleased(t *testing.T) {
 	if got := addresses(); len(got) != 1 || !strings.HasSuffix(got[0], "@"+node.Name) {
 		t.Errorf("placed: addresses %v, want one naming %s", got, node.Name)
 	}
+}
+
+// TestAnEndedVMsDiskIsCounted (issue 27, item 6): a Once VM that ended keeps its disk on its
+// node for the agent's retention; until the agent says it removed it, the disk counts against
+// the namespace's disk quota (another VM waits, QuotaExceeded), and the ImpQuota's status says
+// so. Once the disk is gone, the waiting VM is placed.
+func TestAnEndedVMsDiskIsCounted(t *testing.T) {
+	e := newEnv(t)
+	e.node("big", 64, 64)
+	e.startAgent(func(vm *impv1.ImpVM) *int32 {
+		if vm.Name == "once" {
+			return ptr.To[int32](0)
+		}
+		return nil
+	})
+	e.startOperator()
+	q := e.quota("team", 16, "16Gi")
+	q.Spec.Hard.Disk = ptr.To(resource.MustParse("10Gi"))
+	once := e.vm("once", 1, "1Gi")
+	once.Spec.RunStrategy = impv1.RunStrategyOnce
+	once.Spec.DiskSize = ptr.To(resource.MustParse("8Gi"))
+	e.create(q, once)
+	eventually(t, func() impv1.VMPhase { return e.get("once").Status.Phase }).Should(Equal(impv1.VMSucceeded))
+
+	next := e.vm("next", 1, "1Gi")
+	next.Spec.DiskSize = ptr.To(resource.MustParse("4Gi"))
+	e.create(next)
+	eventually(t, func() string {
+		if c := condition(e.get("next"), impv1.ScheduledCondition); c != nil {
+			return c.Reason + ": " + c.Message
+		}
+		return ""
+	}).Should(ContainSubstring(impv1.ReasonQuotaExceeded + ": ImpQuota team: disk 8Gi of 10Gi used, asked 4Gi"))
+	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("8Gi/10Gi"))
+
+	// The agent's retention removed the disks.
+	vm := e.get("once")
+	rt := vm.Status.Runtime.DeepCopy()
+	rt.DisksRemoved = true
+	patch, _ := json.Marshal(map[string]any{"status": map[string]any{"runtime": rt}})
+	if err := e.c.Status().Patch(context.Background(), vm, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("next").Status.NodeName }).ShouldNot(BeEmpty())
+	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("4Gi/10Gi"))
 }
