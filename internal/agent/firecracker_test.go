@@ -30,14 +30,21 @@ import (
 // limits, configures the VM over the API (the strict double), follows the guest channel over
 // vsock to Ready, and on deletion stops the VMM and removes the jail.
 func TestFirecrackerVM(t *testing.T) {
+	// One static binary is both the fake jailer and the fake Firecracker it copies into the
+	// jail and execs there (fctest.FakeJailer).
 	tmp := t.TempDir()
-	jailer := filepath.Join(tmp, "jailer")
-	if out, err := exec.Command("go", "build", "-o", jailer, "github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest/fakejailer").CombinedOutput(); err != nil {
+	jailer, firecrackerBin := filepath.Join(tmp, "jailer"), filepath.Join(tmp, "firecracker")
+	build := exec.Command("go", "build", "-o", jailer, "github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest/fakejailer")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("building the fake jailer: %v\n%s", err, out)
+	}
+	if err := os.Link(jailer, firecrackerBin); err != nil {
+		t.Fatal(err)
 	}
 	w := newWorld(t, func(o *agent.Options) {
 		o.VMMs = []impv1.VMMKind{impv1.VMMFirecracker, impv1.VMMQEMU}
-		o.Firecracker, o.Jailer = "/usr/local/bin/firecracker", jailer
+		o.Firecracker, o.Jailer = firecrackerBin, jailer
 	})
 	ctx := context.Background()
 	g := NewWithT(t)
@@ -104,37 +111,74 @@ func TestFirecrackerVM(t *testing.T) {
 	if err != nil || st.Sys().(*syscall.Stat_t).Uid != 300000 {
 		t.Errorf("the VM's disk in the jail: %v", err)
 	}
-
-	// Suspend: a snapshot in the jail, the VMM gone; resume: a new VMM from the snapshot.
-	susp := &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "fc"},
-		Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser}}
-	if err := w.c.Client.Create(ctx, susp); err != nil {
-		t.Fatal(err)
-	}
-	g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMSuspended))
-	if rec.Alive() {
-		t.Error("the VMM runs while the VM is suspended")
-	}
-	for _, f := range []string{"vm.state", "vm.mem"} {
-		if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", f)); err != nil {
-			t.Errorf("snapshot %s: %v", f, err)
-		}
-	}
-	if err := w.c.Client.Delete(ctx, susp); err != nil {
-		t.Fatal(err)
-	}
-	g.Eventually(func() bool {
+	disk := st.Sys().(*syscall.Stat_t).Ino
+	ready := func() bool {
 		v := w.get("fc")
 		return v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
-	}).WithTimeout(3 * time.Minute).Should(BeTrue())
-	resumed, err := vmm.ReadRecord(dir)
-	if err != nil || !resumed.Alive() || resumed.Pid == rec.Pid {
-		t.Fatalf("resumed record %+v, %v (was pid %d)", resumed, err, rec.Pid)
 	}
-	if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", "vm.state")); !os.IsNotExist(err) {
-		t.Errorf("the snapshot stays after resume: %v", err)
+	// The jail is kept between runs: what the jailer makes at each start (its devices) must
+	// not be there, or it exits with "File exists" (issue 29). Each run is a new VMM in the same
+	// jail, on the same writable disk, with the console kept.
+	kept := func(what string, prev *vmm.Record) *vmm.Record {
+		t.Helper()
+		next, err := vmm.ReadRecord(dir)
+		if err != nil || !next.Alive() || next.Pid == prev.Pid {
+			t.Fatalf("%s: record %+v, %v (was pid %d)", what, next, err, prev.Pid)
+		}
+		if prev.Alive() {
+			t.Errorf("%s: the previous VMM runs on", what)
+		}
+		if st, err := os.Stat(filepath.Join(jail, "root", "disks", "rw.ext4")); err != nil || st.Sys().(*syscall.Stat_t).Ino != disk {
+			t.Errorf("%s: the writable disk is another file (%v)", what, err)
+		}
+		if b, _ := os.ReadFile(filepath.Join(jail, "root", "logs", "console.log")); !strings.Contains(string(b), `console said "ping"`) {
+			t.Errorf("%s: the console lost the earlier run's output", what)
+		}
+		return next
 	}
-	rec = resumed
+	for i := int32(1); i <= 2; i++ {
+		// A restart asked for after the run began (second precision).
+		started := w.get("fc").Status.Runtime.StartedAt.Time
+		time.Sleep(time.Until(started.Truncate(time.Second).Add(1100 * time.Millisecond)))
+		v := w.get("fc")
+		if v.Annotations == nil {
+			v.Annotations = map[string]string{}
+		}
+		v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Format(time.RFC3339Nano)
+		if err := w.c.Client.Update(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		g.Eventually(func() bool { return w.get("fc").Status.RestartCount == i && ready() }).WithTimeout(3*time.Minute).
+			Should(BeTrue(), func() string { return fmt.Sprintf("restart %d: %+v", i, w.get("fc").Status) })
+		rec = kept(fmt.Sprintf("restart %d", i), rec)
+	}
+
+	// Suspend: a snapshot in the jail, the VMM gone; resume: a new VMM from the snapshot, which
+	// goes once loaded. Twice.
+	for i := 1; i <= 2; i++ {
+		susp := &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "fc"},
+			Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser}}
+		if err := w.c.Client.Create(ctx, susp); err != nil {
+			t.Fatal(err)
+		}
+		g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMSuspended))
+		if rec.Alive() {
+			t.Errorf("suspension %d: the VMM runs while the VM is suspended", i)
+		}
+		for _, f := range []string{"vm.state", "vm.mem"} {
+			if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", f)); err != nil {
+				t.Errorf("suspension %d: snapshot %s: %v", i, f, err)
+			}
+		}
+		if err := w.c.Client.Delete(ctx, susp); err != nil {
+			t.Fatal(err)
+		}
+		g.Eventually(ready).WithTimeout(3*time.Minute).Should(BeTrue(), func() string { return fmt.Sprintf("resume %d: %+v", i, w.get("fc").Status) })
+		rec = kept(fmt.Sprintf("resume %d", i), rec)
+		if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", "vm.state")); !os.IsNotExist(err) {
+			t.Errorf("resume %d: the snapshot stays after it was loaded: %v", i, err)
+		}
+	}
 
 	v = w.get("fc")
 	if err := w.c.Client.Delete(ctx, v); err != nil {

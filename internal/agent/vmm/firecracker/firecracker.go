@@ -163,6 +163,9 @@ func PrepareChroot(s Spec) error {
 		return fmt.Errorf("opening the jail: %w", err)
 	}
 	defer root.Close()
+	if err := resetJail(root, filepath.Base(s.Firecracker)); err != nil {
+		return err
+	}
 	dirs := []string{"boot", "disks", "run", "logs", "snapshot"}
 	for _, d := range dirs {
 		if err := root.Mkdir(d, 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
@@ -216,6 +219,21 @@ func PrepareChroot(s Spec) error {
 	for _, d := range append([]string{"."}, dirs...) {
 		if err := root.Lchown(d, s.UID, s.GID); err != nil {
 			return err
+		}
+	}
+	return nil
+}
+
+// resetJail removes from a kept jail what the jailer and the VMM make at each start, which
+// they fail on when it exists: the jailer mknods /dev/net/tun, /dev/kvm, /dev/urandom and
+// /dev/userfaultfd ("File exists" ends it before the API socket appears) and copies the VMM's
+// binary in; Firecracker binds its API and vsock sockets in /run. What the agent keeps between
+// runs stays: the disks, the logs and console, a suspended VM's snapshot. Through root: no link
+// the VMM planted is followed.
+func resetJail(root *os.Root, execName string) error {
+	for _, name := range []string{"dev", "run", execName, execName + ".pid"} {
+		if err := root.RemoveAll(name); err != nil {
+			return fmt.Errorf("removing the last start's /%s from the jail: %w", name, err)
 		}
 	}
 	return nil
@@ -405,11 +423,17 @@ func OpenConsole(dir string) (*os.File, error) {
 	return os.OpenFile(filepath.Join(dir, ConsoleInput), os.O_WRONLY|syscall.O_NONBLOCK|syscall.O_NOFOLLOW, 0)
 }
 
+// waitForSocket waits until the VMM accepts connections on its API socket.
 func waitForSocket(ctx context.Context, root string, rec *vmm.Record, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
+		// Accepting, not only there: the VMM binds the socket before it listens on it, and a
+		// connection between the two is refused.
 		if existsInJail(root, jailAPISock) {
-			return nil
+			if c, err := dialInJail(root, jailAPISock); err == nil {
+				c.Close()
+				return nil
+			}
 		}
 		if !rec.Alive() {
 			return errors.New("the jailer exited before Firecracker's API socket appeared (see jailer.log)")

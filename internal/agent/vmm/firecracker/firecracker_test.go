@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -27,7 +28,40 @@ func TestMain(m *testing.M) {
 	if os.Getenv("IMP_FAKE_JAILER") == "1" {
 		os.Exit(fctest.FakeJailer(os.Args[1:]))
 	}
-	os.Exit(m.Run())
+	// The VMM the jailer copies into the jail and execs there: a static fake Firecracker.
+	dir, err := os.MkdirTemp("", "fake-firecracker-")
+	if err != nil {
+		panic(err)
+	}
+	fakeFirecracker = filepath.Join(dir, "firecracker")
+	build := exec.Command("go", "build", "-o", fakeFirecracker, "github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest/fakejailer")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "building the fake Firecracker: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	_ = os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// fakeFirecracker is the static fake Firecracker binary (TestMain).
+var fakeFirecracker string
+
+// fakeCgroups points the fake jailer at a cgroup v2 tree of the test's own, with the cpu and
+// memory controllers, so that it creates the VM's cgroup there and not on the host.
+func fakeCgroups(t *testing.T) string {
+	t.Helper()
+	root := t.TempDir()
+	if err := os.WriteFile(filepath.Join(root, "cgroup.controllers"), []byte("cpu memory\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mounts := filepath.Join(t.TempDir(), "mounts")
+	if err := os.WriteFile(mounts, []byte("cgroup2 "+root+" cgroup2 rw,nosuid,nodev,noexec,relatime 0 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv(fctest.MountsEnv, mounts)
+	return root
 }
 
 func spec(t *testing.T) firecracker.Spec {
@@ -204,7 +238,7 @@ func TestRefusals(t *testing.T) {
 		}, func(c *firecracker.Client) error { return firecracker.LoadSnapshot(ctx, c, "/s", "/m", true) }, "not allowed after configuring"},
 		{"unknown field", nil, func(c *firecracker.Client) error {
 			return c.Do(ctx, "PUT", "/machine-config", map[string]any{"vcpu_count": 1, "mem_size_mib": 128, "ht_enabled": true}, nil)
-		}, `unknown field "ht_enabled"`},
+		}, "unknown field `ht_enabled`, expected one of"},
 		{"missing required field", nil, func(c *firecracker.Client) error {
 			return c.Do(ctx, "PUT", "/drives/rw", map[string]any{"drive_id": "rw", "path_on_host": "/d"}, nil)
 		}, `missing required field "is_root_device"`},
@@ -223,7 +257,8 @@ func TestRefusals(t *testing.T) {
 		{"drive id differs from the path", nil, func(c *firecracker.Client) error {
 			return c.Do(ctx, "PUT", "/drives/rw", firecracker.Drive{DriveID: "base", PathOnHost: "/d"}, nil)
 		}, "does not match the id from the body"},
-		{"unknown path", nil, func(c *firecracker.Client) error { return c.Do(ctx, "PUT", "/balloon", map[string]any{}, nil) }, "Invalid request"},
+		{"unknown path", nil, func(c *firecracker.Client) error { return c.Do(ctx, "PUT", "/balloon", map[string]any{}, nil) }, "Invalid request method and/or path: PUT /balloon"},
+		{"unknown method", nil, func(c *firecracker.Client) error { return c.Do(ctx, "DELETE", "/machine-config", nil, nil) }, "Invalid request method and/or path: DELETE /machine-config"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, c := serve(t)
@@ -234,7 +269,7 @@ func TestRefusals(t *testing.T) {
 			}
 			err := tc.call(c)
 			var apiErr *firecracker.APIError
-			if !errors.As(err, &apiErr) || apiErr.Status != 400 && apiErr.Status != 404 || !strings.Contains(err.Error(), tc.want) {
+			if !errors.As(err, &apiErr) || apiErr.Status != 400 || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("got %v, want a refusal containing %q", err, tc.want)
 			}
 		})
@@ -304,7 +339,8 @@ func TestStartStopReattach(t *testing.T) {
 				t.Setenv("IMP_FAKE_JAILER_IGNORE_CAD", "1")
 			}
 			s := spec(t)
-			s.Jailer = self
+			s.Jailer, s.Firecracker = self, fakeFirecracker
+			fakeCgroups(t)
 			rec, err := firecracker.Start(ctx, s, "cfg1")
 			if err != nil {
 				log, _ := os.ReadFile(filepath.Join(s.Dir, "jailer.log"))
@@ -447,4 +483,98 @@ func TestJailLinksAreNotFollowed(t *testing.T) {
 			t.Errorf("the jail's %s was not replaced by a file of its own: %v %v", f, fi, err)
 		}
 	}
+}
+
+// TestRestartsAndResumesInAKeptJail (issue 29): the jail is kept between runs, and the jailer
+// mknods its devices at every start, failing on one that exists ("File exists", before the API
+// socket appears), as Firecracker fails to bind a vsock socket that exists. Against the
+// faithful fake jailer, a VM is started three times in its jail (two restarts), then suspended
+// and resumed twice: every start works, the writable disk is the same file (inode) and the
+// console log is kept; a suspension's snapshot stays until it is loaded, and goes then.
+func TestRestartsAndResumesInAKeptJail(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Fatal("the fake jailer chroots, mknods and drops privileges: run as root")
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("IMP_FAKE_JAILER", "1")
+	cg := fakeCgroups(t)
+	ctx := context.Background()
+	s := spec(t)
+	s.Jailer, s.Firecracker = self, fakeFirecracker
+	inode := func(rel string) uint64 {
+		fi, err := os.Stat(filepath.Join(s.ChrootDir(), rel))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi.Sys().(*syscall.Stat_t).Ino
+	}
+	start := func(what string, f func() (*vmm.Record, error)) *vmm.Record {
+		t.Helper()
+		rec, err := f()
+		if err != nil {
+			log, _ := os.ReadFile(filepath.Join(s.Dir, "jailer.log"))
+			t.Fatalf("%s: %v\njailer.log:\n%s", what, err, log)
+		}
+		t.Cleanup(func() { _ = syscall.Kill(rec.Pid, syscall.SIGKILL) })
+		if info, err := firecracker.Info(ctx, firecracker.NewJailClient(s.ChrootDir())); err != nil || info.State != "Running" {
+			t.Fatalf("%s: %+v, %v", what, info, err)
+		}
+		return rec
+	}
+	rec := start("the first start", func() (*vmm.Record, error) { return firecracker.Start(ctx, s, "cfg") })
+	// What the real jailer leaves: its devices owned by the VM, its cgroup, the VMM's binary;
+	// the VMM runs as the VM's uid.
+	for _, d := range []string{"dev/net/tun", "dev/kvm", "dev/urandom"} {
+		fi, err := os.Stat(filepath.Join(s.ChrootDir(), d))
+		if err != nil || fi.Mode()&os.ModeCharDevice == 0 || fi.Sys().(*syscall.Stat_t).Uid != uint32(s.UID) {
+			t.Errorf("the jail's %s: %v, %v", d, fi, err)
+		}
+	}
+	if b, err := os.ReadFile(filepath.Join(cg, "imp", s.ID, "memory.max")); err != nil || string(b) != fmt.Sprint(s.MemoryLimit()) {
+		t.Errorf("the VM's cgroup: memory.max %q, %v", b, err)
+	}
+	status, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", rec.Pid))
+	if !strings.Contains(string(status), fmt.Sprintf("Uid:\t%d\t%d", s.UID, s.UID)) {
+		t.Errorf("the VMM does not run as the VM's uid:\n%s", status)
+	}
+	disk := inode("disks/rw.ext4")
+	console := filepath.Join(s.ChrootDir(), "logs", "console.log")
+	if err := os.WriteFile(console, []byte("run 1 said hello\n"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	stop := func(rec *vmm.Record) {
+		t.Helper()
+		if err := firecracker.Stop(ctx, firecracker.NewJailClient(s.ChrootDir()), rec, 10*time.Second); err != nil || rec.Alive() {
+			t.Fatalf("stopping: %v (alive %v)", err, rec.Alive())
+		}
+	}
+	for i := 2; i <= 3; i++ {
+		stop(rec)
+		rec = start(fmt.Sprintf("start %d in the kept jail", i), func() (*vmm.Record, error) { return firecracker.Start(ctx, s, "cfg") })
+		if inode("disks/rw.ext4") != disk {
+			t.Errorf("start %d: the writable disk is another file", i)
+		}
+		if b, _ := os.ReadFile(console); !strings.Contains(string(b), "run 1 said hello") {
+			t.Errorf("start %d: the console log lost the first run's output: %q", i, b)
+		}
+	}
+	for i := 1; i <= 2; i++ {
+		if err := firecracker.Suspend(ctx, s, rec); err != nil {
+			t.Fatalf("suspend %d: %v", i, err)
+		}
+		if !firecracker.Snapshotted(s) {
+			t.Fatalf("suspend %d: no snapshot", i)
+		}
+		rec = start(fmt.Sprintf("resume %d", i), func() (*vmm.Record, error) { return firecracker.ResumeSnapshot(ctx, s, "cfg") })
+		if firecracker.Snapshotted(s) {
+			t.Errorf("resume %d: the snapshot stays after it was loaded", i)
+		}
+		if inode("disks/rw.ext4") != disk {
+			t.Errorf("resume %d: the writable disk is another file", i)
+		}
+	}
+	stop(rec)
 }

@@ -67,7 +67,13 @@ func (a *API) Validate(def string, body []byte) error {
 	for _, n := range names {
 		want, ok := d.Properties[n]
 		if !ok {
-			errs = append(errs, fmt.Sprintf("unknown field %q", n))
+			// serde's message, as Firecracker's API answers it.
+			known := make([]string, 0, len(d.Properties))
+			for p := range d.Properties {
+				known = append(known, "`"+p+"`")
+			}
+			sort.Strings(known)
+			errs = append(errs, fmt.Sprintf("unknown field `%s`, expected one of %s", n, strings.Join(known, ", ")))
 			continue
 		}
 		if got := jsonType(obj[n]); got != want && !(want == "number" && got == "integer") {

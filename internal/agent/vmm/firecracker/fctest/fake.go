@@ -8,63 +8,43 @@ import (
 	"net"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"syscall"
 )
 
-// FakeJailer stands in for Firecracker's jailer and the Firecracker it execs, for tests on
-// machines without KVM. Like the jailer it takes the jailer's arguments and finds the jail;
-// like Firecracker it serves the API — the strict double — on the jail's API socket; and like
+// FakeFirecracker stands in for the Firecracker that FakeJailer execs in the jail, for tests
+// on machines without KVM. It takes the arguments the jailer passes; like Firecracker it serves
+// the API — the strict double — on --api-sock, its paths those of the jail it runs in; and like
 // a guest running imp-init it answers on the vsock guest channel once the VM is started (hello
 // with the token from the boot arguments, then ready) and, on Ctrl-Alt-Del, reports exit code
 // 0 and exits. With IMP_FAKE_JAILER_IGNORE_CAD set it ignores Ctrl-Alt-Del. Its serial console
 // answers each line of its stdin, as Firecracker's passes stdin to a guest that echoes, with
-// "console said LINE" in the serial output file; --daemonize makes stdin /dev/null, as the
-// jailer's does. It returns the process's exit code.
-func FakeJailer(args []string) int {
-	if len(args) == 1 && args[0] == "--version" {
-		fmt.Println("Jailer v1.16.1")
-		return 0
-	}
-	fs := flag.NewFlagSet("jailer", flag.ContinueOnError)
+// "console said LINE" in the serial output file. It returns the process's exit code.
+func FakeFirecracker(args []string) int {
+	fs := flag.NewFlagSet("firecracker", flag.ContinueOnError)
 	id := fs.String("id", "", "")
-	exec := fs.String("exec-file", "", "")
-	base := fs.String("chroot-base-dir", "/srv/jailer", "")
-	fs.Int("uid", -1, "")
-	fs.Int("gid", -1, "")
-	fs.String("cgroup-version", "1", "")
-	fs.String("parent-cgroup", "", "")
-	fs.String("netns", "", "")
-	daemonize := fs.Bool("daemonize", false, "")
-	fs.Func("cgroup", "", func(string) error { return nil })
-	if err := fs.Parse(args); err != nil {
+	apiSock := fs.String("api-sock", "/run/firecracker.socket", "")
+	fs.String("start-time-us", "", "")
+	fs.String("start-time-cpu-us", "", "")
+	fs.String("parent-cpu-time-us", "", "")
+	if err := fs.Parse(args); err != nil || *id == "" || fs.NArg() != 0 {
+		fmt.Fprintln(os.Stderr, "fake firecracker: bad arguments", args)
 		return 2
 	}
-	rest := fs.Args()
-	if *id == "" || *exec == "" || len(rest) != 2 || rest[0] != "--api-sock" {
-		fmt.Fprintln(os.Stderr, "fake jailer: bad arguments", args)
-		return 2
-	}
-	root := filepath.Join(*base, filepath.Base(*exec), *id, "root")
-	srv, err := Serve(filepath.Join(root, rest[1]))
+	srv, err := Serve(*apiSock)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "fake jailer:", err)
+		fmt.Fprintln(os.Stderr, "fake firecracker:", err)
 		return 1
 	}
-	srv.Root = root
+	srv.Root = "/"
 	done := make(chan struct{})
 	guest := &fakeGuest{}
-	stdin := os.Stdin
-	if *daemonize {
-		stdin, _ = os.Open(os.DevNull)
-	}
 	srv.OnStart = func(cfg Config) {
 		if p, _ := cfg.Vsock["uds_path"].(string); p != "" {
-			guest.start(filepath.Join(root, p), cfg)
+			guest.start(p, cfg)
 		}
 		if p, _ := cfg.Serial["serial_out_path"].(string); p != "" {
-			go echoConsole(stdin, filepath.Join(root, p))
+			go echoConsole(os.Stdin, p)
 		}
 	}
 	if os.Getenv("IMP_FAKE_JAILER_IGNORE_CAD") == "" {
@@ -118,7 +98,7 @@ func (g *fakeGuest) start(sock string, cfg Config) {
 			token = v
 		}
 	}
-	ln, err := listenLong(sock)
+	ln, err := net.Listen("unix", sock) // checked free when the device was configured
 	if err != nil {
 		return
 	}

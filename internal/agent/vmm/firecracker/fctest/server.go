@@ -119,7 +119,7 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 	pattern, id := s.route(path)
 	methods, ok := s.api.Paths[pattern]
 	if !ok {
-		return nil, &fault{http.StatusNotFound, "Invalid request method and/or path: " + method + " " + path}
+		return nil, &fault{http.StatusBadRequest, "Invalid request method and/or path: " + method + " " + path}
 	}
 	def, ok := methods[strings.ToLower(method)]
 	if !ok {
@@ -211,6 +211,9 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		if err := preBoot(); err != nil {
 			return nil, err
 		}
+		if err := s.vsockFree(obj); err != nil {
+			return nil, err
+		}
 		c.Vsock = obj
 	case "PUT /serial":
 		if err := preBoot(); err != nil {
@@ -286,6 +289,9 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			return nil, badRequest("Cannot deserialize the microVM state: %v", err)
 		}
 		c.Logger, c.Metrics = logger, metrics
+		if err := s.vsockFree(c.Vsock); err != nil {
+			return nil, err
+		}
 		s.Started = true
 		s.Paused = obj["resume_vm"] != true
 		if s.OnStart != nil && !s.Paused {
@@ -295,6 +301,19 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		return nil, badRequest("the double does not serve %s %s", method, pattern)
 	}
 	return nil, nil
+}
+
+// vsockFree refuses a vsock device whose host socket exists: Firecracker binds uds_path when
+// the device is made (configured, or loaded from a snapshot) and fails on an existing file.
+func (s *Server) vsockFree(vsock map[string]any) error {
+	p, _ := vsock["uds_path"].(string)
+	if p == "" || s.Root == "" {
+		return nil
+	}
+	if _, err := os.Lstat(filepath.Join(s.Root, p)); err == nil {
+		return badRequest("Cannot create backend for vsock device: UnixBind(Os { code: 98, kind: AddrInUse, message: \"Address in use\" })")
+	}
+	return nil
 }
 
 // listenLong listens on a unix socket path, binding a long one (over 100 bytes) relative to
