@@ -83,14 +83,25 @@ func TestFirecrackerVM(t *testing.T) {
 	if m.VMM != "firecracker" || m.JailUID != 300000 {
 		t.Errorf("meta %s", data)
 	}
-	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(rec.Pid) + "/cmdline")
-	args := strings.ReplaceAll(string(cmdline), "\x00", " ")
-	for _, want := range []string{"--id " + string(v.UID), "--uid 300000 --gid 300000", "--chroot-base-dir " + filepath.Join(w.stateDir, "jail"), "--parent-cgroup imp -- --api-sock /run/firecracker.socket"} {
-		if !strings.Contains(args, want) {
-			t.Errorf("jailer command line lacks %q: %s", want, args)
-		}
-	}
+	// The jailer exec'd the VMM (the recorded pid) in the jail, as the VM's uid, in the VM's
+	// cgroup, with the jailer's arguments.
 	jail := filepath.Join(w.stateDir, "jail", "firecracker", string(v.UID))
+	proc := "/proc/" + strconv.Itoa(rec.Pid)
+	cmdline, _ := os.ReadFile(proc + "/cmdline")
+	args := strings.ReplaceAll(string(cmdline), "\x00", " ")
+	if !strings.HasPrefix(args, "/firecracker --id="+string(v.UID)+" --start-time-us=") || !strings.HasSuffix(args, " --api-sock /run/firecracker.socket ") {
+		t.Errorf("the VMM's command line: %s", args)
+	}
+	if root, err := os.Readlink(proc + "/root"); err != nil || root != filepath.Join(jail, "root") {
+		t.Errorf("the VMM's root is %q, %v; want its jail", root, err)
+	}
+	status, _ := os.ReadFile(proc + "/status")
+	if !strings.Contains(string(status), "Uid:\t300000\t300000") || !strings.Contains(string(status), "Gid:\t300000\t300000") {
+		t.Errorf("the VMM does not run as the VM's uid and gid:\n%s", status)
+	}
+	if cg, _ := os.ReadFile(proc + "/cgroup"); !strings.Contains(string(cg), "/imp/"+string(v.UID)) {
+		t.Errorf("the VMM is not in the VM's cgroup:\n%s", cg)
+	}
 
 	// The serial console's input: Firecracker's stdin, the FIFO of the VM's directory (the
 	// fake's guest answers each line on the console it writes).
