@@ -274,7 +274,9 @@ func joinCgroups(version, parent, id string, values []string) error {
 			if err := os.MkdirAll(dir, 0o755); err != nil {
 				return fmt.Errorf("Cgroup error: creating %s: %v", dir, err) //nolint:staticcheck // the jailer's message
 			}
-			if err := os.WriteFile(filepath.Join(dir, "tasks"), pid, 0o644); err != nil {
+			// The real jailer, of one thread, writes tasks; this one has several, and the one
+			// that execs must move too: cgroup.procs moves them all.
+			if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0o644); err != nil {
 				return fmt.Errorf("Cgroup error: writing the pid to %s: %v", dir, err) //nolint:staticcheck // the jailer's message
 			}
 		case "2":
