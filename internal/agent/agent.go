@@ -9,8 +9,6 @@ package agent
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -48,12 +46,13 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
+	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/pullnet"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
-	"github.com/syscode-labs/imp/internal/failpoint"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
@@ -174,7 +173,7 @@ type Agent struct {
 	fetched   chan event.GenericEvent // VMs whose image fetch is done: their start goes on
 	mu        sync.Mutex
 	monitors  map[types.UID]*monitor
-	fetches   map[types.UID]*fetch            // images being fetched for a run
+	fetches   *fetches                        // images being fetched for a run
 	stops     map[types.UID]*stopping         // stops in progress
 	reports   map[types.NamespacedName]uint64 // reports made or begun, by VM: a later one voids a deferred one
 	deferred  map[types.NamespacedName]deferredReport
@@ -232,8 +231,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*stopping{}
-	a.fetches = map[types.UID]*fetch{}
 	a.fetched = make(chan event.GenericEvent, 1024)
+	a.fetches = &fetches{images: a.images, apiReader: a.APIReader, secretNS: a.Opts.RunSecretNamespace, timeout: a.Opts.PullTimeout,
+		done: a.fetched, byVM: map[types.UID]*fetch{}}
 	a.reportNow = make(chan struct{}, 1)
 	for _, d := range []string{"vms", "net"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
@@ -276,50 +276,16 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		Complete(a)
 }
 
-// meta is what the agent keeps beside a VM's VMM record.
-type meta struct {
-	Namespace string    `json:"namespace"`
-	Name      string    `json:"name"`
-	UID       types.UID `json:"uid"`
-	Token     string    `json:"token"`
-	Instance  int64     `json:"instance"`
-	Run       int32     `json:"run"`
-	Started   time.Time `json:"started"`
-	// Digest is the image the VM's base disk was built from.
-	Digest string `json:"digest"`
-	// VMM runs the VM; JailUID is the uid it runs as (Firecracker in its jail, QEMU by
-	// descriptors).
-	VMM     impv1.VMMKind `json:"vmm,omitempty"`
-	JailUID int           `json:"jailUID,omitempty"`
-	// Session: the run has the session channel (exec, port-forward). Runs booted by agents
-	// before it have none, and keep none through a suspension.
-	Session bool `json:"session,omitempty"`
-}
+// meta is what the agent keeps beside a VM's VMM record (vmrun.Meta).
+type meta = vmrun.Meta
 
 func (a *Agent) vmDir(uid types.UID) string {
 	return filepath.Join(a.Opts.StateDir, "vms", string(uid))
 }
 
-func readMeta(dir string) (*meta, error) {
-	data, err := os.ReadFile(filepath.Join(dir, "meta.json"))
-	if err != nil {
-		return nil, err
-	}
-	var m meta
-	return &m, json.Unmarshal(data, &m)
-}
+func readMeta(dir string) (*meta, error) { return vmrun.ReadMeta(dir) }
 
-func writeMeta(dir string, m *meta) error {
-	data, err := json.Marshal(m)
-	if err != nil {
-		return err
-	}
-	tmp := filepath.Join(dir, "meta.json.tmp")
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, filepath.Join(dir, "meta.json"))
-}
+func writeMeta(dir string, m *meta) error { return vmrun.WriteMeta(dir, m) }
 
 // Reconcile makes the node match one VM.
 func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
@@ -370,7 +336,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	current := m != nil && m.Instance == st.Instance && m.Run == st.RestartCount
 
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
-		a.dropFetch(vm.UID) // a start under way is not wanted any more
+		a.fetches.Drop(vm.UID) // a start under way is not wanted any more
 		if alive {
 			if again := a.stopVMM(ctx, vm, rec); again > 0 {
 				return ctrl.Result{RequeueAfter: again}, nil
@@ -469,165 +435,52 @@ func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error
 // errFetching: the run's image is still being fetched; the start resumes on a later pass.
 var errFetching = errors.New("the image is being fetched")
 
-// start runs the plan for the VM's current run: state directory, base disk, writable disk,
-// VMM, monitor. A failure ends the run as Exited with reason StartFailed, so the operator's
-// runStrategy and back-off decide about retrying.
+// start runs the boot plan for the VM's current run (plans.go), then reports it and watches
+// it. A step's failure ends the run as Exited with the step's reason (StartFailed,
+// ImagePullFailed, ...), so the operator's runStrategy and back-off decide about retrying.
 func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *meta) error {
-	st := vm.Status
-	base := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount}
-	fail := func(reason string, err error) error {
-		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Start", "%v", err)
-		failed := base
-		now := metav1.Now()
-		// A registry's answer, the tenant's to choose, may be in err: printable, one line, bounded.
-		failed.State, failed.Reason, failed.Message, failed.FinishedAt = impv1.RuntimeExited, reason, guestchan.Sanitize(err.Error()), &now
-		return a.report(ctx, vm, failed)
-	}
-	// Provenance first: nothing of the VM is made while a pinned artifact differs. Checked as
-	// the run's image fetch begins and again once it is done, not on every pass in between.
-	if f := a.fetchOf(vm); f == nil || f.finished() {
-		for _, p := range a.Opts.Pins {
-			if err := p.Verify(); err != nil {
-				a.dropFetch(vm.UID)
-				return fail("PinMismatch", fmt.Errorf("pinned %s: %w", p.Name, err))
-			}
-		}
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fail("StartFailed", fmt.Errorf("creating %s: %w", dir, err))
-	}
-	_ = os.Remove(filepath.Join(dir, qemu.StateFile)) // a new run boots: an old suspension's state is void
-	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
-	if err != nil {
-		return fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
-	}
-	// The image, off the workers and within the pull timeout: a registry the tenant chose
-	// holds no worker, however slow (but for fetchWait, once). It begins before the report that
-	// the run is starting.
-	fetching, began := a.fetchImage(vm, ref)
-	starting := base
-	starting.State, starting.Message = impv1.RuntimeStarting, "preparing disks"
-	if err := a.reportLater(ctx, vm, starting); err != nil {
+	r := &vmrun.Run{VM: vm, Dir: dir, Old: old}
+	defer r.Done()
+	err := a.bootPlan(vm).Run(ctx, r)
+	var failed *plan.Failed
+	switch {
+	case errors.Is(err, plan.ErrWait):
+		return errFetching
+	case errors.As(err, &failed):
+		return a.startFailed(ctx, vm, failed.Reason, failed.Err)
+	case err != nil:
 		return err
 	}
-	wait := time.Duration(0)
-	if began {
-		wait = fetchWait
-	}
-	f := a.takeFetch(vm.UID, fetching, wait)
-	if f == nil {
-		return errFetching
-	}
-	defer f.release()
-	if f.err != nil {
-		return fail(f.reason, f.err)
-	}
-	digest, baseDisk := f.digest, f.baseDisk
-	cfg, err := workload(vm, f.secrets, f.config)
-	if err != nil {
-		return fail("StartFailed", err)
-	}
-	res := st.Resources
-	if res == nil {
-		return fail("StartFailed", errors.New("the VM has no resources recorded by its placement"))
-	}
-	// The run's workload, secrets and all, on a disk of its own that goes when the run ends.
-	step := stepTimer()
-	if err := disk.WriteConfig(filepath.Join(dir, configDisk), cfg); err != nil {
-		return fail("StartFailed", err)
-	}
-	rw := filepath.Join(dir, "rw.ext4")
-	if err := a.writables.Ensure(rw, res.DiskSize.Value()); err != nil {
-		return fail("StartFailed", err)
-	}
-	step("writable_disk")
-
-	kind, err := a.chooseVMM(vm)
-	if err != nil {
-		return fail("VMMUnavailable", err)
-	}
-	m := &meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: st.Instance, Run: st.RestartCount, Started: time.Now(),
-		Digest: digest.DigestStr(), VMM: kind, Session: true}
-	if old != nil && old.Token != "" {
-		m.Token = old.Token
-	} else {
-		m.Token = randomToken()
-	}
-	a.mu.Lock() // the VM's own uid (either VMM runs as it) is allocated and recorded at once
-	m.JailUID, err = a.allocJailUID(vm.UID)
-	if err == nil {
-		err = writeMeta(dir, m)
-	}
-	a.mu.Unlock()
-	if err != nil {
-		return fail("StartFailed", err)
-	}
-	rec, reason, err := a.launch(ctx, vm, dir, m, baseDisk, false)
-	if err != nil {
-		return fail(reason, err)
-	}
-	startStepSeconds.WithLabelValues("total").Observe(time.Since(f.began).Seconds())
-	started := base
-	t := metav1.NewTime(m.Started)
-	started.State, started.StartedAt, started.Message = impv1.RuntimeRunning, &t, "the guest is booting"
+	startStepSeconds.WithLabelValues("total").Observe(time.Since(r.Image.Began).Seconds())
+	st := vm.Status
+	t := metav1.NewTime(r.Meta.Started)
+	started := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting"}
 	if err := a.reportLater(ctx, vm, started); err != nil {
 		return err
 	}
-	a.ensureMonitor(vm, dir, m, rec)
+	a.ensureMonitor(vm, dir, r.Meta, r.Record)
 	return nil
 }
 
-// launch attaches the VM to its network and starts its VMM through its driver, resuming it
-// from a suspension's saved state when resume is set. On failure it returns the reason to
-// report.
-func (a *Agent) launch(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, baseDisk string, resume bool) (*vmm.Record, string, error) {
-	// An earlier start that crashed between starting a VMM and recording it left it running
-	// unrecorded, holding the VM's disks and tap: it goes first.
-	a.killUnrecorded(ctx, dir, vm.UID)
-	if err := vmm.WriteIntent(dir); err != nil {
-		return nil, "StartFailed", err
-	}
-	step := stepTimer()
-	if resume {
-		step = func(string) {} // a resume is timed as a whole (imp_agent_vm_resume_duration_seconds)
-	}
-	at, gnet, err := a.attach(ctx, vm)
-	if err != nil {
-		return nil, "NetworkFailed", err
-	}
-	step("network")
-	if at.Tap != nil {
-		defer at.Tap.Close() // the VMM holds its own copy
-	}
-	failpoint.Crash("network-attached")
-	rec, err := a.driver(string(m.VMM)).start(ctx, launchSpec{vm: vm, dir: dir, m: m, baseDisk: baseDisk, at: at, net: gnet, resume: resume})
-	if err != nil {
-		return nil, "StartFailed", err
-	}
-	step("exec")
-	if err := vmm.ClearIntent(dir); err != nil {
-		return nil, "StartFailed", err
-	}
-	failpoint.Crash("vmm-recorded")
-	return rec, "", nil
+// startFailed ends the run that could not start: an Event, and the run reported Exited.
+func (a *Agent) startFailed(ctx context.Context, vm *impv1.ImpVM, reason string, err error) error {
+	a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Start", "%v", err)
+	now := metav1.Now()
+	// A registry's answer, the tenant's to choose, may be in err: printable, one line, bounded.
+	failed := impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeExited,
+		Reason: reason, Message: guestchan.Sanitize(err.Error()), FinishedAt: &now}
+	return a.report(ctx, vm, failed)
 }
 
 // killUnrecorded kills the VMMs of the VM in dir that a crash left running without a record.
-func (a *Agent) killUnrecorded(ctx context.Context, dir string, uid types.UID) {
-	if !vmm.HasIntent(dir) {
-		return
-	}
-	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
-		return // the start got as far as its record: the VMM is known
-	}
-	if pids := vmm.KillMarked(string(uid), 5*time.Second); len(pids) > 0 {
+func killUnrecorded(ctx context.Context, dir string, uid types.UID) {
+	if pids := vmm.KillUnrecorded(dir, string(uid)); len(pids) > 0 {
 		ctrl.LoggerFrom(ctx).Info("killed VMMs an interrupted start left unrecorded", "vm", uid, "pids", pids)
 	}
-	_ = vmm.ClearIntent(dir)
 }
 
 // configDisk is the file, in a VM's state directory, of its current run's configuration disk.
-const configDisk = "config.img"
+const configDisk = vmrun.ConfigDisk
 
 // endRun removes what only the VM's current run needed: its configuration disk (which holds
 // the workload's secret values), in the VM's directory and in its jail. The VMM is gone.
@@ -642,12 +495,6 @@ func (a *Agent) endRun(uid types.UID) {
 	if err != nil {
 		ctrl.Log.Error(err, "removing the configuration of an ended run", "vm", uid)
 	}
-}
-
-func randomToken() string {
-	b := make([]byte, 16)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
 }
 
 // nameOptions lets loopback and configured registries be reached over plain HTTP.
@@ -829,7 +676,7 @@ func (a *Agent) stopped(uid types.UID, rec *vmm.Record) {
 // teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone
 // for the operator to release the VM.
 func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
-	a.dropFetch(vm.UID)
+	a.fetches.Drop(vm.UID)
 	dir := a.vmDir(vm.UID)
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		if again := a.stopVMM(ctx, vm, rec); again > 0 {
@@ -841,7 +688,7 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, err
 
 // remove removes what is left of a deleted VM whose VMM is gone, and reports it Gone.
 func (a *Agent) remove(ctx context.Context, vm *impv1.ImpVM, dir string) error {
-	a.killUnrecorded(ctx, dir, vm.UID)
+	killUnrecorded(ctx, dir, vm.UID)
 	a.stopMonitor(vm.UID)
 	a.removeCgroup(vm.UID)
 	defer a.networks.kick(types.NamespacedName{})
@@ -985,8 +832,8 @@ func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 	}
-	a.killUnrecorded(ctx, dir, m.UID)
-	a.dropFetch(m.UID)
+	killUnrecorded(ctx, dir, m.UID)
+	a.fetches.Drop(m.UID)
 	a.stopMonitor(m.UID)
 	a.removeCgroup(m.UID)
 	defer a.networks.kick(types.NamespacedName{})

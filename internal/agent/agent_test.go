@@ -560,17 +560,25 @@ func (pw *processWorld) get(name string) *impv1.ImpVM {
 	return v
 }
 
-// TestAgentCrashAtEachStartStep crashes the imp-agent process at each step of a VM's start
-// (failpoints) and starts it again: whatever the step, the VM ends up Running with exactly one
+// TestAgentCrashAtEachStartStep crashes the imp-agent process after each step of a VM's start
+// plan (the runner's failpoints, "start/<step>") and inside the last one (the VMM started, not
+// yet recorded), and starts it again: whatever the step, the VM ends up Running with exactly one
 // VMM, the recorded one; a VMM started but not yet recorded is found by its marker and killed.
 func TestAgentCrashAtEachStartStep(t *testing.T) {
 	pw := newProcessWorld(t, "imp-crash-")
 	c, ctx, stateDir, startAgent, get := pw.c, context.Background(), pw.stateDir, pw.startAgent, pw.get
 	g := NewWithT(t)
 
-	for _, step := range []string{"vmm-started", "vmm-recorded"} {
-		t.Run(step, func(t *testing.T) {
-			crashing := startAgent(failpoint.EnvVar + "=" + step)
+	// The plan of a VM on no network, on a node with no pins: every step of it.
+	var points []string
+	for _, st := range []string{"state_dir", "image", "config_disk", "writable_disk", "identity", "intent", "exec"} {
+		points = append(points, "start/"+st)
+	}
+	for _, point := range append(points, "vmm-started") {
+		name := strings.NewReplacer("/", "-", "_", "-").Replace(point)
+		t.Run(name, func(t *testing.T) {
+			step := name
+			crashing := startAgent(failpoint.EnvVar + "=" + point)
 			if err := c.Client.Create(ctx, pw.vm(step)); err != nil {
 				t.Fatal(err)
 			}
@@ -586,8 +594,12 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 				t.Fatal("the agent never reached its failpoint")
 			}
 			uid := string(get(step).UID)
-			if len(vmm.Marked(uid)) != 1 {
-				t.Fatalf("after the crash, VMMs of the VM: %v; want the one the crash left", vmm.Marked(uid))
+			left := 0 // a VMM exists once the exec step began
+			if point == "vmm-started" || point == "start/exec" {
+				left = 1
+			}
+			if n := len(vmm.Marked(uid)); n != left {
+				t.Fatalf("after the crash, VMMs of the VM: %v; want %d", vmm.Marked(uid), left)
 			}
 
 			again := startAgent()

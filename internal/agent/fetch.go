@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -11,15 +12,36 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/event"
 
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/steps"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
-// fetch is a run's image being resolved and built into its base disk, off the reconcile
+// fetches are the runs' images being resolved and built into base disks, off the reconcile
 // workers: the registry is the tenant's choice and may be slow, and no worker waits on it
-// longer than fetchWait, once per run. The reconcile that starts the run finds it done then,
-// or on a later pass.
+// longer than fetchWait, once per run. The reconcile that starts the run finds its fetch done
+// then, or on a later pass (a done fetch sends its VM to done, which requeues it at once).
+// One fetch per VM, of its current run; its own lock, taken for the map alone.
+type fetches struct {
+	images    *disk.BaseStore
+	apiReader client.Reader
+	secretNS  string // the run Secrets' namespace
+	timeout   time.Duration
+	done      chan<- event.GenericEvent
+
+	mu   sync.Mutex
+	byVM map[types.UID]*fetch
+}
+
+var _ steps.Fetches = (*fetches)(nil)
+var _ steps.FetchState = (*fetches)(nil)
+
+// fetch is one run's image being fetched.
 type fetch struct {
 	run    string // the run it is for: "<instance>.<restartCount>"
 	began  time.Time
@@ -40,38 +62,37 @@ func runID(vm *impv1.ImpVM) string {
 	return fmt.Sprintf("%d.%d", vm.Status.Instance, vm.Status.RestartCount)
 }
 
-// fetchImage returns the fetch of the VM's current run, starting it unless it runs already,
-// and whether it started it; a fetch for another run of the VM is cancelled.
-func (a *Agent) fetchImage(vm *impv1.ImpVM, ref name.Reference) (*fetch, bool) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if f := a.fetches[vm.UID]; f != nil {
+// Begin starts the fetch of the VM's current run unless it runs already, and says whether it
+// started it; a fetch for another run of the VM is cancelled.
+func (fs *fetches) Begin(vm *impv1.ImpVM, ref name.Reference) bool {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if f := fs.byVM[vm.UID]; f != nil {
 		if f.run == runID(vm) {
-			return f, false
+			return false
 		}
-		a.dropFetchLocked(vm.UID)
+		fs.dropLocked(vm.UID)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), a.Opts.PullTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), fs.timeout)
 	f := &fetch{run: runID(vm), began: time.Now(), cancel: cancel, done: make(chan struct{}), release: func() {}}
-	a.fetches[vm.UID] = f
+	fs.byVM[vm.UID] = f
 	vm = vm.DeepCopy()
 	go func() {
-		f.reason, f.err = a.doFetch(ctx, vm, ref, f)
+		f.reason, f.err = fs.do(ctx, vm, ref, f)
 		close(f.done)
 		// The start goes on at once, not at its next requeue.
 		select {
-		case a.fetched <- event.GenericEvent{Object: vm}:
+		case fs.done <- event.GenericEvent{Object: vm}:
 		default:
 		}
 	}()
-	return f, true
+	return true
 }
 
-func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
-	ns := a.Opts.RunSecretNamespace
+func (fs *fetches) do(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
 	var err error
 	step := stepTimer()
-	if f.secrets, err = runsecret.Read(ctx, a.APIReader, ns, vm); err != nil {
+	if f.secrets, err = runsecret.Read(ctx, fs.apiReader, fs.secretNS, vm); err != nil {
 		return "StartFailed", err
 	}
 	kc, err := disk.NewPullSecretKeychain(f.secrets.PullConfigs(vm)...)
@@ -81,15 +102,15 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 	step("secrets")
 	// The digest keeps the reference's registry options (plain HTTP for an insecure registry).
 	// A digest costs no request; a tag one, whose answer also says these credentials reach it.
-	if f.digest, err = a.images.Resolve(ctx, ref, kc); err != nil {
+	if f.digest, err = fs.images.Resolve(ctx, ref, kc); err != nil {
 		return "ImagePullFailed", err
 	}
 	if _, tag := ref.(name.Tag); tag {
-		a.images.Verified(f.digest, kc)
+		fs.images.Verified(f.digest, kc)
 	}
 	step("image_resolve")
 	// The lease keeps base-disk GC off the disk until the VM's meta records its digest.
-	if f.baseDisk, f.release, err = a.images.Ensure(ctx, vm.Namespace, f.digest, kc); err != nil {
+	if f.baseDisk, f.release, err = fs.images.Ensure(ctx, vm.Namespace, f.digest, kc); err != nil {
 		if errors.Is(err, disk.ErrUnsafeLayer) {
 			return "ImageRefused", err
 		}
@@ -98,24 +119,22 @@ func (a *Agent) doFetch(ctx context.Context, vm *impv1.ImpVM, ref name.Reference
 	step("base_disk")
 	// A disk that is there may have been pulled with another tenant's credentials: these must
 	// reach the image too (asked once per credentials and digest).
-	if err := a.images.Authorize(ctx, f.digest, kc); err != nil {
+	if err := fs.images.Authorize(ctx, f.digest, kc); err != nil {
 		return "ImagePullFailed", err
 	}
-	if f.config, err = a.images.Config(ctx, f.digest, kc); err != nil {
+	if f.config, err = fs.images.Config(ctx, f.digest, kc); err != nil {
 		return "ImagePullFailed", fmt.Errorf("reading the image config: %w", err)
 	}
 	step("image_config")
 	return "", nil
 }
 
-// fetchOf is the fetch of the VM's current run, if one was started.
-func (a *Agent) fetchOf(vm *impv1.ImpVM) *fetch {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if f := a.fetches[vm.UID]; f != nil && f.run == runID(vm) {
-		return f
-	}
-	return nil
+// Fetching says whether the fetch of the VM's current run began and has not finished.
+func (fs *fetches) Fetching(vm *impv1.ImpVM) bool {
+	fs.mu.Lock()
+	f := fs.byVM[vm.UID]
+	fs.mu.Unlock()
+	return f != nil && f.run == runID(vm) && !f.finished()
 }
 
 func (f *fetch) finished() bool {
@@ -133,9 +152,25 @@ func (f *fetch) finished() bool {
 // VMs'. Later passes do not wait, so a registry that never answers costs a worker this once.
 const fetchWait = 100 * time.Millisecond
 
-// takeFetch hands a finished fetch to its run's start and forgets it, waiting up to wait for it
-// to finish; nil while it runs.
-func (a *Agent) takeFetch(uid types.UID, f *fetch, wait time.Duration) *fetch {
+// Take hands the finished fetch of the VM's current run to its start and forgets it, waiting
+// up to wait for it to finish: plan.ErrWait while it runs (or none began), a plan failure with
+// its reason when it failed.
+func (fs *fetches) Take(vm *impv1.ImpVM, wait time.Duration) (*vmrun.Image, error) {
+	fs.mu.Lock()
+	f := fs.byVM[vm.UID]
+	fs.mu.Unlock()
+	if f == nil || f.run != runID(vm) || fs.take(vm.UID, f, wait) == nil {
+		return nil, plan.ErrWait
+	}
+	if f.err != nil {
+		f.release()
+		return nil, plan.Fail(f.reason, f.err)
+	}
+	return &vmrun.Image{Digest: f.digest, BaseDisk: f.baseDisk, Config: f.config, Secrets: f.secrets, Began: f.began, Release: f.release}, nil
+}
+
+// take forgets f, once finished, waiting up to wait for it; nil while it runs.
+func (fs *fetches) take(uid types.UID, f *fetch, wait time.Duration) *fetch {
 	if !f.finished() {
 		if wait <= 0 {
 			return nil
@@ -148,27 +183,27 @@ func (a *Agent) takeFetch(uid types.UID, f *fetch, wait time.Duration) *fetch {
 			return nil
 		}
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.fetches[uid] == f {
-		delete(a.fetches, uid)
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if fs.byVM[uid] == f {
+		delete(fs.byVM, uid)
 	}
 	return f
 }
 
-// dropFetch cancels the VM's fetch, if any, and lets go of what it holds.
-func (a *Agent) dropFetch(uid types.UID) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.dropFetchLocked(uid)
+// Drop cancels the VM's fetch, if any, and lets go of what it holds.
+func (fs *fetches) Drop(uid types.UID) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	fs.dropLocked(uid)
 }
 
-func (a *Agent) dropFetchLocked(uid types.UID) {
-	f := a.fetches[uid]
+func (fs *fetches) dropLocked(uid types.UID) {
+	f := fs.byVM[uid]
 	if f == nil {
 		return
 	}
-	delete(a.fetches, uid)
+	delete(fs.byVM, uid)
 	f.cancel()
 	go func() { <-f.done; f.release() }()
 }

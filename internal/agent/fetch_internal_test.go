@@ -24,9 +24,9 @@ func TestTakeFetch(t *testing.T) {
 		{name: "not done within the wait", doneIn: -1, wait: 50 * time.Millisecond, want: false, atLeast: 50 * time.Millisecond, atMost: time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			a := &Agent{fetches: map[types.UID]*fetch{}}
+			fs := &fetches{byVM: map[types.UID]*fetch{}}
 			f := &fetch{done: make(chan struct{})}
-			a.fetches["vm"] = f
+			fs.byVM["vm"] = f
 			switch {
 			case tc.doneIn == 0:
 				close(f.done)
@@ -34,7 +34,7 @@ func TestTakeFetch(t *testing.T) {
 				time.AfterFunc(tc.doneIn, func() { close(f.done) })
 			}
 			began := time.Now()
-			got := a.takeFetch("vm", f, tc.wait)
+			got := fs.take("vm", f, tc.wait)
 			took := time.Since(began)
 			if (got != nil) != tc.want {
 				t.Fatalf("took the fetch: %v, want %v", got != nil, tc.want)
@@ -42,7 +42,7 @@ func TestTakeFetch(t *testing.T) {
 			if took < tc.atLeast || took > tc.atMost {
 				t.Errorf("returned after %v, want within [%v, %v]", took, tc.atLeast, tc.atMost)
 			}
-			if _, kept := a.fetches["vm"]; kept == tc.want {
+			if _, kept := fs.byVM["vm"]; kept == tc.want {
 				t.Errorf("the fetch is still recorded: %v, want %v", kept, !tc.want)
 			}
 		})

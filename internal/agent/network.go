@@ -278,9 +278,10 @@ func (n *networks) report() []impv1.NodeNetwork {
 	return out
 }
 
-// attach gives vm a tap on its network and returns it with the guest's network configuration;
+// Attach gives vm a tap on its network and returns it with the guest's network configuration;
 // none for a VM without a network.
-func (a *Agent) attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+func (n *networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+	a := n.a
 	var none hostnet.Attachment
 	ref := vm.Spec.NetworkRef
 	if ref == nil {
@@ -302,7 +303,7 @@ func (a *Agent) attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment
 	if err != nil {
 		return none, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
 	}
-	a.networks.kick(types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name})
+	n.kick(types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name})
 	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: a.net.MTU(), MAC: hostnet.MAC(ip).String()}
 	if dns := net.Spec.DNS; dns != nil {
 		gn.Nameservers, gn.Searches = dns.Nameservers, dns.Searches

@@ -11,9 +11,11 @@ import (
 // to the VMM's execve, step by step.
 var startStepSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 	Name: "imp_agent_vm_start_step_seconds",
-	Help: "Time of each step of a VM's start on its node: secrets (its run Secret), image_resolve (a tag's digest), " +
-		"base_disk (pulled and built, or found), image_config, writable_disk (with the run's config disk), network " +
-		"(tap and rules), exec (the VMM started and placed in its cgroups), and total (from the run first seen).",
+	Help: "Time of each step of a VM's start on its node. The image fetch, off the workers: secrets (its run Secret), " +
+		"image_resolve (a tag's digest), base_disk (pulled and built, or found), image_config. The start plan's steps that " +
+		"acted: provenance, state_dir, image (the wait for the fetch in the pass that took it), config_disk, writable_disk, " +
+		"identity, intent, network (tap and rules), exec (the VMM started, in its cgroups, and recorded); and total (from " +
+		"the run first seen to its VMM recorded).",
 	Buckets: startStepBuckets,
 }, []string{"step"})
 

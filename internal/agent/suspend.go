@@ -15,8 +15,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
 var (
@@ -119,18 +121,17 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if err != nil {
 		return end("ResumeFailed", err)
 	}
-	d := ref.Context().Digest(m.Digest)
+	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, BaseDisk: a.images.Path(ref.Context().Digest(m.Digest))}
+	defer r.Done()
 	start := time.Now()
-	rec, reason, err := a.launch(ctx, vm, dir, m, a.images.Path(d), true)
-	if err != nil {
-		if reason == "StartFailed" {
-			reason = "ResumeFailed"
+	if err := a.resumePlan(vm).Run(ctx, r); err != nil {
+		var failed *plan.Failed
+		if errors.As(err, &failed) {
+			return end(failed.Reason, failed.Err)
 		}
-		return end(reason, err)
+		return err
 	}
-	if err := drv.resumed(ctx, dir, rec); err != nil {
-		return end("ResumeFailed", err)
-	}
+	rec := r.Record
 	took := time.Since(start)
 	resumeSeconds.Observe(took.Seconds())
 	running := cur

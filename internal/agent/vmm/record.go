@@ -131,8 +131,8 @@ func HasIntent(dir string) bool {
 }
 
 // Marked lists the processes that carry a VM's marker, its UID, on their command line, as
-// every driver's VMM does: QEMU as "-name <uid>", the jailer and the Firecracker it becomes as
-// "--id <uid>".
+// every driver's VMM does: QEMU as "-name <uid>", the jailer as "--id <uid>", and the
+// Firecracker it execs as "--id=<uid>" (the jailer's own form).
 func Marked(uid string) []int {
 	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 	var pids []int
@@ -143,7 +143,7 @@ func Marked(uid string) []int {
 		}
 		args := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
 		for i := 1; i < len(args); i++ {
-			if args[i] == uid && (args[i-1] == "-name" || args[i-1] == "--id") {
+			if args[i] == uid && (args[i-1] == "-name" || args[i-1] == "--id") || args[i] == "--id="+uid {
 				if pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p))); err == nil && pid != os.Getpid() {
 					pids = append(pids, pid)
 				}
@@ -151,6 +151,21 @@ func Marked(uid string) []int {
 			}
 		}
 	}
+	return pids
+}
+
+// KillUnrecorded kills the VMMs of the VM in dir (marked with id) that a start left running
+// without a record, when its intent says one was being started: a crash between the two. It
+// returns those it killed, and clears the intent.
+func KillUnrecorded(dir, id string) []int {
+	if !HasIntent(dir) {
+		return nil
+	}
+	if rec, err := ReadRecord(dir); err == nil && rec.Alive() {
+		return nil // the start got as far as its record: the VMM is known
+	}
+	pids := KillMarked(id, 5*time.Second)
+	_ = ClearIntent(dir)
 	return pids
 }
 

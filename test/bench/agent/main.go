@@ -264,7 +264,7 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 		lo, hi := after.median("total", before)
 		fmt.Printf("    in the agent, run seen → VMM exec  P50 in (%v, %v] (the histogram's bucket)\n", lo, hi)
 		fmt.Printf("    steps, mean per VM:")
-		for _, st := range []string{"secrets", "image_resolve", "base_disk", "image_config", "writable_disk", "network", "exec", "total"} {
+		for _, st := range []string{"secrets", "image_resolve", "base_disk", "image_config", "state_dir", "image", "config_disk", "writable_disk", "identity", "intent", "network", "exec", "total"} {
 			fmt.Printf(" %s %v", st, after.mean(st, before).Round(10*time.Microsecond))
 		}
 		fmt.Printf("\n    registry requests          %.1f per VM (image pinned by digest, base disk on the node)\n", float64(regRequests.Load()-requests)/float64(len(names)))

@@ -1,0 +1,105 @@
+// Package plan runs a VM's host work as a plan of idempotent steps, after flintlock's
+// core/plans: each step measures what is there (ShouldDo) before it acts (Do), so that a plan run
+// again after a crash at any point does what is left and nothing twice. The runner, not the
+// steps, does what every step needs: timing, failpoints, and the reason a failure is reported
+// with.
+package plan
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/syscode-labs/imp/internal/failpoint"
+)
+
+// Step is one idempotent piece of work on state S.
+type Step[S any] interface {
+	// Name is the step's word in metrics, failpoints and errors (snake_case).
+	Name() string
+	// ShouldDo measures: whether the node lacks what the step makes.
+	ShouldDo(ctx context.Context, s S) (bool, error)
+	// Do acts. An error is the plan's failure, reported with the reason plan.Fail gave it or
+	// the plan's own.
+	Do(ctx context.Context, s S) error
+}
+
+// ErrWait is returned by a step whose work is under way elsewhere (an image being fetched): the
+// plan stops, nothing failed, and is run again later.
+var ErrWait = errors.New("plan: waiting for work under way")
+
+// Failed is a plan's failure: the step, the reason to report (a CamelCase word for
+// status.runtime.reason and the Event) and the error.
+type Failed struct {
+	Step, Reason string
+	Err          error
+}
+
+func (f *Failed) Error() string { return f.Err.Error() }
+func (f *Failed) Unwrap() error { return f.Err }
+
+// Fail gives err the reason it is reported with; a step's other errors take its plan's.
+func Fail(reason string, err error) error { return &Failed{Reason: reason, Err: err} }
+
+// Plan is steps run in order on one state.
+type Plan[S any] struct {
+	// Name names the plan's failpoints: "<name>/<step>" after each step that acted.
+	Name string
+	// Reason is what a failure is reported with when its step gave none.
+	Reason string
+	Steps  []Step[S]
+	// Observe, when set, is given the time each step that acted took.
+	Observe func(step string, took time.Duration)
+}
+
+// Run runs the steps in order: each that ShouldDo does, is timed, and may crash the process at
+// its failpoint once done (tests show a crash there loses nothing). It stops at the first
+// error: ErrWait as it is, any other as a *Failed that names the step and its reason.
+func (p Plan[S]) Run(ctx context.Context, s S) error {
+	for _, st := range p.Steps {
+		if err := p.step(ctx, st, s); err != nil {
+			if errors.Is(err, ErrWait) {
+				return err
+			}
+			f := &Failed{}
+			if !errors.As(err, &f) {
+				f = &Failed{Err: err}
+			}
+			if f.Reason == "" {
+				f.Reason = p.Reason
+			}
+			f.Step = st.Name()
+			return f
+		}
+	}
+	return nil
+}
+
+func (p Plan[S]) step(ctx context.Context, st Step[S], s S) error {
+	do, err := st.ShouldDo(ctx, s)
+	if err != nil {
+		return fmt.Errorf("measuring %s: %w", st.Name(), err)
+	}
+	if !do {
+		return nil
+	}
+	began := time.Now()
+	if err := st.Do(ctx, s); err != nil {
+		return err
+	}
+	if p.Observe != nil {
+		p.Observe(st.Name(), time.Since(began))
+	}
+	failpoint.Crash(p.Name + "/" + st.Name())
+	return nil
+}
+
+// Names lists the steps of p, in order.
+func (p Plan[S]) Names() []string {
+	out := make([]string, len(p.Steps))
+	for i, st := range p.Steps {
+		out[i] = st.Name()
+	}
+	return out
+}

@@ -1,0 +1,73 @@
+package plan
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+)
+
+type state struct{ did []string }
+
+type fake struct {
+	name string
+	do   bool
+	err  error
+}
+
+func (f fake) Name() string                                   { return f.name }
+func (f fake) ShouldDo(context.Context, *state) (bool, error) { return f.do, nil }
+func (f fake) Do(_ context.Context, s *state) error {
+	s.did = append(s.did, f.name)
+	return f.err
+}
+
+// TestRun: steps run in order, only those that should; the first error stops the plan, a
+// failure names its step and the reason its step gave or the plan's; ErrWait is no failure;
+// only the steps that acted are timed.
+func TestRun(t *testing.T) {
+	boom := errors.New("boom")
+	for _, tc := range []struct {
+		name     string
+		steps    []Step[*state]
+		did      []string
+		observed []string
+		reason   string // "" for no failure
+		wait     bool
+	}{
+		{"all", []Step[*state]{fake{"a", true, nil}, fake{"b", true, nil}}, []string{"a", "b"}, []string{"a", "b"}, "", false},
+		{"measured done", []Step[*state]{fake{"a", false, nil}, fake{"b", true, nil}}, []string{"b"}, []string{"b"}, "", false},
+		{"plan's reason", []Step[*state]{fake{"a", true, boom}, fake{"b", true, nil}}, []string{"a"}, nil, "Default", false},
+		{"step's reason", []Step[*state]{fake{"a", true, nil}, fake{"b", true, Fail("Own", boom)}}, []string{"a", "b"}, []string{"a"}, "Own", false},
+		{"waits", []Step[*state]{fake{"a", true, ErrWait}, fake{"b", true, nil}}, []string{"a"}, nil, "", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var observed []string
+			p := Plan[*state]{Name: "test", Reason: "Default", Steps: tc.steps, Observe: func(s string, _ time.Duration) { observed = append(observed, s) }}
+			s := &state{}
+			err := p.Run(context.Background(), s)
+			if !slices.Equal(s.did, tc.did) || !slices.Equal(observed, tc.observed) {
+				t.Errorf("did %v, observed %v; want %v, %v", s.did, observed, tc.did, tc.observed)
+			}
+			var f *Failed
+			switch {
+			case tc.wait:
+				if !errors.Is(err, ErrWait) || errors.As(err, &f) {
+					t.Errorf("err %v; want ErrWait", err)
+				}
+			case tc.reason == "":
+				if err != nil {
+					t.Errorf("err %v", err)
+				}
+			default:
+				if !errors.As(err, &f) || f.Reason != tc.reason || f.Step != tc.did[len(tc.did)-1] || !errors.Is(err, boom) || err.Error() != "boom" {
+					t.Errorf("err %#v; want a failure of %s with reason %s", err, tc.did[len(tc.did)-1], tc.reason)
+				}
+			}
+		})
+	}
+	if got := (Plan[*state]{Steps: []Step[*state]{fake{name: "a"}, fake{name: "b"}}}).Names(); !slices.Equal(got, []string{"a", "b"}) {
+		t.Errorf("Names %v", got)
+	}
+}

@@ -1,0 +1,104 @@
+package agent
+
+import (
+	"context"
+	"time"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/steps"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+)
+
+// bootPlan is the plan of a run that boots, its steps chosen by what the VM asks (a VM on no
+// ImpNetwork has no network step; a node with no pins, no provenance step). Each step that acts
+// is timed in imp_agent_vm_start_step_seconds{step}, and its failpoint is "start/<step>".
+func (a *Agent) bootPlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
+	var ss []steps.Step
+	if len(a.Opts.Pins) > 0 {
+		p := steps.Provenance{Fetches: a.fetches}
+		for _, pin := range a.Opts.Pins {
+			p.Pins, p.Names = append(p.Pins, pin), append(p.Names, pin.Name)
+		}
+		ss = append(ss, p)
+	}
+	ss = append(ss,
+		steps.StateDir{},
+		steps.Image{Fetches: a.fetches, Reports: reports{a}, NameOptions: a.nameOptions, FetchWait: fetchWait},
+		steps.ConfigDisk{},
+		steps.WritableDisk{Disks: a.writables},
+		steps.Identity{IDs: identities{a}},
+		steps.Intent{})
+	if vm.Spec.NetworkRef != nil {
+		ss = append(ss, steps.Network{Attacher: a.networks})
+	}
+	ss = append(ss, steps.Exec{Launcher: launcher{a}})
+	return plan.Plan[*vmrun.Run]{Name: "start", Reason: "StartFailed", Steps: ss, Observe: observeStartStep}
+}
+
+// resumePlan is the plan of a run that comes back from its saved state: no image, disks or
+// identity to make (the run has them), its VMM started on the saved state, then resumed. It is
+// timed as a whole (imp_agent_vm_resume_duration_seconds); its failpoints are "resume/<step>".
+func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
+	ss := []steps.Step{steps.Intent{}}
+	if vm.Spec.NetworkRef != nil {
+		ss = append(ss, steps.Network{Attacher: a.networks})
+	}
+	ss = append(ss, steps.Exec{Launcher: launcher{a}}, steps.Resumed{Resumer: launcher{a}})
+	return plan.Plan[*vmrun.Run]{Name: "resume", Reason: "ResumeFailed", Steps: ss}
+}
+
+func observeStartStep(step string, took time.Duration) {
+	startStepSeconds.WithLabelValues(step).Observe(took.Seconds())
+}
+
+// reports is the agent's deferred reports, for the steps.
+type reports struct{ a *Agent }
+
+func (r reports) ReportLater(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	return r.a.reportLater(ctx, vm, rt)
+}
+
+// identities choose a run's VMM and give it the VM's uid.
+type identities struct{ a *Agent }
+
+func (i identities) ChooseVMM(vm *impv1.ImpVM) (impv1.VMMKind, error) { return i.a.chooseVMM(vm) }
+
+// Record allocates the VM's uid and writes its meta under the agent's lock, so that two starts
+// never take one uid.
+func (i identities) Record(dir string, m *vmrun.Meta) error {
+	i.a.mu.Lock()
+	defer i.a.mu.Unlock()
+	uid, err := i.a.allocJailUID(m.UID)
+	if err != nil {
+		return err
+	}
+	m.JailUID = uid
+	return vmrun.WriteMeta(dir, m)
+}
+
+// launcher starts a run's VMM through the driver of its kind.
+type launcher struct{ a *Agent }
+
+func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error) {
+	base := r.BaseDisk
+	if r.Image != nil {
+		base = r.Image.BaseDisk
+	}
+	return l.a.driver(string(r.Meta.VMM)).start(ctx, launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume})
+}
+
+func (l launcher) Resumed(ctx context.Context, r *vmrun.Run, rec *vmm.Record) error {
+	return l.a.driver(string(r.Meta.VMM)).resumed(ctx, r.Dir, rec)
+}
+
+var (
+	_ steps.Reports    = reports{}
+	_ steps.Identities = identities{}
+	_ steps.Launcher   = launcher{}
+	_ steps.Resumer    = launcher{}
+	_ steps.Attacher   = (*networks)(nil)
+	_ steps.Disks      = (*disk.Writables)(nil)
+)

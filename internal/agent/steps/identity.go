@@ -1,0 +1,56 @@
+package steps
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"time"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+)
+
+// Identities decide who the VM's VMM is.
+type Identities interface {
+	// ChooseVMM is the VMM kind the VM runs under on this node.
+	ChooseVMM(vm *impv1.ImpVM) (impv1.VMMKind, error)
+	// Record gives m the VM's uid (either VMM runs as it) and writes m into dir, at once, so
+	// that no other VM is given the same uid.
+	Record(dir string, m *vmrun.Meta) error
+}
+
+// Identity records the run on the node (meta.json): its instance and run, the image digest its
+// base disk came from, its VMM, the uid the VMM runs as, and the guest channel's token, kept
+// across the VM's runs. From then on, base-disk collection sees the digest in use.
+type Identity struct{ IDs Identities }
+
+func (Identity) Name() string { return "identity" }
+
+func (Identity) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) { return r.Meta == nil, nil }
+
+func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
+	vm := r.VM
+	kind, err := s.IDs.ChooseVMM(vm)
+	if err != nil {
+		return plan.Fail("VMMUnavailable", err)
+	}
+	m := &vmrun.Meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: vm.Status.Instance, Run: vm.Status.RestartCount,
+		Started: time.Now(), Digest: r.Image.Digest.DigestStr(), VMM: kind, Session: true}
+	if r.Old != nil && r.Old.Token != "" {
+		m.Token = r.Old.Token
+	} else {
+		m.Token = randomToken()
+	}
+	if err := s.IDs.Record(r.Dir, m); err != nil {
+		return err
+	}
+	r.Meta = m
+	return nil
+}
+
+func randomToken() string {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}

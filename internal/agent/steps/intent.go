@@ -1,0 +1,26 @@
+package steps
+
+import (
+	"context"
+
+	"sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+)
+
+// Intent makes a start safe to interrupt: a VMM that an earlier start began but did not record
+// (a crash in between) holds the VM's disks and tap, and goes first; then the intent to start
+// one is written, so that a crash before this start's record is found the same way.
+type Intent struct{}
+
+func (Intent) Name() string { return "intent" }
+
+func (Intent) ShouldDo(context.Context, *vmrun.Run) (bool, error) { return true, nil }
+
+func (Intent) Do(ctx context.Context, r *vmrun.Run) error {
+	if pids := vmm.KillUnrecorded(r.Dir, string(r.VM.UID)); len(pids) > 0 {
+		log.FromContext(ctx).Info("killed VMMs an interrupted start left unrecorded", "vm", r.VM.UID, "pids", pids)
+	}
+	return vmm.WriteIntent(r.Dir)
+}

@@ -1,0 +1,303 @@
+package steps
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+func newRun(t *testing.T) *vmrun.Run {
+	t.Helper()
+	vm := &impv1.ImpVM{}
+	vm.Namespace, vm.Name, vm.UID = "team", "web", "uid-1"
+	vm.Spec.Image = "registry.test/app@sha256:" + sixtyFour
+	vm.Status.Instance, vm.Status.RestartCount = 3, 1
+	vm.Status.Resources = &impv1.ResolvedResources{VCPUs: 1, Memory: resource.MustParse("128Mi"), DiskSize: resource.MustParse("64Mi")}
+	return &vmrun.Run{VM: vm, Dir: filepath.Join(t.TempDir(), "vm")}
+}
+
+const sixtyFour = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+
+// do runs one step as its plan's runner would: measure, then act.
+func do(t *testing.T, s Step, r *vmrun.Run) (bool, error) {
+	t.Helper()
+	should, err := s.ShouldDo(context.Background(), r)
+	if err != nil || !should {
+		return should, err
+	}
+	return true, s.Do(context.Background(), r)
+}
+
+func reasonOf(err error) string {
+	var f *plan.Failed
+	if errors.As(err, &f) {
+		return f.Reason
+	}
+	return ""
+}
+
+func TestStateDir(t *testing.T) {
+	r := newRun(t)
+	if did, err := do(t, StateDir{}, r); !did || err != nil {
+		t.Fatalf("first: %v, %v", did, err)
+	}
+	if fi, err := os.Stat(r.Dir); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("the state directory: %v, %v", fi, err)
+	}
+	if did, _ := do(t, StateDir{}, r); did {
+		t.Error("done again with the directory there")
+	}
+	// An old suspension's state: a boot voids it.
+	if err := os.WriteFile(r.Path(qemu.StateFile), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if did, err := do(t, StateDir{}, r); !did || err != nil {
+		t.Fatalf("with a saved state: %v, %v", did, err)
+	}
+	if _, err := os.Stat(r.Path(qemu.StateFile)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the saved state stays: %v", err)
+	}
+}
+
+type fakeDisks struct{ made []string }
+
+func (d *fakeDisks) Ensure(path string, size int64) error {
+	d.made = append(d.made, path)
+	return os.WriteFile(path, make([]byte, 0), 0o600)
+}
+
+func TestWritableDisk(t *testing.T) {
+	r := newRun(t)
+	_ = os.MkdirAll(r.Dir, 0o700)
+	d := &fakeDisks{}
+	s := WritableDisk{Disks: d}
+	if did, err := do(t, s, r); !did || err != nil || len(d.made) != 1 || d.made[0] != r.Path(vmrun.WritableDisk) {
+		t.Fatalf("%v, %v, made %v", did, err, d.made)
+	}
+	if did, _ := do(t, s, r); did || len(d.made) != 1 {
+		t.Error("a second disk was made: the VM keeps its own")
+	}
+	r2 := newRun(t)
+	r2.VM.Status.Resources = nil
+	if _, err := do(t, s, r2); err == nil {
+		t.Error("a VM without resources got a disk")
+	}
+}
+
+type fakeFetches struct {
+	began, fetching bool
+	img             *vmrun.Image
+	err             error
+	waited          time.Duration
+	dropped         []types.UID
+}
+
+func (f *fakeFetches) Begin(*impv1.ImpVM, name.Reference) bool { return f.began }
+func (f *fakeFetches) Take(_ *impv1.ImpVM, wait time.Duration) (*vmrun.Image, error) {
+	f.waited = wait
+	return f.img, f.err
+}
+func (f *fakeFetches) Fetching(*impv1.ImpVM) bool { return f.fetching }
+func (f *fakeFetches) Drop(uid types.UID)         { f.dropped = append(f.dropped, uid) }
+
+type fakeReports struct{ reported []impv1.RuntimeStatus }
+
+func (f *fakeReports) ReportLater(_ context.Context, _ *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	f.reported = append(f.reported, rt)
+	return nil
+}
+
+func TestImage(t *testing.T) {
+	none := func(string) []name.Option { return nil }
+	released := 0
+	img := &vmrun.Image{BaseDisk: "/base", Release: func() { released++ }}
+	for _, tc := range []struct {
+		name   string
+		image  string
+		f      *fakeFetches
+		wait   time.Duration
+		reason string
+		isWait bool
+	}{
+		{"begun and done", "", &fakeFetches{began: true, img: img}, 100 * time.Millisecond, "", false},
+		{"under way", "", &fakeFetches{err: plan.ErrWait}, 0, "", true},
+		{"failed", "", &fakeFetches{err: plan.Fail("ImagePullFailed", errors.New("401"))}, 0, "ImagePullFailed", false},
+		{"invalid", "Not A Reference!", &fakeFetches{}, 0, "InvalidImage", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRun(t)
+			if tc.image != "" {
+				r.VM.Spec.Image = tc.image
+			}
+			rep := &fakeReports{}
+			s := Image{Fetches: tc.f, Reports: rep, NameOptions: none, FetchWait: 100 * time.Millisecond}
+			_, err := do(t, s, r)
+			switch {
+			case tc.isWait:
+				if !errors.Is(err, plan.ErrWait) || r.Image != nil {
+					t.Errorf("%v, %v", err, r.Image)
+				}
+			case tc.reason != "":
+				if reasonOf(err) != tc.reason {
+					t.Errorf("err %v; want reason %s", err, tc.reason)
+				}
+			default:
+				if err != nil || r.Image != img || tc.f.waited != tc.wait {
+					t.Errorf("%v, %v, waited %v", err, r.Image, tc.f.waited)
+				}
+				if len(rep.reported) != 1 || rep.reported[0].State != impv1.RuntimeStarting || rep.reported[0].Run != 1 {
+					t.Errorf("reports %+v", rep.reported)
+				}
+				r.Done()
+				if released != 1 {
+					t.Errorf("the base disk's lease released %d times", released)
+				}
+				if did, _ := do(t, s, r); did {
+					t.Error("fetched again with the image there")
+				}
+			}
+		})
+	}
+}
+
+type pinErr struct{ err error }
+
+func (p pinErr) Verify() error { return p.err }
+
+func TestProvenance(t *testing.T) {
+	r := newRun(t)
+	f := &fakeFetches{fetching: true}
+	s := Provenance{Pins: []Pin{pinErr{errors.New("sha256 differs")}}, Names: []string{"kernel"}, Fetches: f}
+	if did, _ := do(t, s, r); did {
+		t.Error("checked while the run's fetch is under way")
+	}
+	f.fetching = false
+	if _, err := do(t, s, r); reasonOf(err) != "PinMismatch" || len(f.dropped) != 1 || err.Error() != "pinned kernel: sha256 differs" {
+		t.Errorf("err %v, dropped %v", err, f.dropped)
+	}
+	if did, err := do(t, Provenance{Pins: []Pin{pinErr{}}, Names: []string{"kernel"}, Fetches: f}, r); !did || err != nil {
+		t.Errorf("a matching pin: %v, %v", did, err)
+	}
+}
+
+func TestConfigDisk(t *testing.T) {
+	r := newRun(t)
+	_ = os.MkdirAll(r.Dir, 0o700)
+	r.Image = &vmrun.Image{Config: &v1.Config{Entrypoint: []string{"/serve"}}}
+	if did, err := do(t, ConfigDisk{}, r); !did || err != nil {
+		t.Fatalf("%v, %v", did, err)
+	}
+	if fi, err := os.Stat(r.Path(vmrun.ConfigDisk)); err != nil || fi.Size() == 0 {
+		t.Errorf("the config disk: %v, %v", fi, err)
+	}
+	r.Image.Config = &v1.Config{}
+	if _, err := do(t, ConfigDisk{}, r); err == nil {
+		t.Error("a workload with nothing to run was written")
+	}
+}
+
+type fakeIDs struct {
+	kind impv1.VMMKind
+	err  error
+}
+
+func (f fakeIDs) ChooseVMM(*impv1.ImpVM) (impv1.VMMKind, error) { return f.kind, f.err }
+func (f fakeIDs) Record(dir string, m *vmrun.Meta) error {
+	m.JailUID = 300007
+	return vmrun.WriteMeta(dir, m)
+}
+
+func TestIdentity(t *testing.T) {
+	r := newRun(t)
+	_ = os.MkdirAll(r.Dir, 0o700)
+	d, _ := name.NewDigest("registry.test/app@sha256:" + sixtyFour)
+	r.Image = &vmrun.Image{Digest: d}
+	if _, err := do(t, Identity{IDs: fakeIDs{err: errors.New("no VMM")}}, r); reasonOf(err) != "VMMUnavailable" {
+		t.Errorf("err %v", err)
+	}
+	r.Old = &vmrun.Meta{Token: "kept"}
+	if did, err := do(t, Identity{IDs: fakeIDs{kind: impv1.VMMQEMU}}, r); !did || err != nil {
+		t.Fatal(err)
+	}
+	m, err := vmrun.ReadMeta(r.Dir)
+	if err == nil && m.Started.Equal(r.Meta.Started) {
+		m.Started = r.Meta.Started // the monotonic clock's reading is not kept
+	}
+	if err != nil || *m != *r.Meta || m.Token != "kept" || m.JailUID != 300007 || m.Digest != "sha256:"+sixtyFour || m.Instance != 3 || m.Run != 1 || !m.Session {
+		t.Errorf("meta %+v, %v", m, err)
+	}
+	r2 := newRun(t)
+	_ = os.MkdirAll(r2.Dir, 0o700)
+	r2.Image = r.Image
+	_, _ = do(t, Identity{IDs: fakeIDs{kind: impv1.VMMQEMU}}, r2)
+	if r2.Meta.Token == "" || r2.Meta.Token == "kept" {
+		t.Errorf("a new VM's token %q", r2.Meta.Token)
+	}
+}
+
+type fakeAttacher struct{ err error }
+
+func (f fakeAttacher) Attach(context.Context, *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+	return hostnet.Attachment{}, &guestinit.Net{MTU: 1450}, f.err
+}
+
+func TestNetwork(t *testing.T) {
+	r := newRun(t)
+	if did, _ := do(t, Network{Attacher: fakeAttacher{}}, r); did {
+		t.Error("attached a VM on no network")
+	}
+	r.VM.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	if did, err := do(t, Network{Attacher: fakeAttacher{}}, r); !did || err != nil || r.Net == nil {
+		t.Errorf("%v, %v, %v", did, err, r.Net)
+	}
+	if _, err := do(t, Network{Attacher: fakeAttacher{err: errors.New("no bridge")}}, r); reasonOf(err) != "NetworkFailed" {
+		t.Errorf("err %v", err)
+	}
+}
+
+type fakeLauncher struct {
+	rec        *vmm.Record
+	err        error
+	resumedErr error
+}
+
+func (f fakeLauncher) Launch(context.Context, *vmrun.Run) (*vmm.Record, error) { return f.rec, f.err }
+func (f fakeLauncher) Resumed(context.Context, *vmrun.Run, *vmm.Record) error  { return f.resumedErr }
+
+func TestIntentExecResumed(t *testing.T) {
+	r := newRun(t)
+	_ = os.MkdirAll(r.Dir, 0o700)
+	if _, err := do(t, Intent{}, r); err != nil || !vmm.HasIntent(r.Dir) {
+		t.Fatalf("intent: %v", err)
+	}
+	if _, err := do(t, Exec{Launcher: fakeLauncher{err: errors.New("exec failed")}}, r); err == nil || !vmm.HasIntent(r.Dir) || r.Record != nil {
+		t.Errorf("a failed exec: %v; the intent must stay for the next start to find", err)
+	}
+	rec := &vmm.Record{Pid: 42}
+	if _, err := do(t, Exec{Launcher: fakeLauncher{rec: rec}}, r); err != nil || vmm.HasIntent(r.Dir) || r.Record != rec {
+		t.Errorf("exec: %v, intent %v, record %v", err, vmm.HasIntent(r.Dir), r.Record)
+	}
+	if did, _ := do(t, Resumed{Resumer: fakeLauncher{}}, r); did {
+		t.Error("a boot was resumed")
+	}
+	r.Resume = true
+	if _, err := do(t, Resumed{Resumer: fakeLauncher{resumedErr: errors.New("migration failed")}}, r); err == nil {
+		t.Error("a failed resume passed")
+	}
+}

@@ -1,0 +1,123 @@
+// Package vmrun holds what the agent keeps of a VM on its node (Meta, beside the VMM's record)
+// and what a plan's steps share while they start or resume one run of a VM (Run).
+package vmrun
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/runsecret"
+)
+
+// Meta is what the agent keeps beside a VM's VMM record, in meta.json of its state directory.
+type Meta struct {
+	Namespace string    `json:"namespace"`
+	Name      string    `json:"name"`
+	UID       types.UID `json:"uid"`
+	Token     string    `json:"token"`
+	Instance  int64     `json:"instance"`
+	Run       int32     `json:"run"`
+	Started   time.Time `json:"started"`
+	// Digest is the image the VM's base disk was built from.
+	Digest string `json:"digest"`
+	// VMM runs the VM; JailUID is the uid it runs as (Firecracker in its jail, QEMU by
+	// descriptors).
+	VMM     impv1.VMMKind `json:"vmm,omitempty"`
+	JailUID int           `json:"jailUID,omitempty"`
+	// Session: the run has the session channel (exec, port-forward). Runs booted by agents
+	// before it have none, and keep none through a suspension.
+	Session bool `json:"session,omitempty"`
+}
+
+// ReadMeta reads the meta of the VM whose state directory is dir.
+func ReadMeta(dir string) (*Meta, error) {
+	data, err := os.ReadFile(filepath.Join(dir, "meta.json"))
+	if err != nil {
+		return nil, err
+	}
+	var m Meta
+	return &m, json.Unmarshal(data, &m)
+}
+
+// WriteMeta writes m into dir, whole or not at all (a rename).
+func WriteMeta(dir string, m *Meta) error {
+	data, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, "meta.json.tmp")
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(dir, "meta.json"))
+}
+
+// File names in a VM's state directory.
+const (
+	// WritableDisk is the VM's own disk, kept across its runs.
+	WritableDisk = "rw.ext4"
+	// ConfigDisk is the current run's configuration disk (its workload, secrets and all): it
+	// goes when the run ends.
+	ConfigDisk = "config.img"
+)
+
+// Image is a run's image on the node: its digest and base disk (leased until Release), its
+// config, and the run's secrets read with it.
+type Image struct {
+	Digest   name.Digest
+	BaseDisk string
+	Config   *v1.Config
+	Secrets  *runsecret.Run
+	// Began is when the run's start first saw it (its fetch began).
+	Began time.Time
+	// Release lets go of the base disk's lease, once the VM's meta records its digest.
+	Release func()
+}
+
+// Run is one run of a VM being started (booted or resumed) on the node: what its plan's steps
+// read, and what each makes for the ones after it. A step measures what is there before it
+// acts, so the fields a step sets are also how a later pass (after a crash, say) finds its work
+// done.
+type Run struct {
+	VM  *impv1.ImpVM
+	Dir string
+	// Old is what the node recorded of the VM before this run (nil: nothing).
+	Old *Meta
+	// Resume: the run comes back from its saved state instead of booting.
+	Resume bool
+	// BaseDisk is the image's base disk, for a resume (a boot's comes with Image).
+	BaseDisk string
+
+	// Made by the steps, in order.
+	Image      *Image
+	Meta       *Meta
+	Attachment hostnet.Attachment
+	Net        *guestinit.Net
+	Record     *vmm.Record
+
+	cleanups []func()
+}
+
+// Path is the path of file in the run's state directory.
+func (r *Run) Path(file string) string { return filepath.Join(r.Dir, file) }
+
+// Defer runs f when the run's plan is done, whatever its outcome (last deferred first).
+func (r *Run) Defer(f func()) { r.cleanups = append(r.cleanups, f) }
+
+// Done runs what was deferred, once.
+func (r *Run) Done() {
+	for i := len(r.cleanups) - 1; i >= 0; i-- {
+		r.cleanups[i]()
+	}
+	r.cleanups = nil
+}
