@@ -41,7 +41,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -171,12 +170,20 @@ type Agent struct {
 	networks  *networks
 	reportNow chan struct{}
 	fetched   chan event.GenericEvent // VMs whose image fetch is done: their start goes on
-	mu        sync.Mutex
-	monitors  map[types.UID]*monitor
-	fetches   *fetches                        // images being fetched for a run
-	stops     map[types.UID]*stopping         // stops in progress
-	reports   map[types.NamespacedName]uint64 // reports made or begun, by VM: a later one voids a deferred one
-	deferred  map[types.NamespacedName]deferredReport
+	fetches   *fetches                // images being fetched for a run: a lock of its own
+
+	// The per-VM work under way that the reconcile workers, monitors and deferred reports
+	// share. One lock, mu, guards the four maps below and the allocation of jail uids (which
+	// reads the VMs' metas: identities.Record); it is held for the map operations alone, never
+	// across a call to the API server, a VMM or a monitor (each monitor has its own lock), and
+	// no other lock is taken under it. A VM's own reconcile is never concurrent with itself
+	// (controller-runtime), so what a map holds for a VM (a stop's deadline, say) is the
+	// reconcile's to change without the lock once it has it.
+	mu       sync.Mutex
+	monitors map[types.UID]*monitor          // a running run's monitor
+	stops    map[types.UID]*vmrun.Stop       // stops in progress
+	reports  map[types.NamespacedName]uint64 // reports made or begun, by VM: a later one voids a deferred one
+	deferred map[types.NamespacedName]deferredReport
 }
 
 // deferredReport is a report waiting for Options.StartingReportDelay: number seq of its VM's.
@@ -230,7 +237,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		RemoteOptions: []remote.Option{remote.WithTransport(pullnet.Transport(append(slices.Clone(a.Opts.LocalRegistries), a.Opts.InsecureRegistries...)))}}
 	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}
 	a.monitors = map[types.UID]*monitor{}
-	a.stops = map[types.UID]*stopping{}
+	a.stops = map[types.UID]*vmrun.Stop{}
 	a.fetched = make(chan event.GenericEvent, 1024)
 	a.fetches = &fetches{images: a.images, apiReader: a.APIReader, secretNS: a.Opts.RunSecretNamespace, timeout: a.Opts.PullTimeout,
 		done: a.fetched, byVM: map[types.UID]*fetch{}}
@@ -613,22 +620,11 @@ func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) {
 	return json.Marshal(map[string]any{"status": map[string]any{"runtime": fields}})
 }
 
-// stopping is a stop in progress: the end of its grace period, and whether the guest was
-// asked to stop.
-type stopping struct {
-	deadline time.Time
-	asked    bool
-}
-
 // stopVMM moves the VM's VMM towards stopped without waiting on it, so no worker waits out a
-// tenant's grace period: the first call asks the guest to stop (its workload gets SIGTERM);
-// later calls find the VMM gone, or, past the grace period, quit and then kill it, each step
-// bounded by seconds. It returns 0 once the VMM is gone, else when to look again.
+// tenant's grace period: it runs the stop plan (plans.go) — the guest asked to stop, its grace
+// period, the VMM made to quit, then killed — and returns when to come back while the VMM runs,
+// 0 once it is gone.
 func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) time.Duration {
-	if !rec.Alive() {
-		a.stopped(vm.UID, rec)
-		return 0
-	}
 	grace := 30 * time.Second
 	if g := vm.Spec.TerminationGracePeriodSeconds; g != nil {
 		grace = time.Duration(*g) * time.Second
@@ -636,26 +632,15 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) t
 	a.mu.Lock()
 	st := a.stops[vm.UID]
 	if st == nil {
-		st = &stopping{deadline: time.Now().Add(grace)}
+		st = &vmrun.Stop{Deadline: time.Now().Add(grace)}
 		a.stops[vm.UID] = st
 	}
-	mon := a.monitors[vm.UID]
 	a.mu.Unlock()
-	if !st.asked && mon != nil {
-		st.asked = mon.requestStop()
-	}
-	if left := time.Until(st.deadline); left > 0 {
-		return min(left, 500*time.Millisecond)
-	}
-	if err := a.driver(rec.Kind).quit(ctx, vm.UID); err != nil {
-		ctrl.LoggerFrom(ctx).Info("quitting the VMM failed; killing it", "error", err.Error())
-	}
-	waitGone(rec, 2*time.Second)
-	if rec.Alive() {
-		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
-		waitGone(rec, 5*time.Second)
-	}
-	if rec.Alive() {
+	st.VM, st.Record = vm, rec // one reconcile of a VM at a time: the stop is this pass's
+	if err := a.stopPlan().Run(ctx, st); errors.Is(err, plan.ErrWait) {
+		return plan.WaitTime(err)
+	} else if err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "stopping the VMM")
 		return time.Second
 	}
 	a.stopped(vm.UID, rec)
@@ -688,18 +673,9 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, err
 
 // remove removes what is left of a deleted VM whose VMM is gone, and reports it Gone.
 func (a *Agent) remove(ctx context.Context, vm *impv1.ImpVM, dir string) error {
-	killUnrecorded(ctx, dir, vm.UID)
-	a.stopMonitor(vm.UID)
-	a.removeCgroup(vm.UID)
-	defer a.networks.kick(types.NamespacedName{})
-	if err := a.net.Detach(string(vm.UID)); err != nil {
-		return fmt.Errorf("removing the network attachment of %s: %w", vm.Name, err)
-	}
-	if err := a.removeJail(vm.UID); err != nil {
-		return fmt.Errorf("removing the jail of %s: %w", vm.Name, err)
-	}
-	if err := os.RemoveAll(dir); err != nil {
-		return fmt.Errorf("removing the state of %s: %w", vm.Name, err)
+	t := &vmrun.Teardown{UID: vm.UID, Dir: dir, Name: vm.Namespace + "/" + vm.Name}
+	if err := a.teardownPlan().Run(ctx, t); err != nil {
+		return err
 	}
 	return a.report(ctx, vm, impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeGone})
 }
@@ -772,28 +748,20 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 			vm = &list.Items[i]
 		}
 	}
-	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
-		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
-		waitGone(rec, 5*time.Second)
-	}
-	vmm.KillMarked(string(uid), 5*time.Second)
-	a.stopMonitor(uid)
 	log := ctrl.LoggerFrom(ctx).WithValues("dir", dir, "cause", cause.Error())
 	if vm == nil {
-		a.removeCgroup(uid)
-		defer a.networks.kick(types.NamespacedName{})
-		if err := a.net.Detach(string(uid)); err != nil {
-			return fmt.Errorf("removing the network attachment of %s: %w", dir, err)
-		}
-		if err := a.removeJail(uid); err != nil {
-			return fmt.Errorf("removing the jail of %s: %w", dir, err)
-		}
-		if err := os.RemoveAll(dir); err != nil {
-			return fmt.Errorf("removing %s: %w", dir, err)
+		if err := a.teardownPlan().Run(ctx, &vmrun.Teardown{UID: uid, Dir: dir, Name: dir}); err != nil {
+			return err
 		}
 		log.Info("removed the unreadable state of a VM that is not on this node")
 		return nil
 	}
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		rec.WaitGone(5 * time.Second)
+	}
+	vmm.KillMarked(string(uid), 5*time.Second)
+	a.stopMonitor(uid)
 	for _, f := range []string{"meta.json", vmm.RecordFile, vmm.IntentFile, configDisk, qemu.StateFile} {
 		if err := os.Remove(filepath.Join(dir, f)); err != nil && !os.IsNotExist(err) {
 			return fmt.Errorf("removing %s of %s: %w", f, dir, err)
@@ -829,29 +797,10 @@ func (a *Agent) reportSoon() {
 
 // removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
 func (a *Agent) removeLocal(ctx context.Context, dir string, m *meta) error {
-	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
-		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+	t := &vmrun.Teardown{UID: m.UID, Dir: dir, Name: m.Namespace + "/" + m.Name}
+	if err := a.teardownPlan().Run(ctx, t); err != nil {
+		return err
 	}
-	killUnrecorded(ctx, dir, m.UID)
-	a.fetches.Drop(m.UID)
-	a.stopMonitor(m.UID)
-	a.removeCgroup(m.UID)
-	defer a.networks.kick(types.NamespacedName{})
-	if err := a.net.Detach(string(m.UID)); err != nil {
-		return fmt.Errorf("removing the network attachment of %s/%s: %w", m.Namespace, m.Name, err)
-	}
-	if err := a.removeJail(m.UID); err != nil {
-		return fmt.Errorf("removing the jail of %s/%s: %w", m.Namespace, m.Name, err)
-	}
-	if err := os.RemoveAll(dir); err != nil {
-		return fmt.Errorf("removing the state of %s/%s: %w", m.Namespace, m.Name, err)
-	}
-	ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", m.Namespace+"/"+m.Name, "uid", m.UID)
+	ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", t.Name, "uid", m.UID)
 	return nil
-}
-
-func (a *Agent) removeCgroup(uid types.UID) {
-	if a.Opts.CgroupRoot != "" {
-		cgroup.Remove(a.Opts.CgroupRoot, string(uid))
-	}
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"time"
 
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
@@ -109,11 +108,4 @@ func (a *Agent) removeJail(uid types.UID) error {
 		return nil
 	}
 	return os.RemoveAll(firecracker.JailDir(a.jailBase(), a.Opts.Firecracker, string(uid)))
-}
-
-// waitGone waits up to d for rec's process to end.
-func waitGone(rec *vmm.Record, d time.Duration) {
-	for deadline := time.Now().Add(d); rec.Alive() && time.Now().Before(deadline); {
-		time.Sleep(50 * time.Millisecond)
-	}
 }

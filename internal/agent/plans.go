@@ -4,7 +4,10 @@ import (
 	"context"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/steps"
@@ -49,6 +52,66 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	ss = append(ss, steps.Exec{Launcher: launcher{a}}, steps.Resumed{Resumer: launcher{a}})
 	return plan.Plan[*vmrun.Run]{Name: "resume", Reason: "ResumeFailed", Steps: ss}
 }
+
+// stopPlan ends a run's VMM: the guest asked to stop, its grace period, the VMM made to quit,
+// then killed; it waits (plan.WaitFor) while the VMM runs, so that no worker waits out a grace
+// period. Its failpoints are "stop/<step>".
+func (a *Agent) stopPlan() plan.Plan[*vmrun.Stop] {
+	s := stoppers{a}
+	return plan.Plan[*vmrun.Stop]{Name: "stop", Reason: "StopFailed", Steps: []steps.StopStep{
+		steps.Ask{Stoppers: s}, steps.Grace{}, steps.Quit{Stoppers: s}, steps.Kill{},
+	}}
+}
+
+// stoppers ask the VM's guest to stop, through its monitor, and its VMM to quit.
+type stoppers struct{ a *Agent }
+
+func (s stoppers) RequestStop(uid types.UID) bool {
+	s.a.mu.Lock()
+	mon := s.a.monitors[uid]
+	s.a.mu.Unlock()
+	return mon != nil && mon.requestStop()
+}
+
+func (s stoppers) Quit(ctx context.Context, kind string, uid types.UID) error {
+	return s.a.driver(kind).quit(ctx, uid)
+}
+
+// teardownPlan removes a VM from the node, whatever is left of it: its processes, the agent's
+// memory of it, its cgroups, network attachment, jail and state directory. Its failpoints are
+// "teardown/<step>".
+func (a *Agent) teardownPlan() plan.Plan[*vmrun.Teardown] {
+	var cgroups func(types.UID)
+	if a.Opts.CgroupRoot != "" {
+		cgroups = func(uid types.UID) { cgroup.Remove(a.Opts.CgroupRoot, string(uid)) }
+	}
+	td := teardowns{a}
+	return plan.Plan[*vmrun.Teardown]{Name: "teardown", Reason: "TeardownFailed", Steps: []steps.TeardownStep{
+		steps.KillVMMs{}, steps.Forget{Memory: td}, steps.Cgroups{Remove: cgroups}, steps.Detach{Detacher: td},
+		steps.Jail{Jails: td}, steps.RemoveState{},
+	}}
+}
+
+// teardowns is what the teardown plan needs of the agent.
+type teardowns struct{ a *Agent }
+
+// Forget drops the VM's fetch, monitor and stop.
+func (t teardowns) Forget(uid types.UID) {
+	t.a.fetches.Drop(uid)
+	t.a.stopMonitor(uid)
+	t.a.mu.Lock()
+	delete(t.a.stops, uid)
+	t.a.mu.Unlock()
+}
+
+// Detach removes the VM's tap, then has the networks looked at again (one may have lost its
+// last VM on the node).
+func (t teardowns) Detach(uid types.UID) error {
+	defer t.a.networks.kick(types.NamespacedName{})
+	return t.a.net.Detach(string(uid))
+}
+
+func (t teardowns) RemoveJail(uid types.UID) error { return t.a.removeJail(uid) }
 
 func observeStartStep(step string, took time.Duration) {
 	startStepSeconds.WithLabelValues(step).Observe(took.Seconds())
@@ -101,4 +164,8 @@ var (
 	_ steps.Resumer    = launcher{}
 	_ steps.Attacher   = (*networks)(nil)
 	_ steps.Disks      = (*disk.Writables)(nil)
+	_ steps.Memory     = teardowns{}
+	_ steps.Detacher   = teardowns{}
+	_ steps.Jails      = teardowns{}
+	_ steps.Stoppers   = stoppers{}
 )

@@ -58,7 +58,7 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	if err := a.driver(string(m.VMM)).suspend(ctx, vm, dir, m, rec); err != nil {
 		return a.suspendFailure(ctx, vm, dir, m, rec, err)
 	}
-	waitGone(rec, 30*time.Second)
+	rec.WaitGone(30 * time.Second)
 	if rec.Alive() {
 		return a.suspendFailure(ctx, vm, dir, m, rec, errors.New("the VMM did not exit after saving its state"))
 	}

@@ -29,6 +29,24 @@ type Step[S any] interface {
 // plan stops, nothing failed, and is run again later.
 var ErrWait = errors.New("plan: waiting for work under way")
 
+// WaitFor is ErrWait with the time after which the plan should run again.
+func WaitFor(d time.Duration) error { return waitFor(d) }
+
+type waitFor time.Duration
+
+func (w waitFor) Error() string        { return fmt.Sprintf("plan: waiting %v", time.Duration(w)) }
+func (w waitFor) Is(target error) bool { return target == ErrWait }
+
+// WaitTime is the time a plan's ErrWait asked to wait before it runs again: 0 for none given
+// (or no wait at all).
+func WaitTime(err error) time.Duration {
+	var w waitFor
+	if errors.As(err, &w) {
+		return time.Duration(w)
+	}
+	return 0
+}
+
 // Failed is a plan's failure: the step, the reason to report (a CamelCase word for
 // status.runtime.reason and the Event) and the error.
 type Failed struct {

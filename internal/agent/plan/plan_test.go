@@ -71,3 +71,13 @@ func TestRun(t *testing.T) {
 		t.Errorf("Names %v", got)
 	}
 }
+
+func TestWaitFor(t *testing.T) {
+	err := Plan[*state]{Steps: []Step[*state]{fake{"a", true, WaitFor(time.Second)}}}.Run(context.Background(), &state{})
+	if !errors.Is(err, ErrWait) || WaitTime(err) != time.Second {
+		t.Errorf("err %v, wait %v", err, WaitTime(err))
+	}
+	if WaitTime(ErrWait) != 0 || WaitTime(nil) != 0 {
+		t.Error("a wait without a time has one")
+	}
+}

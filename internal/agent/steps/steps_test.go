@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -299,5 +300,109 @@ func TestIntentExecResumed(t *testing.T) {
 	r.Resume = true
 	if _, err := do(t, Resumed{Resumer: fakeLauncher{resumedErr: errors.New("migration failed")}}, r); err == nil {
 		t.Error("a failed resume passed")
+	}
+}
+
+type fakeTeardown struct {
+	forgot, detached, jails []types.UID
+	detachErr               error
+}
+
+func (f *fakeTeardown) Forget(uid types.UID) { f.forgot = append(f.forgot, uid) }
+func (f *fakeTeardown) Detach(uid types.UID) error {
+	f.detached = append(f.detached, uid)
+	return f.detachErr
+}
+func (f *fakeTeardown) RemoveJail(uid types.UID) error {
+	f.jails = append(f.jails, uid)
+	return nil
+}
+
+// TestTeardown: the teardown plan's steps remove what there is, and run again on nothing;
+// a process carrying the VM's marker is killed even without a record (a crash left it).
+func TestTeardown(t *testing.T) {
+	const uid = "0d0d0d0d-1111-2222-3333-444455556666"
+	dir := filepath.Join(t.TempDir(), uid)
+	_ = os.MkdirAll(dir, 0o700)
+	_ = os.WriteFile(filepath.Join(dir, vmrun.WritableDisk), nil, 0o600)
+	stray := exec.Command("/bin/sh", "-c", "sleep 60", "vmm", "-name", uid)
+	if err := stray.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = stray.Wait(); close(exited) }()
+	t.Cleanup(func() { _ = stray.Process.Kill() })
+	f := &fakeTeardown{}
+	var cgroups []types.UID
+	td := &vmrun.Teardown{UID: uid, Dir: dir, Name: "team/web"}
+	p := plan.Plan[*vmrun.Teardown]{Name: "teardown", Reason: "TeardownFailed", Steps: []TeardownStep{
+		KillVMMs{}, Forget{Memory: f}, Cgroups{Remove: func(u types.UID) { cgroups = append(cgroups, u) }},
+		Detach{Detacher: f}, Jail{Jails: f}, RemoveState{}}}
+	if err := p.Run(context.Background(), td); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-exited:
+	case <-time.After(5 * time.Second):
+		t.Error("the unrecorded VMM runs on")
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) || len(f.forgot) != 1 || len(f.detached) != 1 || len(f.jails) != 1 || len(cgroups) != 1 {
+		t.Errorf("state %v, forgot %v, detached %v, jails %v, cgroups %v", err, f.forgot, f.detached, f.jails, cgroups)
+	}
+	if err := p.Run(context.Background(), td); err != nil {
+		t.Errorf("again, on nothing: %v", err)
+	}
+	f.detachErr = errors.New("netlink: busy")
+	if err := p.Run(context.Background(), td); reasonOf(err) != "TeardownFailed" {
+		t.Errorf("a failed detach: %v", err)
+	}
+	if did, _ := (Cgroups{}).ShouldDo(context.Background(), td); did {
+		t.Error("cgroups removed where the agent makes none")
+	}
+}
+
+type fakeStoppers struct {
+	asked, quits int
+	canAsk       bool
+}
+
+func (f *fakeStoppers) RequestStop(types.UID) bool { f.asked++; return f.canAsk }
+func (f *fakeStoppers) Quit(context.Context, string, types.UID) error {
+	f.quits++
+	return errors.New("no QMP")
+}
+
+// TestStop: the stop plan asks once, waits out the grace period in short waits (no worker
+// held), then has the VMM quit and kills it when it does not; a VMM that is gone needs nothing.
+func TestStop(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = cmd.Wait() }() // reaped, so that it is gone once killed
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	start, err := vmm.StartTime(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fakeStoppers{}
+	vm := newRun(t).VM
+	s := &vmrun.Stop{VM: vm, Record: &vmm.Record{Pid: cmd.Process.Pid, StartTime: start}, Deadline: time.Now().Add(300 * time.Millisecond)}
+	p := plan.Plan[*vmrun.Stop]{Name: "stop", Steps: []StopStep{Ask{Stoppers: f}, Grace{}, Quit{Stoppers: f}, Kill{}}}
+	err = p.Run(context.Background(), s)
+	if w := plan.WaitTime(err); !errors.Is(err, plan.ErrWait) || w <= 0 || w > 500*time.Millisecond || f.asked != 1 || s.Asked {
+		t.Fatalf("in the grace period: %v (wait %v), asked %d", err, w, f.asked)
+	}
+	f.canAsk = true
+	_ = p.Run(context.Background(), s)
+	if f.asked != 2 || !s.Asked {
+		t.Errorf("a guest without a channel is asked again: asked %d", f.asked)
+	}
+	time.Sleep(time.Until(s.Deadline))
+	if err := p.Run(context.Background(), s); err != nil || f.quits != 1 || s.Record.Alive() {
+		t.Fatalf("after the grace period: %v, quits %d, alive %v", err, f.quits, s.Record.Alive())
+	}
+	if err := p.Run(context.Background(), s); err != nil || f.asked != 2 || f.quits != 1 {
+		t.Errorf("a gone VMM: %v, asked %d, quits %d", err, f.asked, f.quits)
 	}
 }

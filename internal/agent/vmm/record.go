@@ -63,6 +63,16 @@ func (r *Record) Alive() bool {
 	return err == nil && st == r.StartTime
 }
 
+// WaitGone waits up to d for the recorded process to end, and says whether it did.
+func (r *Record) WaitGone(d time.Duration) bool {
+	for deadline := time.Now().Add(d); r.Alive(); time.Sleep(20 * time.Millisecond) {
+		if !time.Now().Before(deadline) {
+			return false
+		}
+	}
+	return true
+}
+
 // StartTime returns a process's start time in clock ticks after boot.
 func StartTime(pid int) (uint64, error) {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))

@@ -121,3 +121,22 @@ func (r *Run) Done() {
 	}
 	r.cleanups = nil
 }
+
+// Teardown is a VM being removed from the node: deleted, placed elsewhere, or its state
+// unreadable and its VM not of the node.
+type Teardown struct {
+	UID types.UID
+	Dir string
+	// Name is the VM's "namespace/name", for messages ("" when unknown).
+	Name string
+}
+
+// Stop is a run's VMM being stopped, over as many passes as its grace period takes: the guest
+// asked to stop, its grace period, the VMM made to quit, then killed.
+type Stop struct {
+	VM     *impv1.ImpVM
+	Record *vmm.Record
+	// Deadline ends the grace period; Asked says the guest was asked to stop.
+	Deadline time.Time
+	Asked    bool
+}
