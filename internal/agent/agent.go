@@ -490,14 +490,18 @@ func killUnrecorded(ctx context.Context, dir string, uid types.UID) {
 const configDisk = vmrun.ConfigDisk
 
 // endRun removes what only the VM's current run needed: its configuration disk (which holds
-// the workload's secret values), in the VM's directory and in its jail. The VMM is gone.
+// the workload's secret values) and a suspension's saved state (a run that ended is never
+// resumed, and placement no longer counts its memory), in the VM's directory and in its jail.
+// The VMM is gone.
 func (a *Agent) endRun(uid types.UID) {
-	err := os.Remove(filepath.Join(a.vmDir(uid), configDisk))
-	if errors.Is(err, fs.ErrNotExist) {
-		err = nil
+	var err error
+	for _, f := range []string{configDisk, qemu.StateFile} {
+		if rerr := os.Remove(filepath.Join(a.vmDir(uid), f)); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
+			err = errors.Join(err, rerr)
+		}
 	}
 	if a.Opts.Firecracker != "" {
-		err = errors.Join(err, firecracker.RemoveConfig(a.jailRoot(uid)))
+		err = errors.Join(err, firecracker.RemoveConfig(a.jailRoot(uid)), firecracker.RemoveSnapshot(a.jailRoot(uid)))
 	}
 	if err != nil {
 		ctrl.Log.Error(err, "removing the configuration of an ended run", "vm", uid)

@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
-	iofs "io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -29,6 +29,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
 // sweeper runs Agent.sweep when the agent starts and every five minutes.
@@ -166,26 +169,47 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 // report is written (and reaches every agent's watch) only when it changes.
 const reportGranule = 256 << 20
 
-// vmBytes is what the VMs' state directories and jails take on the state file system (a file
-// linked twice counted once): the writable disks and suspended memory that placement counts
-// at their full size, and the VMs' small files beside them.
+// vmBytes is what the files that placement counts take on the state file system: each VM's
+// writable disk and saved memory (QEMU's state file, Firecracker's snapshot in its jail). Only
+// those are looked at, without following a link (a jail belongs to its VMM, which may have
+// planted any), on the state file system alone, a file linked twice counted once: nothing a VMM
+// makes can add the base disks it shares, or the host's files, to what the node offers.
 func (a *Agent) vmBytes() int64 {
+	var stateFS unix.Stat_t
+	if unix.Stat(a.Opts.StateDir, &stateFS) != nil {
+		return 0
+	}
 	type fileID struct{ dev, ino uint64 }
 	seen := map[fileID]bool{}
 	var n int64
-	for _, top := range []string{filepath.Join(a.Opts.StateDir, "vms"), a.jailBase()} {
-		_ = filepath.WalkDir(top, func(p string, d iofs.DirEntry, err error) error {
-			if err != nil || !d.Type().IsRegular() {
-				return nil
+	count := func(fi os.FileInfo) {
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok || !fi.Mode().IsRegular() || st.Dev != stateFS.Dev || seen[fileID{st.Dev, st.Ino}] {
+			return
+		}
+		seen[fileID{st.Dev, st.Ino}] = true
+		n += st.Blocks * 512
+	}
+	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	for _, dir := range dirs {
+		for _, f := range []string{vmrun.WritableDisk, qemu.StateFile} {
+			if fi, err := os.Lstat(filepath.Join(dir, f)); err == nil {
+				count(fi)
 			}
-			var st unix.Stat_t
-			if unix.Lstat(p, &st) != nil || seen[fileID{st.Dev, st.Ino}] {
-				return nil
+		}
+		if a.Opts.Firecracker == "" {
+			continue
+		}
+		root, err := os.OpenRoot(a.jailRoot(types.UID(filepath.Base(dir))))
+		if err != nil {
+			continue
+		}
+		for _, f := range firecracker.SnapshotFiles {
+			if fi, err := root.Lstat(f); err == nil {
+				count(fi)
 			}
-			seen[fileID{st.Dev, st.Ino}] = true
-			n += st.Blocks * 512
-			return nil
-		})
+		}
+		root.Close()
 	}
 	return n
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
 func TestCollectImages(t *testing.T) {
@@ -58,5 +59,56 @@ func TestNoFirecrackerWithoutKVM(t *testing.T) {
 		if len(caps) != 1 || caps[0].Kind != "qemu" || caps[0].Acceleration != "tcg" {
 			t.Errorf("KVM device %s: capabilities %+v, want qemu (tcg) only", dev, caps)
 		}
+	}
+}
+
+// TestVMBytesCountsWhatPlacementCounts (review of issue 27, item 6): the node offers what is
+// free plus what the files placement counts already take — writable disks and saved memory —
+// and nothing a VMM can add to them: a base disk hard-linked into a jail, a link from a jail to
+// the host's root, another file system.
+func TestVMBytesCountsWhatPlacementCounts(t *testing.T) {
+	state := t.TempDir()
+	a := &Agent{Opts: Options{StateDir: state, Firecracker: "/usr/local/bin/firecracker"}}
+	write := func(p string, n int) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, make([]byte, n), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const mib = 1 << 20
+	write(filepath.Join(state, "vms", "qemu-vm", "rw.ext4"), 3*mib)
+	write(filepath.Join(state, "vms", "qemu-vm", qemu.StateFile), 2*mib)
+	write(filepath.Join(state, "vms", "qemu-vm", "console.log"), 5*mib) // not placement's
+	write(filepath.Join(state, "vms", "fc-vm", "rw.ext4"), mib)
+	jail := a.jailRoot("fc-vm")
+	write(filepath.Join(jail, "snapshot", "vm.mem"), 4*mib)
+	// What a VMM may plant in its jail: the base disk, linked in as the driver links it; a link
+	// to the host's root; the writable disk's link (counted once).
+	base := filepath.Join(state, "images", "sha256-aaa.ext4")
+	write(base, 16*mib)
+	for _, l := range [][2]string{{base, "disks/base.ext4"}, {filepath.Join(state, "vms", "fc-vm", "rw.ext4"), "disks/rw.ext4"}} {
+		_ = os.MkdirAll(filepath.Join(jail, filepath.Dir(l[1])), 0o700)
+		if err := os.Link(l[0], filepath.Join(jail, l[1])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink("/", filepath.Join(jail, "host")); err != nil {
+		t.Fatal(err)
+	}
+	got := a.vmBytes()
+	if want := int64(3+2+1+4) * mib; got < want || got > want+mib {
+		t.Errorf("vmBytes %d MiB; want %d MiB (writable disks and saved memory alone)", got/mib, want/mib)
+	}
+	// A jail whose snapshot directory is a link out of it counts nothing there.
+	_ = os.RemoveAll(filepath.Join(jail, "snapshot"))
+	if err := os.Symlink(filepath.Join(state, "images"), filepath.Join(jail, "snapshot")); err != nil {
+		t.Fatal(err)
+	}
+	write(filepath.Join(state, "images", "vm.mem"), 8*mib)
+	if got := a.vmBytes(); got >= int64(7)*mib {
+		t.Errorf("vmBytes %d MiB through a jail's link", got/mib)
 	}
 }

@@ -288,7 +288,7 @@ func (s *BaseStore) build(ctx context.Context, d name.Digest, kc authn.Keychain,
 	size := sizeFor(rep.Bytes, entries)
 	tmp := filepath.Join(work, "disk.ext4")
 	// The disk is made beside the files it copies: both are held until the build ends.
-	if err := adm.charge(size); err != nil {
+	if err := adm.reserve(size); err != nil {
 		return fmt.Errorf("building the ext4 disk of %s (%s): %w", d, bytesString(size), err)
 	}
 	mkfs := s.Mkfs

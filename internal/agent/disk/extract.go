@@ -128,6 +128,19 @@ func ApplyLayer(r io.Reader, dir string, budget *Budget) (ExtractReport, error) 
 			continue
 		}
 		if parent != "." {
+			// The directories an entry's path makes are entries too: counted and charged, so
+			// that one entry named a/a/a/.../f makes no more directories than the budget allows.
+			if made := missingDirs(root, parent); made > 0 {
+				if budget.Entries < int64(made) {
+					return rep, fmt.Errorf("%w: more entries than allowed, at %s", ErrTooLarge, hdr.Name)
+				}
+				budget.Entries -= int64(made)
+				if budget.build != nil {
+					if err := budget.build.charge(int64(made) * entryBytes); err != nil {
+						return rep, fmt.Errorf("at %s: %w", hdr.Name, err)
+					}
+				}
+			}
 			if err := root.MkdirAll(parent, 0o755); err != nil {
 				return rep, unsafeOr(err, "creating parent of %s", hdr.Name)
 			}
@@ -277,7 +290,31 @@ func entryName(name string) (string, error) {
 	if clean == ".." || strings.HasPrefix(clean, "../") {
 		return "", fmt.Errorf("%w: name %q leaves the root", ErrUnsafeLayer, name)
 	}
+	// No file system of a guest holds longer paths (PATH_MAX), nor deeper ones worth the
+	// directories they make.
+	if len(clean) > maxPath || strings.Count(clean, "/") >= maxDepth {
+		return "", fmt.Errorf("%w: a name of %d bytes and %d components, past %d and %d", ErrTooLarge, len(clean), strings.Count(clean, "/")+1, maxPath, maxDepth)
+	}
 	return clean, nil
+}
+
+// maxPath and maxDepth bound an entry's name: PATH_MAX, and far deeper than real images go.
+const (
+	maxPath  = 4096
+	maxDepth = 256
+)
+
+// missingDirs counts the directories of dir (a clean relative path) that root lacks: those
+// MkdirAll would make.
+func missingDirs(root *os.Root, dir string) int {
+	n := 0
+	for d := dir; d != "." && d != "/"; d = path.Dir(d) {
+		if _, err := root.Lstat(d); err == nil {
+			break
+		}
+		n++
+	}
+	return n
 }
 
 func setMeta(root *os.Root, name string, mode fs.FileMode, hdr *tar.Header) error {

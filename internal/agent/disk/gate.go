@@ -46,6 +46,10 @@ type gate struct {
 	// read again once that passes statEvery, not at every write.
 	unseen int64
 	free   int64
+	// reserved is what builds reserved for writes that come later (the disk mkfs makes of a
+	// build's files), which a fresh reading of the free space does not show yet: it counts
+	// until the build ends.
+	reserved int64
 }
 
 // statEvery is how much builds write between two reads of the free space: what MinFree may be
@@ -59,10 +63,11 @@ type tenantBuilds struct {
 
 // admission is one build's place in the gate: what it holds, released once.
 type admission struct {
-	g      *gate
-	tenant string
-	held   int64
-	once   sync.Once
+	g        *gate
+	tenant   string
+	held     int64
+	reserved int64
+	once     sync.Once
 }
 
 func freeBytes(path string) (int64, error) {
@@ -114,7 +119,13 @@ func (g *gate) admit(ctx context.Context, tenant string) (*admission, error) {
 // charge counts n more bytes held by the build, refusing them (and counting nothing) past the
 // node's or the tenant's bytes in flight, or where the file system's free space would fall
 // below MinFree.
-func (a *admission) charge(n int64) error {
+func (a *admission) charge(n int64) error { return a.take(n, false) }
+
+// reserve is charge for bytes written later, by another process (mkfs): they are kept off the
+// free space until the build ends.
+func (a *admission) reserve(n int64) error { return a.take(n, true) }
+
+func (a *admission) take(n int64, later bool) error {
 	g := a.g
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -138,7 +149,7 @@ func (a *admission) charge(n int64) error {
 			}
 			g.free, g.unseen = free, 0
 		}
-		if g.free-g.unseen-n < lim.MinFree {
+		if g.free-g.reserved-g.unseen-n < lim.MinFree {
 			g.unseen = 0 // read it again next time: a removal may have made room
 			return fmt.Errorf("%w: the state file system has %s free and keeps %s for VMs' disks", ErrNodeBudget, bytesString(g.free), bytesString(lim.MinFree))
 		}
@@ -147,6 +158,10 @@ func (a *admission) charge(n int64) error {
 	g.held += n
 	tb.held += n
 	a.held += n
+	if later {
+		g.reserved += n
+		a.reserved += n
+	}
 	return nil
 }
 
@@ -161,6 +176,7 @@ func (a *admission) done() {
 		tb.running--
 		g.held -= a.held
 		tb.held -= a.held
+		g.reserved -= a.reserved
 		if tb.running == 0 && tb.held == 0 {
 			delete(g.tenants, a.tenant)
 		}

@@ -1,11 +1,13 @@
 package disk
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -218,4 +220,63 @@ func TestChargeBounds(t *testing.T) {
 	if err := c.charge(40); err != nil {
 		t.Errorf("charge above the free space kept: %v", err)
 	}
+}
+
+// TestDeepNamesAreCounted (review of issue 27, item 5): the directories an entry's name makes
+// count as entries and are charged, so one entry a/a/.../f cannot make more directories than
+// the budget allows; a name deeper than maxDepth or longer than PATH_MAX is refused.
+func TestDeepNamesAreCounted(t *testing.T) {
+	deep := func(n int) string { return strings.Repeat("a/", n) + "f" }
+	for _, tc := range []struct {
+		name    string
+		entry   string
+		entries int64
+		ok      bool
+	}{
+		{"within", deep(50), 100, true},
+		{"its directories past the entries", deep(150), 100, false},
+		{"deeper than allowed", deep(maxDepth + 1), 1 << 20, false},
+		{"longer than PATH_MAX", strings.Repeat("b", maxPath) + "/f", 1 << 20, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			g := &gate{}
+			adm, _ := g.admit(context.Background(), "team")
+			defer adm.done()
+			b := Budget{Bytes: 1 << 20, Entries: tc.entries, build: adm}
+			_, err := ApplyLayer(bytes.NewReader(tarOf(t, file(tc.entry, "x"))), root, &b)
+			if tc.ok != (err == nil) || (err != nil && !errors.Is(err, ErrTooLarge)) {
+				t.Fatalf("ApplyLayer: %v", err)
+			}
+			if tc.ok {
+				if want := tc.entries - 51; b.Entries != want {
+					t.Errorf("entries left %d; want %d (the file and its 50 directories)", b.Entries, want)
+				}
+				if _, held := g.inFlight(); held < 51*entryBytes {
+					t.Errorf("charged %d; want the directories too", held)
+				}
+			}
+		})
+	}
+}
+
+// TestReservationsOutliveAReading: bytes reserved for a disk mkfs writes later stay off the
+// free space when a later charge reads it again, until the build ends.
+func TestReservationsOutliveAReading(t *testing.T) {
+	free := int64(1000)
+	g := &gate{limits: BuildLimits{MinFree: 500}, statfs: func(string) (int64, error) { return free, nil }}
+	a, _ := g.admit(context.Background(), "a")
+	b, _ := g.admit(context.Background(), "b")
+	if err := a.reserve(400); err != nil {
+		t.Fatal(err)
+	}
+	g.unseen = statEvery // the next charge reads the free space again, unchanged: mkfs has not written
+	if err := b.charge(200); !errors.Is(err, ErrNodeBudget) {
+		t.Errorf("a charge into space reserved for a disk: %v", err)
+	}
+	a.done()
+	if err := b.charge(200); err != nil {
+		t.Errorf("after the reserving build ended: %v", err)
+	}
+	b.done()
 }

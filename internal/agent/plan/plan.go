@@ -47,6 +47,15 @@ func WaitTime(err error) time.Duration {
 	return 0
 }
 
+// Retry marks err as failing nothing (an API write that did not go through, say): the plan
+// stops and returns it, its step to be run again later.
+func Retry(err error) error { return retryable{err} }
+
+type retryable struct{ err error }
+
+func (r retryable) Error() string { return r.err.Error() }
+func (r retryable) Unwrap() error { return r.err }
+
 // Failed is a plan's failure: the step, the reason to report (a CamelCase word for
 // status.runtime.reason and the Event) and the error.
 type Failed struct {
@@ -73,11 +82,12 @@ type Plan[S any] struct {
 
 // Run runs the steps in order: each that ShouldDo does, is timed, and may crash the process at
 // its failpoint once done (tests show a crash there loses nothing). It stops at the first
-// error: ErrWait as it is, any other as a *Failed that names the step and its reason.
+// error: ErrWait and Retry's as they are, any other as a *Failed that names the step and its
+// reason.
 func (p Plan[S]) Run(ctx context.Context, s S) error {
 	for _, st := range p.Steps {
 		if err := p.step(ctx, st, s); err != nil {
-			if errors.Is(err, ErrWait) {
+			if r := (retryable{}); errors.Is(err, ErrWait) || errors.As(err, &r) {
 				return err
 			}
 			f := &Failed{}

@@ -77,6 +77,12 @@ func TestWaitFor(t *testing.T) {
 	if !errors.Is(err, ErrWait) || WaitTime(err) != time.Second {
 		t.Errorf("err %v, wait %v", err, WaitTime(err))
 	}
+	boom := errors.New("the API server is away")
+	err = Plan[*state]{Steps: []Step[*state]{fake{"a", true, Retry(boom)}}}.Run(context.Background(), &state{})
+	var f *Failed
+	if !errors.Is(err, boom) || errors.As(err, &f) || err.Error() != boom.Error() {
+		t.Errorf("a retry: %#v", err)
+	}
 	if WaitTime(ErrWait) != 0 || WaitTime(nil) != 0 {
 		t.Error("a wait without a time has one")
 	}

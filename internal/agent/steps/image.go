@@ -55,7 +55,7 @@ func (s Image) Do(ctx context.Context, r *vmrun.Run) error {
 	began := s.Fetches.Begin(vm, ref)
 	starting := impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeStarting, Message: "preparing disks"}
 	if err := s.Reports.ReportLater(ctx, vm, starting); err != nil {
-		return err
+		return plan.Retry(err) // the run has not failed: the report goes again
 	}
 	wait := time.Duration(0)
 	if began {

@@ -22,6 +22,9 @@ type WritableDisk struct{ Disks Disks }
 func (WritableDisk) Name() string { return "writable_disk" }
 
 func (WritableDisk) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
+	if r.VM.Status.Resources == nil { // what the VMM is sized by, too: never started without it
+		return false, errors.New("the VM has no resources recorded by its placement")
+	}
 	_, err := os.Stat(r.Path(vmrun.WritableDisk))
 	if errors.Is(err, fs.ErrNotExist) {
 		return true, nil
@@ -30,9 +33,5 @@ func (WritableDisk) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 }
 
 func (s WritableDisk) Do(_ context.Context, r *vmrun.Run) error {
-	res := r.VM.Status.Resources
-	if res == nil {
-		return errors.New("the VM has no resources recorded by its placement")
-	}
-	return s.Disks.Ensure(r.Path(vmrun.WritableDisk), res.DiskSize.Value())
+	return s.Disks.Ensure(r.Path(vmrun.WritableDisk), r.VM.Status.Resources.DiskSize.Value())
 }

@@ -299,8 +299,20 @@ func (r *Reconciler) reconcileExpiry(ctx context.Context, s *scope) error {
 func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	vm := s.vm
 	if isTerminal(vm.Status.Phase) {
-		// An ended VM's disks hold its node's disk and its quota until its node removed them.
-		if disksRemoved(vm) {
+		// An ended VM's disks hold its node's disk and its quota until its node removed them,
+		// or the node is gone (deleted, or out of service): then the VM leaves it.
+		gone := disksRemoved(vm)
+		if !gone && vm.Status.NodeName != "" {
+			node := &corev1.Node{}
+			err := r.Client.Get(ctx, types.NamespacedName{Name: vm.Status.NodeName}, node)
+			if err != nil && !apierrors.IsNotFound(err) {
+				return fmt.Errorf("getting node %s: %w", vm.Status.NodeName, err)
+			}
+			if gone = apierrors.IsNotFound(err) || outOfService(node); gone {
+				vm.Status.NodeName = ""
+			}
+		}
+		if gone {
 			if _, held := r.Ledger.NodeOf(vm.UID); held {
 				r.Ledger.Release(vm.UID)
 				r.signalFreed()

@@ -394,3 +394,25 @@ func TestAnEndedVMsDiskIsCounted(t *testing.T) {
 	eventually(t, func() string { return e.get("next").Status.NodeName }).ShouldNot(BeEmpty())
 	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("4Gi/10Gi"))
 }
+
+// TestAnEndedVMOfADeletedNodeHoldsNothing: the disks of a VM that ended go with its node; once
+// the Node is deleted, the VM leaves it and its disk no longer counts.
+func TestAnEndedVMOfADeletedNodeHoldsNothing(t *testing.T) {
+	e := newEnv(t)
+	node := e.node("gone", 64, 64)
+	e.startAgent(func(*impv1.ImpVM) *int32 { return ptr.To[int32](0) })
+	e.startOperator()
+	q := e.quota("team", 16, "16Gi")
+	q.Spec.Hard.Disk = ptr.To(resource.MustParse("10Gi"))
+	once := e.vm("once", 1, "1Gi")
+	once.Spec.RunStrategy = impv1.RunStrategyOnce
+	once.Spec.DiskSize = ptr.To(resource.MustParse("8Gi"))
+	e.create(q, once)
+	eventually(t, func() impv1.VMPhase { return e.get("once").Status.Phase }).Should(Equal(impv1.VMSucceeded))
+	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("8Gi/10Gi"))
+	if err := e.c.Delete(context.Background(), node); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("once").Status.NodeName }).Should(BeEmpty())
+	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("0/10Gi"))
+}

@@ -57,6 +57,20 @@ const (
 	ChannelPort = 1024
 )
 
+// SnapshotFiles are a suspended VM's snapshot files, relative to its jail's root.
+var SnapshotFiles = []string{strings.TrimPrefix(jailSnapshotState, "/"), strings.TrimPrefix(jailSnapshotMem, "/")}
+
+// RemoveSnapshot removes a suspended VM's snapshot from the jail at chroot, without following a
+// link out of it: a run that ended cannot be resumed.
+func RemoveSnapshot(chroot string) error {
+	for _, f := range []string{jailSnapshotState, jailSnapshotMem} {
+		if err := removeInJail(chroot, f); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("removing the snapshot from the jail: %w", err)
+		}
+	}
+	return nil
+}
+
 // Spec is one VM as Firecracker runs it.
 type Spec struct {
 	// ID names the jail (jailer --id): the VM's UID.
