@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 export IMP_CACHE=${IMP_CACHE:-$HOME/.cache/imp}
 STATE=${IMP_DEV_STATE:-$IMP_CACHE/dev}
 REGISTRY_PORT=${REGISTRY_PORT:-15000}
+SUB_PORT=${SUB_PORT:-18443}
 NODE=imp-dev
 log() { printf '[dev %s] %s\n' "$(date +%T)" "$*"; }
 
@@ -23,11 +24,48 @@ CP_BIN_DIR=$IMP_CACHE/cp/bin WITH_KCM=0 WITH_KWOK=0 WITH_REGISTRY=1 REGISTRY_POR
 . "$STATE/env"
 kubectl apply -f config/crd/bases >/dev/null
 kubectl wait --for=condition=Established --timeout=60s crd --all >/dev/null
-# IMP's namespace, as the chart's: the VMs' run Secrets and the agents' heartbeat Leases.
-kubectl create namespace imp-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+# IMP's namespace, as the chart's: the VMs' run Secrets and the agents' heartbeat Leases; and
+# the access CA's, which agents must not read.
+for ns in imp-system imp-system-access; do
+  kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+done
+# The ImpVM subresources (exec, console, port-forward, logs), as the chart serves them: the API
+# server proxies them to the operator's subresource server through the Service imp-subresources.
+# It routes to the Service's endpoints itself (--enable-aggregator-routing; no kube-proxy here),
+# which cannot be a loopback address: the operator listens on this machine's own address, and
+# the EndpointSlice (no kube-controller-manager here to make it) names it. The operator puts its
+# CA in the APIService's caBundle.
+HOST_IP=${HOST_IP:-$(hostname -I | awk '{print $1}')}
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: Service
+metadata: {name: imp-subresources, namespace: imp-system}
+spec:
+  ports: [{name: https, port: 443, targetPort: $SUB_PORT}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: imp-subresources-dev
+  namespace: imp-system
+  labels: {kubernetes.io/service-name: imp-subresources}
+addressType: IPv4
+endpoints: [{addresses: ["$HOST_IP"], conditions: {ready: true}}]
+ports: [{name: https, port: $SUB_PORT, protocol: TCP}]
+---
+apiVersion: apiregistration.k8s.io/v1
+kind: APIService
+metadata: {name: v1alpha1.subresources.imp.dev}
+spec:
+  group: subresources.imp.dev
+  version: v1alpha1
+  groupPriorityMinimum: 1000
+  versionPriority: 15
+  service: {name: imp-subresources, namespace: imp-system, port: 443}
+YAML
 
 log "building binaries, the guest initramfs and a sample image"
-go build -o bin/ ./cmd/imp-operator ./cmd/imp-agent ./hack/devtool
+go build -o bin/ ./cmd/imp-operator ./cmd/imp-agent ./cmd/kubectl-imp ./hack/devtool
 CGO_ENABLED=0 go build -o bin/imp-init ./cmd/imp-init
 CGO_ENABLED=0 go build -o bin/hello ./internal/testguest/hello
 mkdir -p "$STATE/boot"
@@ -44,7 +82,7 @@ metadata:
   labels: {imp/enabled: "true", kubernetes.io/hostname: $NODE}
 YAML
 kubectl patch node "$NODE" --subresource=status --type=merge -p \
-  "{\"status\":{\"conditions\":[{\"type\":\"Ready\",\"status\":\"True\",\"reason\":\"ImpDev\",\"message\":\"hack/dev.sh\",\"lastHeartbeatTime\":\"$(date -u +%FT%TZ)\",\"lastTransitionTime\":\"$(date -u +%FT%TZ)\"}]}}" >/dev/null
+  "{\"status\":{\"addresses\":[{\"type\":\"InternalIP\",\"address\":\"127.0.0.1\"}],\"conditions\":[{\"type\":\"Ready\",\"status\":\"True\",\"reason\":\"ImpDev\",\"message\":\"hack/dev.sh\",\"lastHeartbeatTime\":\"$(date -u +%FT%TZ)\",\"lastTransitionTime\":\"$(date -u +%FT%TZ)\"}]}}" >/dev/null
 
 start() { # name, args...
   local name=$1; shift
@@ -52,9 +90,24 @@ start() { # name, args...
   echo $! >"$STATE/pids/$name.pid"
 }
 start imp-operator bin/imp-operator --kubeconfig "$KUBECONFIG" --leader-elect=false \
-  --metrics-bind-address 127.0.0.1:18080 --health-probe-bind-address 127.0.0.1:18081 --log-format text
+  --metrics-bind-address 127.0.0.1:18080 --health-probe-bind-address 127.0.0.1:18081 --log-format text \
+  --subresources-bind-address "$HOST_IP:$SUB_PORT" --subresources-namespace imp-system
+# The agent's access endpoint (the operator reaches it at the node's InternalIP, 127.0.0.1): its
+# certificate from the operator's access CA. The chart's agents ask the certificates API with
+# their pod-bound token instead (--access-cert-request); this one has the admin's kubeconfig.
+for i in $(seq 300); do
+  kubectl -n imp-system-access get secret imp-access-ca >/dev/null 2>&1 && break
+  [[ $i == 300 ]] && { echo "the operator made no access CA (logs in $STATE/logs)" >&2; exit 1; }
+  sleep 0.2
+done
+mkdir -p "$STATE/access-ca"
+for f in tls.crt tls.key; do
+  kubectl -n imp-system-access get secret imp-access-ca -o "jsonpath={.data.${f//./\\.}}" | base64 -d >"$STATE/access-ca/$f"
+done
+bin/devtool agent-cert "$STATE/access-ca/tls.crt" "$STATE/access-ca/tls.key" "$NODE" "$STATE/access"
+rm -rf "$STATE/access-ca"
 start imp-agent bin/imp-agent --kubeconfig "$KUBECONFIG" --node-name "$NODE" --state-dir "$STATE/node" \
-  --local-registry "127.0.0.1:$REGISTRY_PORT" \
+  --local-registry "127.0.0.1:$REGISTRY_PORT" --access-cert-dir "$STATE/access" --access-bind-address 127.0.0.1:10260 \
   --kernel "$KERNEL" --initramfs "$STATE/boot/initramfs.cpio.gz" --reserve-vcpus 0 --vcpu-overcommit 4 \
   --metrics-bind-address 127.0.0.1:18090 --health-probe-bind-address 127.0.0.1:18091 --log-format text
 for p in 18081 18091; do
@@ -85,10 +138,23 @@ uid=$(kubectl get impvm hello -o jsonpath='{.metadata.uid}')
 sleep 2
 log "console of impvm/hello ($STATE/node/vms/$uid/console.log):"
 tail -n 5 "$STATE/node/vms/$uid/console.log"
+# The subresources, through the API server, as a user reaches them.
+for i in $(seq 300); do
+  kubectl get --raw /apis/subresources.imp.dev/v1alpha1 >/dev/null 2>&1 && break
+  [[ $i == 300 ]] && { kubectl get apiservice v1alpha1.subresources.imp.dev -o wide >&2; echo "the API server does not serve the ImpVM subresources (logs in $STATE/logs)" >&2; exit 1; }
+  sleep 0.2
+done
+PATH=$PWD/bin:$PATH
+log "kubectl imp exec hello -- /bin/app tool-exit 0 hello from the guest:"
+kubectl imp exec hello -- /bin/app tool-exit 0 hello from the guest 2>/dev/null
+log "kubectl imp logs hello --limit-bytes 200:"
+kubectl imp logs hello --limit-bytes 200; echo
 cat <<MSG
 
-IMP is up with a VM running (export KUBECONFIG=$KUBECONFIG; kubectl get imp -A).
-The plugin: go build -o bin/ ./cmd/kubectl-imp; then, with bin/ on PATH,
-  kubectl imp list; kubectl imp logs hello --state-dir $STATE/node; kubectl imp suspend hello; kubectl imp resume hello
+IMP is up with a VM running. With
+  export KUBECONFIG=$KUBECONFIG PATH=$PWD/bin:\$PATH
+try: kubectl get imp -A; kubectl imp list; kubectl imp exec hello -- /bin/app tool-exit 0 hi;
+  kubectl imp exec -it hello -- /bin/app tool-tty; kubectl imp logs -f hello; kubectl imp console hello;
+  kubectl imp suspend hello; kubectl imp resume hello
 Tear down with: hack/dev-down.sh
 MSG

@@ -7,6 +7,7 @@
 //	                                               push imp-operator and imp-agent, print digests
 //	devtool pause                                  a pod sandbox's process: sleep, reap, exit on TERM
 //	devtool service-nat up|down ...                the local node's stand-in for kube-proxy
+//	devtool agent-cert CA_CRT CA_KEY NODE DIR       an agent's access endpoint files, for make dev
 package main
 
 import (
@@ -55,8 +56,10 @@ func run(args []string) error {
 		return nil
 	case len(args) >= 1 && args[0] == "service-nat":
 		return serviceNAT(args[1:])
+	case len(args) == 5 && args[0] == "agent-cert":
+		return agentCert(args[1], args[2], args[3], args[4])
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ...")
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {

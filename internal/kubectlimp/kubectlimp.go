@@ -85,7 +85,7 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 				return o.logsThroughAPI(ctx, cfg, ns, args[0], a)
 			})(c, args)
 		}}
-	logs.Flags().StringVar(&o.stateDir, "state-dir", "", "read the console from this agent state directory on this machine instead (an agent running here, as in make dev)")
+	logs.Flags().StringVar(&o.stateDir, "state-dir", "", "read the console from this agent state directory on this machine instead (an agent running on this machine)")
 	logs.Flags().Int64Var(&o.bytes, "limit-bytes", 256<<10, "print at most this many bytes, the newest")
 	logs.Flags().BoolVarP(&a.follow, "follow", "f", false, "follow the log until interrupted")
 	logs.Flags().BoolVar(&a.raw, "raw", false, "print the guest's output as it is: escape sequences included (default: shown, not interpreted)")
@@ -384,7 +384,7 @@ func (o *options) restart(ctx context.Context, c client.Client, ns string, args 
 }
 
 // logs prints the VM's console log from an agent's state directory on this machine
-// (--state-dir: an agent running here, as in make dev); otherwise logsThroughAPI reads it.
+// (--state-dir: an agent running on this machine); otherwise logsThroughAPI reads it.
 func (o *options) logs(ctx context.Context, c client.Client, ns string, args []string) error {
 	vm, err := o.get(ctx, c, ns, args[0])
 	if err != nil {
