@@ -36,6 +36,7 @@ done
 # the EndpointSlice (no kube-controller-manager here to make it) names it. The operator puts its
 # CA in the APIService's caBundle.
 HOST_IP=${HOST_IP:-$(hostname -I | awk '{print $1}')}
+[[ -n $HOST_IP ]] || { echo "this machine has no address but loopback: set HOST_IP to one the API server may dial" >&2; exit 1; }
 kubectl apply -f - >/dev/null <<YAML
 apiVersion: v1
 kind: Service
