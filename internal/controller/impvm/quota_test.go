@@ -350,6 +350,18 @@ func TestAnAddressWithoutAPlacementIsReleased(t *testing.T) {
 	}
 }
 
+// endOnceVMUnderDiskQuota makes the quota team (10Gi of disk) and the Once VM "once" of 8Gi of
+// disk, and waits for the VM to end (the agent double must make it exit).
+func (e *env) endOnceVMUnderDiskQuota() {
+	q := e.quota("team", 16, "16Gi")
+	q.Spec.Hard.Disk = ptr.To(resource.MustParse("10Gi"))
+	once := e.vm("once", 1, "1Gi")
+	once.Spec.RunStrategy = impv1.RunStrategyOnce
+	once.Spec.DiskSize = ptr.To(resource.MustParse("8Gi"))
+	e.create(q, once)
+	eventually(e.t, func() impv1.VMPhase { return e.get("once").Status.Phase }).Should(Equal(impv1.VMSucceeded))
+}
+
 // TestAnEndedVMsDiskIsCounted (issue 27, item 6): a Once VM that ended keeps its disk on its
 // node for the agent's retention; until the agent says it removed it, the disk counts against
 // the namespace's disk quota (another VM waits, QuotaExceeded), and the ImpQuota's status says
@@ -364,13 +376,7 @@ func TestAnEndedVMsDiskIsCounted(t *testing.T) {
 		return nil
 	})
 	e.startOperator()
-	q := e.quota("team", 16, "16Gi")
-	q.Spec.Hard.Disk = ptr.To(resource.MustParse("10Gi"))
-	once := e.vm("once", 1, "1Gi")
-	once.Spec.RunStrategy = impv1.RunStrategyOnce
-	once.Spec.DiskSize = ptr.To(resource.MustParse("8Gi"))
-	e.create(q, once)
-	eventually(t, func() impv1.VMPhase { return e.get("once").Status.Phase }).Should(Equal(impv1.VMSucceeded))
+	e.endOnceVMUnderDiskQuota()
 
 	next := e.vm("next", 1, "1Gi")
 	next.Spec.DiskSize = ptr.To(resource.MustParse("4Gi"))
@@ -402,13 +408,7 @@ func TestAnEndedVMOfADeletedNodeHoldsNothing(t *testing.T) {
 	node := e.node("gone", 64, 64)
 	e.startAgent(func(*impv1.ImpVM) *int32 { return ptr.To[int32](0) })
 	e.startOperator()
-	q := e.quota("team", 16, "16Gi")
-	q.Spec.Hard.Disk = ptr.To(resource.MustParse("10Gi"))
-	once := e.vm("once", 1, "1Gi")
-	once.Spec.RunStrategy = impv1.RunStrategyOnce
-	once.Spec.DiskSize = ptr.To(resource.MustParse("8Gi"))
-	e.create(q, once)
-	eventually(t, func() impv1.VMPhase { return e.get("once").Status.Phase }).Should(Equal(impv1.VMSucceeded))
+	e.endOnceVMUnderDiskQuota()
 	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("8Gi/10Gi"))
 	if err := e.c.Delete(context.Background(), node); err != nil {
 		t.Fatal(err)
