@@ -479,13 +479,6 @@ func (a *Agent) startFailed(ctx context.Context, vm *impv1.ImpVM, reason string,
 	return a.report(ctx, vm, failed)
 }
 
-// killUnrecorded kills the VMMs of the VM in dir that a crash left running without a record.
-func killUnrecorded(ctx context.Context, dir string, uid types.UID) {
-	if pids := vmm.KillUnrecorded(dir, string(uid)); len(pids) > 0 {
-		ctrl.LoggerFrom(ctx).Info("killed VMMs an interrupted start left unrecorded", "vm", uid, "pids", pids)
-	}
-}
-
 // configDisk is the file, in a VM's state directory, of its current run's configuration disk.
 const configDisk = vmrun.ConfigDisk
 

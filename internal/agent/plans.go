@@ -21,11 +21,7 @@ import (
 func (a *Agent) bootPlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	var ss []steps.Step
 	if len(a.Opts.Pins) > 0 {
-		p := steps.Provenance{Fetches: a.fetches}
-		for _, pin := range a.Opts.Pins {
-			p.Pins, p.Names = append(p.Pins, pin), append(p.Names, pin.Name)
-		}
-		ss = append(ss, p)
+		ss = append(ss, steps.Provenance{Pins: a.Opts.Pins, Fetches: a.fetches})
 	}
 	ss = append(ss,
 		steps.StateDir{},

@@ -185,7 +185,7 @@ func (a *admission) done() {
 	})
 }
 
-// InFlight returns the builds running and the bytes they hold.
+// inFlight returns the builds running and the bytes they hold.
 func (g *gate) inFlight() (builds int, bytes int64) {
 	g.mu.Lock()
 	defer g.mu.Unlock()

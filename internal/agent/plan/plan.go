@@ -122,12 +122,3 @@ func (p Plan[S]) step(ctx context.Context, st Step[S], s S) error {
 	failpoint.Crash(p.Name + "/" + st.Name())
 	return nil
 }
-
-// Names lists the steps of p, in order.
-func (p Plan[S]) Names() []string {
-	out := make([]string, len(p.Steps))
-	for i, st := range p.Steps {
-		out[i] = st.Name()
-	}
-	return out
-}

@@ -67,9 +67,6 @@ func TestRun(t *testing.T) {
 			}
 		})
 	}
-	if got := (Plan[*state]{Steps: []Step[*state]{fake{name: "a"}, fake{name: "b"}}}).Names(); !slices.Equal(got, []string{"a", "b"}) {
-		t.Errorf("Names %v", got)
-	}
 }
 
 func TestWaitFor(t *testing.T) {

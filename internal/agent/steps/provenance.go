@@ -8,13 +8,9 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
-
-// Pin is an artifact of the node (kernel, initramfs, VMM) and the hash it must have.
-type Pin interface {
-	Verify() error
-}
 
 // FetchState is what Provenance asks of the run's image fetch.
 type FetchState interface {
@@ -28,8 +24,7 @@ type FetchState interface {
 // (reason PinMismatch, and the run's fetch is dropped). It checks as the run's image fetch
 // begins and again once it is done, not on every pass in between.
 type Provenance struct {
-	Pins    []Pin
-	Names   []string // the pins' names, for the message
+	Pins    []preflight.Pin
 	Fetches FetchState
 }
 
@@ -40,10 +35,10 @@ func (p Provenance) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 }
 
 func (p Provenance) Do(_ context.Context, r *vmrun.Run) error {
-	for i, pin := range p.Pins {
+	for _, pin := range p.Pins {
 		if err := pin.Verify(); err != nil {
 			p.Fetches.Drop(r.VM.UID)
-			return plan.Fail("PinMismatch", fmt.Errorf("pinned %s: %w", p.Names[i], err))
+			return plan.Fail("PinMismatch", fmt.Errorf("pinned %s: %w", pin.Name, err))
 		}
 	}
 	return nil

@@ -2,10 +2,13 @@ package steps
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,6 +20,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
@@ -177,23 +181,29 @@ func TestImage(t *testing.T) {
 	}
 }
 
-type pinErr struct{ err error }
-
-func (p pinErr) Verify() error { return p.err }
-
 func TestProvenance(t *testing.T) {
 	r := newRun(t)
+	kernel := filepath.Join(t.TempDir(), "vmlinuz")
+	if err := os.WriteFile(kernel, []byte("kernel"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256([]byte("kernel"))
+	wrong := preflight.Pin{Name: "kernel", Path: kernel, SHA256: strings.Repeat("0", 64)}
 	f := &fakeFetches{fetching: true}
-	s := Provenance{Pins: []Pin{pinErr{errors.New("sha256 differs")}}, Names: []string{"kernel"}, Fetches: f}
+	s := Provenance{Pins: []preflight.Pin{wrong}, Fetches: f}
 	if did, _ := do(t, s, r); did {
 		t.Error("checked while the run's fetch is under way")
 	}
 	f.fetching = false
-	if _, err := do(t, s, r); reasonOf(err) != "PinMismatch" || len(f.dropped) != 1 || err.Error() != "pinned kernel: sha256 differs" {
+	if _, err := do(t, s, r); reasonOf(err) != "PinMismatch" || len(f.dropped) != 1 || !strings.HasPrefix(err.Error(), "pinned kernel: ") {
 		t.Errorf("err %v, dropped %v", err, f.dropped)
 	}
-	if did, err := do(t, Provenance{Pins: []Pin{pinErr{}}, Names: []string{"kernel"}, Fetches: f}, r); !did || err != nil {
+	right := preflight.Pin{Name: "kernel", Path: kernel, SHA256: hex.EncodeToString(sum[:])}
+	if did, err := do(t, Provenance{Pins: []preflight.Pin{right}, Fetches: f}, r); !did || err != nil {
 		t.Errorf("a matching pin: %v, %v", did, err)
+	}
+	if did, _ := do(t, Provenance{Fetches: f}, r); did {
+		t.Error("checked on a node with no pins")
 	}
 }
 
