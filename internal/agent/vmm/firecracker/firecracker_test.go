@@ -578,3 +578,57 @@ func TestRestartsAndResumesInAKeptJail(t *testing.T) {
 	}
 	stop(rec)
 }
+
+// TestJailResetStaysInTheJail: before each start the driver removes what the jailer and the VMM
+// make in a kept jail (dev/, run/, the copied binary). The jail belongs to the VMM, which may
+// have made them links to the host: the reset removes the links, never what they point to.
+func TestJailResetStaysInTheJail(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Fatal("chown needs root")
+	}
+	s := spec(t)
+	if err := firecracker.PrepareChroot(s); err != nil {
+		t.Fatal(err)
+	}
+	root := s.ChrootDir()
+	host := t.TempDir()
+	hostFile := filepath.Join(host, "keep")
+	// Named as what the reset removes in the jail: a reset that followed the links would take
+	// them.
+	for _, f := range []string{"keep", "kvm", "urandom", "net/tun", "firecracker.socket", "vsock.sock"} {
+		_ = os.MkdirAll(filepath.Dir(filepath.Join(host, f)), 0o700)
+		if err := os.WriteFile(filepath.Join(host, f), []byte("host data"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = os.RemoveAll(filepath.Join(root, "run"))
+	for name, link := range map[string]func(string) error{
+		"dev":                                 func(p string) error { return os.Symlink(host, p) },
+		"run":                                 func(p string) error { return os.Symlink(host, p) },
+		filepath.Base(s.Firecracker):          func(p string) error { return os.Link(hostFile, p) },
+		filepath.Base(s.Firecracker) + ".pid": func(p string) error { return os.Symlink(hostFile, p) },
+	} {
+		if err := link(filepath.Join(root, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := firecracker.PrepareChroot(s); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(hostFile); err != nil || string(b) != "host data" {
+		t.Errorf("the host's file behind the jail's links: %q, %v", b, err)
+	}
+	for _, f := range []string{"kvm", "urandom", "net/tun", "firecracker.socket", "vsock.sock"} {
+		if _, err := os.Stat(filepath.Join(host, f)); err != nil {
+			t.Errorf("the host's %s, behind the jail's links: %v", f, err)
+		}
+	}
+	for _, name := range []string{"dev", filepath.Base(s.Firecracker), filepath.Base(s.Firecracker) + ".pid"} {
+		if _, err := os.Lstat(filepath.Join(root, name)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the jail's %s stays: %v", name, err)
+		}
+	}
+	if fi, err := os.Lstat(filepath.Join(root, "run")); err != nil || !fi.IsDir() {
+		t.Errorf("the jail's run/ is not a directory of its own again: %v, %v", fi, err)
+	}
+}
