@@ -27,7 +27,7 @@ const MountsEnv = "IMP_FAKE_JAILER_MOUNTS"
 type jailerDevice struct {
 	path         string
 	major, minor uint32
-	hostOnly     bool // made only where the host has it
+	hostOnly     bool // made only where the host has it, with the host's numbers
 }
 
 var jailerDevices = []jailerDevice{
@@ -120,8 +120,13 @@ func FakeJailer(args []string) int {
 	}
 	devices := make([]jailerDevice, 0, len(jailerDevices))
 	for _, d := range jailerDevices {
-		if _, err := os.Stat(d.path); d.hostOnly && err != nil {
-			continue
+		if d.hostOnly {
+			// Made as the host's is (userfaultfd's minor is the kernel's to choose), or not at all.
+			var st unix.Stat_t
+			if unix.Stat(d.path, &st) != nil {
+				continue
+			}
+			d.major, d.minor = unix.Major(st.Rdev), unix.Minor(st.Rdev)
 		}
 		devices = append(devices, d)
 	}
