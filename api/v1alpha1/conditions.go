@@ -32,7 +32,8 @@ const (
 const (
 	// ScheduledCondition is True once the VM has a node (and, with a networkRef, an address).
 	ScheduledCondition = "Scheduled"
-	// ReadyCondition is True while the VM runs and its guest reports ready.
+	// ReadyCondition is True while the VM runs, its guest reports ready and its readiness probe,
+	// if it has one, passes: a Service's endpoint is ready exactly then.
 	ReadyCondition = "Ready"
 	// SuspendedCondition is True while the VM is suspended; its reason says why
 	// (PressureLifecycle or User) and its message by whom or what.
@@ -82,6 +83,11 @@ const (
 	ReasonGuestReady = "GuestReady"
 	// ReasonGuestNotReady: the VMM runs but the guest has not reported ready.
 	ReasonGuestNotReady = "GuestNotReady"
+	// ReasonNotServing: the guest is ready but its readiness probe has not passed (or failed).
+	ReasonNotServing = "ReadinessProbeFailing"
+	// ReasonLivenessProbeFailed (of status.runtime): the liveness or startup probe failed
+	// failureThreshold times, so the guest killed the workload; the runStrategy decides.
+	ReasonLivenessProbeFailed = "LivenessProbeFailed"
 	// ReasonExited: the workload exited (see the condition's message for the code).
 	ReasonExited = "Exited"
 	// ReasonBackoff: the VM exited and waits before its runStrategy restarts it.

@@ -130,6 +130,87 @@ type EnvVarSource struct {
 	ConfigMapKeyRef *corev1.ConfigMapKeySelector `json:"configMapKeyRef,omitempty"`
 }
 
+// VMPort is a port the VM's workload serves, as a container's port is: Services select the VM
+// and name or number its ports as their targetPort, probes may name it. Only declared ports are
+// ever reachable through a Service.
+type VMPort struct {
+	// name of the port (an IANA service name: at most 15 lowercase letters, digits and
+	// dashes, with a letter), for a Service's targetPort or a probe's port.
+	// +optional
+	// +kubebuilder:validation:MaxLength=15
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`
+	// +kubebuilder:validation:XValidation:rule="self.matches('[a-z]') && !self.contains('--')",message="a port name has at least one letter and no two dashes in a row"
+	Name string `json:"name,omitempty"`
+
+	// port is the port number in the guest.
+	// +required
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=65535
+	Port int32 `json:"port"`
+
+	// protocol is TCP or UDP.
+	// +optional
+	// +kubebuilder:default=TCP
+	// +kubebuilder:validation:Enum=TCP;UDP
+	Protocol corev1.Protocol `json:"protocol,omitempty"`
+}
+
+// Probe is a container probe's fields (exec, httpGet, tcpSocket or grpc; its timings and
+// thresholds), run by imp-init inside the guest. An httpGet's or tcpSocket's host defaults to
+// the guest's loopback, and a port may name one of spec.ports. Defaults are a Pod's.
+// +kubebuilder:validation:XValidation:rule="[has(self.exec), has(self.httpGet), has(self.tcpSocket), has(self.grpc)].filter(x, x).size() == 1",message="set exactly one of exec, httpGet, tcpSocket and grpc"
+// +kubebuilder:validation:XValidation:rule="!has(self.exec) || (has(self.exec.command) && self.exec.command.size() >= 1 && self.exec.command.size() <= 256)",message="exec.command needs 1 to 256 items"
+// +kubebuilder:validation:XValidation:rule="!has(self.httpGet) || !has(self.httpGet.httpHeaders) || self.httpGet.httpHeaders.size() <= 32",message="httpGet.httpHeaders holds at most 32 headers"
+// +kubebuilder:validation:XValidation:rule="!has(self.httpGet) || !has(self.httpGet.path) || self.httpGet.path.size() <= 2048",message="httpGet.path is at most 2048 bytes"
+// +kubebuilder:validation:XValidation:rule="!has(self.httpGet) || type(self.httpGet.port) == string || (self.httpGet.port >= 1 && self.httpGet.port <= 65535)",message="httpGet.port must be 1 to 65535 or a port's name"
+// +kubebuilder:validation:XValidation:rule="!has(self.tcpSocket) || type(self.tcpSocket.port) == string || (self.tcpSocket.port >= 1 && self.tcpSocket.port <= 65535)",message="tcpSocket.port must be 1 to 65535 or a port's name"
+// +kubebuilder:validation:XValidation:rule="!has(self.grpc) || (self.grpc.port >= 1 && self.grpc.port <= 65535)",message="grpc.port must be 1 to 65535"
+type Probe struct {
+	corev1.ProbeHandler `json:",inline"`
+
+	// initialDelaySeconds is how long after the workload starts the probe first runs.
+	// +optional
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=3600
+	InitialDelaySeconds int32 `json:"initialDelaySeconds,omitempty"`
+
+	// timeoutSeconds bounds one attempt.
+	// +optional
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=3600
+	TimeoutSeconds int32 `json:"timeoutSeconds,omitempty"`
+
+	// periodSeconds is how often the probe runs.
+	// +optional
+	// +kubebuilder:default=10
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=3600
+	PeriodSeconds int32 `json:"periodSeconds,omitempty"`
+
+	// successThreshold is how many successes in a row make a failed probe pass again (1 for
+	// startup and liveness probes).
+	// +optional
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	SuccessThreshold int32 `json:"successThreshold,omitempty"`
+
+	// failureThreshold is how many failures in a row make the probe fail.
+	// +optional
+	// +kubebuilder:default=3
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=100
+	FailureThreshold int32 `json:"failureThreshold,omitempty"`
+
+	// terminationGracePeriodSeconds replaces the VM's for a kill this (liveness or startup)
+	// probe's failure causes.
+	// +optional
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=3600
+	TerminationGracePeriodSeconds *int64 `json:"terminationGracePeriodSeconds,omitempty"`
+}
+
 // ImpVMSpec is the desired state of an ImpVM.
 //
 // classRef and resources together must give both vcpus and memory; inline resources override the
@@ -144,6 +225,14 @@ type EnvVarSource struct {
 // +kubebuilder:validation:XValidation:rule="has(self.diskSize) == has(oldSelf.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".diskSize"
 // +kubebuilder:validation:XValidation:rule="has(self.networkRef) == has(oldSelf.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".networkRef"
 // +kubebuilder:validation:XValidation:rule="has(self.vmm) == has(oldSelf.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".vmm"
+// +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.httpGet) || type(self.startupProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.httpGet.port))",message="startupProbe.httpGet.port names no port of spec.ports",fieldPath=".startupProbe.httpGet.port"
+// +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.tcpSocket) || type(self.startupProbe.tcpSocket.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.tcpSocket.port))",message="startupProbe.tcpSocket.port names no port of spec.ports",fieldPath=".startupProbe.tcpSocket.port"
+// +kubebuilder:validation:XValidation:rule="!has(self.readinessProbe) || !has(self.readinessProbe.httpGet) || type(self.readinessProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.readinessProbe.httpGet.port))",message="readinessProbe.httpGet.port names no port of spec.ports",fieldPath=".readinessProbe.httpGet.port"
+// +kubebuilder:validation:XValidation:rule="!has(self.readinessProbe) || !has(self.readinessProbe.tcpSocket) || type(self.readinessProbe.tcpSocket.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.readinessProbe.tcpSocket.port))",message="readinessProbe.tcpSocket.port names no port of spec.ports",fieldPath=".readinessProbe.tcpSocket.port"
+// +kubebuilder:validation:XValidation:rule="!has(self.livenessProbe) || !has(self.livenessProbe.httpGet) || type(self.livenessProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.livenessProbe.httpGet.port))",message="livenessProbe.httpGet.port names no port of spec.ports",fieldPath=".livenessProbe.httpGet.port"
+// +kubebuilder:validation:XValidation:rule="!has(self.livenessProbe) || !has(self.livenessProbe.tcpSocket) || type(self.livenessProbe.tcpSocket.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.livenessProbe.tcpSocket.port))",message="livenessProbe.tcpSocket.port names no port of spec.ports",fieldPath=".livenessProbe.tcpSocket.port"
+// +kubebuilder:validation:XValidation:rule="!has(self.livenessProbe) || !has(self.livenessProbe.successThreshold) || self.livenessProbe.successThreshold == 1",message="a liveness probe's successThreshold must be 1",fieldPath=".livenessProbe.successThreshold"
+// +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.successThreshold) || self.startupProbe.successThreshold == 1",message="a startup probe's successThreshold must be 1",fieldPath=".startupProbe.successThreshold"
 type ImpVMSpec struct {
 	// classRef names the ImpVMClass giving the VM's default vCPUs, memory, disk size and VMM.
 	// +optional
@@ -257,6 +346,33 @@ type ImpVMSpec struct {
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="vmm is immutable; delete and recreate the ImpVM to change it"
 	VMM VMMKind `json:"vmm,omitempty"`
 
+	// ports are the ports the VM's workload serves. A Service selecting the VM reaches these
+	// and no others.
+	// +optional
+	// +listType=map
+	// +listMapKey=port
+	// +listMapKey=protocol
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:XValidation:rule="self.all(p, !has(p.name) || self.exists_one(q, has(q.name) && q.name == p.name))",message="port names must be unique"
+	Ports []VMPort `json:"ports,omitempty"`
+
+	// startupProbe, as a container's: until it succeeds the other probes do not run, and when
+	// it fails failureThreshold times the workload is killed and the VM restarted per its
+	// runStrategy. Probes run in the guest (by imp-init), so they need no network.
+	// +optional
+	StartupProbe *Probe `json:"startupProbe,omitempty"`
+
+	// readinessProbe, as a container's: the VM is Ready, and an endpoint of the Services that
+	// select it, only while it succeeds. Without one the VM is Ready once its workload started.
+	// +optional
+	ReadinessProbe *Probe `json:"readinessProbe,omitempty"`
+
+	// livenessProbe, as a container's: when it fails failureThreshold times the workload is
+	// killed (SIGTERM, then SIGKILL after the grace period) and the VM restarted per its
+	// runStrategy, with an Unhealthy Event.
+	// +optional
+	LivenessProbe *Probe `json:"livenessProbe,omitempty"`
+
 	// expireAfter deletes the VM once it has existed this long, such as 1h or 90m.
 	// +optional
 	// +kubebuilder:validation:Type=string
@@ -343,6 +459,10 @@ type RuntimeStatus struct {
 	// guestReady is true when the guest reported ready over the guest channel.
 	// +optional
 	GuestReady bool `json:"guestReady,omitempty"`
+	// ready is the verdict of the run's readiness probe, as the guest last reported it; unset
+	// when the run has none. A run with one starts not ready.
+	// +optional
+	Ready *bool `json:"ready,omitempty"`
 	// finishedAt is when the run ended.
 	// +optional
 	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`
@@ -427,6 +547,7 @@ type ImpVMStatus struct {
 // +kubebuilder:resource:shortName=impvm,categories=imp
 // +kubebuilder:selectablefield:JSONPath=`.status.nodeName`
 // +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.status.nodeName`
 // +kubebuilder:printcolumn:name="IP",type=string,JSONPath=`.status.ip`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
