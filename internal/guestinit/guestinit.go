@@ -15,6 +15,8 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+
+	"github.com/syscode-labs/imp/internal/guestinit/probe"
 )
 
 // Labels of the two disks the agent attaches.
@@ -43,15 +45,21 @@ type Config struct {
 	Stdin bool `json:"stdin,omitempty"`
 	// TTY: the serial console is the workload's controlling terminal, and its stdout and stderr.
 	TTY bool `json:"tty,omitempty"`
+	// Probes are the workload's startup, readiness and liveness probes, run in the guest.
+	Probes probe.Set `json:"probes,omitempty"`
 }
 
 // Message is one line of JSON on the guest channel, from the guest to the agent.
 type Message struct {
-	// Event is "hello" (with the VM's token), "ready", "exit" or "error".
+	// Event is "hello" (with the VM's token), "ready", "probe", "exit" or "error".
 	Event   string `json:"event"`
 	Token   string `json:"token,omitempty"`
 	Code    *int   `json:"code,omitempty"`
 	Message string `json:"message,omitempty"`
+	// Probe and OK: a "probe" event's probe (startup, readiness or liveness) and its verdict;
+	// a startup or liveness probe reports only its failure, after which the workload is killed.
+	Probe string `json:"probe,omitempty"`
+	OK    *bool  `json:"ok,omitempty"`
 }
 
 // Request is one line of JSON on the guest channel, from the agent to the guest. Requests

@@ -3,6 +3,7 @@ package guestinit
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -324,6 +325,7 @@ func runWorkload(cfg Config) (int, error) {
 	}()
 	ch.serve(pid)
 	ch.send(Message{Event: "ready"})
+	go runProbes(context.Background(), cfg, pid)
 
 	// Reap every child; the workload's status ends the VM.
 	for {
@@ -467,9 +469,12 @@ type channel struct {
 	token string
 	// vsock: the host connects (and reconnects, after an agent restart); every message sent
 	// is replayed to each new connection.
-	vsock   bool
-	port    uint32 // vsock: the status channel's port
+	vsock bool
+	port  uint32 // vsock: the status channel's port
+	// history is what a new host connection is told first: every message but the probes'
+	// (a hello, a ready, an end: a few lines), then each probe's latest verdict.
 	history [][]byte
+	probes  map[string][]byte
 	pid     int           // the workload, once serving
 	out     chan []byte   // virtio-serial: lines for the writer goroutine
 	flushed chan struct{} // closed when the writer has written every line
@@ -511,7 +516,60 @@ func openChannel(token, transport string) (*channel, error) {
 		}
 	}(c.out)
 	c.send(Message{Event: "hello", Token: token})
+	go c.watchHost(f)
 	return c, nil
+}
+
+// replay is what a new host connection is told: the history, then each probe's latest
+// verdict. The caller holds c.mu.
+func (c *channel) replay() [][]byte {
+	out := append([][]byte{}, c.history...)
+	for _, k := range []string{"startup", "readiness", "liveness"} {
+		if line, ok := c.probes[k]; ok {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// watchHost tells each new host connection of the virtio-serial port f (an agent that
+// restarted, or resumed the VM) the replay, as the vsock channel does: the port polls HUP
+// while no host is connected.
+func (c *channel) watchHost(f *os.File) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return
+	}
+	away := false
+	for {
+		var hup bool
+		if err := rc.Control(func(fd uintptr) {
+			pfd := []unix.PollFd{{Fd: int32(fd)}}
+			if n, _ := unix.Poll(pfd, 1000); n > 0 {
+				hup = pfd[0].Revents&unix.POLLHUP != 0
+			}
+		}); err != nil {
+			return
+		}
+		if away && !hup {
+			c.mu.Lock() // held while queueing: flush closes the queue under it
+			if c.out == nil {
+				c.mu.Unlock()
+				return // shutting down
+			}
+			for _, line := range c.replay() {
+				select {
+				case c.out <- line:
+				default:
+				}
+			}
+			c.mu.Unlock()
+		}
+		away = hup
+		if hup {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
 }
 
 // virtioPort is the device of the virtio-serial port named name, once the kernel shows it
@@ -537,7 +595,12 @@ func (c *channel) send(m Message) {
 	line = append(line, '\n')
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.vsock {
+	if m.Event == "probe" {
+		if c.probes == nil {
+			c.probes = map[string][]byte{}
+		}
+		c.probes[m.Probe] = line
+	} else {
 		c.history = append(c.history, line)
 	}
 	if c.vsock {
@@ -643,7 +706,7 @@ func openVsockChannel(token, port string) (*channel, error) {
 				old.Close()
 			}
 			c.f = conn
-			for _, line := range c.history {
+			for _, line := range c.replay() {
 				_, _ = conn.Write(line)
 			}
 			c.mu.Unlock()

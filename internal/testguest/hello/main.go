@@ -12,6 +12,10 @@
 //	tool-exit N WORDS prints WORDS on stdout, "to stderr" on stderr, and exits N
 //	tool-cat          copies stdin to stdout
 //	tool-tty          prints "tty COLSxROWS" when its stdin is a terminal, else "no tty"
+//	tool-touch PATH   creates PATH; tool-rm PATH removes it
+//	tool-absent PATH  exits 0 when PATH does not exist, else 1 (a probe's command)
+//	web     serves HTTP until SIGTERM on :8080 (GET / answers "hello from <host name>", GET
+//	        /healthz 200, or 503 while /dev/imp-unready exists) and on :8081 ("undeclared")
 //	stubborn prints a line a second and ignores SIGTERM
 //	net     answers stdin as serve does; serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
 //	        of $PROBE (comma-separated icmp:A.B.C.D[-N], tcp:HOST:PORT and who:HOST:PORT,
@@ -24,6 +28,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -69,6 +74,14 @@ func main() {
 				fmt.Printf("hello: tick %d\n", i)
 			}
 		}
+	case "web":
+		term := make(chan os.Signal, 1)
+		signal.Notify(term, syscall.SIGTERM)
+		go serveWeb(":8080", host)
+		go serveWeb(":8081", "")
+		<-term
+		fmt.Println("hello: terminating")
+		os.Exit(0)
 	case "stubborn":
 		signal.Ignore(syscall.SIGTERM)
 		for i := 0; ; i++ {
@@ -118,6 +131,24 @@ func tool(name string, args []string) int {
 	case "tool-cat":
 		_, _ = io.Copy(os.Stdout, os.Stdin)
 		return 0
+	case "tool-touch":
+		if err := os.WriteFile(args[0], nil, 0o644); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		return 0
+	case "tool-rm":
+		if err := os.Remove(args[0]); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		return 0
+	case "tool-absent":
+		if _, err := os.Stat(args[0]); err == nil {
+			fmt.Println(args[0], "exists")
+			return 1
+		}
+		return 0
 	case "tool-tty":
 		ws, err := unix.IoctlGetWinsize(0, unix.TIOCGWINSZ)
 		if err != nil {
@@ -144,5 +175,28 @@ func echoTCP(addr string) {
 			return
 		}
 		go func() { _, _ = io.Copy(c, c); c.Close() }()
+	}
+}
+
+// serveWeb serves HTTP on addr: the greeting of host at / and the health at /healthz (host
+// empty: "undeclared" everywhere).
+func serveWeb(addr, host string) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		if host == "" {
+			fmt.Fprintln(w, "undeclared")
+			return
+		}
+		fmt.Fprintf(w, "hello from %s\n", host)
+	})
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
+		if _, err := os.Stat("/dev/imp-unready"); err == nil {
+			http.Error(w, "unready", http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	if err := http.ListenAndServe(addr, mux); err != nil {
+		fmt.Println("hello: web:", err)
 	}
 }
