@@ -4,13 +4,16 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	"github.com/go-logr/logr"
@@ -19,6 +22,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/guestinit/probe"
 	"github.com/syscode-labs/imp/internal/guestsession"
 )
 
@@ -33,8 +37,11 @@ type monitor struct {
 	token string
 
 	// key and session: the VM, and its session channel (nil for a run without one).
-	key     types.NamespacedName
-	session *guestsession.Client
+	key types.NamespacedName
+	// instance and run: the run followed.
+	instance int64
+	run      int32
+	session  *guestsession.Client
 	// console is the serial console's input.
 	console *console
 }
@@ -65,16 +72,26 @@ func (a *Agent) stopMonitor(uid types.UID) {
 	}
 }
 
-// ensureMonitor starts following the VM's current run unless it is followed already.
+// ensureMonitor starts following the VM's current run unless it is followed already. The
+// monitor of an earlier run (which ended by itself: its workload exited) is replaced.
 func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.Record) {
 	a.mu.Lock()
+	if old, ok := a.monitors[vm.UID]; ok {
+		if old.instance == meta.Instance && old.run == meta.Run {
+			a.mu.Unlock()
+			return
+		}
+		a.mu.Unlock()
+		a.stopMonitor(vm.UID)
+		a.mu.Lock()
+	}
 	defer a.mu.Unlock()
 	if _, ok := a.monitors[vm.UID]; ok {
-		return
+		return // another caller started it meanwhile
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
-	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key}
+	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key, instance: meta.Instance, run: meta.Run}
 	a.monitors[vm.UID] = m
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
 	drv := a.driver(recKind(rec))
@@ -95,6 +112,12 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 		capLogs: func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
 		ended:   func() { a.endRun(meta.UID) },
 		tail:    func() string { return drv.logTail(dir) },
+		unhealthy: func(ev guestchan.Event) {
+			vm := &impv1.ImpVM{}
+			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID
+			a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unhealthy", "Kill",
+				"The %s probe failed, so the guest kills the workload: %s", ev.Probe, ev.Message)
+		},
 	}
 	go func() {
 		defer close(m.done)
@@ -142,7 +165,13 @@ type watch struct {
 	capLogs func() error
 	ended   func()
 	tail    func() string
+	// unhealthy records a startup or liveness probe's failure (an Event).
+	unhealthy func(guestchan.Event)
 }
+
+// probeReportInterval bounds how often a run's readiness reaches the API server, whatever
+// its guest reports.
+const probeReportInterval = 500 * time.Millisecond
 
 // follow reports the run's state until its VMM is gone (or ctx ends): Running once the guest
 // says ready, then how it ended. Everything the guest sends goes through a guestchan.Session;
@@ -169,7 +198,7 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 		}
 	}()
 
-	events := make(chan guestchan.Event, 4) // a session yields at most a ready and an end
+	events := make(chan guestchan.Event, 16)
 	go func() {
 		defer close(events)
 		sess := guestchan.NewSession(meta.Token)
@@ -211,10 +240,22 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
 	var end *guestchan.Event
+	var killed *guestchan.Event // a startup or liveness probe failed: the guest kills the workload
+	// running is the run's report once the guest is ready; readiness verdicts change its
+	// ready and are reported at most every probeReportInterval, the latest winning.
+	var running *impv1.RuntimeStatus
+	var pending <-chan time.Time
+	var lastReport time.Time
+	reportRunning := func() {
+		pending, lastReport = nil, time.Now()
+		w.report(context.WithoutCancel(ctx), *running)
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-pending:
+			reportRunning()
 		case ev, ok := <-events:
 			if !ok {
 				events = nil
@@ -225,7 +266,33 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				rt := base
 				boot := time.Since(meta.Started).Milliseconds()
 				rt.State, rt.GuestReady, rt.BootMilliseconds, rt.Message = impv1.RuntimeRunning, true, &boot, "the guest is ready"
-				w.report(context.WithoutCancel(ctx), rt)
+				if meta.Readiness {
+					rt.Ready, rt.Message = ptr.To(false), "the guest is ready; its readiness probe has not passed yet"
+				}
+				running = &rt
+				reportRunning()
+			case guestchan.Probe:
+				switch {
+				case running == nil:
+				case ev.Probe == probe.Readiness && meta.Readiness:
+					if running.Ready != nil && *running.Ready == ev.OK {
+						continue
+					}
+					running.Ready, running.Message = ptr.To(ev.OK), "the readiness probe passes"
+					if !ev.OK {
+						running.Message = "the readiness probe fails: " + ev.Message
+					}
+					if wait := probeReportInterval - time.Since(lastReport); wait > 0 {
+						if pending == nil {
+							pending = time.After(wait)
+						}
+						continue
+					}
+					reportRunning()
+				case !ev.OK && ev.Probe != probe.Readiness:
+					killed = &ev
+					w.unhealthy(ev)
+				}
 			case guestchan.Exit, guestchan.Error:
 				end = &ev
 			}
@@ -242,8 +309,12 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 					if !ok {
 						break drained
 					}
-					if ev.Kind == guestchan.Exit || ev.Kind == guestchan.Error {
+					switch {
+					case ev.Kind == guestchan.Exit || ev.Kind == guestchan.Error:
 						end = &ev
+					case ev.Kind == guestchan.Probe && !ev.OK && ev.Probe != probe.Readiness:
+						killed = &ev
+						w.unhealthy(ev)
 					}
 				case <-drain:
 					break drained
@@ -254,6 +325,12 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			now := metav1.Now()
 			rt.State, rt.FinishedAt = impv1.RuntimeExited, &now
 			switch {
+			case killed != nil:
+				rt.Reason, rt.Message = impv1.ReasonLivenessProbeFailed, fmt.Sprintf("the %s probe failed: %s", killed.Probe, killed.Message)
+				if end != nil && end.Kind == guestchan.Exit {
+					code := end.Code
+					rt.ExitCode = &code
+				}
 			case end != nil && end.Kind == guestchan.Exit:
 				code := end.Code
 				rt.ExitCode, rt.Reason, rt.Message = &code, "WorkloadExited", "the workload exited"

@@ -17,6 +17,7 @@ import (
 	"github.com/go-logr/logr"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -51,9 +52,10 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 			defer mu.Unlock()
 			reports = append(reports, rt)
 		},
-		capLogs: func() error { return qemu.CapConsole(dir, capBytes) },
-		ended:   func() {},
-		tail:    func() string { return "" },
+		capLogs:   func() error { return qemu.CapConsole(dir, capBytes) },
+		ended:     func() {},
+		tail:      func() string { return "" },
+		unhealthy: func(guestchan.Event) {},
 	}
 	m := &monitor{token: token}
 	done := make(chan struct{})
@@ -175,5 +177,99 @@ func TestEveryLogIsCapped(t *testing.T) {
 		if fi, err := os.Stat(filepath.Join(dir, f)); err != nil || fi.Size() > capBytes {
 			t.Errorf("%s: %v, %v bytes; want at most %d", f, err, fi.Size(), capBytes)
 		}
+	}
+}
+
+// TestProbeVerdictsReachTheAPIBounded: a guest that flips its readiness verdict thousands of
+// times a second gets at most one report per probeReportInterval, the latest verdict winning;
+// a run with a readiness probe starts not ready; a liveness failure ends the run as
+// LivenessProbeFailed with the workload's code, recorded once.
+func TestProbeVerdictsReachTheAPIBounded(t *testing.T) {
+	dir := t.TempDir()
+	const token = "the-token"
+	sock := filepath.Join(dir, "channel.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	var alive atomic.Bool
+	alive.Store(true)
+	var mu sync.Mutex
+	var reports []impv1.RuntimeStatus
+	var unhealthy atomic.Int32
+	w := watch{
+		dial:  func() (net.Conn, error) { return net.Dial("unix", sock) },
+		alive: alive.Load,
+		report: func(_ context.Context, rt impv1.RuntimeStatus) {
+			mu.Lock()
+			defer mu.Unlock()
+			reports = append(reports, rt)
+		},
+		capLogs:   func() error { return nil },
+		ended:     func() {},
+		tail:      func() string { return "" },
+		unhealthy: func(guestchan.Event) { unhealthy.Add(1) },
+	}
+	m := &monitor{token: token}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		m.follow(context.Background(), w, &meta{Token: token, Started: time.Now(), Readiness: true}, logr.Discard())
+	}()
+	guest, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer guest.Close()
+	send := func(lines ...string) {
+		t.Helper()
+		for _, line := range lines {
+			if _, err := guest.Write([]byte(line + "\n")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	last := func() (int, impv1.RuntimeStatus) {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(reports) == 0 {
+			return 0, impv1.RuntimeStatus{}
+		}
+		return len(reports), reports[len(reports)-1]
+	}
+	send(`{"event":"hello","token":"`+token+`"}`, `{"event":"ready"}`)
+	waitFor(t, "Running, not ready", func() bool {
+		n, rt := last()
+		return n == 1 && rt.GuestReady && rt.Ready != nil && !*rt.Ready
+	})
+	began := time.Now()
+	for i := 0; i < 10000; i++ {
+		send(fmt.Sprintf(`{"event":"probe","probe":"readiness","ok":%v,"message":"flap %d"}`, i%2 == 0, i))
+	}
+	send(`{"event":"probe","probe":"readiness","ok":true}`)
+	waitFor(t, "the last verdict", func() bool {
+		_, rt := last()
+		return rt.Ready != nil && *rt.Ready
+	})
+	flooded := time.Since(began)
+	time.Sleep(2 * probeReportInterval) // any report still pending lands
+	n, _ := last()
+	if bound := 2 + int(flooded/probeReportInterval) + 2; n > bound {
+		t.Fatalf("%d reports for 10,001 verdicts in %v; want at most %d", n, flooded, bound)
+	}
+	send(`{"event":"probe","probe":"liveness","ok":false,"message":"HTTP probe failed with status 500"}`,
+		`{"event":"probe","probe":"liveness","ok":false,"message":"again"}`, `{"event":"exit","code":143}`)
+	waitFor(t, "the kill recorded", func() bool { return unhealthy.Load() == 1 })
+	alive.Store(false)
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the monitor did not end with its VMM")
+	}
+	_, rt := last()
+	if rt.State != impv1.RuntimeExited || rt.Reason != impv1.ReasonLivenessProbeFailed || rt.ExitCode == nil || *rt.ExitCode != 143 ||
+		rt.Message != "the liveness probe failed: HTTP probe failed with status 500" || unhealthy.Load() != 1 {
+		t.Fatalf("last report %+v (unhealthy %d); want Exited for LivenessProbeFailed with 143, recorded once", rt, unhealthy.Load())
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"unicode"
 
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/guestinit/probe"
 )
 
 // MaxLine bounds one message; a longer line is dropped whole.
@@ -37,6 +38,9 @@ const (
 	Exit
 	// Error: imp-init failed, with Event.Message.
 	Error
+	// Probe: a probe's verdict changed (Event.Probe, Event.OK, Event.Message): readiness
+	// passing or failing, startup passing, a startup or liveness probe failing for good.
+	Probe
 )
 
 // Event is a message the agent acts on.
@@ -44,6 +48,8 @@ type Event struct {
 	Kind    Kind
 	Code    int32
 	Message string
+	Probe   probe.Kind
+	OK      bool
 }
 
 // Session is one run's guest channel as the agent trusts it.
@@ -52,6 +58,8 @@ type Session struct {
 	authed bool
 	ready  bool
 	ended  bool
+	// killed: a startup or liveness probe failed; the run is ending.
+	killed bool
 	// Ignored counts lines dropped: malformed, oversized, unauthenticated, out of order.
 	Ignored int
 	// Why says why the last line was dropped, for a log line.
@@ -110,8 +118,39 @@ func (s *Session) feed(line []byte) (Event, string) {
 	case "error":
 		s.ended = true
 		return Event{Kind: Error, Message: Sanitize(msg.Message)}, ""
+	case "probe":
+		return s.probe(msg)
 	}
 	return Event{}, "unknown event"
+}
+
+// probe takes a probe's verdict: only while the workload runs (after ready, before its end),
+// only of a known probe, and a startup or liveness failure only once.
+func (s *Session) probe(msg guestinit.Message) (Event, string) {
+	if !s.ready {
+		return Event{}, "a probe before ready"
+	}
+	if msg.OK == nil {
+		return Event{}, "a probe without a verdict"
+	}
+	ev := Event{Kind: Probe, Probe: probe.Kind(msg.Probe), OK: *msg.OK}
+	if !ev.OK {
+		ev.Message = Sanitize(msg.Message)
+	}
+	switch ev.Probe {
+	case probe.Readiness:
+		if s.killed {
+			return Event{}, "a readiness verdict after a kill"
+		}
+	case probe.Startup, probe.Liveness:
+		if s.killed {
+			return Event{}, "a second kill"
+		}
+		s.killed = !ev.OK
+	default:
+		return Event{}, "an unknown probe"
+	}
+	return ev, ""
 }
 
 // Sanitize makes a guest's text fit for a status: printable, one line, at most MaxMessage

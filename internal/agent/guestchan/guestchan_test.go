@@ -28,6 +28,12 @@ func TestSession(t *testing.T) {
 		{"not JSON", []string{hello, `ready`, `{"event":`, `[]`, `null`}, nil},
 		{"oversized", []string{hello, `{"event":"ready","message":"` + strings.Repeat("x", MaxLine) + `"}`}, nil},
 		{"unknown events", []string{hello, `{"event":"reboot"}`, `{"event":""}`}, nil},
+		{"probes", []string{hello, `{"event":"probe","probe":"readiness","ok":true}`, `{"event":"ready"}`, `{"event":"probe","probe":"readiness","ok":true}`,
+			`{"event":"probe","probe":"readiness","ok":false,"message":"HTTP 500\u001b"}`, `{"event":"probe","probe":"readiness"}`, `{"event":"probe","probe":"gossip","ok":true}`,
+			`{"event":"probe","probe":"startup","ok":true}`, `{"event":"probe","probe":"liveness","ok":false,"message":"down"}`,
+			`{"event":"probe","probe":"liveness","ok":false}`, `{"event":"probe","probe":"readiness","ok":true}`, `{"event":"exit","code":137}`, `{"event":"probe","probe":"readiness","ok":true}`},
+			[]Event{{Kind: Ready}, {Kind: Probe, Probe: "readiness", OK: true}, {Kind: Probe, Probe: "readiness", Message: "HTTP 500 "}, {Kind: Probe, Probe: "startup", OK: true},
+				{Kind: Probe, Probe: "liveness", Message: "down"}, {Kind: Exit, Code: 137}}},
 		{"an error's text is tamed", []string{hello, `{"event":"error","message":"bad\u001b[2J\nthing` + strings.Repeat("é", 400) + `"}`},
 			[]Event{{Kind: Error, Message: "bad [2J thing" + strings.Repeat("é", 249) + "…"}}},
 	}
@@ -81,9 +87,10 @@ func FuzzGuestChannel(f *testing.F) {
 	f.Add([]byte(`{"event":"exit"}` + "\n"))
 	f.Add([]byte(`{"event":"hello","token":"t0k"}` + "\n" + `{"event":"error","message":"\u0000\u001b"}`))
 	f.Add(bytes.Repeat([]byte("{"), 2*MaxLine))
+	f.Add([]byte(`{"event":"hello","token":"t0k"}` + "\n" + `{"event":"ready"}` + "\n" + `{"event":"probe","probe":"liveness","ok":false,"message":"x"}` + "\n" + `{"event":"probe","probe":"readiness","ok":true}` + "\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s := NewSession("t0k")
-		authed, ready, ends := false, 0, 0
+		authed, ready, ends, kills := false, 0, 0, 0
 		_ = ReadLines(bytes.NewReader(data), func(line []byte) {
 			var m struct{ Event, Token string }
 			if len(line) <= MaxLine && json.NewDecoder(bytes.NewReader(line)).Decode(&m) == nil && m.Event == "hello" {
@@ -100,6 +107,16 @@ func FuzzGuestChannel(f *testing.F) {
 				if ev.Code < 0 || ev.Code > 255 {
 					t.Fatalf("exit code %d", ev.Code)
 				}
+			case Probe:
+				if ready == 0 || ends > 0 || kills > 0 && ev.Probe == "readiness" {
+					t.Fatalf("probe %+v out of order", ev)
+				}
+				if !ev.OK && ev.Probe != "readiness" {
+					kills++
+				}
+				if ev.OK && ev.Message != "" || len(ev.Message) > MaxMessage+len("…") || strings.ContainsAny(ev.Message, "\n\r\x1b\x00") {
+					t.Fatalf("probe %+v", ev)
+				}
 			case Error:
 				ends++
 				if len(ev.Message) > MaxMessage+len("…") || !utf8.ValidString(ev.Message) || strings.ContainsAny(ev.Message, "\n\r\x1b\x00") {
@@ -110,8 +127,8 @@ func FuzzGuestChannel(f *testing.F) {
 				t.Fatalf("event %+v from an unauthenticated channel: %q", ev, line)
 			}
 		})
-		if ready > 1 || ends > 1 {
-			t.Fatalf("%d ready and %d ends", ready, ends)
+		if ready > 1 || ends > 1 || kills > 1 {
+			t.Fatalf("%d ready, %d ends and %d kills", ready, ends, kills)
 		}
 	})
 }

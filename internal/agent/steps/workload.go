@@ -27,6 +27,11 @@ func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Co
 	if len(cfg.Argv) == 0 {
 		return cfg, fmt.Errorf("the image has no entrypoint or cmd and the VM gives no command")
 	}
+	probes, err := probes(vm)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.Probes = probes
 	if vm.Spec.WorkingDir != "" {
 		cfg.WorkingDir = vm.Spec.WorkingDir
 	}

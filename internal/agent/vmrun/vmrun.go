@@ -37,6 +37,8 @@ type Meta struct {
 	// Session: the run has the session channel (exec, port-forward). Runs booted by agents
 	// before it have none, and keep none through a suspension.
 	Session bool `json:"session,omitempty"`
+	// Readiness: the run has a readiness probe, so it starts not ready.
+	Readiness bool `json:"readiness,omitempty"`
 }
 
 // ReadMeta reads the meta of the VM whose state directory is dir.
