@@ -16,6 +16,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -31,6 +32,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -579,7 +581,7 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	a.reports[key]++ // voids a deferred report
 	a.mu.Unlock()
 	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
-		cur.GuestReady == rt.GuestReady && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved {
+		cur.GuestReady == rt.GuestReady && ptr.Equal(cur.Ready, rt.Ready) && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved {
 		return nil
 	}
 	patch, err := RuntimePatch(rt)
@@ -597,6 +599,17 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	return nil
 }
 
+// runtimeFields are the JSON names of status.runtime's fields.
+var runtimeFields = func() []string {
+	var names []string
+	t := reflect.TypeFor[impv1.RuntimeStatus]()
+	for i := range t.NumField() {
+		name, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ",")
+		names = append(names, name)
+	}
+	return names
+}()
+
 // RuntimePatch is the merge patch of an ImpVM's status that reports rt: it names every field
 // of status.runtime, null when unset, so that the report replaces the previous one whole (a
 // merge patch keeps the fields it does not name), and touches nothing else.
@@ -609,7 +622,7 @@ func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) {
 	if err := json.Unmarshal(raw, &fields); err != nil {
 		return nil, err
 	}
-	for _, f := range []string{"startedAt", "bootMilliseconds", "guestReady", "finishedAt", "exitCode", "reason", "message", "disksRemoved"} {
+	for _, f := range runtimeFields {
 		if _, ok := fields[f]; !ok {
 			fields[f] = nil
 		}
