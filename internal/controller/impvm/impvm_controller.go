@@ -587,7 +587,8 @@ func (r *Reconciler) reconcileRuns(_ context.Context, s *scope) error {
 	if vm.Status.NodeName == "" || isTerminal(vm.Status.Phase) || rt == nil || rt.State != impv1.RuntimeExited {
 		return nil
 	}
-	failed := rt.ExitCode == nil || *rt.ExitCode != 0
+	// A run its liveness or startup probe killed failed, whatever code the workload exited with.
+	failed := rt.ExitCode == nil || *rt.ExitCode != 0 || rt.Reason == impv1.ReasonLivenessProbeFailed
 	restart := false
 	switch vm.Spec.RunStrategy {
 	case impv1.RunStrategyAlways:
@@ -639,6 +640,10 @@ func restartDelay(restarts int32, rt *impv1.RuntimeStatus, o Options) time.Durat
 
 func exitText(rt *impv1.RuntimeStatus) string {
 	switch {
+	case rt.Reason == impv1.ReasonLivenessProbeFailed && rt.ExitCode != nil:
+		return fmt.Sprintf("%s (exit code %d)", rt.Message, *rt.ExitCode)
+	case rt.Reason == impv1.ReasonLivenessProbeFailed:
+		return rt.Message
 	case rt.ExitCode != nil:
 		return fmt.Sprintf("exit code %d", *rt.ExitCode)
 	case rt.Reason != "":

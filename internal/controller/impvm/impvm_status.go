@@ -111,6 +111,9 @@ func phaseOf(vm *impv1.ImpVM, now time.Time) (impv1.VMPhase, metav1.ConditionSta
 	case impv1.RuntimeStarting:
 		return impv1.VMStarting, f, impv1.ReasonStarting, rt.Message
 	case impv1.RuntimeRunning:
+		if rt.GuestReady && rt.Ready != nil && !*rt.Ready {
+			return impv1.VMRunning, f, impv1.ReasonNotServing, rt.Message
+		}
 		if rt.GuestReady {
 			return impv1.VMRunning, metav1.ConditionTrue, impv1.ReasonGuestReady, "the guest reported ready"
 		}
