@@ -56,6 +56,18 @@ type Artifact struct {
 	SHA256 string `json:"sha256,omitempty"`
 }
 
+// ImpNodeSpec is what the operator assigns a node.
+type ImpNodeSpec struct {
+	// endpointCIDR is the node's block of endpoint addresses, from the operator's
+	// --endpoint-cidr: each VM on the node that declares ports gets one, which the Services
+	// selecting the VM reach it at (status.runtime.endpoint). Set once by the operator.
+	// +optional
+	// +kubebuilder:validation:MaxLength=18
+	// +kubebuilder:validation:XValidation:rule="isCIDR(self) && cidr(self).ip().family() == 4 && cidr(self) == cidr(self).masked()",message="endpointCIDR must be an IPv4 CIDR without host bits"
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="endpointCIDR is set once"
+	EndpointCIDR string `json:"endpointCIDR,omitempty"`
+}
+
 // ImpNodeStatus is what a node's agent reports about the node.
 type ImpNodeStatus struct {
 	// capacity is the node's total vCPUs and memory.
@@ -114,8 +126,8 @@ type NodeNetwork struct {
 	Message string `json:"message,omitempty"`
 }
 
-// ImpNode is a node's agent's report of what the node offers VMs. It has the node's name and
-// is written only by that node's agent.
+// ImpNode is a node's agent's report of what the node offers VMs. It has the node's name; its
+// status is written only by that node's agent, its spec only by the operator.
 //
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
@@ -124,10 +136,14 @@ type NodeNetwork struct {
 // +kubebuilder:printcolumn:name="Memory",type=string,JSONPath=`.status.allocatable.memory`
 // +kubebuilder:printcolumn:name="VMM",type=string,JSONPath=`.status.vmms[0].kind`
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Endpoints",type=string,JSONPath=`.spec.endpointCIDR`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImpNode struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +optional
+	Spec ImpNodeSpec `json:"spec,omitempty"`
 
 	// +optional
 	Status ImpNodeStatus `json:"status,omitempty"`

@@ -463,6 +463,11 @@ type RuntimeStatus struct {
 	// when the run has none. A run with one starts not ready.
 	// +optional
 	Ready *bool `json:"ready,omitempty"`
+	// endpoint is the address, from its node's endpoint block, at which Services reach the
+	// VM's declared ports; unset for a VM without ports or without a network.
+	// +optional
+	// +kubebuilder:validation:MaxLength=15
+	Endpoint string `json:"endpoint,omitempty"`
 	// finishedAt is when the run ended.
 	// +optional
 	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`

@@ -115,6 +115,13 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 	if err := asA.Create(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: "imp-auth-c-" + sfx}}); !refused(err, "its own ImpNode only") {
 		t.Errorf("the agent of %s created another node's ImpNode: %v", nodeA, err)
 	}
+	// Its endpoint block is the operator's to give: taking another node's would draw that
+	// node's Services' traffic.
+	own := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: nodeA}}
+	err = asA.Patch(ctx, own, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"endpointCIDR":"100.72.9.0/24"}}`)))
+	if !refused(err, "may not set its ImpNode spec.endpointCIDR") {
+		t.Errorf("the agent of %s chose its own endpoint block: %v", nodeA, err)
+	}
 	// Heartbeats: its own Lease, not another node's (which would keep a dead node placeable).
 	beat := func(name, holder string) error {
 		return asA.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: testcluster.ChartNamespace, Name: name,

@@ -1,0 +1,106 @@
+// Package impnode assigns each ImpNode its block of endpoint addresses (spec.endpointCIDR), as
+// Kubernetes' node IPAM assigns a Node its podCIDR: the lowest block of the cluster's endpoint
+// range that no other ImpNode holds, once, for the ImpNode's life. A node's agent gives each VM
+// that declares ports an address of its block, and every node routes each block to its node.
+package impnode
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// Reconciler assigns endpoint blocks. It runs one reconcile at a time, so two nodes never get
+// the same block from one operator; the operator is leader-elected.
+type Reconciler struct {
+	Client client.Client
+	// APIReader lists the blocks taken, past the cache (which may not have the last one yet).
+	APIReader client.Reader
+	// Range is the cluster's endpoint range, BlockBits each node's block's prefix length.
+	Range     netip.Prefix
+	BlockBits int
+}
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;patch
+
+// Reconcile gives the ImpNode a block when it has none.
+func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	node := &impv1.ImpNode{}
+	if err := r.Client.Get(ctx, req.NamespacedName, node); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if node.Spec.EndpointCIDR != "" || !node.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, nil
+	}
+	var all impv1.ImpNodeList
+	if err := r.APIReader.List(ctx, &all); err != nil {
+		return ctrl.Result{}, fmt.Errorf("listing ImpNodes: %w", err)
+	}
+	used := map[netip.Prefix]bool{}
+	for _, n := range all.Items {
+		if p, err := netip.ParsePrefix(n.Spec.EndpointCIDR); err == nil {
+			used[p] = true
+		}
+	}
+	block, err := FreeBlock(r.Range, r.BlockBits, used)
+	if err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "no endpoint block for the node", "node", klog.KObj(node))
+		return ctrl.Result{RequeueAfter: time.Minute}, nil // a block frees when a node goes
+
+	}
+	patch := fmt.Appendf(nil, `{"spec":{"endpointCIDR":%q}}`, block)
+	if err := r.Client.Patch(ctx, node, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		return ctrl.Result{}, fmt.Errorf("assigning %s to ImpNode %s: %w", block, node.Name, err)
+	}
+	ctrl.LoggerFrom(ctx).Info("assigned the node its endpoint block", "node", klog.KObj(node), "block", block)
+	return ctrl.Result{}, nil
+}
+
+// FreeBlock is the lowest block of bits in rng that used does not hold.
+func FreeBlock(rng netip.Prefix, bits int, used map[netip.Prefix]bool) (netip.Prefix, error) {
+	rng = rng.Masked()
+	if bits < rng.Bits() || bits > 30 {
+		return netip.Prefix{}, fmt.Errorf("blocks of /%d do not fit the endpoint range %s", bits, rng)
+	}
+	for a := rng.Addr(); rng.Contains(a); {
+		p := netip.PrefixFrom(a, bits)
+		if !used[p] {
+			return p, nil
+		}
+		next, ok := advance(a, 32-bits)
+		if !ok {
+			break
+		}
+		a = next
+	}
+	return netip.Prefix{}, fmt.Errorf("every /%d of the endpoint range %s is assigned", bits, rng)
+}
+
+// advance is a plus 2^shift, false past the end of the IPv4 space.
+func advance(a netip.Addr, shift int) (netip.Addr, bool) {
+	b := a.As4()
+	v := uint64(b[0])<<24 | uint64(b[1])<<16 | uint64(b[2])<<8 | uint64(b[3])
+	v += 1 << shift
+	if v > 0xffffffff {
+		return netip.Addr{}, false
+	}
+	return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)}), true
+}
+
+// SetupWithManager watches ImpNodes, one reconcile at a time.
+func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
+	return ctrl.NewControllerManagedBy(mgr).
+		Named("impnode").
+		For(&impv1.ImpNode{}).
+		WithOptions(controller.Options{MaxConcurrentReconciles: 1}).
+		Complete(r)
+}
