@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/netip"
 	"os"
 	"time"
 
@@ -45,6 +46,8 @@ func run() error {
 		pressureTimeout        time.Duration
 		sub                    subresourceFlags
 		admissionTimeout       time.Duration
+		endpointRange          = netip.MustParsePrefix("100.72.0.0/16")
+		endpointBlockBits      int
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -69,6 +72,19 @@ func run() error {
 	fs.DurationVar(&pressureSettle, "pressure-settle", 15*time.Second, "with --pressure-lifecycle: how long after a VM's memory is freed before the node's MemoryPressure is trusted again")
 	fs.DurationVar(&pressureTimeout, "pressure-timeout", 2*time.Minute, "with --pressure-lifecycle: how long a suspension may take before the next VM is considered")
 	fs.BoolVar(&pressureLifecycle, "pressure-lifecycle", false, "suspend resident ImpVMs, largest memory first, on nodes reporting MemoryPressure (chart value pressureLifecycle.enabled)")
+	fs.Func("endpoint-cidr", "IPv4 range of the VMs' endpoint addresses (what Services reach VMs at), one block per node; it must collide with no pod, service, node or tenant range (empty: VMs are reachable through no Service)", func(s string) error {
+		if s == "" {
+			endpointRange = netip.Prefix{}
+			return nil
+		}
+		p, err := netip.ParsePrefix(s)
+		if err != nil || !p.Addr().Is4() || p != p.Masked() {
+			return fmt.Errorf("want an IPv4 CIDR without host bits, such as 100.72.0.0/16")
+		}
+		endpointRange = p
+		return nil
+	})
+	fs.IntVar(&endpointBlockBits, "endpoint-block-bits", 24, "prefix length of each node's block of --endpoint-cidr (24: 254 VMs with ports per node)")
 	fs.StringVar(&sub.addr, "subresources-bind-address", "", "address of the aggregated API server of the ImpVM subresources (console, exec, portforward, log); empty: not served")
 	fs.StringVar(&sub.namespace, "subresources-namespace", os.Getenv("POD_NAMESPACE"), "namespace of the access certificates' Secrets and of the subresource server's Service")
 	fs.StringVar(&sub.caNamespace, "access-ca-namespace", "", "namespace of the access CA's Secret, which agents must not be able to read (default: --subresources-namespace with -access appended)")
@@ -127,7 +143,7 @@ func run() error {
 		return fmt.Errorf("adding health checks: %w", err)
 	}
 	ctx := ctrl.SetupSignalHandler()
-	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency,
+	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency, EndpointRange: endpointRange, EndpointBlockBits: endpointBlockBits,
 		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout}); err != nil {
 		return err
 	}

@@ -8,12 +8,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	certv1 "k8s.io/api/certificates/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/utils/clock"
@@ -24,7 +26,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/endpoints"
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
+	"github.com/syscode-labs/imp/internal/controller/impnode"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
@@ -45,6 +49,11 @@ type Options struct {
 	PressureLifecycle bool
 	// PressureSettle and PressureTimeout tune it (see pressure.Reconciler).
 	PressureSettle, PressureTimeout time.Duration
+	// EndpointRange is the cluster's range of VM endpoint addresses, carved into blocks of
+	// EndpointBlockBits, one per node; invalid (unset): no node gets a block, and no VM is
+	// reachable through a Service.
+	EndpointRange     netip.Prefix
+	EndpointBlockBits int
 }
 
 // CacheOptions narrow what the operator's cache holds of kinds it needs only a part of: the
@@ -57,6 +66,8 @@ func CacheOptions(o Options) cache.Options {
 			Label:      labels.SelectorFromSet(labels.Set{impv1.AgentLeaseLabel: "true"}),
 		},
 		&certv1.CertificateSigningRequest{}: {Field: fields.OneTermEqualSelector("spec.signerName", pki.SignerName)},
+		// Only IMP's own slices: the cluster's others are none of its business.
+		&discoveryv1.EndpointSlice{}: {Label: labels.SelectorFromSet(labels.Set{discoveryv1.LabelManagedBy: endpoints.ManagedBy})},
 	}}
 }
 
@@ -106,6 +117,15 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := (&impquota.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpQuota reconciler: %w", err)
+	}
+	if o.EndpointRange.IsValid() {
+		blocks := &impnode.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Range: o.EndpointRange, BlockBits: o.EndpointBlockBits}
+		if err := blocks.SetupWithManager(mgr); err != nil {
+			return fmt.Errorf("setting up the ImpNode reconciler: %w", err)
+		}
+	}
+	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the endpoints reconciler: %w", err)
 	}
 	if o.PressureLifecycle {
 		if o.PressureSettle == 0 {
