@@ -169,6 +169,7 @@ type Agent struct {
 	writables *disk.Writables
 	vmms      []impv1.VMMCapability // what the node runs, best first
 	net       *hostnet.Host
+	exposer   *exposer
 	networks  *networks
 	reportNow chan struct{}
 	fetched   chan event.GenericEvent // VMs whose image fetch is done: their start goes on
@@ -257,6 +258,10 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	a.networks = &networks{a: a}
+	a.exposer = newExposer(a)
+	if err := (blocks{a}).setup(mgr); err != nil {
+		return err
+	}
 	if err := a.networks.setup(mgr); err != nil {
 		return err
 	}
@@ -358,7 +363,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			// Started by an agent that stopped before its deferred report: the run is
 			// reported now, before anything else is done with it.
 			t := metav1.NewTime(m.Started)
-			booting := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting"}
+			booting := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: m.Endpoint}
 			if err := a.report(ctx, vm, booting); err != nil {
 				return ctrl.Result{}, err
 			}
@@ -463,7 +468,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	startStepSeconds.WithLabelValues("total").Observe(time.Since(r.Image.Began).Seconds())
 	st := vm.Status
 	t := metav1.NewTime(r.Meta.Started)
-	started := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting"}
+	started := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: r.Meta.Endpoint}
 	if err := a.reportLater(ctx, vm, started); err != nil {
 		return err
 	}
@@ -581,7 +586,7 @@ func (a *Agent) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeSta
 	a.reports[key]++ // voids a deferred report
 	a.mu.Unlock()
 	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
-		cur.GuestReady == rt.GuestReady && ptr.Equal(cur.Ready, rt.Ready) && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved {
+		cur.GuestReady == rt.GuestReady && ptr.Equal(cur.Ready, rt.Ready) && cur.Endpoint == rt.Endpoint && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved {
 		return nil
 	}
 	patch, err := RuntimePatch(rt)

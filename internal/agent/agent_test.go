@@ -128,16 +128,20 @@ func readyNode(t *testing.T, c *testcluster.Cluster, nodeName string) {
 
 // startOperator runs the operator in-process until the test ends.
 func startOperator(t *testing.T, c *testcluster.Cluster) {
+	startOperatorWith(t, c, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2})
+}
+
+func startOperatorWith(t *testing.T, c *testcluster.Cluster, o operator.Options) {
 	ctx := context.Background()
 	mo := managerOptions(c)
-	mo.Cache = operator.CacheOptions(operator.Options{})
+	mo.Cache = operator.CacheOptions(o)
 	opMgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), mo)
 	if err != nil {
 		t.Fatal(err)
 	}
 	opCtx, opCancel := context.WithCancel(ctx)
 	t.Cleanup(opCancel)
-	if err := operator.Setup(opCtx, opMgr, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}); err != nil {
+	if err := operator.Setup(opCtx, opMgr, o); err != nil {
 		t.Fatal(err)
 	}
 	run(t, opMgr)

@@ -31,7 +31,7 @@ func (a *Agent) bootPlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 		steps.Identity{IDs: identities{a}},
 		steps.Intent{})
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks})
+		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
 	ss = append(ss, steps.Exec{Launcher: launcher{a}})
 	return plan.Plan[*vmrun.Run]{Name: "start", Reason: "StartFailed", Steps: ss, Observe: observeStartStep}
@@ -43,7 +43,7 @@ func (a *Agent) bootPlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	ss := []steps.Step{steps.Intent{}}
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks})
+		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
 	ss = append(ss, steps.Exec{Launcher: launcher{a}}, steps.Resumed{Resumer: launcher{a}})
 	return plan.Plan[*vmrun.Run]{Name: "resume", Reason: "ResumeFailed", Steps: ss}
@@ -94,6 +94,7 @@ type teardowns struct{ a *Agent }
 // Forget drops the VM's fetch, monitor and stop.
 func (t teardowns) Forget(uid types.UID) {
 	t.a.fetches.Drop(uid)
+	t.a.exposer.alloc.Release(string(uid))
 	t.a.stopMonitor(uid)
 	t.a.mu.Lock()
 	delete(t.a.stops, uid)

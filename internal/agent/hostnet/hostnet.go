@@ -230,6 +230,9 @@ func (h *Host) Close() {
 type Attachment struct {
 	Tap   *os.File
 	NetNS string
+	// Network is the network the VM is attached to, and IP its address there.
+	Network Network
+	IP      netip.Addr
 }
 
 // Attach gives a VM with address ip a tap on n's bridge, creating the network's namespace,
@@ -264,7 +267,7 @@ func (h *Host) Attach(n Network, vmUID string, ip netip.Addr) (Attachment, error
 		f.Close()
 		return Attachment{}, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
 	}
-	return Attachment{Tap: f, NetNS: s.path}, nil
+	return Attachment{Tap: f, NetNS: s.path, Network: n, IP: ip}, nil
 }
 
 // ensureNetwork makes n's transit link and rules, and the node's rules, match n. The
@@ -274,7 +277,11 @@ func (h *Host) ensureNetwork(s *space, n Network, overlay bool) error {
 		_, err := s.nl.LinkByName(n.VXLANName())
 		overlay = err == nil
 	}
-	if n.NAT {
+	exposed, err := s.exposed()
+	if err != nil {
+		return err
+	}
+	if n.NAT || exposed {
 		if err := h.ensureTransit(s, n); err != nil {
 			return err
 		}
@@ -310,7 +317,7 @@ func (h *Host) Detach(vmUID string) error {
 		if err := s.nl.LinkDel(l); err != nil {
 			return fmt.Errorf("removing tap %s: %w", name, err)
 		}
-		return s.removeTapRules(name)
+		return errors.Join(s.removeTapRules(name), h.unexposeIn(s, shortID(vmUID)))
 	}
 	return nil
 }
@@ -412,7 +419,7 @@ func (h *Host) Prune(keep func(vmUID string) bool) error {
 		if left == 0 {
 			errs = append(errs, h.removeSpace(s))
 		} else {
-			errs = append(errs, s.pruneTapChains())
+			errs = append(errs, s.pruneTapChains(), h.pruneExposures(s))
 		}
 	}
 	errs = append(errs, h.pruneNode(), h.cleanNode())

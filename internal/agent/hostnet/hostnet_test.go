@@ -168,12 +168,13 @@ func TestNetworkLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The node's: input 2 (transit links, VXLAN peers), forward 7 (between networks,
-	// not IPv4, link-local, four overlay ports), 1 masquerade; the network's: input 4,
-	// forward 15 (bridged, replies, the 11 non-public ranges, public egress, the rest), 1
-	// masquerade, bridge prerouting 2; the tap's chain: 5.
-	if len(rules) != 10+22+5 {
-		t.Errorf("rules after Attach = %d, want 37:\n%s", len(rules), strings.Join(rules, "\n"))
+	// The node's: input 3 (replies over transit links, transit links, VXLAN peers), forward 8
+	// (replies over transit links, between networks, not IPv4, link-local, four overlay
+	// ports), 1 masquerade; the network's: input 4, forward 17 (bridged, replies, exposed VMs
+	// both ways, the 11 non-public ranges, public egress, the rest), 2 masquerade (egress,
+	// exposed VMs), bridge prerouting 2; the tap's chain: 5.
+	if len(rules) != 12+25+5 {
+		t.Errorf("rules after Attach = %d, want 42:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")

@@ -62,7 +62,7 @@ var (
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(-200), Policy: &accept}
 	brPostChain = &nftables.Chain{Name: "postrouting", Table: bridgeTable, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityFilter, Policy: &accept}
-	spaceChains = []*nftables.Chain{spaceInput, spaceForward, natChain, brPreChain, brPostChain}
+	spaceChains = []*nftables.Chain{spaceInput, spaceForward, natChain, dnatChain, brPreChain, brPostChain}
 
 	// tapsMap sends each tap's frames to its chain.
 	tapsMap = &nftables.Set{Table: bridgeTable, Name: "taps", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
@@ -98,6 +98,7 @@ func networkRules(id string, n Network, overlay bool) []rule {
 		{spaceForward, fmt.Sprintf("oifname %q ct state established,related accept", br),
 			cat(ifname(expr.MetaKeyOIFNAME, br, true), ctEstablished(), verdict(expr.VerdictAccept))},
 	}
+	rs = append(rs, exposedRules(br, up)...) // before egress: replies to any client pass
 	if n.NAT {
 		rs = append(rs, egressRules(br, up, n.Egress)...)
 		rs = append(rs, rule{natChain, fmt.Sprintf("oifname %q counter masquerade", up),
@@ -132,7 +133,12 @@ func (h *Host) nodeRules() []rule {
 	from := func() []expr.Any { return ifname(expr.MetaKeyIIFNAME, egressPrefix, false) }
 	egress := fmt.Sprintf("iifname \"%s*\"", egressPrefix)
 	rs := []rule{
+		// Replies to connections the node or its pods made to VMs' endpoint addresses; a
+		// network's own first packet never gets past the rules below, so it never becomes a
+		// connection.
+		{nodeInput, egress + " ct state established,related accept", cat(from(), ctEstablished(), verdict(expr.VerdictAccept))},
 		{nodeInput, egress + " counter drop", cat(from(), drop())},
+		{nodeForward, egress + " ct state established,related accept", cat(from(), ctEstablished(), verdict(expr.VerdictAccept))},
 		{nodeForward, egress + fmt.Sprintf(" oifname \"%s*\" counter drop", egressPrefix),
 			cat(from(), ifname(expr.MetaKeyOIFNAME, egressPrefix, false), drop())},
 		{nodeForward, egress + " meta nfproto != ipv4 counter drop",

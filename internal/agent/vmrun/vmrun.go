@@ -39,6 +39,9 @@ type Meta struct {
 	Session bool `json:"session,omitempty"`
 	// Readiness: the run has a readiness probe, so it starts not ready.
 	Readiness bool `json:"readiness,omitempty"`
+	// Endpoint is the VM's endpoint address (a VM with ports on a network), kept across its
+	// runs on the node.
+	Endpoint string `json:"endpoint,omitempty"`
 }
 
 // ReadMeta reads the meta of the VM whose state directory is dir.

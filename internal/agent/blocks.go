@@ -1,0 +1,62 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// blocks routes the other nodes' endpoint blocks (ImpNode spec.endpointCIDR) via their
+// addresses (status.overlayAddress, the node's underlay address), so that this node and its
+// pods reach VMs of every node at their endpoint addresses, as a CNI routes the pod CIDRs of
+// other nodes. A node without an overlay address gets no route: its VMs are reachable from its
+// own node only.
+type blocks struct{ a *Agent }
+
+// Reconcile makes the routes match every ImpNode, whichever changed.
+func (b blocks) Reconcile(ctx context.Context, _ ctrl.Request) (ctrl.Result, error) {
+	var nodes impv1.ImpNodeList
+	if err := b.a.Client.List(ctx, &nodes); err != nil {
+		return ctrl.Result{}, fmt.Errorf("listing ImpNodes: %w", err)
+	}
+	want := map[netip.Prefix]netip.Addr{}
+	for _, n := range nodes.Items {
+		if n.Name == b.a.Opts.NodeName || !n.DeletionTimestamp.IsZero() {
+			continue
+		}
+		p, perr := netip.ParsePrefix(n.Spec.EndpointCIDR)
+		via, aerr := netip.ParseAddr(n.Status.OverlayAddress)
+		if perr != nil || aerr != nil || !via.Is4() {
+			continue
+		}
+		want[p.Masked()] = via
+	}
+	failed, err := b.a.net.SyncBlocks(want)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	for p, err := range failed {
+		ctrl.LoggerFrom(ctx).Error(err, "the node's VMs in this endpoint block are not reachable from here", "block", p)
+	}
+	return ctrl.Result{RequeueAfter: time.Minute}, nil // heals routes someone removed
+}
+
+func (b blocks) setup(mgr ctrl.Manager) error {
+	changed := predicate.Funcs{
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			o, n := e.ObjectOld.(*impv1.ImpNode), e.ObjectNew.(*impv1.ImpNode)
+			return o.Spec.EndpointCIDR != n.Spec.EndpointCIDR || o.Status.OverlayAddress != n.Status.OverlayAddress
+		},
+	}
+	return ctrl.NewControllerManagedBy(mgr).Named("endpoint-blocks").
+		For(&impv1.ImpNode{}, builder.WithPredicates(changed)).
+		Complete(b)
+}

@@ -1,0 +1,295 @@
+package hostnet
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
+	"github.com/google/nftables/expr"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// A VM that serves Services has an endpoint address of its node's block. The node routes it
+// over its network's transit link (which every network with an exposed VM has, NAT or not); in
+// the network's namespace each declared port of that address is forwarded to the VM's port
+// (DNAT), the connection's source becomes the gateway (so the reply needs no route back, and a
+// closed network has none), and nothing else of the address answers. A tenant's CIDR still
+// never reaches the node's routes: the endpoint address does, for the VM's declared ports.
+
+// rtprotEndpoint marks the node's routes to VMs' endpoint addresses.
+const rtprotEndpoint netlink.RouteProtocol = 0x4a
+
+// dnatChain forwards the endpoint addresses' declared ports, in a network's namespace.
+var dnatChain = &nftables.Chain{Name: "prerouting", Table: inetTable, Type: nftables.ChainTypeNAT,
+	Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest, Policy: &accept}
+
+// Port is a declared port of a VM.
+type Port struct {
+	Protocol byte // unix.IPPROTO_TCP or unix.IPPROTO_UDP
+	Port     uint16
+}
+
+// Exposure is what of a VM Services reach: its endpoint address and its declared ports.
+type Exposure struct {
+	Endpoint netip.Addr
+	Ports    []Port
+}
+
+// exposeOwner names the exposure rules of the VM whose short id (its tap's suffix) is id.
+func exposeOwner(id string) string { return "exp-" + id }
+
+// exposeRules forward e's ports arriving over up to the VM at ip.
+func exposeRules(up string, ip netip.Addr, e Exposure) []rule {
+	var rs []rule
+	dst, to := e.Endpoint.As4(), ip.As4()
+	for _, p := range e.Ports {
+		rs = append(rs, rule{dnatChain, fmt.Sprintf("iifname %q ip daddr %s %s dport %d dnat ip to %s", up, e.Endpoint, protoName(p.Protocol), p.Port, ip),
+			cat(ifname(expr.MetaKeyIIFNAME, up, true), ipv4(), payload(expr.PayloadBaseNetworkHeader, 16, dst[:], expr.CmpOpEq),
+				l4proto(p.Protocol), dportRange(p.Port, p.Port),
+				[]expr.Any{
+					&expr.Immediate{Register: 1, Data: to[:]},
+					&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1},
+				})})
+	}
+	return rs
+}
+
+// exposedRules are a network's rules for its exposed VMs, whether or not it has any: a
+// connection the DNAT made passes between the transit link and the bridge, and leaves towards
+// the VM from the gateway's address.
+func exposedRules(br, up string) []rule {
+	dnat := func() []expr.Any {
+		return []expr.Any{
+			&expr.Ct{Register: 1, Key: expr.CtKeySTATUS},
+			&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: nativeU32(0x20), Xor: nativeU32(0)},
+			&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: nativeU32(0)},
+		}
+	}
+	return []rule{
+		{spaceForward, fmt.Sprintf("iifname %q oifname %q ct status dnat accept", up, br),
+			cat(ifname(expr.MetaKeyIIFNAME, up, true), ifname(expr.MetaKeyOIFNAME, br, true), dnat(), verdict(expr.VerdictAccept))},
+		{spaceForward, fmt.Sprintf("iifname %q oifname %q ct status dnat accept", br, up),
+			cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, up, true), dnat(), verdict(expr.VerdictAccept))},
+		{natChain, fmt.Sprintf("oifname %q ct status dnat counter masquerade", br),
+			cat(ifname(expr.MetaKeyOIFNAME, br, true), dnat(), []expr.Any{&expr.Counter{}, &expr.Masq{}})},
+	}
+}
+
+// nativeU32 is v in the host's byte order, as the kernel keeps conntrack's status.
+func nativeU32(v uint32) []byte { return binaryutil.NativeEndian.PutUint32(v) }
+
+// Expose makes the VM vmUID of n, attached at ip, reachable at e's endpoint address on e's
+// ports and nothing else; an empty e.Ports removes its exposure. It needs the VM attached.
+func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error {
+	if len(e.Ports) == 0 {
+		return h.Unexpose(vmUID)
+	}
+	if !e.Endpoint.Is4() || n.Prefix.Contains(e.Endpoint) {
+		return fmt.Errorf("endpoint address %s: want an IPv4 address outside the network %s", e.Endpoint, n.Prefix)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return err
+	}
+	if s == nil {
+		return fmt.Errorf("network %s is not on the node: attach the VM first", n.Key())
+	}
+	// Another network's endpoint address is never taken over: a route to it elsewhere stays,
+	// and so do this VM's rules.
+	cur, err := h.endpointRoute(e.Endpoint)
+	if err != nil {
+		return err
+	}
+	if cur != nil {
+		if l, err := h.nl.LinkByName(egressPrefix + s.id); err != nil || l.Attrs().Index != cur.LinkIndex {
+			return fmt.Errorf("endpoint address %s is routed to another network's link", e.Endpoint)
+		}
+	}
+	if err := s.replaceRules([]*nftables.Chain{dnatChain}, exposeOwner(shortID(vmUID)), exposeRules(uplinkPrefix+s.id, ip, e)); err != nil {
+		return fmt.Errorf("exposing VM %s: %w", vmUID, err)
+	}
+	if err := h.ensureNetwork(s, n, false); err != nil { // the transit link, for a closed network too
+		return err
+	}
+	l, err := h.nl.LinkByName(egressPrefix + s.id)
+	if err != nil {
+		return fmt.Errorf("the transit link of %s: %w", n.Key(), err)
+	}
+	t, err := h.transitAddr(l.Attrs().Index)
+	if err != nil {
+		return err
+	}
+	route := &netlink.Route{LinkIndex: l.Attrs().Index, Dst: &net.IPNet{IP: e.Endpoint.AsSlice(), Mask: net.CIDRMask(32, 32)},
+		Gw: t.AsSlice(), Protocol: rtprotEndpoint}
+	if err := h.nl.RouteReplace(route); err != nil {
+		return fmt.Errorf("routing endpoint address %s to %s: %w", e.Endpoint, n.Key(), err)
+	}
+	return nil
+}
+
+// endpointRoute is the node's route to endpoint address a, if any.
+func (h *Host) endpointRoute(a netip.Addr) (*netlink.Route, error) {
+	rs, err := h.nl.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Protocol: rtprotEndpoint}, netlink.RT_FILTER_PROTOCOL)
+	if err != nil {
+		return nil, fmt.Errorf("listing endpoint routes: %w", err)
+	}
+	for i := range rs {
+		if rs[i].Dst != nil && rs[i].Dst.IP.Equal(a.AsSlice()) {
+			return &rs[i], nil
+		}
+	}
+	return nil, nil
+}
+
+// Unexpose removes the VM's exposure: its rules in its network's namespace and the node's
+// route to its endpoint address.
+func (h *Host) Unexpose(vmUID string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.unexpose(vmUID)
+}
+
+func (h *Host) unexpose(vmUID string) error {
+	spaces, err := h.openSpaces()
+	if err != nil {
+		return err
+	}
+	for _, s := range spaces {
+		if err := h.unexposeIn(s, shortID(vmUID)); err != nil {
+			return fmt.Errorf("removing the exposure of VM %s: %w", vmUID, err)
+		}
+	}
+	return nil
+}
+
+// unexposeIn removes the exposure of the VM with short id from s, and the node's route to
+// its endpoint address when it leads to s.
+func (h *Host) unexposeIn(s *space, id string) error {
+	rs, err := getRules(s.nft, dnatChain)
+	if err != nil {
+		return nil // no such chain: nothing exposed there
+	}
+	owner := exposeOwner(id)
+	var endpoints []netip.Addr
+	for _, r := range rs {
+		if strings.HasPrefix(comment(r), "imp:"+owner+":") {
+			if a, err := netip.ParseAddr(endpointOf(r)); err == nil {
+				endpoints = append(endpoints, a)
+			}
+		}
+	}
+	if len(endpoints) == 0 {
+		return nil
+	}
+	if err := s.replaceRules([]*nftables.Chain{dnatChain}, owner, nil); err != nil {
+		return err
+	}
+	l, err := h.nl.LinkByName(egressPrefix + s.id)
+	if err != nil {
+		return nil // no transit link: no route either
+	}
+	for _, a := range endpoints {
+		if r, err := h.endpointRoute(a); err == nil && r != nil && r.LinkIndex == l.Attrs().Index {
+			if err := h.nl.RouteDel(r); err != nil {
+				return fmt.Errorf("removing the route to endpoint address %s: %w", a, err)
+			}
+		}
+	}
+	return nil
+}
+
+// pruneExposures removes the exposures of s's VMs whose tap is gone.
+func (h *Host) pruneExposures(s *space) error {
+	rs, err := getRules(s.nft, dnatChain)
+	if err != nil {
+		return nil
+	}
+	seen := map[string]bool{}
+	var errs []error
+	for _, r := range rs {
+		rest, ok := strings.CutPrefix(comment(r), "imp:exp-")
+		id, _, _ := strings.Cut(rest, ":")
+		if !ok || seen[id] {
+			continue
+		}
+		seen[id] = true
+		if _, err := s.nl.LinkByName(tapPrefix + id); isNotFound(err) {
+			errs = append(errs, h.unexposeIn(s, id))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// endpointOf reads the endpoint address a DNAT rule matches (its destination comparison).
+func endpointOf(r *nftables.Rule) string {
+	for i, e := range r.Exprs {
+		p, ok := e.(*expr.Payload)
+		if !ok || p.Base != expr.PayloadBaseNetworkHeader || p.Offset != 16 || i+1 >= len(r.Exprs) {
+			continue
+		}
+		if c, ok := r.Exprs[i+1].(*expr.Cmp); ok && len(c.Data) == 4 {
+			return netip.AddrFrom4([4]byte(c.Data)).String()
+		}
+	}
+	return ""
+}
+
+// exposed says whether any VM of the namespace is exposed.
+func (s *space) exposed() (bool, error) {
+	rs, err := s.nft.GetRules(inetTable, dnatChain)
+	if err != nil {
+		return false, nil // no such chain yet
+	}
+	for _, r := range rs {
+		if strings.HasPrefix(comment(r), "imp:exp-") {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// rtprotBlock marks the node's routes to other nodes' endpoint blocks.
+const rtprotBlock netlink.RouteProtocol = 0x4b
+
+// SyncBlocks makes the node's routes to other nodes' endpoint blocks exactly blocks (each
+// block via that node's address, as a CNI routes other nodes' pod CIDRs), so that the node and
+// its pods reach VMs of every node. It returns the blocks it could not route (their node not
+// on a directly reachable network), with why.
+func (h *Host) SyncBlocks(blocks map[netip.Prefix]netip.Addr) (map[netip.Prefix]error, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	have, err := h.nl.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Protocol: rtprotBlock}, netlink.RT_FILTER_PROTOCOL)
+	if err != nil {
+		return nil, fmt.Errorf("listing endpoint block routes: %w", err)
+	}
+	for i := range have {
+		r := &have[i]
+		if r.Dst == nil {
+			continue
+		}
+		ones, _ := r.Dst.Mask.Size()
+		p := netip.PrefixFrom(netip.AddrFrom4([4]byte(r.Dst.IP.To4())), ones)
+		via, ok := blocks[p]
+		if ok && r.Gw != nil && r.Gw.Equal(via.AsSlice()) {
+			continue
+		}
+		if err := h.nl.RouteDel(r); err != nil {
+			return nil, fmt.Errorf("removing the route to endpoint block %s: %w", p, err)
+		}
+	}
+	failed := map[netip.Prefix]error{}
+	for p, via := range blocks {
+		r := &netlink.Route{Dst: &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), 32)}, Gw: via.AsSlice(), Protocol: rtprotBlock}
+		if err := h.nl.RouteReplace(r); err != nil {
+			failed[p] = fmt.Errorf("routing endpoint block %s via %s: %w", p, via, err)
+		}
+	}
+	return failed, nil
+}

@@ -1,0 +1,203 @@
+package agent_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"github.com/vishvananda/netlink"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/guestsession"
+	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/testcluster"
+	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testnetns"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+// TestServicesReachVMs: two tenants' ImpNetworks with the same CIDR on one node (a network
+// namespace with its own agent), a web VM in each declaring port 8080 (named http) with an HTTP
+// readiness probe; a Service in each namespace selecting it. Each Service's EndpointSlice holds
+// its own VM's endpoint address only, ready once the probe passes; from a pod (a namespace
+// routed through the node) each endpoint answers with its own VM's greeting on 8080, and the
+// undeclared 8081 answers nothing; the node's routes hold no tenant CIDR. The readiness probe
+// failing takes the endpoint out of ready; deleting the VM removes it.
+func TestServicesReachVMs(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	nsA, nsB := c.Namespace(t), c.Namespace(t)
+	sfx := nsA[len(nsA)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	node, pod := testnetns.New(t, "imp-v-"+sfx), testnetns.New(t, "imp-p-"+sfx)
+	testnetns.Link(t, node, "eth1", "192.168.79.1/24", pod, "eth0", "192.168.79.2/24")
+	ph := testnetns.Handle(t, pod)
+	pl, _ := ph.LinkByName("eth0")
+	if err := ph.RouteAdd(&netlink.Route{LinkIndex: pl.Attrs().Index, Gw: net.ParseIP("192.168.79.1")}); err != nil {
+		t.Fatal(err)
+	}
+	nodeName := "imp-svc-" + sfx
+	readyNode(t, c, nodeName)
+	startOperatorWith(t, c, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2,
+		EndpointRange: netip.MustParsePrefix("100.72.0.0/16"), EndpointBlockBits: 24})
+	stateDir := filepath.Join(tmp, "state")
+	ag := startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: testnetns.PinDir(t)})
+
+	vms := map[string]string{nsA: "web-a", nsB: "web-b"}
+	for ns, name := range vms {
+		if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.93.0.0/24"}}); err != nil {
+			t.Fatal(err)
+		}
+		vm := worldOf(c, ns, host, nodeName, stateDir).vm(name, "web")
+		vm.Labels = map[string]string{"app": "web"}
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+		vm.Spec.Ports = []impv1.VMPort{{Name: "http", Port: 8080, Protocol: corev1.ProtocolTCP}}
+		vm.Spec.ReadinessProbe = &impv1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromString("http")}},
+			PeriodSeconds: 1, FailureThreshold: 1, SuccessThreshold: 1, TimeoutSeconds: 1}
+		if err := c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Client.Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "web"}, Spec: corev1.ServiceSpec{
+			Selector: map[string]string{"app": "web"}, Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+		}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// endpoints are a Service's endpoints: "address:port vm ready".
+	endpoints := func(ns string) []string {
+		var l discoveryv1.EndpointSliceList
+		if err := c.Client.List(ctx, &l, client.InNamespace(ns), client.MatchingLabels{discoveryv1.LabelServiceName: "web"}); err != nil {
+			return []string{err.Error()}
+		}
+		var out []string
+		for _, s := range l.Items {
+			for _, e := range s.Endpoints {
+				for _, p := range s.Ports {
+					out = append(out, fmt.Sprintf("%s:%d %s %v", e.Addresses[0], *p.Port, e.TargetRef.Name, *e.Conditions.Ready))
+				}
+			}
+		}
+		sort.Strings(out)
+		return out
+	}
+	g := NewWithT(t)
+	addr := map[string]string{}
+	for ns, name := range vms {
+		g.Eventually(func() []string { return endpoints(ns) }).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(
+			ConsistOf(MatchRegexp(`^100\.72\.\d+\.\d+:8080 `+name+` true$`)), func() string {
+				return fmt.Sprintf("VM %s: %+v", name, worldOf(c, ns, host, nodeName, stateDir).get(name).Status)
+			})
+		addr[ns] = strings.Fields(endpoints(ns)[0])[0]
+	}
+	if addr[nsA] == addr[nsB] {
+		t.Fatalf("both VMs have endpoint %s", addr[nsA])
+	}
+	// The node routes each endpoint address over a transit link, and nothing of the tenants'.
+	nh := testnetns.Handle(t, node)
+	rs, _ := nh.RouteList(nil, netlink.FAMILY_V4)
+	var dsts []string
+	for _, r := range rs {
+		if r.Dst != nil {
+			dsts = append(dsts, r.Dst.String())
+			if strings.HasPrefix(r.Dst.String(), "10.93.") {
+				t.Errorf("a tenant's route on the node: %s", r.Dst)
+			}
+		}
+	}
+	for _, a := range addr {
+		ip, _, _ := strings.Cut(a, ":")
+		if !slices.Contains(dsts, ip+"/32") {
+			t.Fatalf("no route to endpoint %s among %v", ip, dsts)
+		}
+	}
+	// get asks target for / from the pod. The connection is made inside the pod's namespace
+	// (a dial runs on the calling thread; an http.Client would dial from another, in the
+	// machine's own namespace, and reach the outside).
+	get := func(target string) string {
+		var out string
+		err := testnetns.Do(pod, func() error {
+			conn, err := net.DialTimeout("tcp", target, 2*time.Second)
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			_ = conn.SetDeadline(time.Now().Add(3 * time.Second))
+			if _, err := fmt.Fprintf(conn, "GET / HTTP/1.0\r\nHost: web\r\n\r\n"); err != nil {
+				return err
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			out = strings.TrimSpace(string(b))
+			return nil
+		})
+		if err != nil {
+			return "error"
+		}
+		return out
+	}
+	for ns, name := range vms {
+		g.Eventually(func() string { return get(addr[ns]) }).WithTimeout(time.Minute).Should(Equal("hello from " + name))
+		ip, _, _ := strings.Cut(addr[ns], ":")
+		if got := get(ip + ":8081"); got != "error" {
+			t.Errorf("the undeclared port 8081 of %s answered through its endpoint: %q", name, got)
+		}
+	}
+
+	// Readiness fails: the endpoint stays, not ready, within two probe periods and a report.
+	v := worldOf(c, nsA, host, nodeName, stateDir).get("web-a")
+	s, err := ag.Session(types.NamespacedName{Namespace: nsA, Name: "web-a"}, v.UID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Exec(ctx, guestsession.ExecOptions{Command: []string{"/bin/hello", "tool-touch", "/dev/imp-unready"}}); err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	g.Eventually(func() []string { return endpoints(nsA) }).WithTimeout(time.Minute).WithPolling(50 * time.Millisecond).Should(Equal([]string{addr[nsA] + " web-a false"}))
+	t.Logf("readiness failing (period 1s) → endpoint not ready: %v", time.Since(began).Round(time.Millisecond))
+	if err := s.Exec(ctx, guestsession.ExecOptions{Command: []string{"/bin/hello", "tool-rm", "/dev/imp-unready"}}); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() []string { return endpoints(nsA) }).WithTimeout(time.Minute).WithPolling(50 * time.Millisecond).Should(Equal([]string{addr[nsA] + " web-a true"}))
+
+	// Deleted: its endpoint goes; the other tenant's stays.
+	if err := c.Client.Delete(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() []string { return endpoints(nsA) }).WithTimeout(3 * time.Minute).Should(BeEmpty())
+	g.Eventually(func() string { return get(addr[nsA]) }).WithTimeout(time.Minute).Should(Equal("error"))
+	if got := get(addr[nsB]); got != "hello from web-b" {
+		t.Errorf("tenant B's VM after A's went: %q", got)
+	}
+}
+
+// worldOf is a world for namespace ns of the test's node.
+func worldOf(c *testcluster.Cluster, ns, host, node, stateDir string) *world {
+	return &world{c: c, ns: ns, host: host, node: node, stateDir: stateDir}
+}
