@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services images chart-push
 
 all: build
 
@@ -60,6 +60,9 @@ bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, a
 
 bench-access: ## A QEMU/TCG guest: `exec VM -- true` round trip P50 through the API server; port-forward MiB/s (IMP_BENCH_MIB, 100).
 	IMP_BENCH=access go test -count=1 -v -timeout 30m -run '^TestBenchAccess$$' ./internal/agent/ | grep -E 'access_bench_test|^(ok|FAIL|---)'
+
+bench-services: ## A QEMU/TCG guest behind a Service: VM Ready → endpoint ready P50/P99; requests/s through its endpoint vs direct.
+	IMP_BENCH=services go test -count=1 -v -timeout 30m -run '^TestBenchServices$$' ./internal/agent/ | grep -E '^(VM Ready|HTTP/1.0)|^(ok|FAIL|---)'
 
 bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).
 	go run ./test/bench/net -n 100

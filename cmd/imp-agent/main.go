@@ -115,6 +115,10 @@ func run() error {
 	fs.DurationVar(&opts.FinishedDiskRetention, "finished-disk-retention", 24*time.Hour, "how long a VM that finished (Succeeded or Failed) keeps its disks on the node (0: until it is deleted)")
 	fs.DurationVar(&opts.PullTimeout, "image-pull-timeout", 5*time.Minute, "longest time resolving and pulling a VM's image may take")
 	fs.DurationVar(&opts.ImageResolveTTL, "image-resolve-ttl", 0, "how long what a tag resolved to is kept, per pull credentials: a start within it asks the registry nothing (0: ask at every start)")
+	fs.BoolVar(&opts.EndpointBlocks, "endpoint-blocks", false,
+		"the operator assigns endpoint blocks (its --endpoint-cidr is set): a VM with ports waits for this node's block before it starts")
+	fs.DurationVar(&opts.EndpointDrain, "endpoint-drain", 2*time.Second,
+		"how long a VM that serves Services waits, its endpoint terminating, before its guest is asked to stop (counts against its grace period)")
 	fs.DurationVar(&opts.StartingReportDelay, "starting-report-delay", time.Second,
 		"how long the reports that a VM is starting and that its guest boots wait; one a later report overtakes is never written (negative: at once)")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")

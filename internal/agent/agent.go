@@ -120,6 +120,15 @@ type Options struct {
 	ReportInterval time.Duration
 	// HeartbeatInterval is how often the agent renews its Lease (default 10 s).
 	HeartbeatInterval time.Duration
+	// EndpointBlocks: the operator assigns nodes endpoint blocks (its --endpoint-cidr is set),
+	// so a VM with ports waits for its node's block before it starts; without it such a VM
+	// starts unexposed.
+	EndpointBlocks bool
+	// EndpointDrain is how long a stop of a VM that serves Services (it has an endpoint
+	// address) waits, its endpoint already terminating in every slice, before the guest is asked
+	// to stop, so that the cluster's proxies stop sending it connections first; it counts
+	// against the grace period.
+	EndpointDrain time.Duration
 	// StartingReportDelay is how long the reports that a run is starting, and that its guest
 	// boots, wait before they are written: one that a later report overtakes meanwhile (the
 	// guest ready, the start failed, the VM deleted) is never written, so a VM that boots
@@ -648,6 +657,9 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) t
 	st := a.stops[vm.UID]
 	if st == nil {
 		st = &vmrun.Stop{Deadline: time.Now().Add(grace)}
+		if vm.Status.Runtime != nil && vm.Status.Runtime.Endpoint != "" {
+			st.DrainUntil = time.Now().Add(min(a.Opts.EndpointDrain, grace))
+		}
 		a.stops[vm.UID] = st
 	}
 	a.mu.Unlock()

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -15,6 +16,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/endpoint"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/steps"
 )
 
@@ -68,6 +70,9 @@ func (x *exposer) Expose(ctx context.Context, vm *impv1.ImpVM, at hostnet.Attach
 		return netip.Addr{}, x.a.net.Unexpose(string(vm.UID))
 	}
 	e, err := x.alloc.Assign(ctx, string(vm.UID), want)
+	if errors.Is(err, endpoint.ErrNoBlock) && x.a.Opts.EndpointBlocks {
+		return netip.Addr{}, plan.WaitFor(time.Second) // the operator assigns it soon
+	}
 	if errors.Is(err, endpoint.ErrNoBlock) {
 		ctrl.LoggerFrom(ctx).Info("the VM declares ports but the node has no endpoint block: no Service reaches it")
 		x.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NotExposed", "Expose",

@@ -49,13 +49,13 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	return plan.Plan[*vmrun.Run]{Name: "resume", Reason: "ResumeFailed", Steps: ss}
 }
 
-// stopPlan ends a run's VMM: the guest asked to stop, its grace period, the VMM made to quit,
-// then killed; it waits (plan.WaitFor) while the VMM runs, so that no worker waits out a grace
-// period. Its failpoints are "stop/<step>".
+// stopPlan ends a run's VMM: a VM with an endpoint drained, the guest asked to stop, its grace
+// period, the VMM made to quit, then killed; it waits (plan.WaitFor) while the VMM runs, so that
+// no worker waits out a grace period. Its failpoints are "stop/<step>".
 func (a *Agent) stopPlan() plan.Plan[*vmrun.Stop] {
 	s := stoppers{a}
 	return plan.Plan[*vmrun.Stop]{Name: "stop", Reason: "StopFailed", Steps: []steps.StopStep{
-		steps.Ask{Stoppers: s}, steps.Grace{}, steps.Quit{Stoppers: s}, steps.Kill{},
+		steps.Drain{}, steps.Ask{Stoppers: s}, steps.Grace{}, steps.Quit{Stoppers: s}, steps.Kill{},
 	}}
 }
 

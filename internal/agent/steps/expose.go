@@ -2,6 +2,7 @@ package steps
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -34,6 +35,9 @@ func (Expose) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 func (s Expose) Do(ctx context.Context, r *vmrun.Run) error {
 	want, _ := netip.ParseAddr(r.Meta.Endpoint)
 	e, err := s.Exposer.Expose(ctx, r.VM, r.Attachment, want)
+	if errors.Is(err, plan.ErrWait) {
+		return err // the node's endpoint block is not assigned yet
+	}
 	if err != nil {
 		return plan.Fail("ExposeFailed", err)
 	}

@@ -416,3 +416,30 @@ func TestStop(t *testing.T) {
 		t.Errorf("a gone VMM: %v, asked %d, quits %d", err, f.asked, f.quits)
 	}
 }
+
+// TestDrainBeforeAsking: a VM with an endpoint is not asked to stop until its drain ends (its
+// endpoint terminating meanwhile), and then is.
+func TestDrainBeforeAsking(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	start, err := vmm.StartTime(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fakeStoppers{canAsk: true}
+	now := time.Now()
+	s := &vmrun.Stop{VM: newRun(t).VM, Record: &vmm.Record{Pid: cmd.Process.Pid, StartTime: start},
+		Deadline: now.Add(time.Minute), DrainUntil: now.Add(200 * time.Millisecond)}
+	p := plan.Plan[*vmrun.Stop]{Name: "stop", Steps: []StopStep{Drain{}, Ask{Stoppers: f}, Grace{}}}
+	if err := p.Run(context.Background(), s); !errors.Is(err, plan.ErrWait) || f.asked != 0 {
+		t.Fatalf("while draining: %v, asked %d", err, f.asked)
+	}
+	time.Sleep(time.Until(s.DrainUntil))
+	if err := p.Run(context.Background(), s); !errors.Is(err, plan.ErrWait) || f.asked != 1 || !s.Asked {
+		t.Fatalf("after the drain: %v, asked %d", err, f.asked)
+	}
+}

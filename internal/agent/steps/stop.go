@@ -15,8 +15,8 @@ import (
 // StopStep is a step of the plan that stops a run's VMM.
 type StopStep = plan.Step[*vmrun.Stop]
 
-// The stop plan ends a VMM that runs, over as many passes as it takes, holding no worker: Ask,
-// Grace, Quit, Kill. Every step does nothing once the VMM is gone.
+// The stop plan ends a VMM that runs, over as many passes as it takes, holding no worker: Drain,
+// Ask, Grace, Quit, Kill. Every step does nothing once the VMM is gone.
 
 // Stoppers ask and make VMMs stop.
 type Stoppers interface {
@@ -25,6 +25,21 @@ type Stoppers interface {
 	RequestStop(uid types.UID) bool
 	// Quit asks the VMM of kind to end at once (QMP quit, Firecracker's Ctrl-Alt-Del).
 	Quit(ctx context.Context, kind string, uid types.UID) error
+}
+
+// Drain waits, before the guest is asked to stop, until DrainUntil (a VM with an endpoint):
+// its endpoint is terminating in every slice from the moment the stop began, and the cluster's
+// proxies stop sending it new connections meanwhile.
+type Drain struct{}
+
+func (Drain) Name() string { return "drain" }
+
+func (Drain) ShouldDo(_ context.Context, s *vmrun.Stop) (bool, error) {
+	return s.Record.Alive() && !s.Asked && time.Until(s.DrainUntil) > 0, nil
+}
+
+func (Drain) Do(_ context.Context, s *vmrun.Stop) error {
+	return plan.WaitFor(min(time.Until(s.DrainUntil), 500*time.Millisecond))
 }
 
 // Ask asks the guest to stop, once.

@@ -144,4 +144,7 @@ type Stop struct {
 	// Deadline ends the grace period; Asked says the guest was asked to stop.
 	Deadline time.Time
 	Asked    bool
+	// DrainUntil is when the guest of a VM with an endpoint is asked to stop: its endpoint is
+	// terminating from the stop's start, and the proxies have this long to stop using it.
+	DrainUntil time.Time
 }
