@@ -10,7 +10,7 @@ if [[ -f $STATE/env ]]; then
   . "$STATE/env"
   kubectl delete impvm --all -A --timeout=120s 2>/dev/null
 fi
-for name in imp-agent imp-operator; do
+for name in imp-agent imp-operator kube-proxy coredns; do
   pidfile=$STATE/pids/$name.pid
   [[ -f $pidfile ]] || continue
   pid=$(cat "$pidfile")
@@ -25,4 +25,8 @@ for rec in "$STATE"/node/vms/*/vmm.json; do
   pid=$(sed -n 's/.*"pid":\([0-9]*\).*/\1/p' "$rec")
   [[ "$(ps -o comm= -p "$pid" 2>/dev/null)" == qemu-system-x86* ]] && kill -9 "$pid"
 done
+if command -v nft >/dev/null; then # kube-proxy's tables
+  nft delete table ip kube-proxy 2>/dev/null
+  nft delete table ip6 kube-proxy 2>/dev/null
+fi
 hack/stop-control-plane.sh "$STATE" --purge

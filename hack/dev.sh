@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Bring IMP up locally and run a VM: a control plane built from source, IMP's CRDs, the operator
 # and the node agent as processes (this machine as node imp-dev, labelled imp/enabled=true), a
-# local OCI registry with a small image, and an ImpVM that boots under QEMU (KVM when it works,
-# TCG otherwise). Ends with the VM Running and its console. Tear down with hack/dev-down.sh.
+# local OCI registry with a small image, kube-proxy (nftables mode) and CoreDNS as the chart's
+# cluster has them, and an ImpVM that boots under QEMU (KVM when it works, TCG otherwise) behind a
+# Service. Ends with the VM Running, its console, an exec into it, and the Service answering
+# from this machine. Tear down with hack/dev-down.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export IMP_CACHE=${IMP_CACHE:-$HOME/.cache/imp}
@@ -72,7 +74,7 @@ CGO_ENABLED=0 go build -o bin/hello ./internal/testguest/hello
 mkdir -p "$STATE/boot"
 bin/devtool initramfs "$STATE/boot/initramfs.cpio.gz" bin/imp-init "$MODULES"
 IMAGE=127.0.0.1:$REGISTRY_PORT/imp/hello:v1
-bin/devtool image "$IMAGE" bin/hello serve
+bin/devtool image "$IMAGE" bin/hello web
 
 log "registering this machine as node $NODE"
 kubectl apply -f - >/dev/null <<YAML
@@ -109,19 +111,44 @@ bin/devtool agent-cert "$STATE/access-ca/tls.crt" "$STATE/access-ca/tls.key" "$N
 rm -rf "$STATE/access-ca"
 start imp-agent bin/imp-agent --kubeconfig "$KUBECONFIG" --node-name "$NODE" --state-dir "$STATE/node" \
   --local-registry "127.0.0.1:$REGISTRY_PORT" --access-cert-dir "$STATE/access" --access-bind-address 127.0.0.1:10260 \
-  --kernel "$KERNEL" --initramfs "$STATE/boot/initramfs.cpio.gz" --reserve-vcpus 0 --vcpu-overcommit 4 \
+  --kernel "$KERNEL" --initramfs "$STATE/boot/initramfs.cpio.gz" --reserve-vcpus 0 --vcpu-overcommit 4 --endpoint-blocks \
   --metrics-bind-address 127.0.0.1:18090 --health-probe-bind-address 127.0.0.1:18091 --log-format text
 for p in 18081 18091; do
   until curl -sf "http://127.0.0.1:$p/readyz" >/dev/null; do sleep 0.2; done
 done
 log "imp-operator and imp-agent ready (logs in $STATE/logs)"
+# Services as a cluster serves them: kube-proxy programs this machine's nftables (ClusterIPs,
+# NodePorts) from EndpointSlices, IMP's included; CoreDNS answers cluster names on 127.0.0.1:1053.
+cat >"$STATE/Corefile" <<EOF
+.:1053 {
+    bind 127.0.0.1
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $KUBECONFIG
+        fallthrough in-addr.arpa ip6.arpa
+    }
+    cache 5
+}
+EOF
+start coredns "$IMP_CACHE/cp/bin/coredns" -conf "$STATE/Corefile"
+start kube-proxy "$IMP_CACHE/cp/bin/kube-proxy" --proxy-mode nftables --kubeconfig "$KUBECONFIG" --hostname-override "$NODE" \
+  --nodeport-addresses primary --healthz-bind-address 127.0.0.1:18256 --metrics-bind-address 127.0.0.1:18249 \
+  --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0
+until curl -sf http://127.0.0.1:18256/healthz >/dev/null; do sleep 0.2; done
+log "kube-proxy (nftables) and CoreDNS (127.0.0.1:1053) ready"
 
 kubectl apply -f - <<YAML
+apiVersion: imp.dev/v1alpha1
+kind: ImpNetwork
+metadata: {name: default, namespace: default}
+spec: {cidr: 10.100.0.0/24}
+---
 apiVersion: imp.dev/v1alpha1
 kind: ImpVM
 metadata:
   name: hello
   namespace: default
+  labels: {app: hello}
 spec:
   image: $IMAGE
   env:
@@ -131,6 +158,16 @@ spec:
     vcpus: 1
     memory: 256Mi
   diskSize: 256Mi
+  networkRef: {name: default}
+  ports: [{name: http, port: 8080}]
+  readinessProbe: {httpGet: {path: /healthz, port: http}, periodSeconds: 2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: hello, namespace: default}
+spec:
+  selector: {app: hello}
+  ports: [{name: http, port: 80, targetPort: http}]
 YAML
 kubectl wait impvm/hello --for=condition=Ready --timeout=300s >/dev/null
 kubectl get impvm -A -o wide
@@ -150,12 +187,22 @@ log "kubectl imp exec hello -- /bin/app tool-exit 0 hello from the guest:"
 kubectl imp exec hello -- /bin/app tool-exit 0 hello from the guest 2>/dev/null
 log "kubectl imp logs hello --limit-bytes 200:"
 kubectl imp logs hello --limit-bytes 200; echo
+SVC_IP=$(kubectl get svc hello -o jsonpath='{.spec.clusterIP}')
+for i in $(seq 150); do
+  [[ $(kubectl get endpointslices -l kubernetes.io/service-name=hello,endpointslice.kubernetes.io/managed-by=imp.dev \
+    -o jsonpath='{.items[*].endpoints[*].conditions.ready}') == true ]] && break
+  sleep 0.2
+done
+log "curl http://$SVC_IP/ (Service hello, through kube-proxy to the VM's endpoint):"
+curl -s --max-time 10 "http://$SVC_IP/"
 cat <<MSG
 
 IMP is up with a VM running. With
   export KUBECONFIG=$KUBECONFIG PATH=$PWD/bin:\$PATH
 try: kubectl get imp -A; kubectl imp list; kubectl imp exec hello -- /bin/app tool-exit 0 hi;
   kubectl imp exec -it hello -- /bin/app tool-tty; kubectl imp logs -f hello; kubectl imp console hello;
-  kubectl imp suspend hello; kubectl imp resume hello
+  kubectl imp suspend hello; kubectl imp resume hello;
+  curl http://$SVC_IP/   (Service hello: kubectl get endpointslices -l kubernetes.io/service-name=hello);
+  kubectl imp exec hello -- /bin/app tool-touch /dev/imp-unready   (its readiness probe fails: not Ready, no endpoint)
 Tear down with: hack/dev-down.sh
 MSG

@@ -9,6 +9,7 @@ packages=(
   debootstrap                            # the agent image's Debian base (hack/agent-rootfs.sh)
   containerd runc                        # the real node of the end-to-end tests (hack/real-node.sh)
   util-linux                             # nsenter, mountpoint (the end-to-end tests)
+  nftables conntrack                     # kube-proxy in nftables mode (the real node, make dev)
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -11,18 +11,24 @@
 # Env: NODE_NAME [imp-host]  REGISTRY (host:port; up pushes the sandbox image there)
 #      APISERVER_PORT (the control plane's)  KUBELET_PORT [10350]  KUBELET_HEALTHZ_PORT [10348]
 #      POD_CIDR [10.88.0.0/16]  SERVICE_IP [10.0.0.1] (the kubernetes Service's ClusterIP)
-#      CP_BIN_DIR [$IMP_CACHE/cp/bin] (kubelet, kubectl)
+#      DNS_IP [10.0.0.10] (the cluster DNS Service's)  COREDNS_PORT [1053]
+#      KUBE_PROXY_HEALTHZ_PORT [10346]  KUBE_PROXY_METRICS_PORT [10345]
+#      CP_BIN_DIR [$IMP_CACHE/cp/bin] (kubelet, kubectl, kube-proxy, coredns)
 #
 # The control plane must run with (start-control-plane.sh's APISERVER_EXTRA_ARGS)
 #   --kubelet-client-certificate CP_STATE/pki/admin.crt --kubelet-client-key CP_STATE/pki/admin.key
 #   --kubelet-preferred-address-types InternalIP --bind-address 0.0.0.0
-# so that it reaches the kubelet (logs, exec) and pods reach it. There is no kube-proxy: one
-# nftables table (devtool service-nat) sends the kubernetes Service to the API server.
+# so that it reaches the kubelet (logs, exec) and pods reach it. kube-proxy (nftables mode) serves
+# the node's Services, the kubernetes Service included (its EndpointSlice names the API server on
+# the node's address: the control plane runs --endpoint-reconciler-type none), and CoreDNS
+# (a process on the node's address, port COREDNS_PORT) is the cluster DNS behind the kube-dns
+# Service at DNS_IP, which the kubelet gives pods.
 #
 # What it changes on the host, all undone by down (recorded under STATE): processes (containerd,
 # its shims, kubelet), mounts under STATE, the pods' network namespaces and CNI cache, the bridge
 # impnode0, /var/lib/cni, a shared tmpfs at STATE/run (for hostPaths that need mount propagation), cgroups kubepods, the sysctls the kubelet rewrites, the nftables table
-# imp-node-service, /run/containerd/s.
+# imp-node-service (of earlier versions), kube-proxy's tables ip and ip6 kube-proxy,
+# /run/containerd/s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMP_CACHE=${IMP_CACHE:-$HOME/.cache/imp}
@@ -32,9 +38,13 @@ KUBELET_PORT=${KUBELET_PORT:-10350}
 KUBELET_HEALTHZ_PORT=${KUBELET_HEALTHZ_PORT:-10348}
 POD_CIDR=${POD_CIDR:-10.88.0.0/16}
 SERVICE_IP=${SERVICE_IP:-10.0.0.1}
+DNS_IP=${DNS_IP:-10.0.0.10}
+COREDNS_PORT=${COREDNS_PORT:-1053}
+KUBE_PROXY_HEALTHZ_PORT=${KUBE_PROXY_HEALTHZ_PORT:-10346}
+KUBE_PROXY_METRICS_PORT=${KUBE_PROXY_METRICS_PORT:-10345}
 BRIDGE=impnode0
 SYSCTLS=(vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys
-  kernel/keys/root_maxbytes net/ipv4/ip_forward)
+  kernel/keys/root_maxbytes net/ipv4/ip_forward net/ipv4/conf/all/route_localnet)
 
 log() { printf '[node %s] %s\n' "$(date +%T)" "$*"; }
 waitfor() { # seconds description cmd...
@@ -61,9 +71,9 @@ prepare() {
 up() {
   local state=$1 cp=$2
   : "${REGISTRY:?REGISTRY (host:port) is required}" "${APISERVER_PORT:?APISERVER_PORT is required}"
-  for b in kubelet kubectl; do [[ -x $BIN/$b ]] || { echo "missing $BIN/$b (hack/setup-control-plane.sh)" >&2; exit 1; }; done
-  command -v containerd >/dev/null && command -v runc >/dev/null ||
-    { echo "containerd and runc are missing (hack/install-prerequisites.sh)" >&2; exit 1; }
+  for b in kubelet kubectl kube-proxy coredns; do [[ -x $BIN/$b ]] || { echo "missing $BIN/$b (hack/setup-control-plane.sh)" >&2; exit 1; }; done
+  command -v containerd >/dev/null && command -v runc >/dev/null && command -v nft >/dev/null ||
+    { echo "containerd, runc or nft (kube-proxy's) is missing (hack/install-prerequisites.sh)" >&2; exit 1; }
   prepare
   local n=$IMP_CACHE/node node_ip
   node_ip=$(ip -4 route get 1.1.1.1 | sed -n 's/.* src \([0-9.]*\).*/\1/p')
@@ -129,7 +139,6 @@ EOF
   mountpoint -q "$state/run" || { mount -t tmpfs -o mode=0755 imp-node-run "$state/run" && mount --make-shared "$state/run"; }
   ip link show "$BRIDGE" >/dev/null 2>&1 || {
     ip link add "$BRIDGE" type bridge && ip addr add "$gw/${POD_CIDR#*/}" dev "$BRIDGE" && ip link set "$BRIDGE" up; }
-  "$n/devtool" service-nat up "$SERVICE_IP:443" "$BRIDGE" "$node_ip:$APISERVER_PORT" "127.0.0.1:$APISERVER_PORT"
 
   setsid containerd --config "$state/ctrd/config.toml" >"$state/logs/containerd.log" 2>&1 </dev/null &
   echo $! >"$state/pids/containerd.pid"
@@ -165,6 +174,7 @@ authentication: {anonymous: {enabled: false}, webhook: {enabled: true}, x509: {c
 authorization: {mode: Webhook}
 podLogsDir: $state/pod-logs
 clusterDomain: cluster.local
+clusterDNS: [$DNS_IP]
 resolvConf: /etc/resolv.conf
 oomScoreAdj: 0                      # without CAP_SYS_RESOURCE -999 cannot be set
 evictionHard: {memory.available: "100Mi", nodefs.available: "2%", imagefs.available: "2%", nodefs.inodesFree: "2%"}
@@ -178,6 +188,65 @@ EOF
   waitfor 120 "node $NODE_NAME Ready" bash -c \
     "[[ \$(${kc[*]} get node $NODE_NAME -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}') == True ]]"
   log "node $NODE_NAME ($node_ip) Ready"
+  services "$state" "$cp" "$node_ip"
+}
+
+# services runs what serves the cluster's Services on the node: kube-proxy, CoreDNS, and the
+# EndpointSlices of the kubernetes and kube-dns Services (no controller keeps those here).
+services() {
+  local state=$1 cp=$2 node_ip=$3
+  local kc=("$BIN/kubectl" --kubeconfig "$cp/kubeconfig")
+  cat <<EOF | "${kc[@]}" apply -f - >/dev/null
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kubernetes-node
+  namespace: default
+  labels: {kubernetes.io/service-name: kubernetes, endpointslice.kubernetes.io/managed-by: imp-real-node}
+addressType: IPv4
+endpoints: [{addresses: ["$node_ip"], conditions: {ready: true}}]
+ports: [{name: https, port: $APISERVER_PORT, protocol: TCP}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: kube-dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
+spec:
+  clusterIP: $DNS_IP
+  ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kube-dns-node
+  namespace: kube-system
+  labels: {kubernetes.io/service-name: kube-dns, endpointslice.kubernetes.io/managed-by: imp-real-node}
+addressType: IPv4
+endpoints: [{addresses: ["$node_ip"], conditions: {ready: true}}]
+ports: [{name: dns, port: $COREDNS_PORT, protocol: UDP}, {name: dns-tcp, port: $COREDNS_PORT, protocol: TCP}]
+EOF
+  cat >"$state/Corefile" <<EOF
+.:$COREDNS_PORT {
+    bind $node_ip
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $cp/kubeconfig
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }
+    cache 5
+}
+EOF
+  setsid "$BIN/coredns" -conf "$state/Corefile" >"$state/logs/coredns.log" 2>&1 </dev/null &
+  echo $! >"$state/pids/coredns.pid"
+  setsid "$BIN/kube-proxy" --proxy-mode nftables --kubeconfig "$cp/kubeconfig" --hostname-override "$NODE_NAME" \
+    --cluster-cidr "$POD_CIDR" --nodeport-addresses primary --healthz-bind-address "127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT" \
+    --metrics-bind-address "127.0.0.1:$KUBE_PROXY_METRICS_PORT" --conntrack-max-per-core 0 \
+    --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 --v=2 \
+    >"$state/logs/kube-proxy.log" 2>&1 </dev/null &
+  echo $! >"$state/pids/kube-proxy.pid"
+  waitfor 60 "kube-proxy healthy" curl -sf "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz"
+  waitfor 60 "the kubernetes Service through kube-proxy" curl -sk "https://$SERVICE_IP/healthz"
+  log "kube-proxy (nftables) and CoreDNS ($node_ip:$COREDNS_PORT behind $DNS_IP) serve the node's Services"
 }
 
 stop_pid() { # file
@@ -198,6 +267,12 @@ down() {
   set +e
   local sock=$state/ctrd/containerd.sock n=$IMP_CACHE/node
   stop_pid "$state/pids/kubelet.pid"
+  stop_pid "$state/pids/kube-proxy.pid"
+  stop_pid "$state/pids/coredns.pid"
+  if command -v nft >/dev/null; then
+    nft delete table ip kube-proxy 2>/dev/null
+    nft delete table ip6 kube-proxy 2>/dev/null
+  fi
   # Containers: through containerd while it runs, then every shim of ours by its socket.
   if [[ -S $sock ]]; then
     local id

@@ -2,8 +2,10 @@
 # Build (from the Go module proxy only) and install the binaries of a local
 # Kubernetes control plane for integration tests:
 #   etcd, etcdctl                      go.etcd.io/etcd/{server,etcdctl}/v3
-#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet, kube-proxy
 #                                      k8s.io/kubernetes (throwaway module + replaces)
+#   coredns                            github.com/coredns/coredns (the cluster DNS of the
+#                                      e2e's real node and of make dev)
 #   kwok                               sigs.k8s.io/kwok/cmd/kwok
 #   helm                               helm.sh/helm/v3/cmd/helm
 #   registry (OCI registry, in-memory, `registry -port N`, listens on localhost only)
@@ -21,8 +23,8 @@
 # Env overrides (defaults in brackets):
 #   K8S_VERSION [1.37.2]  ETCD_VERSION [3.6.16]  KWOK_VERSION [v0.8.0]
 #   HELM_VERSION [v3.22.0]  GGCR_VERSION [v0.22.1]  CP_BUILD_DIR [$IMP_CACHE/cp/build]
-#   DISTRIBUTION_VERSION [v3.1.2]
-#   COMPONENTS ["etcd k8s kwok helm registry"]   (subset to build; add "distribution" for
+#   DISTRIBUTION_VERSION [v3.1.2]  COREDNS_VERSION [v1.15.0]
+#   COMPONENTS ["etcd k8s kwok helm registry coredns"]   (subset to build; add "distribution" for
 #               the CNCF registry as DEST/distribution-registry)
 # Cold-cache wall times seen on a 2-core VM shared with other work: kube-apiserver 22 min
 # (21 CPU-min), then kube-controller-manager 3.2 min, kube-scheduler 16 s, kubectl 1 min,
@@ -38,8 +40,9 @@ KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
 GGCR_VERSION=${GGCR_VERSION:-v0.22.1}
 DISTRIBUTION_VERSION=${DISTRIBUTION_VERSION:-v3.1.2}
+COREDNS_VERSION=${COREDNS_VERSION:-v1.15.0}
 CP_BUILD_DIR=${CP_BUILD_DIR:-$IMP_CACHE/cp/build}
-COMPONENTS=${COMPONENTS:-"etcd k8s kwok helm registry"}
+COMPONENTS=${COMPONENTS:-"etcd k8s kwok helm registry coredns"}
 
 command -v go >/dev/null || { echo "go not found in PATH" >&2; exit 1; }
 mkdir -p "$DEST" "$CP_BUILD_DIR"
@@ -93,15 +96,16 @@ EOF
 }
 
 build_k8s() {
-  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet) b missing=()
+  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy) b missing=()
   for b in "${bins[@]}"; do have "$b" || missing+=("$b"); done
   if ((${#missing[@]} == 0)); then log "kubernetes binaries: present, skipping"; return; fi
   local dir="$CP_BUILD_DIR/k8s-v$K8S_VERSION"
   local minor=${K8S_VERSION#*.}; minor=${minor%%.*}
   local staging_version="v0.${K8S_VERSION#*.}"          # 1.37.2 -> v0.37.2
   mkdir -p "$dir"
-  # The kubelet joined the list later: a module resolved without it is resolved again.
-  if [[ ! -f "$dir/go.sum" ]] || ! grep -q cmd/kubelet "$dir/tools.go" 2>/dev/null; then
+  # The kubelet and kube-proxy joined the list later: a module resolved without them is
+  # resolved again.
+  if [[ ! -f "$dir/go.sum" ]] || ! grep -q cmd/kube-proxy "$dir/tools.go" 2>/dev/null; then
     # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
     # ./staging/...; `go install k8s.io/kubernetes/cmd/...@v` is therefore refused.
     # Replace every v0.0.0 staging requirement with the published staging version.
@@ -125,6 +129,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 EOF
     log "resolving k8s.io/kubernetes v$K8S_VERSION dependencies (go mod tidy)"
@@ -239,6 +244,20 @@ build_distribution() {
   rmdir "$tmp"
 }
 
+build_coredns() {
+  if have coredns; then log "coredns: present, skipping"; return; fi
+  local dir="$CP_BUILD_DIR/coredns-$COREDNS_VERSION"
+  mkdir -p "$dir"
+  if [[ ! -f "$dir/go.sum" ]]; then
+    printf 'module cpbuild/coredns\n\ngo 1.26.0\n\nrequire github.com/coredns/coredns %s\n' "$COREDNS_VERSION" >"$dir/go.mod"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/coredns/coredns"\n' >"$dir/tools.go"
+    log "resolving coredns $COREDNS_VERSION dependencies (go mod tidy)"
+    (cd "$dir" && timed go mod tidy)
+  fi
+  log "building coredns $COREDNS_VERSION"
+  (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/coredns" github.com/coredns/coredns)
+}
+
 t_start=$SECONDS
 want etcd && build_etcd
 want k8s && build_k8s
@@ -246,5 +265,6 @@ want kwok && build_kwok
 want helm && build_helm
 want registry && build_registry
 want distribution && build_distribution
+want coredns && build_coredns
 log "all done in $((SECONDS - t_start))s; contents of $DEST:"
 ls -l "$DEST"

@@ -8,6 +8,8 @@
 //	devtool pause                                  a pod sandbox's process: sleep, reap, exit on TERM
 //	devtool service-nat up|down ...                the local node's stand-in for kube-proxy
 //	devtool agent-cert CA_CRT CA_KEY NODE DIR       an agent's access endpoint files, for make dev
+//	devtool fetch URL N                             GET URL N times, print each answer's count (a pod's client)
+//	devtool resolve NAME                            print the addresses NAME resolves to
 package main
 
 import (
@@ -58,8 +60,12 @@ func run(args []string) error {
 		return serviceNAT(args[1:])
 	case len(args) == 5 && args[0] == "agent-cert":
 		return agentCert(args[1], args[2], args[3], args[4])
+	case len(args) == 3 && args[0] == "fetch":
+		return fetch(args[1], args[2])
+	case len(args) == 2 && args[0] == "resolve":
+		return resolve(args[1])
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR")
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool resolve NAME")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {

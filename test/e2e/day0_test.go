@@ -494,6 +494,9 @@ network:
 	// and port-forward, as a user runs them, through the API server to the node's agent.
 	checkKubectlImp(t, env, tmp, ref.String(), realNode, vmmKind)
 
+	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.
+	checkServices(t, env, tmp, root, registry, ref.String(), realNode)
+
 	// ## Runtime OnDelete: an upgrade that changes the agent image replaces no imp-runtime pod.
 	must(helmInstall+valueFiles+" --set agent.image.digest= --set agent.image.tag=0.9.0", "STATUS: deployed", "REVISION: 2")
 	newImage := registry + "/imp-agent:0.9.0"

@@ -1,0 +1,191 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+)
+
+// checkServices puts two VMs behind Services on the real node, with the node's kube-proxy
+// (nftables mode) and CoreDNS (hack/real-node.sh): web-a and web-b of a Deployment-like label
+// on a closed ImpNetwork, declaring port 8080 (named http) with an HTTP readiness probe. A pod
+// on the real node fetches http://web.web.svc.cluster.local/ forty times and both VMs answer; a
+// NodePort reaches them from the node; a headless Service resolves one A record per ready VM,
+// which are the VMs' endpoint addresses.
+func checkServices(t *testing.T, env []string, dir, root, registry, image, node string) {
+	t.Helper()
+	run := func(line string) (string, error) {
+		cmd := exec.Command("bash", "-o", "pipefail", "-c", line)
+		cmd.Env, cmd.Dir = env, dir
+		out, err := cmd.CombinedOutput()
+		t.Logf("$ %s\n%s", line, out)
+		return string(out), err
+	}
+	must := func(line string) string {
+		t.Helper()
+		out, err := run(line)
+		if err != nil {
+			t.Fatalf("%s: %v", line, err)
+		}
+		return out
+	}
+	eventually := func(what string, timeout time.Duration, f func() error) {
+		t.Helper()
+		deadline := time.Now().Add(timeout)
+		for {
+			err := f()
+			if err == nil {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %v", what, err)
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+
+	// The pods' client: devtool's fetch and resolve, as an image of its own.
+	devtool := filepath.Join(dir, "devtool")
+	build := exec.Command("go", "build", "-o", devtool, "./hack/devtool")
+	build.Dir, build.Env = root, append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building devtool: %v\n%s", err, out)
+	}
+	client := registry + "/imp-node/client:1"
+	must(devtool + " image " + client + " " + devtool)
+
+	var objs strings.Builder
+	fmt.Fprintf(&objs, `apiVersion: imp.dev/v1alpha1
+kind: ImpNetwork
+metadata: {name: web, namespace: web}
+spec: {cidr: 10.101.0.0/24}
+`)
+	for _, n := range []string{"web-a", "web-b"} {
+		fmt.Fprintf(&objs, `---
+apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: %s, namespace: web, labels: {app: web}}
+spec:
+  image: %s
+  command: [/bin/hello]
+  args: [web]
+  resources: {vcpus: 1, memory: 192Mi}
+  diskSize: 64Mi
+  nodeSelector: {imp.test/node: %s}
+  networkRef: {name: web}
+  ports: [{name: http, port: 8080}]
+  readinessProbe: {httpGet: {path: /healthz, port: http}, periodSeconds: 1, failureThreshold: 1}
+`, n, image, node)
+	}
+	objs.WriteString(`---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: web}
+spec:
+  selector: {app: web}
+  ports: [{name: http, port: 80, targetPort: http}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web-np, namespace: web}
+spec:
+  type: NodePort
+  selector: {app: web}
+  ports: [{name: http, port: 80, targetPort: 8080}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web-headless, namespace: web}
+spec:
+  clusterIP: None
+  selector: {app: web}
+  ports: [{name: http, port: 8080}]
+`)
+	if err := os.WriteFile(filepath.Join(dir, "web.yaml"), []byte(objs.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	must("kubectl create namespace web")
+	must("kubectl apply -f web.yaml")
+
+	// Both VMs ready endpoints of the Service (IMP's slice beside the cluster's empty one).
+	var endpoints []string
+	eventually("two ready endpoints of Service web", 6*time.Minute, func() error {
+		out, err := run(`kubectl -n web get endpointslices -l kubernetes.io/service-name=web,endpointslice.kubernetes.io/managed-by=imp.dev ` +
+			`-o jsonpath='{range .items[*].endpoints[*]}{.addresses[0]} {.conditions.ready} {.targetRef.name}{"\n"}{end}'`)
+		lines := strings.Fields(strings.ReplaceAll(strings.TrimSpace(out), "\n", " | "))
+		if err != nil || strings.Count(out, " true ") != 2 {
+			return fmt.Errorf("%v: %v", err, lines)
+		}
+		endpoints = nil
+		for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+			endpoints = append(endpoints, strings.Fields(l)[0])
+		}
+		sort.Strings(endpoints)
+		return nil
+	})
+	must("kubectl -n web get impvm -o wide")
+	must("kubectl -n web get endpointslices")
+
+	pod := func(name string, args ...string) string {
+		t.Helper()
+		quoted := make([]string, len(args))
+		for i, a := range args {
+			quoted[i] = fmt.Sprintf("%q", a)
+		}
+		spec := fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata: {name: %s, namespace: web}
+spec:
+  nodeName: %s
+  restartPolicy: Never
+  containers: [{name: client, image: %s, command: [/bin/app, %s]}]
+`, name, node, client, strings.Join(quoted, ", "))
+		if err := os.WriteFile(filepath.Join(dir, name+".yaml"), []byte(spec), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		must("kubectl apply -f " + name + ".yaml")
+		eventually("pod "+name+" done", 3*time.Minute, func() error {
+			out, err := run("kubectl -n web get pod " + name + " -o jsonpath='{.status.phase}'")
+			if err != nil || (out != "Succeeded" && out != "Failed") {
+				return fmt.Errorf("phase %q %v", out, err)
+			}
+			return nil
+		})
+		out := must("kubectl -n web logs " + name)
+		if phase, _ := run("kubectl -n web get pod " + name + " -o jsonpath='{.status.phase}'"); phase != "Succeeded" {
+			t.Errorf("pod %s %s: %s", name, phase, out)
+		}
+		return out
+	}
+	// ClusterIP by its DNS name: both VMs answer.
+	out := pod("fetch", "fetch", "http://web.web.svc.cluster.local/", "40")
+	for _, n := range []string{"web-a", "web-b"} {
+		if !regexp.MustCompile(`\d+× hello from ` + n).MatchString(out) {
+			t.Errorf("VM %s never answered through Service web: %q", n, out)
+		}
+	}
+	// Headless: one A record per ready VM, its endpoint address.
+	out = pod("resolve", "resolve", "web-headless.web.svc.cluster.local")
+	if got := strings.Fields(out); strings.Join(got, " ") != strings.Join(endpoints, " ") {
+		t.Errorf("web-headless resolves to %v, want the VMs' endpoints %v", got, endpoints)
+	}
+	// NodePort from the node itself.
+	nodeIP := strings.Trim(must(`kubectl get node `+node+` -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}'`), "' \n")
+	port := strings.Trim(must(`kubectl -n web get svc web-np -o jsonpath='{.spec.ports[0].nodePort}'`), "' \n")
+	seen := map[string]bool{}
+	for i := 0; i < 30 && len(seen) < 2; i++ {
+		if o, err := run("curl -s --max-time 5 http://" + nodeIP + ":" + port + "/"); err == nil {
+			seen[strings.TrimSpace(o)] = true
+		}
+	}
+	if !seen["hello from web-a"] || !seen["hello from web-b"] {
+		t.Errorf("NodePort %s:%s from the node reached %v, want both VMs", nodeIP, port, seen)
+	}
+	must("kubectl delete namespace web --timeout=5m") // its VMs go through their agent
+}
