@@ -495,7 +495,7 @@ network:
 	checkKubectlImp(t, env, tmp, ref.String(), realNode, vmmKind)
 
 	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.
-	checkServices(t, env, tmp, root, registry, ref.String(), realNode)
+	checkServices(t, sh, must, eventually, tmp, root, registry, ref.String(), realNode)
 
 	// ## Runtime OnDelete: an upgrade that changes the agent image replaces no imp-runtime pod.
 	must(helmInstall+valueFiles+" --set agent.image.digest= --set agent.image.tag=0.9.0", "STATUS: deployed", "REVISION: 2")

@@ -18,38 +18,10 @@ import (
 // on the real node fetches http://web.web.svc.cluster.local/ forty times and both VMs answer; a
 // NodePort reaches them from the node; a headless Service resolves one A record per ready VM,
 // which are the VMs' endpoint addresses.
-func checkServices(t *testing.T, env []string, dir, root, registry, image, node string) {
+func checkServices(t *testing.T, sh func(string) (string, error), must func(string, ...string) string,
+	eventually func(string, time.Duration, func() error), dir, root, registry, image, node string) {
 	t.Helper()
-	run := func(line string) (string, error) {
-		cmd := exec.Command("bash", "-o", "pipefail", "-c", line)
-		cmd.Env, cmd.Dir = env, dir
-		out, err := cmd.CombinedOutput()
-		t.Logf("$ %s\n%s", line, out)
-		return string(out), err
-	}
-	must := func(line string) string {
-		t.Helper()
-		out, err := run(line)
-		if err != nil {
-			t.Fatalf("%s: %v", line, err)
-		}
-		return out
-	}
-	eventually := func(what string, timeout time.Duration, f func() error) {
-		t.Helper()
-		deadline := time.Now().Add(timeout)
-		for {
-			err := f()
-			if err == nil {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: %v", what, err)
-			}
-			time.Sleep(500 * time.Millisecond)
-		}
-	}
-
+	run := sh
 	// The pods' client: devtool's fetch and resolve, as an image of its own.
 	devtool := filepath.Join(dir, "devtool")
 	build := exec.Command("go", "build", "-o", devtool, "./hack/devtool")
