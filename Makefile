@@ -61,7 +61,7 @@ bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, a
 bench-access: ## A QEMU/TCG guest: `exec VM -- true` round trip P50 through the API server; port-forward MiB/s (IMP_BENCH_MIB, 100).
 	IMP_BENCH=access go test -count=1 -v -timeout 30m -run '^TestBenchAccess$$' ./internal/agent/ | grep -E 'access_bench_test|^(ok|FAIL|---)'
 
-bench-services: ## A QEMU/TCG guest behind a Service: VM Ready → endpoint ready P50/P99; requests/s through its endpoint vs direct.
+bench-services: ## A QEMU/TCG guest behind a Service: VM Ready → endpoint ready P50/P99; requests/s through kube-proxy and its endpoint vs direct.
 	IMP_BENCH=services go test -count=1 -v -timeout 30m -run '^TestBenchServices$$' ./internal/agent/ | grep -E '^(VM Ready|HTTP/1.0)|^(ok|FAIL|---)'
 
 bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).

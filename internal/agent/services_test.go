@@ -114,6 +114,7 @@ type svcWorld struct {
 	ag                       *agent.Agent
 	node, pod, pins          string
 	host, nodeName, stateDir string
+	vms                      map[string]string // namespace → VM name
 }
 
 // newSvcWorld starts the node and, for each namespace of vms, its network, its VM (the web
@@ -127,7 +128,7 @@ func newSvcWorld(t *testing.T, c *testcluster.Cluster, vms map[string]string) *s
 	}
 	tmp := t.TempDir()
 	kernel, initrd := testguest.Artifacts(t, tmp)
-	sw := &svcWorld{c: c, host: testregistry.Start(t, "", ""), nodeName: "imp-svc-" + sfx, stateDir: filepath.Join(tmp, "state")}
+	sw := &svcWorld{c: c, host: testregistry.Start(t, "", ""), nodeName: "imp-svc-" + sfx, stateDir: filepath.Join(tmp, "state"), vms: vms}
 	testguest.Image(t, sw.host, "hello")
 	sw.node, sw.pod = testnetns.New(t, "imp-v-"+sfx), testnetns.New(t, "imp-p-"+sfx)
 	testnetns.Link(t, sw.node, "eth1", "192.168.79.1/24", sw.pod, "eth0", "192.168.79.2/24")
