@@ -94,7 +94,6 @@ type teardowns struct{ a *Agent }
 // Forget drops the VM's fetch, monitor and stop.
 func (t teardowns) Forget(uid types.UID) {
 	t.a.fetches.Drop(uid)
-	t.a.exposer.alloc.Release(string(uid))
 	t.a.stopMonitor(uid)
 	t.a.mu.Lock()
 	delete(t.a.stops, uid)
@@ -105,7 +104,12 @@ func (t teardowns) Forget(uid types.UID) {
 // last VM on the node).
 func (t teardowns) Detach(uid types.UID) error {
 	defer t.a.networks.kick(types.NamespacedName{})
-	return t.a.net.Detach(string(uid))
+	if err := t.a.net.Detach(string(uid)); err != nil {
+		return err
+	}
+	// Its endpoint address is free once nothing of its exposure is left.
+	t.a.exposer.alloc.Release(string(uid))
+	return nil
 }
 
 func (t teardowns) RemoveJail(uid types.UID) error { return t.a.removeJail(uid) }

@@ -24,6 +24,10 @@ import (
 // rtprotEndpoint marks the node's routes to VMs' endpoint addresses.
 const rtprotEndpoint netlink.RouteProtocol = 0x4a
 
+// endpointsSet holds the node's exposed endpoint addresses: the node's rules let replies from
+// them, and only from them, back over transit links.
+var endpointsSet = &nftables.Set{Table: inetTable, Name: "endpoints", KeyType: nftables.TypeIPAddr}
+
 // dnatChain forwards the endpoint addresses' declared ports, in a network's namespace.
 var dnatChain = &nftables.Chain{Name: "prerouting", Table: inetTable, Type: nftables.ChainTypeNAT,
 	Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest, Policy: &accept}
@@ -112,6 +116,12 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 			return fmt.Errorf("endpoint address %s is routed to another network's link", e.Endpoint)
 		}
 	}
+	// A VM whose address changed (its record lost): its old address goes first.
+	if prev := s.exposedAt(shortID(vmUID)); prev.IsValid() && prev != e.Endpoint {
+		if err := h.unexposeIn(s, shortID(vmUID)); err != nil {
+			return err
+		}
+	}
 	if err := s.replaceRules([]*nftables.Chain{dnatChain}, exposeOwner(shortID(vmUID)), exposeRules(uplinkPrefix+s.id, ip, e)); err != nil {
 		return fmt.Errorf("exposing VM %s: %w", vmUID, err)
 	}
@@ -131,7 +141,30 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 	if err := h.nl.RouteReplace(route); err != nil {
 		return fmt.Errorf("routing endpoint address %s to %s: %w", e.Endpoint, n.Key(), err)
 	}
+	h.createNodeTables()
+	if err := h.nft.SetAddElements(endpointsSet, []nftables.SetElement{{Key: e.Endpoint.AsSlice()}}); err != nil {
+		return err
+	}
+	if err := h.nft.Flush(); err != nil {
+		return fmt.Errorf("admitting replies from endpoint address %s: %w", e.Endpoint, err)
+	}
 	return nil
+}
+
+// exposedAt is the endpoint address the VM with short id is exposed at in s, if any.
+func (s *space) exposedAt(id string) netip.Addr {
+	rs, err := getRules(s.nft, dnatChain)
+	if err != nil {
+		return netip.Addr{}
+	}
+	for _, r := range rs {
+		if strings.HasPrefix(comment(r), "imp:"+exposeOwner(id)+":") {
+			if a, err := netip.ParseAddr(endpointOf(r)); err == nil {
+				return a
+			}
+		}
+	}
+	return netip.Addr{}
 }
 
 // endpointRoute is the node's route to endpoint address a, if any.
@@ -200,6 +233,9 @@ func (h *Host) unexposeIn(s *space, id string) error {
 			if err := h.nl.RouteDel(r); err != nil {
 				return fmt.Errorf("removing the route to endpoint address %s: %w", a, err)
 			}
+		}
+		if err := h.nft.SetDeleteElements(endpointsSet, []nftables.SetElement{{Key: a.AsSlice()}}); err == nil {
+			_ = h.nft.Flush() // an element already gone: nothing to do
 		}
 	}
 	return nil

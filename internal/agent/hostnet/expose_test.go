@@ -2,6 +2,7 @@ package hostnet_test
 
 import (
 	"bufio"
+	"encoding/binary"
 	"fmt"
 	"net"
 	"net/netip"
@@ -222,5 +223,68 @@ func TestEndpointBlocksAcrossNodes(t *testing.T) {
 	}
 	if got := routes(t, testnetns.Handle(t, b)); slices.Contains(got, "100.72.1.0/24") {
 		t.Errorf("a block no longer given is still routed: %q", got)
+	}
+}
+
+// TestForgedRepliesDoNotReachTheNode: the node accepts over transit links only replies from
+// exposed endpoint addresses, not everything conntrack calls related. A guest of a NAT network
+// that may reach the node's subnet forges an ICMP port-unreachable about a connected UDP socket
+// of the node (the inner header names it; the outer source is the guest's own address): the
+// node's socket never hears of it.
+func TestForgedRepliesDoNotReachTheNode(t *testing.T) {
+	node, lan := testnetns.New(t, "imp-hn-fn"), testnetns.New(t, "imp-hn-fl")
+	testnetns.Link(t, node, "eth1", "10.74.0.100/24", lan, "eth0", "10.74.0.1/24")
+	if err := testnetns.Do(node, func() error { // no reverse-path check to hide what the rules do
+		for _, k := range []string{"all", "default", "eth1"} {
+			if err := os.WriteFile("/proc/sys/net/ipv4/conf/"+k+"/rp_filter", []byte("0"), 0o644); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var quiet *net.UDPConn // a UDP server that never answers, so no real ICMP comes back
+	if err := testnetns.Do(lan, func() (err error) {
+		quiet, err = net.ListenUDP("udp4", &net.UDPAddr{IP: net.ParseIP("10.74.0.1"), Port: 9999})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { quiet.Close() })
+	h := open(t, node, "")
+	n := network("evil", "10.75.0.0/24", 0, true)
+	n.Egress = hostnet.Egress{Allow: []hostnet.EgressRule{{Prefix: netip.MustParsePrefix("10.74.0.0/24")}}}
+	vm := netip.MustParseAddr("10.75.0.2")
+	at, err := h.Attach(n, "vm-evil", vm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := newGuest(t, at.Tap, vm, n.Gateway)
+
+	var sock *net.UDPConn
+	if err := testnetns.Do(node, func() (err error) {
+		sock, err = net.DialUDP("udp4", nil, &net.UDPAddr{IP: net.ParseIP("10.74.0.1"), Port: 9999})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer sock.Close()
+	if _, err := sock.Write([]byte("x")); err != nil { // the connection conntrack knows
+		t.Fatal(err)
+	}
+	sport := uint16(sock.LocalAddr().(*net.UDPAddr).Port)
+	nodeIP, lanIP := netip.MustParseAddr("10.74.0.100"), netip.MustParseAddr("10.74.0.1")
+	inner := ipv4Frame(nil, nil, nodeIP, lanIP, unix.IPPROTO_UDP, udp(sport, 9999, []byte("x")))[2:] // no Ethernet header
+	icmp := append([]byte{3, 3, 0, 0, 0, 0, 0, 0}, inner...)                                         // port unreachable
+	binary.BigEndian.PutUint16(icmp[2:], checksum(icmp))
+	for i := 0; i < 3; i++ {
+		g.send(ipv4Frame(hostnet.MAC(vm), hostnet.MAC(n.Gateway), vm, nodeIP, unix.IPPROTO_ICMP, icmp))
+		time.Sleep(100 * time.Millisecond)
+	}
+	_ = sock.SetReadDeadline(time.Now().Add(2 * time.Second))
+	_, err = sock.Read(make([]byte, 16))
+	if !os.IsTimeout(err) {
+		t.Fatalf("the node's socket heard %v from a guest's forged ICMP error; want nothing (a timeout)", err)
 	}
 }

@@ -69,6 +69,7 @@ func (h *Host) createNodeTables() {
 	if h.opts.VTEP.IsValid() {
 		_ = h.nft.AddSet(h.vxlanPeers(), nil)
 	}
+	_ = h.nft.AddSet(endpointsSet, nil)
 }
 
 // ensureNodeRules makes the node's rules current.

@@ -133,12 +133,13 @@ func (h *Host) nodeRules() []rule {
 	from := func() []expr.Any { return ifname(expr.MetaKeyIIFNAME, egressPrefix, false) }
 	egress := fmt.Sprintf("iifname \"%s*\"", egressPrefix)
 	rs := []rule{
-		// Replies to connections the node or its pods made to VMs' endpoint addresses; a
-		// network's own first packet never gets past the rules below, so it never becomes a
-		// connection.
-		{nodeInput, egress + " ct state established,related accept", cat(from(), ctEstablished(), verdict(expr.VerdictAccept))},
+		// Replies, and only replies, to connections the node or its pods made to a VM's
+		// endpoint address: established, in the reply direction, from an address of the
+		// endpoints set. Nothing a guest forges (an ICMP error "related" to a node's
+		// connection, a packet from another source) passes before the drops below.
+		{nodeInput, egress + " ct state established ct direction reply ip saddr @endpoints accept", endpointReplies(from())},
 		{nodeInput, egress + " counter drop", cat(from(), drop())},
-		{nodeForward, egress + " ct state established,related accept", cat(from(), ctEstablished(), verdict(expr.VerdictAccept))},
+		{nodeForward, egress + " ct state established ct direction reply ip saddr @endpoints accept", endpointReplies(from())},
 		{nodeForward, egress + fmt.Sprintf(" oifname \"%s*\" counter drop", egressPrefix),
 			cat(from(), ifname(expr.MetaKeyOIFNAME, egressPrefix, false), drop())},
 		{nodeForward, egress + " meta nfproto != ipv4 counter drop",
@@ -207,6 +208,22 @@ func ctEstablished() []expr.Any {
 			Mask: binaryutil.NativeEndian.PutUint32(expr.CtStateBitESTABLISHED | expr.CtStateBitRELATED), Xor: make([]byte, 4)},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: make([]byte, 4)},
 	}
+}
+
+// endpointReplies matches, after from, the reply packets of established connections whose
+// source is in the endpoints set, and accepts them.
+func endpointReplies(from []expr.Any) []expr.Any {
+	return cat(from, []expr.Any{
+		&expr.Ct{Register: 1, Key: expr.CtKeySTATE},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
+			Mask: binaryutil.NativeEndian.PutUint32(expr.CtStateBitESTABLISHED), Xor: make([]byte, 4)},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: make([]byte, 4)},
+		&expr.Ct{Register: 1, Key: expr.CtKeyDIRECTION},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}, // IP_CT_DIR_REPLY
+	}, ipv4(), []expr.Any{
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+		&expr.Lookup{SourceRegister: 1, SetName: endpointsSet.Name},
+	}, verdict(expr.VerdictAccept))
 }
 
 func ipv4() []expr.Any {

@@ -38,6 +38,9 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 	m := &vmrun.Meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: vm.Status.Instance, Run: vm.Status.RestartCount,
 		Started: time.Now(), Digest: r.Image.Digest.DigestStr(), VMM: kind, Session: true,
 		Readiness: vm.Spec.ReadinessProbe != nil}
+	if r.Old != nil && r.Old.Instance == m.Instance {
+		m.Endpoint = r.Old.Endpoint // kept across the placement's runs
+	}
 	if r.Old != nil && r.Old.Token != "" {
 		m.Token = r.Old.Token
 	} else {

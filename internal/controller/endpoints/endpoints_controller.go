@@ -13,6 +13,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net/netip"
 	"slices"
 	"sort"
 	"strings"
@@ -54,6 +55,7 @@ type Reconciler struct {
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch
 // +kubebuilder:rbac:groups=discovery.k8s.io,resources=endpointslices,verbs=get;list;watch;create;update;delete
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch
 
 // Reconcile makes the Service's IMP slices hold exactly its selected VMs' endpoints.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
@@ -71,19 +73,23 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		if err := r.Client.List(ctx, &vms, client.InNamespace(svc.Namespace), client.MatchingLabelsSelector{Selector: labels.SelectorFromSet(svc.Spec.Selector)}); err != nil {
 			return ctrl.Result{}, fmt.Errorf("listing the VMs Service %s selects: %w", req, err)
 		}
-		zones := map[string]string{}
-		zone := func(node string) string {
-			z, ok := zones[node]
+		nodes := map[string]Node{}
+		node := func(name string) Node {
+			n, ok := nodes[name]
 			if !ok {
-				n := &corev1.Node{}
-				if err := r.Client.Get(ctx, types.NamespacedName{Name: node}, n); err == nil {
-					z = n.Labels[corev1.LabelTopologyZone]
+				k := &corev1.Node{}
+				if err := r.Client.Get(ctx, types.NamespacedName{Name: name}, k); err == nil {
+					n.Zone = k.Labels[corev1.LabelTopologyZone]
 				}
-				zones[node] = z
+				imp := &impv1.ImpNode{}
+				if err := r.Client.Get(ctx, types.NamespacedName{Name: name}, imp); err == nil {
+					n.Block, _ = netip.ParsePrefix(imp.Spec.EndpointCIDR)
+				}
+				nodes[name] = n
 			}
-			return z
+			return n
 		}
-		want = Slices(svc, vms.Items, zone)
+		want = Slices(svc, vms.Items, node)
 	}
 	var have discoveryv1.EndpointSliceList
 	if err := r.Client.List(ctx, &have, client.InNamespace(req.Namespace), client.MatchingLabels{
@@ -120,10 +126,18 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	return ctrl.Result{}, nil
 }
 
+// Node is what a VM's endpoint needs of its node: its zone, and its endpoint block, which the
+// VM's address must be of (an address outside it, whatever its node's agent reports, is no
+// endpoint).
+type Node struct {
+	Zone  string
+	Block netip.Prefix
+}
+
 // Slices are the EndpointSlices svc should have for vms (of its namespace, matching its
 // selector): one group of slices per distinct set of resolved ports, at most maxEndpoints each,
 // named for the Service and a hash of their ports and place.
-func Slices(svc *corev1.Service, vms []impv1.ImpVM, zone func(node string) string) []discoveryv1.EndpointSlice {
+func Slices(svc *corev1.Service, vms []impv1.ImpVM, node func(name string) Node) []discoveryv1.EndpointSlice {
 	type group struct {
 		ports     []discoveryv1.EndpointPort
 		endpoints []discoveryv1.Endpoint
@@ -135,7 +149,7 @@ func Slices(svc *corev1.Service, vms []impv1.ImpVM, zone func(node string) strin
 		if vm.Namespace != svc.Namespace {
 			continue // never across namespaces, whatever a caller hands us
 		}
-		ep, ok := endpoint(vm, zone)
+		ep, ok := endpoint(vm, node)
 		if !ok {
 			continue
 		}
@@ -164,14 +178,14 @@ func Slices(svc *corev1.Service, vms []impv1.ImpVM, zone func(node string) strin
 			out = append(out, discoveryv1.EndpointSlice{
 				ObjectMeta: metav1.ObjectMeta{
 					Namespace: svc.Namespace,
-					Name:      sliceName(svc.Name, fmt.Sprintf("%s/%d", k, chunk)),
+					Name:      sliceName(svc.Name, fmt.Sprintf("%s/%s/%d", svc.Name, k, chunk)),
 					Labels: map[string]string{
 						discoveryv1.LabelServiceName: svc.Name,
 						discoveryv1.LabelManagedBy:   ManagedBy,
 					},
 					OwnerReferences: []metav1.OwnerReference{{
 						APIVersion: "v1", Kind: "Service", Name: svc.Name, UID: svc.UID,
-						Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
+						Controller: ptr.To(true),
 					}},
 				},
 				AddressType: discoveryv1.AddressTypeIPv4,
@@ -183,15 +197,21 @@ func Slices(svc *corev1.Service, vms []impv1.ImpVM, zone func(node string) strin
 	return out
 }
 
-// endpoint is vm's endpoint, when its current run has an endpoint address on a node.
-func endpoint(vm *impv1.ImpVM, zone func(string) string) (discoveryv1.Endpoint, bool) {
+// endpoint is vm's endpoint, when its current run has an endpoint address of its node's block.
+func endpoint(vm *impv1.ImpVM, node func(string) Node) (discoveryv1.Endpoint, bool) {
 	st := vm.Status
 	rt := st.Runtime
 	if rt == nil || rt.Endpoint == "" || st.NodeName == "" || rt.Instance != st.Instance || rt.Run != st.RestartCount ||
 		rt.State != impv1.RuntimeRunning {
 		return discoveryv1.Endpoint{}, false
 	}
-	serving := meta.IsStatusConditionTrue(st.Conditions, impv1.ReadyCondition)
+	n := node(st.NodeName)
+	addr, err := netip.ParseAddr(rt.Endpoint)
+	if err != nil || !n.Block.IsValid() || !n.Block.Contains(addr) {
+		return discoveryv1.Endpoint{}, false
+	}
+	// Serving: Ready, and the run itself says so (the condition may be a moment behind it).
+	serving := meta.IsStatusConditionTrue(st.Conditions, impv1.ReadyCondition) && rt.GuestReady && ptr.Deref(rt.Ready, true)
 	terminating := !vm.DeletionTimestamp.IsZero() || vm.Spec.RunStrategy == impv1.RunStrategyHalted || st.Suspension != nil
 	ep := discoveryv1.Endpoint{
 		Addresses: []string{rt.Endpoint},
@@ -204,8 +224,8 @@ func endpoint(vm *impv1.ImpVM, zone func(string) string) (discoveryv1.Endpoint, 
 	if len(validation.IsDNS1123Label(vm.Name)) == 0 {
 		ep.Hostname = ptr.To(vm.Name) // a headless Service's DNS name per VM
 	}
-	if z := zone(st.NodeName); z != "" {
-		ep.Zone = ptr.To(z)
+	if n.Zone != "" {
+		ep.Zone = ptr.To(n.Zone)
 	}
 	return ep, true
 }

@@ -59,9 +59,10 @@ func start(t *testing.T, c *testcluster.Cluster) {
 }
 
 type world struct {
-	t  *testing.T
-	c  client.Client
-	ns string
+	t    *testing.T
+	c    client.Client
+	ns   string
+	node string // its ImpNode has the block 100.72.0.0/24
 }
 
 // vm creates a VM labelled app=app declaring ports ("name:port"), and reports it placed and
@@ -92,7 +93,7 @@ func (w *world) report(ns, name, endpoint string, ready bool) {
 	if err := w.c.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: name}, v); err != nil {
 		w.t.Fatal(err)
 	}
-	v.Status.NodeName, v.Status.Instance = "node-a", 1
+	v.Status.NodeName, v.Status.Instance = w.node, 1
 	v.Status.Runtime = &impv1.RuntimeStatus{Instance: 1, State: impv1.RuntimeRunning, GuestReady: true, Endpoint: endpoint}
 	st := metav1.ConditionFalse
 	if ready {
@@ -142,9 +143,15 @@ func eventually(t *testing.T, f any) AsyncAssertion {
 func TestServicesSelectVMs(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	w := &world{t: t, c: c.Client, ns: c.Namespace(t)}
+	w.node = w.ns + "-node"
 	other := c.Namespace(t)
 	start(t, c)
 	ctx := context.Background()
+	block := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: w.node}, Spec: impv1.ImpNodeSpec{EndpointCIDR: "100.72.0.0/24"}}
+	if err := c.Client.Create(ctx, block); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Client.Delete(context.Background(), block) })
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "web"}, Spec: corev1.ServiceSpec{
 		Selector: map[string]string{"app": "web"},
 		Ports: []corev1.ServicePort{
@@ -227,6 +234,6 @@ func TestServicesSelectVMs(t *testing.T) {
 	if err := c.Client.Create(ctx, svc2); err != nil {
 		t.Fatal(err)
 	}
-	w2 := &world{t: t, c: c.Client, ns: other}
+	w2 := &world{t: t, c: c.Client, ns: other, node: w.node}
 	eventually(t, func() []string { return w2.endpoints("web") }).Should(Equal([]string{"100.72.0.6:http=8080 a true/true/false a"}))
 }

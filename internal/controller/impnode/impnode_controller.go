@@ -73,7 +73,11 @@ func FreeBlock(rng netip.Prefix, bits int, used map[netip.Prefix]bool) (netip.Pr
 	}
 	for a := rng.Addr(); rng.Contains(a); {
 		p := netip.PrefixFrom(a, bits)
-		if !used[p] {
+		free := true
+		for u := range used {
+			free = free && !u.Overlaps(p) // a block of another size (the settings changed) too
+		}
+		if free {
 			return p, nil
 		}
 		next, ok := advance(a, 32-bits)
