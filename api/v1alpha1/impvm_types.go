@@ -468,6 +468,12 @@ type RuntimeStatus struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=15
 	Endpoint string `json:"endpoint,omitempty"`
+	// ports are the ports this run forwards at its endpoint: spec.ports as the run started
+	// (a change takes effect at the next start). Services reach these.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=64
+	Ports []VMPort `json:"ports,omitempty"`
 	// finishedAt is when the run ended.
 	// +optional
 	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`

@@ -1202,6 +1202,11 @@ func (in *RuntimeStatus) DeepCopyInto(out *RuntimeStatus) {
 		*out = new(bool)
 		**out = **in
 	}
+	if in.Ports != nil {
+		in, out := &in.Ports, &out.Ports
+		*out = make([]VMPort, len(*in))
+		copy(*out, *in)
+	}
 	if in.FinishedAt != nil {
 		in, out := &in.FinishedAt, &out.FinishedAt
 		*out = (*in).DeepCopy()

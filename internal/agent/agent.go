@@ -372,7 +372,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			// Started by an agent that stopped before its deferred report: the run is
 			// reported now, before anything else is done with it.
 			t := metav1.NewTime(m.Started)
-			booting := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: m.Endpoint}
+			booting := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: m.Endpoint, Ports: m.Ports}
 			if err := a.report(ctx, vm, booting); err != nil {
 				return ctrl.Result{}, err
 			}
@@ -477,7 +477,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	startStepSeconds.WithLabelValues("total").Observe(time.Since(r.Image.Began).Seconds())
 	st := vm.Status
 	t := metav1.NewTime(r.Meta.Started)
-	started := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: r.Meta.Endpoint}
+	started := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: r.Meta.Endpoint, Ports: r.Meta.Ports}
 	if err := a.reportLater(ctx, vm, started); err != nil {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -25,6 +26,8 @@ import (
 type exposer struct {
 	a     *Agent
 	alloc *endpoint.Allocator
+	// waiting holds the VMs told they wait for the node's block (one Event each).
+	waiting sync.Map
 }
 
 var _ steps.Exposer = (*exposer)(nil)
@@ -71,8 +74,13 @@ func (x *exposer) Expose(ctx context.Context, vm *impv1.ImpVM, at hostnet.Attach
 	}
 	e, err := x.alloc.Assign(ctx, string(vm.UID), want)
 	if errors.Is(err, endpoint.ErrNoBlock) && x.a.Opts.EndpointBlocks {
+		if _, told := x.waiting.LoadOrStore(vm.UID, true); !told {
+			x.a.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "WaitingForEndpointBlock", "Expose",
+				"The VM declares ports; it starts once the operator has given node %s its endpoint block", x.a.Opts.NodeName)
+		}
 		return netip.Addr{}, plan.WaitFor(time.Second) // the operator assigns it soon
 	}
+	x.waiting.Delete(vm.UID)
 	if errors.Is(err, endpoint.ErrNoBlock) {
 		ctrl.LoggerFrom(ctx).Info("the VM declares ports but the node has no endpoint block: no Service reaches it")
 		x.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NotExposed", "Expose",

@@ -177,7 +177,7 @@ const probeReportInterval = 500 * time.Millisecond
 // says ready, then how it ended. Everything the guest sends goes through a guestchan.Session;
 // the console and the VMM's logs are capped on a ticker of their own, whatever the channel does.
 func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logger) {
-	base := impv1.RuntimeStatus{Instance: meta.Instance, Run: meta.Run, Endpoint: meta.Endpoint}
+	base := impv1.RuntimeStatus{Instance: meta.Instance, Run: meta.Run, Endpoint: meta.Endpoint, Ports: meta.Ports}
 	started := metav1.NewTime(meta.Started)
 	base.StartedAt = &started
 	ctx, stop := context.WithCancel(ctx)

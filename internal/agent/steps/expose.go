@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"reflect"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -41,13 +42,13 @@ func (s Expose) Do(ctx context.Context, r *vmrun.Run) error {
 	if err != nil {
 		return plan.Fail("ExposeFailed", err)
 	}
-	ep := ""
+	ep, ports := "", []impv1.VMPort(nil)
 	if e.IsValid() {
-		ep = e.String()
+		ep, ports = e.String(), r.VM.Spec.Ports
 	}
-	if ep == r.Meta.Endpoint {
+	if ep == r.Meta.Endpoint && reflect.DeepEqual(ports, r.Meta.Ports) {
 		return nil
 	}
-	r.Meta.Endpoint = ep
+	r.Meta.Endpoint, r.Meta.Ports = ep, ports
 	return vmrun.WriteMeta(r.Dir, r.Meta)
 }

@@ -42,6 +42,8 @@ type Meta struct {
 	// Endpoint is the VM's endpoint address (a VM with ports on a network), kept across its
 	// runs on the node.
 	Endpoint string `json:"endpoint,omitempty"`
+	// Ports are the ports the run forwards at its endpoint (spec.ports at its start).
+	Ports []impv1.VMPort `json:"ports,omitempty"`
 }
 
 // ReadMeta reads the meta of the VM whose state directory is dir.

@@ -230,10 +230,16 @@ func endpoint(vm *impv1.ImpVM, node func(string) Node) (discoveryv1.Endpoint, bo
 	return ep, true
 }
 
-// resolvePorts are svc's ports as vm serves them: a numeric targetPort (or, without one, the
-// port) that vm declares with the same protocol, or the declared port a named targetPort
-// names. Ports vm does not declare are left out: a Service reaches nothing else of a VM.
+// resolvePorts are svc's ports as vm's run serves them: a numeric targetPort (or, without one,
+// the port) that the run forwards with the same protocol, or the forwarded port a named
+// targetPort names. Other ports are left out: a Service reaches nothing else of a VM. The run's
+// ports are spec.ports as it started (status.runtime.ports), which a later change to the spec
+// does not alter until the next start.
 func resolvePorts(svc *corev1.Service, vm *impv1.ImpVM) []discoveryv1.EndpointPort {
+	declared := vm.Spec.Ports
+	if rt := vm.Status.Runtime; rt != nil {
+		declared = rt.Ports
+	}
 	var out []discoveryv1.EndpointPort
 	for _, sp := range svc.Spec.Ports {
 		proto := sp.Protocol
@@ -241,7 +247,7 @@ func resolvePorts(svc *corev1.Service, vm *impv1.ImpVM) []discoveryv1.EndpointPo
 			proto = corev1.ProtocolTCP
 		}
 		target := sp.TargetPort
-		for _, vp := range vm.Spec.Ports {
+		for _, vp := range declared {
 			vproto := vp.Protocol
 			if vproto == "" {
 				vproto = corev1.ProtocolTCP

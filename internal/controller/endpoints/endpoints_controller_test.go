@@ -94,7 +94,7 @@ func (w *world) report(ns, name, endpoint string, ready bool) {
 		w.t.Fatal(err)
 	}
 	v.Status.NodeName, v.Status.Instance = w.node, 1
-	v.Status.Runtime = &impv1.RuntimeStatus{Instance: 1, State: impv1.RuntimeRunning, GuestReady: true, Endpoint: endpoint}
+	v.Status.Runtime = &impv1.RuntimeStatus{Instance: 1, State: impv1.RuntimeRunning, GuestReady: true, Endpoint: endpoint, Ports: v.Spec.Ports}
 	st := metav1.ConditionFalse
 	if ready {
 		st = metav1.ConditionTrue
@@ -173,7 +173,24 @@ func TestServicesSelectVMs(t *testing.T) {
 		"100.72.0.3:http=8081,metrics=9090 b false/false/false b",
 	}))
 
-	// b passes its readiness; a is relabelled away.
+	// b's spec drops its metrics port: its run still forwards it, so its slice keeps it until
+	// the next run reports its ports.
+	b := &impv1.ImpVM{}
+	if err := c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "b"}, b); err != nil {
+		t.Fatal(err)
+	}
+	b.Spec.Ports = b.Spec.Ports[:1]
+	if err := c.Client.Update(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Consistently(func() []string { return w.endpoints("web") }).WithTimeout(2 * time.Second).Should(ContainElement(
+		"100.72.0.3:http=8081,metrics=9090 b false/false/false b"))
+	// b passes its readiness (a new report, of the run's ports as the spec now says); a is
+	// relabelled away.
+	b.Spec.Ports = append(b.Spec.Ports, impv1.VMPort{Name: "metrics", Port: 9090, Protocol: corev1.ProtocolTCP})
+	if err := c.Client.Update(ctx, b); err != nil {
+		t.Fatal(err)
+	}
 	w.report(w.ns, "b", "100.72.0.3", true)
 	a := &impv1.ImpVM{}
 	if err := c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "a"}, a); err != nil {
