@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -250,7 +251,7 @@ func TestIdentity(t *testing.T) {
 	if err == nil && m.Started.Equal(r.Meta.Started) {
 		m.Started = r.Meta.Started // the monotonic clock's reading is not kept
 	}
-	if err != nil || *m != *r.Meta || m.Token != "kept" || m.JailUID != 300007 || m.Digest != "sha256:"+sixtyFour || m.Instance != 3 || m.Run != 1 || !m.Session {
+	if err != nil || !reflect.DeepEqual(m, r.Meta) || m.Token != "kept" || m.JailUID != 300007 || m.Digest != "sha256:"+sixtyFour || m.Instance != 3 || m.Run != 1 || !m.Session {
 		t.Errorf("meta %+v, %v", m, err)
 	}
 	r2 := newRun(t)

@@ -1,6 +1,7 @@
 // Package impnode assigns each ImpNode its block of endpoint addresses (spec.endpointCIDR), as
 // Kubernetes' node IPAM assigns a Node its podCIDR: the lowest block of the cluster's endpoint
-// range that no other ImpNode holds, once, for the ImpNode's life. A node's agent gives each VM
+// range that no other ImpNode holds and no VM still has an address of, once, for the ImpNode's
+// life. A node's agent gives each VM
 // that declares ports an address of its block, and every node routes each block to its node.
 package impnode
 
@@ -31,6 +32,7 @@ type Reconciler struct {
 }
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=list
 
 // Reconcile gives the ImpNode a block when it has none.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
@@ -49,6 +51,19 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	for _, n := range all.Items {
 		if p, err := netip.ParsePrefix(n.Spec.EndpointCIDR); err == nil {
 			used[p] = true
+		}
+	}
+	// A block is free only when no VM still reports an address of it either: the ImpNode of a
+	// node that left (and came back) goes before its VMs do.
+	var vms impv1.ImpVMList
+	if err := r.APIReader.List(ctx, &vms); err != nil {
+		return ctrl.Result{}, fmt.Errorf("listing ImpVMs: %w", err)
+	}
+	for _, vm := range vms.Items {
+		if rt := vm.Status.Runtime; rt != nil {
+			if a, err := netip.ParseAddr(rt.Endpoint); err == nil {
+				used[netip.PrefixFrom(a, a.BitLen())] = true
+			}
 		}
 	}
 	block, err := FreeBlock(r.Range, r.BlockBits, used)

@@ -38,6 +38,10 @@ func TestFreeBlock(t *testing.T) {
 	if _, err := FreeBlock(netip.MustParsePrefix("255.255.255.0/24"), 26, top); err == nil {
 		t.Fatal("a block past the end of the address space")
 	}
+	// A block one VM still has an address of (its node gone) is not free.
+	if p, _ := FreeBlock(rng, 24, map[netip.Prefix]bool{netip.MustParsePrefix("100.72.0.7/32"): true}); p.String() != "100.72.1.0/24" {
+		t.Fatalf("a block with a VM's address in it was given: %v", p)
+	}
 	// Blocks of another size (the settings changed) are not overlapped.
 	if p, err := FreeBlock(rng, 23, map[netip.Prefix]bool{netip.MustParsePrefix("100.72.0.0/24"): true}); err != nil || p.String() != "100.72.2.0/23" {
 		t.Fatalf("a /23 beside a /24: %v, %v", p, err)
