@@ -112,6 +112,7 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 		capLogs: func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
 		ended:   func() { a.endRun(meta.UID) },
 		tail:    func() string { return drv.logTail(dir) },
+		ready:   reportedReady(vm, meta),
 		unhealthy: func(ev guestchan.Event) {
 			vm := &impv1.ImpVM{}
 			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID
@@ -127,6 +128,14 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 		}
 		m.follow(ctx, w, meta, log)
 	}()
+}
+
+// reportedReady is the readiness verdict vm's status holds for the run of meta, if any.
+func reportedReady(vm *impv1.ImpVM, meta *meta) *bool {
+	if rt := vm.Status.Runtime; rt != nil && rt.Instance == meta.Instance && rt.Run == meta.Run && rt.GuestReady {
+		return rt.Ready
+	}
+	return nil
 }
 
 // ErrNotRunning: the VM has no run this agent follows.
@@ -167,6 +176,8 @@ type watch struct {
 	tail    func() string
 	// unhealthy records a startup or liveness probe's failure (an Event).
 	unhealthy func(guestchan.Event)
+	// ready is the run's readiness verdict as last reported, when it is followed again.
+	ready *bool
 }
 
 // probeReportInterval bounds how often a run's readiness reaches the API server, whatever
@@ -266,7 +277,12 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				rt := base
 				boot := time.Since(meta.Started).Milliseconds()
 				rt.State, rt.GuestReady, rt.BootMilliseconds, rt.Message = impv1.RuntimeRunning, true, &boot, "the guest is ready"
-				if meta.Readiness {
+				switch {
+				case meta.Readiness && w.ready != nil && *w.ready:
+					// Followed again (an agent restart): the run's verdict as last reported
+					// stands until the guest's replay of it, so its endpoints do not flap.
+					rt.Ready, rt.Message = ptr.To(true), "the readiness probe passes"
+				case meta.Readiness:
 					rt.Ready, rt.Message = ptr.To(false), "the guest is ready; its readiness probe has not passed yet"
 				}
 				running = &rt

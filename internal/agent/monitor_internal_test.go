@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"k8s.io/utils/ptr"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
@@ -271,5 +272,51 @@ func TestProbeVerdictsReachTheAPIBounded(t *testing.T) {
 	if rt.State != impv1.RuntimeExited || rt.Reason != impv1.ReasonLivenessProbeFailed || rt.ExitCode == nil || *rt.ExitCode != 143 ||
 		rt.Message != "the liveness probe failed: HTTP probe failed with status 500" || unhealthy.Load() != 1 {
 		t.Fatalf("last report %+v (unhealthy %d); want Exited for LivenessProbeFailed with 143, recorded once", rt, unhealthy.Load())
+	}
+}
+
+// TestAFollowedRunKeepsItsReadiness: a run followed again (the agent restarted) whose status
+// says its readiness probe passed is reported ready at the guest's replayed ready, not
+// not-ready until the replayed verdict: its endpoints do not flap.
+func TestAFollowedRunKeepsItsReadiness(t *testing.T) {
+	dir := t.TempDir()
+	const token = "the-token"
+	sock := filepath.Join(dir, "channel.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	var alive atomic.Bool
+	alive.Store(true)
+	reports := make(chan impv1.RuntimeStatus, 16)
+	m := &meta{Token: token, Started: time.Now(), Readiness: true, Instance: 1, Run: 2}
+	vm := &impv1.ImpVM{Status: impv1.ImpVMStatus{Runtime: &impv1.RuntimeStatus{Instance: 1, Run: 2, GuestReady: true, Ready: ptr.To(true)}}}
+	w := watch{
+		dial: func() (net.Conn, error) { return net.Dial("unix", sock) }, alive: alive.Load,
+		report:  func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
+		capLogs: func() error { return nil }, ended: func() {}, tail: func() string { return "" },
+		unhealthy: func(guestchan.Event) {}, ready: reportedReady(vm, m),
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); (&monitor{token: token}).follow(context.Background(), w, m, logr.Discard()) }()
+	guest, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer guest.Close()
+	_, _ = guest.Write([]byte(`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n"))
+	select {
+	case rt := <-reports:
+		if rt.Ready == nil || !*rt.Ready {
+			t.Errorf("the replayed ready reported %+v; want the run still ready", rt)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no report")
+	}
+	alive.Store(false)
+	<-done
+	if got := reportedReady(&impv1.ImpVM{Status: impv1.ImpVMStatus{Runtime: &impv1.RuntimeStatus{Instance: 1, Run: 1, GuestReady: true, Ready: ptr.To(true)}}}, m); got != nil {
+		t.Errorf("another run's verdict was taken: %v", *got)
 	}
 }
