@@ -105,6 +105,11 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 	if s == nil {
 		return fmt.Errorf("network %s is not on the node: attach the VM first", n.Key())
 	}
+	// A route of someone else's (the CNI's pod ranges, the node's own subnets) that holds the
+	// address wins: a /32 of IMP's would take its traffic.
+	if err := h.foreignRoute(netip.PrefixFrom(e.Endpoint, 32)); err != nil {
+		return err
+	}
 	// Another network's endpoint address is never taken over: a route to it elsewhere stays,
 	// and so do this VM's rules.
 	cur, err := h.endpointRoute(e.Endpoint)
@@ -165,6 +170,30 @@ func (s *space) exposedAt(id string) netip.Addr {
 		}
 	}
 	return netip.Addr{}
+}
+
+// foreignRoute fails when a route of the node's that IMP did not make (neither a transit, an
+// endpoint nor a block route; the default route aside) overlaps p: the endpoint range collides
+// with a range the node uses.
+func (h *Host) foreignRoute(p netip.Prefix) error {
+	rs, err := h.nl.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("listing the node's routes: %w", err)
+	}
+	for _, r := range rs {
+		if r.Dst == nil || r.Protocol == rtprotIMP || r.Protocol == rtprotEndpoint || r.Protocol == rtprotBlock {
+			continue
+		}
+		ones, _ := r.Dst.Mask.Size()
+		a, ok := netip.AddrFromSlice(r.Dst.IP.To4())
+		if !ok || ones == 0 {
+			continue
+		}
+		if q := netip.PrefixFrom(a, ones); q.Overlaps(p) {
+			return fmt.Errorf("endpoint range %s overlaps the node's route to %s: set network.endpointCIDR to a range the cluster does not use", p, q)
+		}
+	}
+	return nil
 }
 
 // endpointRoute is the node's route to endpoint address a, if any.
@@ -322,6 +351,10 @@ func (h *Host) SyncBlocks(blocks map[netip.Prefix]netip.Addr) (map[netip.Prefix]
 	}
 	failed := map[netip.Prefix]error{}
 	for p, via := range blocks {
+		if err := h.foreignRoute(p); err != nil {
+			failed[p] = err
+			continue
+		}
 		r := &netlink.Route{Dst: &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), 32)}, Gw: via.AsSlice(), Protocol: rtprotBlock}
 		if err := h.nl.RouteReplace(r); err != nil {
 			failed[p] = fmt.Errorf("routing endpoint block %s via %s: %w", p, via, err)

@@ -154,6 +154,15 @@ func TestExposure(t *testing.T) {
 	if !slices.Contains(got, "100.72.0.2/32") || !slices.Contains(got, "100.72.0.3/32") {
 		t.Errorf("node routes %q lack the endpoint addresses", got)
 	}
+	// An endpoint address inside a range the node routes itself (a pod CIDR, its subnet) is
+	// refused: IMP's /32 would take that range's traffic.
+	if err := h.Expose(one, "vm-one", vm, hostnet.Exposure{Endpoint: netip.MustParseAddr("192.168.77.9"), Ports: web}); err == nil ||
+		!strings.Contains(err.Error(), "overlaps the node's route to 192.168.77.0/24") {
+		t.Errorf("an endpoint address in the node's own subnet: %v", err)
+	}
+	if got := ask(pod, "100.72.0.2:8080"); got != "one saw 10.71.0.1" {
+		t.Errorf("network one's endpoint after the refusal: %q", got)
+	}
 	// Network two's VM cannot take network one's endpoint address.
 	if err := h.Expose(two, "vm-two", vm, hostnet.Exposure{Endpoint: e1, Ports: web}); err == nil {
 		t.Error("an endpoint address routed to network one was exposed in network two")
