@@ -122,7 +122,7 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 		}
 	}
 	// A VM whose address changed (its record lost): its old address goes first.
-	if prev := s.exposedAt(shortID(vmUID)); prev.IsValid() && prev != e.Endpoint {
+	if prev := s.exposures()[shortID(vmUID)]; prev.IsValid() && prev != e.Endpoint {
 		if err := h.unexposeIn(s, shortID(vmUID)); err != nil {
 			return err
 		}
@@ -156,20 +156,23 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 	return nil
 }
 
-// exposedAt is the endpoint address the VM with short id is exposed at in s, if any.
-func (s *space) exposedAt(id string) netip.Addr {
+// exposures are the VMs exposed in s (by short id) and their endpoint addresses, read from
+// the DNAT rules' comments and destinations.
+func (s *space) exposures() map[string]netip.Addr {
+	out := map[string]netip.Addr{}
 	rs, err := getRules(s.nft, dnatChain)
 	if err != nil {
-		return netip.Addr{}
+		return out // no such chain yet: nothing exposed
 	}
 	for _, r := range rs {
-		if strings.HasPrefix(comment(r), "imp:"+exposeOwner(id)+":") {
-			if a, err := netip.ParseAddr(endpointOf(r)); err == nil {
-				return a
-			}
+		rest, ok := strings.CutPrefix(comment(r), "imp:exp-")
+		if !ok {
+			continue
 		}
+		id, _, _ := strings.Cut(rest, ":")
+		out[id] = endpointOf(r)
 	}
-	return netip.Addr{}
+	return out
 }
 
 // foreignRoute fails when a route of the node's that IMP did not make (neither a transit, an
@@ -234,57 +237,31 @@ func (h *Host) unexpose(vmUID string) error {
 // unexposeIn removes the exposure of the VM with short id from s, and the node's route to
 // its endpoint address when it leads to s.
 func (h *Host) unexposeIn(s *space, id string) error {
-	rs, err := getRules(s.nft, dnatChain)
-	if err != nil {
-		return nil // no such chain: nothing exposed there
-	}
-	owner := exposeOwner(id)
-	var endpoints []netip.Addr
-	for _, r := range rs {
-		if strings.HasPrefix(comment(r), "imp:"+owner+":") {
-			if a, err := netip.ParseAddr(endpointOf(r)); err == nil {
-				endpoints = append(endpoints, a)
-			}
-		}
-	}
-	if len(endpoints) == 0 {
+	a, ok := s.exposures()[id]
+	if !ok {
 		return nil
 	}
+	owner := exposeOwner(id)
 	if err := s.replaceRules([]*nftables.Chain{dnatChain}, owner, nil); err != nil {
 		return err
 	}
-	l, err := h.nl.LinkByName(egressPrefix + s.id)
-	if err != nil {
-		return nil // no transit link: no route either
-	}
-	for _, a := range endpoints {
+	if l, err := h.nl.LinkByName(egressPrefix + s.id); err == nil { // no transit link: no route either
 		if r, err := h.endpointRoute(a); err == nil && r != nil && r.LinkIndex == l.Attrs().Index {
 			if err := h.nl.RouteDel(r); err != nil {
 				return fmt.Errorf("removing the route to endpoint address %s: %w", a, err)
 			}
 		}
-		if err := h.nft.SetDeleteElements(endpointsSet, []nftables.SetElement{{Key: a.AsSlice()}}); err == nil {
-			_ = h.nft.Flush() // an element already gone: nothing to do
-		}
+	}
+	if err := h.nft.SetDeleteElements(endpointsSet, []nftables.SetElement{{Key: a.AsSlice()}}); err == nil {
+		_ = h.nft.Flush() // an element already gone: nothing to do
 	}
 	return nil
 }
 
 // pruneExposures removes the exposures of s's VMs whose tap is gone.
 func (h *Host) pruneExposures(s *space) error {
-	rs, err := getRules(s.nft, dnatChain)
-	if err != nil {
-		return nil
-	}
-	seen := map[string]bool{}
 	var errs []error
-	for _, r := range rs {
-		rest, ok := strings.CutPrefix(comment(r), "imp:exp-")
-		id, _, _ := strings.Cut(rest, ":")
-		if !ok || seen[id] {
-			continue
-		}
-		seen[id] = true
+	for id := range s.exposures() {
 		if _, err := s.nl.LinkByName(tapPrefix + id); isNotFound(err) {
 			errs = append(errs, h.unexposeIn(s, id))
 		}
@@ -293,31 +270,17 @@ func (h *Host) pruneExposures(s *space) error {
 }
 
 // endpointOf reads the endpoint address a DNAT rule matches (its destination comparison).
-func endpointOf(r *nftables.Rule) string {
+func endpointOf(r *nftables.Rule) netip.Addr {
 	for i, e := range r.Exprs {
 		p, ok := e.(*expr.Payload)
 		if !ok || p.Base != expr.PayloadBaseNetworkHeader || p.Offset != 16 || i+1 >= len(r.Exprs) {
 			continue
 		}
 		if c, ok := r.Exprs[i+1].(*expr.Cmp); ok && len(c.Data) == 4 {
-			return netip.AddrFrom4([4]byte(c.Data)).String()
+			return netip.AddrFrom4([4]byte(c.Data))
 		}
 	}
-	return ""
-}
-
-// exposed says whether any VM of the namespace is exposed.
-func (s *space) exposed() (bool, error) {
-	rs, err := s.nft.GetRules(inetTable, dnatChain)
-	if err != nil {
-		return false, nil // no such chain yet
-	}
-	for _, r := range rs {
-		if strings.HasPrefix(comment(r), "imp:exp-") {
-			return true, nil
-		}
-	}
-	return false, nil
+	return netip.Addr{}
 }
 
 // rtprotBlock marks the node's routes to other nodes' endpoint blocks.

@@ -277,11 +277,7 @@ func (h *Host) ensureNetwork(s *space, n Network, overlay bool) error {
 		_, err := s.nl.LinkByName(n.VXLANName())
 		overlay = err == nil
 	}
-	exposed, err := s.exposed()
-	if err != nil {
-		return err
-	}
-	if n.NAT || exposed {
+	if n.NAT || len(s.exposures()) > 0 {
 		if err := h.ensureTransit(s, n); err != nil {
 			return err
 		}
