@@ -30,12 +30,6 @@ import (
 func TestMonitorUnderAHostileGuest(t *testing.T) {
 	dir := t.TempDir()
 	const token, capBytes = "the-token", 64 << 10
-	sock := filepath.Join(dir, "channel.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
 	console := filepath.Join(dir, qemu.ConsoleLog)
 	if err := os.WriteFile(console, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -46,30 +40,15 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 	var mu sync.Mutex
 	var reports []impv1.RuntimeStatus
 	w := watch{
-		dial:  func() (net.Conn, error) { return net.Dial("unix", sock) },
 		alive: alive.Load,
 		report: func(_ context.Context, rt impv1.RuntimeStatus) {
 			mu.Lock()
 			defer mu.Unlock()
 			reports = append(reports, rt)
 		},
-		capLogs:   func() error { return qemu.CapConsole(dir, capBytes) },
-		ended:     func() {},
-		tail:      func() string { return "" },
-		unhealthy: func(guestchan.Event) {},
+		capLogs: func() error { return qemu.CapConsole(dir, capBytes) },
 	}
-	m := &monitor{token: token}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		m.follow(context.Background(), w, &meta{Token: token, Started: time.Now()}, logr.Discard())
-	}()
-
-	guest, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer guest.Close()
+	guest, done := followChannel(t, w, &meta{Token: token, Started: time.Now()})
 	send := func(lines ...string) {
 		t.Helper()
 		for _, line := range lines {
@@ -152,6 +131,42 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 	}
 }
 
+// followChannel follows the run of m as w says, its guest channel a unix socket whose guest end
+// it returns, with a channel closed when the monitor ends. What w leaves unset does nothing.
+func followChannel(t *testing.T, w watch, m *meta) (net.Conn, <-chan struct{}) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "channel.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	w.dial = func() (net.Conn, error) { return net.Dial("unix", sock) }
+	if w.capLogs == nil {
+		w.capLogs = func() error { return nil }
+	}
+	if w.ended == nil {
+		w.ended = func() {}
+	}
+	if w.tail == nil {
+		w.tail = func() string { return "" }
+	}
+	if w.unhealthy == nil {
+		w.unhealthy = func(guestchan.Event) {}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: m.Token}).follow(context.Background(), w, m, logr.Discard())
+	}()
+	guest, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { guest.Close() })
+	return guest, done
+}
+
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(50 * time.Millisecond) {
@@ -186,43 +201,22 @@ func TestEveryLogIsCapped(t *testing.T) {
 // a run with a readiness probe starts not ready; a liveness failure ends the run as
 // LivenessProbeFailed with the workload's code, recorded once.
 func TestProbeVerdictsReachTheAPIBounded(t *testing.T) {
-	dir := t.TempDir()
 	const token = "the-token"
-	sock := filepath.Join(dir, "channel.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
 	var alive atomic.Bool
 	alive.Store(true)
 	var mu sync.Mutex
 	var reports []impv1.RuntimeStatus
 	var unhealthy atomic.Int32
 	w := watch{
-		dial:  func() (net.Conn, error) { return net.Dial("unix", sock) },
 		alive: alive.Load,
 		report: func(_ context.Context, rt impv1.RuntimeStatus) {
 			mu.Lock()
 			defer mu.Unlock()
 			reports = append(reports, rt)
 		},
-		capLogs:   func() error { return nil },
-		ended:     func() {},
-		tail:      func() string { return "" },
 		unhealthy: func(guestchan.Event) { unhealthy.Add(1) },
 	}
-	m := &monitor{token: token}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		m.follow(context.Background(), w, &meta{Token: token, Started: time.Now(), Readiness: true}, logr.Discard())
-	}()
-	guest, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer guest.Close()
+	guest, done := followChannel(t, w, &meta{Token: token, Started: time.Now(), Readiness: true})
 	send := func(lines ...string) {
 		t.Helper()
 		for _, line := range lines {
@@ -279,32 +273,14 @@ func TestProbeVerdictsReachTheAPIBounded(t *testing.T) {
 // says its readiness probe passed is reported ready at the guest's replayed ready, not
 // not-ready until the replayed verdict: its endpoints do not flap.
 func TestAFollowedRunKeepsItsReadiness(t *testing.T) {
-	dir := t.TempDir()
 	const token = "the-token"
-	sock := filepath.Join(dir, "channel.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
 	var alive atomic.Bool
 	alive.Store(true)
 	reports := make(chan impv1.RuntimeStatus, 16)
 	m := &meta{Token: token, Started: time.Now(), Readiness: true, Instance: 1, Run: 2}
 	vm := &impv1.ImpVM{Status: impv1.ImpVMStatus{Runtime: &impv1.RuntimeStatus{Instance: 1, Run: 2, GuestReady: true, Ready: ptr.To(true)}}}
-	w := watch{
-		dial: func() (net.Conn, error) { return net.Dial("unix", sock) }, alive: alive.Load,
-		report:  func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
-		capLogs: func() error { return nil }, ended: func() {}, tail: func() string { return "" },
-		unhealthy: func(guestchan.Event) {}, ready: reportedReady(vm, m),
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); (&monitor{token: token}).follow(context.Background(), w, m, logr.Discard()) }()
-	guest, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer guest.Close()
+	w := watch{alive: alive.Load, report: func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt }, ready: reportedReady(vm, m)}
+	guest, done := followChannel(t, w, m)
 	_, _ = guest.Write([]byte(`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n"))
 	select {
 	case rt := <-reports:

@@ -559,20 +559,7 @@ func TestSameCIDRSideBySide(t *testing.T) {
 // serve accepts TCP connections on addr inside the namespace at path, until the test ends.
 func serve(t *testing.T, path, addr string) string {
 	t.Helper()
-	var l net.Listener
-	if err := testnetns.Do(path, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Close()
-		}
-	}()
+	greet(t, path, addr, "server")
 	return addr
 }
 
