@@ -6,10 +6,14 @@ import (
 	"net/netip"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
@@ -56,7 +60,12 @@ func (b blocks) setup(mgr ctrl.Manager) error {
 			return o.Spec.EndpointCIDR != n.Spec.EndpointCIDR || o.Status.OverlayAddress != n.Status.OverlayAddress
 		},
 	}
+	// Every ImpNode's change asks for the one sync of all of them: one key, so a burst of
+	// changes (or the minute's heal) is one sync, not one per node.
+	all := handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
+		return []reconcile.Request{{NamespacedName: types.NamespacedName{Name: "endpoint-blocks"}}}
+	})
 	return ctrl.NewControllerManagedBy(mgr).Named("endpoint-blocks").
-		For(&impv1.ImpNode{}, builder.WithPredicates(changed)).
+		Watches(&impv1.ImpNode{}, all, builder.WithPredicates(changed)).
 		Complete(b)
 }

@@ -104,6 +104,31 @@ func TestServicesReachVMs(t *testing.T) {
 	if got := get(pod, addr[nsB]); got != "hello from web-b" {
 		t.Errorf("tenant B's VM after A's went: %q", got)
 	}
+
+	// Another node (its underlay address the pod's side of the link): the operator gives it a
+	// block, and this node routes that block via it.
+	other := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: sw.nodeName + "-b"}}
+	if err := c.Client.Create(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Client.Delete(context.Background(), other) })
+	other.Status.OverlayAddress = "192.168.79.2"
+	if err := c.Client.Status().Update(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string {
+		_ = c.Client.Get(ctx, types.NamespacedName{Name: other.Name}, other)
+		if other.Spec.EndpointCIDR == "" {
+			return "no block yet"
+		}
+		rs, _ := nh.RouteList(nil, netlink.FAMILY_V4)
+		for _, r := range rs {
+			if r.Dst != nil && r.Dst.String() == other.Spec.EndpointCIDR && r.Gw.String() == "192.168.79.2" {
+				return "routed"
+			}
+		}
+		return "block " + other.Spec.EndpointCIDR + " not routed"
+	}).WithTimeout(time.Minute).Should(Equal("routed"))
 }
 
 // svcWorld is a node (a network namespace with its own agent) with web VMs on ImpNetworks of
