@@ -225,6 +225,7 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="has(self.diskSize) == has(oldSelf.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".diskSize"
 // +kubebuilder:validation:XValidation:rule="has(self.networkRef) == has(oldSelf.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".networkRef"
 // +kubebuilder:validation:XValidation:rule="has(self.vmm) == has(oldSelf.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".vmm"
+// +kubebuilder:validation:XValidation:rule="has(self.snapshotRef) == has(oldSelf.snapshotRef)",message="snapshotRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".snapshotRef"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.httpGet) || type(self.startupProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.httpGet.port))",message="startupProbe.httpGet.port names no port of spec.ports",fieldPath=".startupProbe.httpGet.port"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.tcpSocket) || type(self.startupProbe.tcpSocket.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.tcpSocket.port))",message="startupProbe.tcpSocket.port names no port of spec.ports",fieldPath=".startupProbe.tcpSocket.port"
 // +kubebuilder:validation:XValidation:rule="!has(self.readinessProbe) || !has(self.readinessProbe.httpGet) || type(self.readinessProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.readinessProbe.httpGet.port))",message="readinessProbe.httpGet.port names no port of spec.ports",fieldPath=".readinessProbe.httpGet.port"
@@ -373,6 +374,16 @@ type ImpVMSpec struct {
 	// +optional
 	LivenessProbe *Probe `json:"livenessProbe,omitempty"`
 
+	// snapshotRef names an ImpVMSnapshot of the VM's namespace to start from: the VM's first
+	// run on a node restores the snapshot (its memory, devices and writable disk) instead of
+	// booting, and gets its own identity before it can do anything visible (address, MAC,
+	// hostname, guest channel token, its own configuration and Secrets, fresh random state, the
+	// clock). The VM takes the snapshot's vCPUs, memory and disk size and runs on its node.
+	// Later runs of the same placement boot from the VM's disk. See docs/snapshots.md.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="snapshotRef is immutable; delete and recreate the ImpVM to change it"
+	SnapshotRef *SnapshotReference `json:"snapshotRef,omitempty"`
+
 	// expireAfter deletes the VM once it has existed this long, such as 1h or 90m.
 	// +optional
 	// +kubebuilder:validation:Type=string
@@ -492,6 +503,9 @@ type RuntimeStatus struct {
 	// and the namespace's ImpQuota disk.
 	// +optional
 	DisksRemoved bool `json:"disksRemoved,omitempty"`
+	// restoredFrom is the ImpVMSnapshot (name) this run was restored from, instead of booted.
+	// +optional
+	RestoredFrom string `json:"restoredFrom,omitempty"`
 }
 
 // ImpVMStatus is the observed state of an ImpVM. The operator writes everything but runtime:

@@ -50,6 +50,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/pullnet"
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
@@ -183,6 +184,8 @@ type Agent struct {
 	reportNow chan struct{}
 	fetched   chan event.GenericEvent // VMs whose image fetch is done: their start goes on
 	fetches   *fetches                // images being fetched for a run: a lock of its own
+	snapshots *snapshot.Store         // the node's snapshots (snapshots.go, restore.go)
+	hashes    snapshot.Hashes         // of the guest kernel and initramfs, which snapshots record
 
 	// The per-VM work under way that the reconcile workers, monitors and deferred reports
 	// share. One lock, mu, guards the four maps below and the allocation of jail uids (which
@@ -207,7 +210,8 @@ type deferredReport struct {
 // CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
 func CacheOptions(node string) cache.Options {
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
-		&impv1.ImpVM{}: {Field: fields.OneTermEqualSelector("status.nodeName", node)},
+		&impv1.ImpVM{}:         {Field: fields.OneTermEqualSelector("status.nodeName", node)},
+		&impv1.ImpVMSnapshot{}: {Field: fields.OneTermEqualSelector("status.nodeName", node)},
 	}}
 }
 
@@ -254,7 +258,8 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.fetches = &fetches{images: a.images, apiReader: a.APIReader, secretNS: a.Opts.RunSecretNamespace, timeout: a.Opts.PullTimeout,
 		done: a.fetched, byVM: map[types.UID]*fetch{}}
 	a.reportNow = make(chan struct{}, 1)
-	for _, d := range []string{"vms", "net"} {
+	a.snapshots = &snapshot.Store{Dir: filepath.Join(a.Opts.StateDir, "snapshots")}
+	for _, d := range []string{"vms", "net", "snapshots"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
 			return fmt.Errorf("creating the state directory: %w", err)
 		}
@@ -272,6 +277,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	if err := a.networks.setup(mgr); err != nil {
+		return err
+	}
+	if err := ctrl.NewControllerManagedBy(mgr).For(&impv1.ImpVMSnapshot{}).Named("imp-agent-snapshots").Complete(snapshotter{a}); err != nil {
 		return err
 	}
 	if err := mgr.Add(reporter{a}); err != nil {
@@ -368,11 +376,18 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
+		if rs := m.Restore; rs != nil && !rs.Done {
+			// Restored by an agent that stopped before the guest took on its identity.
+			if err := a.finishRestore(ctx, vm, dir, m, rec); err != nil {
+				return ctrl.Result{}, err
+			}
+		}
 		if rt := st.Runtime; (rt == nil || rt.Instance != st.Instance || rt.Run != st.RestartCount || rt.State == impv1.RuntimeStarting) && !a.reportedSince(vm) {
 			// Started by an agent that stopped before its deferred report: the run is
 			// reported now, before anything else is done with it.
 			t := metav1.NewTime(m.Started)
-			booting := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: m.Endpoint, Ports: m.Ports}
+			booting := m.Status()
+			booting.State, booting.StartedAt, booting.Message = impv1.RuntimeRunning, &t, "the guest is booting"
 			if err := a.report(ctx, vm, booting); err != nil {
 				return ctrl.Result{}, err
 			}
@@ -464,7 +479,11 @@ var errFetching = errors.New("the image is being fetched")
 func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *meta) error {
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: old}
 	defer r.Done()
-	err := a.bootPlan(vm).Run(ctx, r)
+	p := a.bootPlan(vm)
+	if restores(vm, old) {
+		p = a.restorePlan(vm)
+	}
+	err := p.Run(ctx, r)
 	var failed *plan.Failed
 	switch {
 	case errors.Is(err, plan.ErrWait):
@@ -475,9 +494,12 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 		return err
 	}
 	startStepSeconds.WithLabelValues("total").Observe(time.Since(r.Image.Began).Seconds())
-	st := vm.Status
 	t := metav1.NewTime(r.Meta.Started)
-	started := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &t, Message: "the guest is booting", Endpoint: r.Meta.Endpoint, Ports: r.Meta.Ports}
+	started := r.Meta.Status()
+	started.State, started.StartedAt, started.Message = impv1.RuntimeRunning, &t, "the guest is booting"
+	if rs := r.Meta.Restore; rs != nil {
+		started.Message = "restored from ImpVMSnapshot " + rs.Snapshot
+	}
 	if err := a.reportLater(ctx, vm, started); err != nil {
 		return err
 	}

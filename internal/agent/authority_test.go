@@ -122,6 +122,32 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 	if !refused(err, "may not set its ImpNode spec.endpointCIDR") {
 		t.Errorf("the agent of %s chose its own endpoint block: %v", nodeA, err)
 	}
+	// Snapshots: those given to its node only; it may not take one for itself, nor give one away.
+	for node, name := range map[string]string{nodeA: "snap-a", nodeB: "snap-b"} {
+		snap := &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: impv1.ImpVMSnapshotSpec{VMName: "on-a"}}
+		if err := c.Client.Create(ctx, snap); err != nil {
+			t.Fatal(err)
+		}
+		snap.Status.NodeName = node
+		if err := c.Client.Status().Update(ctx, snap); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snapPatch := func(name, patch string) error {
+		return asA.Status().Patch(ctx, &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}, client.RawPatch(types.MergePatchType, []byte(patch)))
+	}
+	if err := snapPatch("snap-a", `{"status":{"phase":"Taking"}}`); err != nil {
+		t.Errorf("the agent of %s could not report its snapshot: %v", nodeA, err)
+	}
+	if err := snapPatch("snap-b", `{"status":{"phase":"Ready"}}`); !refused(err, "snapshots given to its node only") {
+		t.Errorf("the agent of %s wrote the status of %s's snapshot: %v", nodeA, nodeB, err)
+	}
+	if err := snapPatch("snap-b", `{"status":{"nodeName":"`+nodeA+`"}}`); !refused(err, "snapshots given to its node only") {
+		t.Errorf("the agent of %s took %s's snapshot: %v", nodeA, nodeB, err)
+	}
+	if err := snapPatch("snap-a", `{"status":{"nodeName":"`+nodeB+`"}}`); !refused(err, "snapshots given to its node only") {
+		t.Errorf("the agent of %s gave its snapshot to %s: %v", nodeA, nodeB, err)
+	}
 	// Heartbeats: its own Lease, not another node's (which would keep a dead node placeable).
 	beat := func(name, holder string) error {
 		return asA.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: testcluster.ChartNamespace, Name: name,

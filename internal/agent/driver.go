@@ -3,10 +3,12 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -14,9 +16,11 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -30,6 +34,8 @@ type launchSpec struct {
 	at       hostnet.Attachment
 	net      *guestinit.Net
 	resume   bool
+	// restore is the memory and device state of the snapshot the run is restored from.
+	restore string
 }
 
 // driver is one kind of VMM as the agent runs it. The agent never asks which kind it has:
@@ -44,6 +50,10 @@ type driver interface {
 	resumed(ctx context.Context, dir string, rec *vmm.Record) error
 	// suspend saves the running VM's state and ends its VMM.
 	suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error
+	// snapshot writes the VM's memory and device state and its writable disk into the
+	// directory into, pausing a running VM for it (and returning how long) or copying a
+	// suspended one's saved state; the VM runs on (or stays suspended) whatever happens.
+	snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, running bool, into string) (time.Duration, error)
 	// quit asks the VMM to end at once (the step before a signal).
 	quit(ctx context.Context, uid types.UID) error
 	// dial connects to the guest channel.
@@ -88,7 +98,25 @@ func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) 
 	if l.resume {
 		spec.Incoming = filepath.Join(l.dir, qemu.StateFile)
 	}
+	if l.restore != "" {
+		spec.Incoming = l.restore // opened by the agent, passed as a descriptor
+	}
 	return qemu.Start(spec, l.m.Digest)
+}
+
+func (qemuDriver) snapshot(_ context.Context, _ *impv1.ImpVM, dir string, _ *meta, running bool, into string) (time.Duration, error) {
+	disk := func() error {
+		return snapshot.CopyDisk(filepath.Join(dir, vmrun.WritableDisk), filepath.Join(into, snapshot.DiskFile))
+	}
+	if !running {
+		return 0, errors.Join(snapshot.CopyDisk(filepath.Join(dir, qemu.StateFile), filepath.Join(into, snapshot.StateFile)), disk())
+	}
+	state, err := os.OpenFile(filepath.Join(into, snapshot.StateFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return 0, fmt.Errorf("creating the snapshot's state file: %w", err)
+	}
+	defer state.Close()
+	return qemu.Snapshot(dir, state, disk, 5*time.Minute)
 }
 
 func (qemuDriver) saved(_ *impv1.ImpVM, dir string, _ *meta) bool {
@@ -177,6 +205,9 @@ func (d firecrackerDriver) start(ctx context.Context, l launchSpec) (*vmm.Record
 	if l.resume {
 		return firecracker.ResumeSnapshot(ctx, s, l.m.Digest)
 	}
+	if l.restore != "" {
+		return nil, errFirecrackerRestore
+	}
 	return firecracker.Start(ctx, s, l.m.Digest)
 }
 
@@ -189,6 +220,13 @@ func (firecrackerDriver) resumed(context.Context, string, *vmm.Record) error { r
 
 func (d firecrackerDriver) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error {
 	return firecracker.Suspend(ctx, d.spec(vm, dir, m, "", hostnet.Attachment{}, nil), rec)
+}
+
+// errFirecrackerRestore: snapshots of Firecracker VMs are not built yet (docs/snapshots.md).
+var errFirecrackerRestore = errors.New("restoring a snapshot under Firecracker is not supported yet")
+
+func (firecrackerDriver) snapshot(context.Context, *impv1.ImpVM, string, *meta, bool, string) (time.Duration, error) {
+	return 0, errors.New("snapshots of Firecracker VMs are not supported yet")
 }
 
 // quit sends Ctrl-Alt-Del, on which Firecracker exits with the guest's reset.

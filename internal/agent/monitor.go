@@ -188,7 +188,7 @@ const probeReportInterval = 500 * time.Millisecond
 // says ready, then how it ended. Everything the guest sends goes through a guestchan.Session;
 // the console and the VMM's logs are capped on a ticker of their own, whatever the channel does.
 func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logger) {
-	base := impv1.RuntimeStatus{Instance: meta.Instance, Run: meta.Run, Endpoint: meta.Endpoint, Ports: meta.Ports}
+	base := meta.Status()
 	started := metav1.NewTime(meta.Started)
 	base.StartedAt = &started
 	ctx, stop := context.WithCancel(ctx)
@@ -219,6 +219,10 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				time.Sleep(100 * time.Millisecond)
 				continue
 			}
+			// Asked for the history: a guest may not have seen this connection come (one
+			// that followed another at once, as after a restore's).
+			replay, _ := json.Marshal(guestinit.Request{Op: "replay", Token: meta.Token})
+			_, _ = conn.Write(append(replay, '\n'))
 			m.mu.Lock()
 			m.conn = conn
 			m.mu.Unlock()

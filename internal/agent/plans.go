@@ -151,7 +151,11 @@ func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error)
 	if r.Image != nil {
 		base = r.Image.BaseDisk
 	}
-	return l.a.driver(string(r.Meta.VMM)).start(ctx, launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume})
+	spec := launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume}
+	if r.Snapshot != nil {
+		spec.restore = r.Snapshot.State
+	}
+	return l.a.driver(string(r.Meta.VMM)).start(ctx, spec)
 }
 
 func (l launcher) Resumed(ctx context.Context, r *vmrun.Run, rec *vmm.Record) error {

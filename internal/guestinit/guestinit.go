@@ -51,7 +51,8 @@ type Config struct {
 
 // Message is one line of JSON on the guest channel, from the guest to the agent.
 type Message struct {
-	// Event is "hello" (with the VM's token), "ready", "probe", "exit" or "error".
+	// Event is "hello" (with the VM's token), "ready", "probe", "exit", "error" or
+	// "restored" (with the VM's new token).
 	Event   string `json:"event"`
 	Token   string `json:"token,omitempty"`
 	Code    *int   `json:"code,omitempty"`
@@ -65,10 +66,39 @@ type Message struct {
 // Request is one line of JSON on the guest channel, from the agent to the guest. Requests
 // carry the VM's token; imp-init ignores a request with another.
 type Request struct {
-	// Op is "stop": signal the workload to terminate (SIGTERM).
+	// Op is "stop": signal the workload to terminate (SIGTERM); "replay": tell this connection
+	// what a new one is told (the history and the probes' latest verdicts); or "restore": the
+	// guest was restored from a snapshot as another VM, whose identity Restore gives.
 	Op    string `json:"op"`
 	Token string `json:"token"`
+	// Restore is a "restore" request's new identity.
+	Restore *Restore `json:"restore,omitempty"`
 }
+
+// Restore is the identity of a VM restored from another's snapshot, which its guest takes on
+// before the agent lets it do anything visible: imp-init steps the clock, reseeds the kernel's
+// random state with Entropy, reads the VM's own configuration disk (its env, Secrets,
+// hostname and probes, for every process it starts from then on), moves the network
+// interface to the VM's MAC and address, takes Token as the channel's, and answers with a
+// "restored" event carrying the new token.
+type Restore struct {
+	// Token is the VM's own guest channel token from now on.
+	Token string `json:"token"`
+	// Net is the VM's network as kernel command line parameters (Net.Params); empty: none.
+	Net []string `json:"net,omitempty"`
+	// UnixNano is the host's clock when the request was sent.
+	UnixNano int64 `json:"unixNano"`
+	// Entropy is fresh randomness from the host, mixed into the kernel's pool, which is then
+	// reseeded: copies of one snapshot share its random state until then.
+	Entropy []byte `json:"entropy"`
+}
+
+// RestoredEvent is the guest's answer to a "restore" request, with the new token; an "error"
+// event whose message begins with RestoreErrorPrefix says why it could not take it on.
+const (
+	RestoredEvent      = "restored"
+	RestoreErrorPrefix = "restoring: "
+)
 
 // TokenParam is the kernel command line parameter carrying the VM's channel token.
 const TokenParam = "imp.token"

@@ -3,7 +3,6 @@ package guestinit
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -137,7 +136,7 @@ func run() (int, error) {
 			return ch.fail(err)
 		}
 	}
-	return runWorkload(cfg)
+	return runWorkload(cfg, gnet)
 }
 
 func param(params []string, key string) string {
@@ -288,7 +287,7 @@ func command(cfg Config, argv []string) (*exec.Cmd, error) {
 	}, nil
 }
 
-func runWorkload(cfg Config) (int, error) {
+func runWorkload(cfg Config, gnet *Net) (int, error) {
 	cmd, err := command(cfg, cfg.Argv)
 	if err != nil {
 		return ch.fail(err)
@@ -305,7 +304,8 @@ func runWorkload(cfg Config) (int, error) {
 			cmd.SysProcAttr.Setctty, cmd.SysProcAttr.Ctty = true, 0
 		}
 	}
-	serveSessions(cfg)
+	live.configure(cfg, gnet)
+	serveSessions()
 	// Signals to PID 1 go to the workload.
 	sigs := make(chan os.Signal, 8)
 	signal.Notify(sigs, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGUSR1, unix.SIGUSR2)
@@ -325,7 +325,7 @@ func runWorkload(cfg Config) (int, error) {
 	}()
 	ch.serve(pid)
 	ch.send(Message{Event: "ready"})
-	go runProbes(context.Background(), cfg, pid)
+	live.start(pid)
 
 	// Reap every child; the workload's status ends the VM.
 	for {
@@ -532,6 +532,32 @@ func (c *channel) replay() [][]byte {
 	return out
 }
 
+// replayNow tells the host connection the replay, as a new one is told it (the agent asks
+// too: a connection that follows another at once may come and go unseen by watchHost). It
+// returns false once the channel is shutting down.
+func (c *channel) replayNow() bool {
+	c.mu.Lock() // held while queueing: flush closes the queue under it
+	defer c.mu.Unlock()
+	if c.vsock {
+		if c.f != nil {
+			for _, line := range c.replay() {
+				_, _ = c.f.Write(line)
+			}
+		}
+		return true
+	}
+	if c.out == nil {
+		return false
+	}
+	for _, line := range c.replay() {
+		select {
+		case c.out <- line:
+		default:
+		}
+	}
+	return true
+}
+
 // watchHost tells each new host connection of the virtio-serial port f (an agent that
 // restarted, or resumed the VM) the replay, as the vsock channel does: the port polls HUP
 // while no host is connected.
@@ -543,34 +569,31 @@ func (c *channel) watchHost(f *os.File) {
 	away := false
 	for {
 		var hup bool
+		timeout := 1000 // connected: wait for a hang-up
+		if away {
+			timeout = 0 // away: is it still?
+		}
 		if err := rc.Control(func(fd uintptr) {
 			pfd := []unix.PollFd{{Fd: int32(fd)}}
-			if n, _ := unix.Poll(pfd, 1000); n > 0 {
+			if n, _ := unix.Poll(pfd, timeout); n > 0 {
 				hup = pfd[0].Revents&unix.POLLHUP != 0
 			}
 		}); err != nil {
 			return
 		}
-		if away && !hup {
-			c.mu.Lock() // held while queueing: flush closes the queue under it
-			if c.out == nil {
-				c.mu.Unlock()
-				return // shutting down
-			}
-			for _, line := range c.replay() {
-				select {
-				case c.out <- line:
-				default:
-				}
-			}
-			c.mu.Unlock()
+		if away && !hup && !c.replayNow() {
+			return // shutting down
 		}
 		away = hup
 		if hup {
-			time.Sleep(100 * time.Millisecond)
+			time.Sleep(hostPoll)
 		}
 	}
 }
+
+// hostPoll is how often the virtio-serial port is looked at while no host is connected: a new
+// connection (an agent's restart, a resume, a restore) is told the history, and read, within it.
+const hostPoll = 20 * time.Millisecond
 
 // virtioPort is the device of the virtio-serial port named name, once the kernel shows it
 // (within a second).
@@ -595,12 +618,14 @@ func (c *channel) send(m Message) {
 	line = append(line, '\n')
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if m.Event == "probe" {
+	switch m.Event {
+	case "probe":
 		if c.probes == nil {
 			c.probes = map[string][]byte{}
 		}
 		c.probes[m.Probe] = line
-	} else {
+	case RestoredEvent: // an answer to one connection, not news for the next
+	default:
 		c.history = append(c.history, line)
 	}
 	if c.vsock {
@@ -647,18 +672,26 @@ func (c *channel) read(r io.Reader, waitEOF bool) {
 		line, err := br.ReadBytes('\n')
 		if len(line) > 0 {
 			var req Request
-			if json.Unmarshal(line, &req) == nil && req.Token == c.token && c.token != "" && req.Op == "stop" {
-				c.mu.Lock()
-				pid := c.pid
-				c.mu.Unlock()
-				if pid > 0 {
-					_ = unix.Kill(pid, unix.SIGTERM)
+			token := c.currentToken()
+			if json.Unmarshal(line, &req) == nil && token != "" && req.Token == token {
+				switch {
+				case req.Op == "stop":
+					c.mu.Lock()
+					pid := c.pid
+					c.mu.Unlock()
+					if pid > 0 {
+						_ = unix.Kill(pid, unix.SIGTERM)
+					}
+				case req.Op == "replay":
+					c.replayNow()
+				case req.Op == "restore" && req.Restore != nil:
+					c.restore(req.Restore)
 				}
 			}
 		}
 		if err != nil {
 			if waitEOF && errors.Is(err, io.EOF) {
-				time.Sleep(100 * time.Millisecond)
+				time.Sleep(hostPoll)
 				continue
 			}
 			return

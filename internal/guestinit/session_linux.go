@@ -50,16 +50,17 @@ func (r *reaper) reaped(pid int, ws unix.WaitStatus) {
 	}
 }
 
-// serveSessions answers the agent's exec and port-forward requests, as cfg's workload runs,
-// for the rest of the VM's life.
-func serveSessions(cfg Config) {
+// serveSessions answers the agent's exec and port-forward requests, as the workload runs (the
+// run's configuration as it stands: live), for the rest of the VM's life.
+func serveSessions() {
 	if ch == nil || ch.token == "" {
 		return
 	}
 	srv := &guestsession.Server{
-		Token:   ch.token,
-		Command: func(argv []string) (*exec.Cmd, error) { return command(cfg, argv) },
-		Start:   procs.start,
+		Token:    ch.token,
+		TokenNow: ch.currentToken,
+		Command:  func(argv []string) (*exec.Cmd, error) { return command(live.config(), argv) },
+		Start:    procs.start,
 	}
 	if ch.vsock {
 		go serveVsockSessions(srv, ch.port+guestsession.VsockPortOffset)

@@ -23,6 +23,9 @@ import (
 type Server struct {
 	// Token is the VM's; requests without it are refused.
 	Token string
+	// TokenNow, when set, is the token as it stands instead of Token: a VM restored from a
+	// snapshot is given its own after the server started.
+	TokenNow func() string
 	// Command prepares argv to run as the workload does (its user, environment and working
 	// directory); the server sets its standard streams and session.
 	Command func(argv []string) (*exec.Cmd, error)
@@ -65,7 +68,11 @@ func (s *Server) Serve(c net.Conn) error {
 
 // ServeHTTP checks the token and dispatches.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if s.Token == "" || subtle.ConstantTimeCompare([]byte(r.Header.Get(TokenHeader)), []byte(s.Token)) != 1 {
+	token := s.Token
+	if s.TokenNow != nil {
+		token = s.TokenNow()
+	}
+	if token == "" || subtle.ConstantTimeCompare([]byte(r.Header.Get(TokenHeader)), []byte(token)) != 1 {
 		http.Error(w, "wrong token", http.StatusUnauthorized)
 		return
 	}

@@ -31,6 +31,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impnode"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/impvmsnapshot"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/pki"
@@ -123,6 +124,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		if err := blocks.SetupWithManager(mgr); err != nil {
 			return fmt.Errorf("setting up the ImpNode reconciler: %w", err)
 		}
+	}
+	if err := (&impvmsnapshot.Reconciler{Client: mgr.GetClient()}).SetupWithManager(ctx, mgr); err != nil {
+		return fmt.Errorf("setting up the ImpVMSnapshot reconciler: %w", err)
 	}
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the endpoints reconciler: %w", err)

@@ -178,6 +178,11 @@ var tooLong = make([]byte, MaxLine+1)
 // MaxLine whole (f sees an oversized placeholder instead, so it can count them). It returns
 // when r does, with r's error (nil at EOF).
 func ReadLines(r io.Reader, f func([]byte)) error {
+	return readLines(r, func(line []byte) bool { f(line); return false })
+}
+
+// readLines is ReadLines until f returns true.
+func readLines(r io.Reader, f func([]byte) (stop bool)) error {
 	br := bufio.NewReaderSize(r, MaxLine+1)
 	oversized := false
 	for {
@@ -190,12 +195,16 @@ func ReadLines(r io.Reader, f func([]byte)) error {
 			return err
 		}
 		if len(line) > 0 || err == nil {
+			stop := false
 			if oversized {
-				f(tooLong)
+				stop = f(tooLong)
 			} else {
-				f(bytes.TrimSuffix(line, []byte("\n")))
+				stop = f(bytes.TrimSuffix(line, []byte("\n")))
 			}
 			oversized = false
+			if stop {
+				return nil
+			}
 		}
 		if err != nil {
 			return nil

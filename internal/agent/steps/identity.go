@@ -38,6 +38,11 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 	m := &vmrun.Meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: vm.Status.Instance, Run: vm.Status.RestartCount,
 		Started: time.Now(), Digest: r.Image.Digest.DigestStr(), VMM: kind, Session: true,
 		Readiness: vm.Spec.ReadinessProbe != nil}
+	if snap := r.Snapshot; snap != nil {
+		// The guest holds the snapshot's token, and its devices, until it takes on its own.
+		m.Session = snap.Manifest.Session
+		m.Restore = &vmrun.Restored{Snapshot: snap.Name, SnapshotUID: snap.Manifest.UID, Token: snap.Manifest.Token}
+	}
 	if r.Old != nil && r.Old.Instance == m.Instance {
 		m.Endpoint = r.Old.Endpoint // kept across the placement's runs
 	}

@@ -48,9 +48,13 @@ func (Image) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) { return r.
 
 func (s Image) Do(ctx context.Context, r *vmrun.Run) error {
 	vm := r.VM
-	ref, err := name.ParseReference(vm.Spec.Image, s.NameOptions(vm.Spec.Image)...)
+	image := vm.Spec.Image
+	if r.Snapshot != nil {
+		image = r.Snapshot.Manifest.Image // a restore's base disk is the snapshot's, by digest
+	}
+	ref, err := name.ParseReference(image, s.NameOptions(image)...)
 	if err != nil {
-		return plan.Fail("InvalidImage", fmt.Errorf("image %q: %w", vm.Spec.Image, err))
+		return plan.Fail("InvalidImage", fmt.Errorf("image %q: %w", image, err))
 	}
 	began := s.Fetches.Begin(vm, ref)
 	starting := impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeStarting, Message: "preparing disks"}

@@ -20,7 +20,7 @@ type Resumed struct{ Resumer Resumer }
 func (Resumed) Name() string { return "resumed" }
 
 func (Resumed) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
-	return r.Resume && r.Record != nil, nil
+	return (r.Resume || r.Snapshot != nil) && r.Record != nil, nil
 }
 
 func (s Resumed) Do(ctx context.Context, r *vmrun.Run) error {

@@ -14,6 +14,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/guestinit"
 	"github.com/syscode-labs/imp/internal/runsecret"
@@ -44,6 +45,32 @@ type Meta struct {
 	Endpoint string `json:"endpoint,omitempty"`
 	// Ports are the ports the run forwards at its endpoint (spec.ports at its start).
 	Ports []impv1.VMPort `json:"ports,omitempty"`
+	// Restore, for a run restored from a snapshot, is where its guest stands in taking on its
+	// own identity.
+	Restore *Restored `json:"restore,omitempty"`
+}
+
+// Restored is a run restored from a snapshot.
+type Restored struct {
+	// Snapshot is the ImpVMSnapshot's name, SnapshotUID its uid.
+	Snapshot    string    `json:"snapshot"`
+	SnapshotUID types.UID `json:"snapshotUID"`
+	// Token is the snapshot's guest channel token, which the guest holds until it took on
+	// the run's own (Done).
+	Token string `json:"token"`
+	// Done: the guest took on the run's identity (Meta.Token, its MAC, address, hostname and
+	// configuration).
+	Done bool `json:"done,omitempty"`
+}
+
+// Status is what every report of the run says: its instance and run, its endpoint and ports,
+// and the snapshot it was restored from.
+func (m *Meta) Status() impv1.RuntimeStatus {
+	rt := impv1.RuntimeStatus{Instance: m.Instance, Run: m.Run, Endpoint: m.Endpoint, Ports: m.Ports}
+	if m.Restore != nil {
+		rt.RestoredFrom = m.Restore.Snapshot
+	}
+	return rt
 }
 
 // ReadMeta reads the meta of the VM whose state directory is dir.
@@ -104,6 +131,8 @@ type Run struct {
 	Resume bool
 	// BaseDisk is the image's base disk, for a resume (a boot's comes with Image).
 	BaseDisk string
+	// Snapshot is the snapshot a restore starts the run from (nil: a boot or resume).
+	Snapshot *Snapshot
 
 	// Made by the steps, in order.
 	Image      *Image
@@ -149,4 +178,13 @@ type Stop struct {
 	// DrainUntil is when the guest of a VM with an endpoint is asked to stop: its endpoint is
 	// terminating from the stop's start, and the proxies have this long to stop using it.
 	DrainUntil time.Time
+}
+
+// Snapshot is a node-local snapshot a run is restored from.
+type Snapshot struct {
+	// Name is the ImpVMSnapshot's.
+	Name     string
+	Manifest *snapshot.Manifest
+	// State and Disk are its memory and device state, and its writable disk.
+	State, Disk string
 }

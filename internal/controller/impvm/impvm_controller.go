@@ -345,6 +345,14 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		s.schedReason, s.schedMsg = impv1.ReasonInvalidSpec, err.Error()
 		return reconcile.TerminalError(err)
 	}
+	snapNode := ""
+	if vm.Spec.SnapshotRef != nil {
+		node, ok, err := r.restoreSource(ctx, s, &res)
+		if !ok || err != nil {
+			return err
+		}
+		snapNode = node
+	}
 	for k, v := range vm.Spec.NodeSelector {
 		if errs := append(validation.IsQualifiedName(k), validation.IsValidLabelValue(v)...); len(errs) > 0 {
 			s.schedReason, s.schedMsg = impv1.ReasonInvalidSpec, fmt.Sprintf("nodeSelector %s=%s: %v", k, v, errs)
@@ -381,6 +389,9 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 
 	// Node.
 	nodes := r.candidates()
+	if snapNode != "" {
+		nodes = onlyNode(nodes, snapNode) // the node holding the snapshot
+	}
 	start := r.Clock.Now()
 	node, err := r.Ledger.Place(vm.UID, placement.Request{
 		VCPUs:       int64(res.VCPUs),

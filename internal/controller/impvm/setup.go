@@ -50,6 +50,12 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 			}
 			return []string{vm.Spec.NetworkRef.Name}
 		},
+		indexSnapshot: func(vm *impv1.ImpVM) []string {
+			if vm.Spec.SnapshotRef == nil {
+				return nil
+			}
+			return []string{vm.Spec.SnapshotRef.Name}
+		},
 		indexUnplaced: func(vm *impv1.ImpVM) []string {
 			if vm.Status.NodeName == "" && !isTerminal(vm.Status.Phase) && vm.DeletionTimestamp.IsZero() {
 				return []string{"true"}
@@ -80,6 +86,8 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		// A suspension has its VM's name: the request is the VM's.
 		Watches(&impv1.ImpVMSuspension{}, &handler.EnqueueRequestForObject{}).
 		Watches(&impv1.ImpNetwork{}, handler.EnqueueRequestsFromMapFunc(r.forNetwork)).
+		// A snapshot Ready: the VMs waiting to start from it.
+		Watches(&impv1.ImpVMSnapshot{}, handler.EnqueueRequestsFromMapFunc(r.forSnapshot)).
 		// A quota raised or removed: the namespace's waiting VMs may fit; a suspension it
 		// held back may go ahead.
 		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.forQuota)).

@@ -14,6 +14,12 @@
 //	tool-tty          prints "tty COLSxROWS" when its stdin is a terminal, else "no tty"
 //	tool-touch PATH   creates PATH; tool-rm PATH removes it
 //	tool-absent PATH  exits 0 when PATH does not exist, else 1 (a probe's command)
+//	tool-env NAME     prints $NAME (as the run's configuration stands: exec gets it)
+//	tool-read PATH    prints the file at PATH
+//	tool-dial ADDR    prints what a TCP connection to ADDR first says
+//	tool-ifaces       prints each non-loopback interface: "NAME MAC ADDR/BITS..."
+//	counter counts in memory, one every 100 ms from 0, until SIGTERM; serves TCP on :7000
+//	        ("count N host H": the count and the host name as they are when asked)
 //	web     serves HTTP until SIGTERM on :8080 (GET / answers "hello from <host name>", GET
 //	        /healthz 200, or 503 while /dev/imp-unready exists) and on :8081 ("undeclared")
 //	stubborn prints a line a second and ignores SIGTERM
@@ -34,6 +40,7 @@ import (
 	"os/signal"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -103,6 +110,19 @@ func main() {
 		<-term
 		fmt.Println("hello: terminating")
 		os.Exit(0)
+	case "counter":
+		var n atomic.Int64
+		go func() {
+			for range time.Tick(100 * time.Millisecond) {
+				n.Add(1)
+			}
+		}()
+		go serveCount(&n)
+		term := make(chan os.Signal, 1)
+		signal.Notify(term, syscall.SIGTERM)
+		<-term
+		fmt.Println("hello: terminating")
+		os.Exit(0)
 	case "child":
 		return
 	default:
@@ -149,6 +169,42 @@ func tool(name string, args []string) int {
 			return 1
 		}
 		return 0
+	case "tool-env":
+		fmt.Println(os.Getenv(args[0]))
+		return 0
+	case "tool-read":
+		b, err := os.ReadFile(args[0])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Print(string(b))
+		return 0
+	case "tool-dial":
+		c, err := net.DialTimeout("tcp", args[0], 3*time.Second)
+		if err != nil {
+			fmt.Println("error:", err)
+			return 1
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+		line, _ := bufio.NewReader(c).ReadString('\n')
+		fmt.Print(line)
+		return 0
+	case "tool-ifaces":
+		ifs, _ := net.Interfaces()
+		for _, i := range ifs {
+			if i.Flags&net.FlagLoopback != 0 {
+				continue
+			}
+			addrs, _ := i.Addrs()
+			fmt.Print(i.Name, " ", i.HardwareAddr)
+			for _, a := range addrs {
+				fmt.Print(" ", a)
+			}
+			fmt.Println()
+		}
+		return 0
 	case "tool-tty":
 		ws, err := unix.IoctlGetWinsize(0, unix.TIOCGWINSZ)
 		if err != nil {
@@ -160,6 +216,24 @@ func tool(name string, args []string) int {
 	}
 	fmt.Fprintln(os.Stderr, "unknown tool", name)
 	return 127
+}
+
+// serveCount answers each connection on :7000 with the count and the host name as they are.
+func serveCount(n *atomic.Int64) {
+	l, err := net.Listen("tcp", ":7000")
+	if err != nil {
+		fmt.Println("hello: count:", err)
+		return
+	}
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		host, _ := os.Hostname()
+		fmt.Fprintf(c, "count %d host %s\n", n.Load(), host)
+		c.Close()
+	}
 }
 
 // echoTCP echoes every connection to addr.

@@ -3,6 +3,7 @@ package qemu
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -154,30 +155,61 @@ func Suspend(dir string, timeout time.Duration) error {
 	if _, err := q.Execute("stop", nil); err != nil {
 		return err
 	}
-	fail := func(err error) error {
-		_, _ = q.Execute("migrate_cancel", nil)
-		if _, cerr := q.Execute("cont", nil); cerr != nil {
-			return fmt.Errorf("%w; and resuming the guest failed: %v", err, cerr)
-		}
-		return err
-	}
 	state := filepath.Join(dir, StateFile)
 	_ = os.Remove(state)
 	out, err := os.OpenFile(state, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
-		return fail(fmt.Errorf("creating the state file: %w", err))
+		return q.resumeAfter(fmt.Errorf("creating the state file: %w", err))
 	}
 	defer out.Close()
+	if err := q.save(out); err != nil {
+		return q.resumeAfter(err)
+	}
+	_, _ = q.Execute("quit", nil)
+	return nil
+}
+
+// Snapshot pauses the guest, writes its memory and device state to state (a file the agent
+// opened; QEMU gets its descriptor), calls whilePaused (which copies the writable disk, so that
+// memory and disk are of one instant) and runs the guest on. It returns how long the guest was
+// paused. Whatever fails, the guest runs on.
+func Snapshot(dir string, state *os.File, whilePaused func() error, timeout time.Duration) (time.Duration, error) {
+	q, err := DialQMP(dir, 10*time.Second)
+	if err != nil {
+		return 0, err
+	}
+	defer q.Close()
+	_ = q.conn.SetDeadline(time.Now().Add(timeout))
+	// Unbounded bandwidth: the guest is paused, every second of the copy is a second of pause.
+	if _, err := q.Execute("migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}); err != nil {
+		return 0, err
+	}
+	paused := time.Now()
+	if _, err := q.Execute("stop", nil); err != nil {
+		return 0, err
+	}
+	err = q.save(state)
+	if err == nil && whilePaused != nil {
+		err = whilePaused()
+	}
+	if _, cerr := q.Execute("cont", nil); cerr != nil {
+		return time.Since(paused), errors.Join(err, fmt.Errorf("resuming the guest: %w", cerr))
+	}
+	return time.Since(paused), err
+}
+
+// save writes the stopped guest's memory and device state to out.
+func (q *QMP) save(out *os.File) error {
 	if err := q.SendFD("imp-state", out); err != nil {
-		return fail(err)
+		return err
 	}
 	if _, err := q.Execute("migrate", map[string]any{"uri": "fd:imp-state"}); err != nil {
-		return fail(err)
+		return err
 	}
 	for {
 		raw, err := q.Execute("query-migrate", nil)
 		if err != nil {
-			return fail(err)
+			return err
 		}
 		var st struct {
 			Status    string `json:"status"`
@@ -186,13 +218,22 @@ func Suspend(dir string, timeout time.Duration) error {
 		_ = json.Unmarshal(raw, &st)
 		switch st.Status {
 		case "completed":
-			_, _ = q.Execute("quit", nil)
 			return nil
 		case "failed", "cancelled":
-			return fail(fmt.Errorf("saving the VM's state: %s %s", st.Status, st.ErrorDesc))
+			_, _ = q.Execute("migrate_cancel", nil)
+			return fmt.Errorf("saving the VM's state: %s %s", st.Status, st.ErrorDesc)
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// resumeAfter runs the stopped guest again after err.
+func (q *QMP) resumeAfter(err error) error {
+	_, _ = q.Execute("migrate_cancel", nil)
+	if _, cerr := q.Execute("cont", nil); cerr != nil {
+		return fmt.Errorf("%w; and resuming the guest failed: %v", err, cerr)
+	}
+	return err
 }
 
 // ResumeIncoming waits for a VMM started with Spec.Incoming to load its state, then runs the
@@ -230,4 +271,29 @@ func ResumeIncoming(dir string, timeout time.Duration) error {
 		_, err = q.Execute("cont", nil)
 		return err
 	}
+}
+
+// Continue runs the guest of the VM in dir on if it is paused (a snapshot's pause that an agent
+// did not see through); a guest that runs, or is being loaded, is left as it is.
+func Continue(dir string) error {
+	q, err := DialQMP(dir, 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	raw, err := q.Execute("query-status", nil)
+	if err != nil {
+		return err
+	}
+	var st struct {
+		Status string `json:"status"`
+	}
+	_ = json.Unmarshal(raw, &st)
+	switch st.Status {
+	case "running", "inmigrate", "shutdown", "internal-error", "guest-panicked":
+		return nil
+	}
+	_, _ = q.Execute("migrate_cancel", nil)
+	_, err = q.Execute("cont", nil)
+	return err
 }

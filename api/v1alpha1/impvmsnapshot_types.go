@@ -1,0 +1,167 @@
+package v1alpha1
+
+import (
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+)
+
+// SnapshotFinalizer holds an ImpVMSnapshot until its node confirmed its files are gone (or the
+// node is gone).
+const SnapshotFinalizer = "imp.dev/snapshot"
+
+// SnapshotPhase is where an ImpVMSnapshot is in its life.
+// +kubebuilder:validation:Enum=Pending;Taking;Ready;Failed
+type SnapshotPhase string
+
+const (
+	// SnapshotPending: waiting for its VM to run on a node.
+	SnapshotPending SnapshotPhase = "Pending"
+	// SnapshotTaking: the node is saving the VM's memory, devices and disk.
+	SnapshotTaking SnapshotPhase = "Taking"
+	// SnapshotReady: the snapshot is on its node and VMs may start from it.
+	SnapshotReady SnapshotPhase = "Ready"
+	// SnapshotFailed: it could not be taken (the reason says why); the VM kept running.
+	SnapshotFailed SnapshotPhase = "Failed"
+)
+
+// Reasons of an ImpVMSnapshot, and of a VM that names one (spec.snapshotRef).
+const (
+	// ReasonSnapshotVMNotFound: spec.vmName names no ImpVM of the snapshot's namespace.
+	ReasonSnapshotVMNotFound = "VMNotFound"
+	// ReasonSnapshotVMNotRunning: the VM does not run (nor is it suspended) on a node.
+	ReasonSnapshotVMNotRunning = "VMNotRunning"
+	// ReasonSnapshotTakeFailed: the node could not save the VM; it kept running.
+	ReasonSnapshotTakeFailed = "SnapshotFailed"
+	// ReasonSnapshotNotFound: the VM's snapshotRef names no ImpVMSnapshot of its namespace
+	// (a snapshot of another namespace cannot be named).
+	ReasonSnapshotNotFound = "SnapshotNotFound"
+	// ReasonSnapshotNotReady: the VM's snapshot is not Ready yet (it waits) or failed.
+	ReasonSnapshotNotReady = "SnapshotNotReady"
+	// ReasonSnapshotIncompatible: the snapshot cannot run as this VM or on this node: another
+	// VMM, kernel, CPU, size or device set than it was taken with.
+	ReasonSnapshotIncompatible = "SnapshotIncompatible"
+	// ReasonSnapshotNodeLost: the only node holding the snapshot is gone.
+	ReasonSnapshotNodeLost = "SnapshotNodeLost"
+	// ReasonRestoreFailed: the node could not start the VM from its snapshot.
+	ReasonRestoreFailed = "RestoreFailed"
+)
+
+// SnapshotReadyCondition is True once a snapshot is on its node, ready to start VMs from.
+const SnapshotReadyCondition = "Ready"
+
+// ImpVMSnapshotSpec names the VM to snapshot.
+type ImpVMSnapshotSpec struct {
+	// vmName is the ImpVM of this namespace to snapshot, while it runs (paused for the time
+	// it takes to save its memory, devices and writable disk) or while suspended.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	VMName string `json:"vmName"`
+}
+
+// SnapshotSource is what a snapshot was taken of and with: a VM restoring it must match.
+type SnapshotSource struct {
+	// vmUID is the UID of the VM snapshotted.
+	VMUID types.UID `json:"vmUID"`
+	// image is the image its base disk was built from, by digest (repository@sha256:...).
+	Image string `json:"image"`
+	// vmm is the VMM kind it ran under, and vmmVersion its version.
+	VMM        VMMKind `json:"vmm"`
+	VMMVersion string  `json:"vmmVersion,omitempty"`
+	// vcpus, memory and diskSize are the VM's resources: a VM restoring it gets them.
+	VCPUs    int32             `json:"vcpus"`
+	Memory   resource.Quantity `json:"memory"`
+	DiskSize resource.Quantity `json:"diskSize"`
+	// network says whether the VM had a network interface: a VM restoring it must have one
+	// too (or none).
+	Network bool `json:"network,omitempty"`
+}
+
+// ImpVMSnapshotStatus is what the operator and the snapshot's node report.
+type ImpVMSnapshotStatus struct {
+	// phase is Pending, Taking, Ready or Failed.
+	// +optional
+	Phase SnapshotPhase `json:"phase,omitempty"`
+	// nodeName is the node holding the snapshot's files (its VM's node when taken).
+	// +optional
+	NodeName string `json:"nodeName,omitempty"`
+	// source is what was snapshotted: the VM, its image, VMM and resources.
+	// +optional
+	Source *SnapshotSource `json:"source,omitempty"`
+	// takenAt is when the VM was paused for it.
+	// +optional
+	TakenAt *metav1.Time `json:"takenAt,omitempty"`
+	// pauseMilliseconds is how long the VM was paused to take it (0 for a suspended VM).
+	// +optional
+	PauseMilliseconds int64 `json:"pauseMilliseconds,omitempty"`
+	// size is the space its files take on the node: memory and device state, and the
+	// writable disk (allocated bytes).
+	// +optional
+	Size *resource.Quantity `json:"size,omitempty"`
+	// filesRemoved: the node removed its files (the object is being deleted).
+	// +optional
+	FilesRemoved bool `json:"filesRemoved,omitempty"`
+	// reason and message say why it is Pending or Failed.
+	// +optional
+	Reason string `json:"reason,omitempty"`
+	// +optional
+	// +kubebuilder:validation:MaxLength=4096
+	Message string `json:"message,omitempty"`
+	// conditions: Ready.
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// ImpVMSnapshot is a snapshot of one VM of its namespace: its memory, device state and
+// writable disk, on the node where it ran. VMs of the same namespace start from it
+// (spec.snapshotRef) by restoring instead of booting, each with its own identity. It holds the
+// tenant's memory: its files are the agent's alone (0600, outside every VMM's jail), never
+// restored in another namespace, and removed when it is deleted.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=impsnap,categories=imp
+// +kubebuilder:selectablefield:JSONPath=`.status.nodeName`
+// +kubebuilder:validation:XValidation:rule="self.spec == oldSelf.spec",message="an ImpVMSnapshot's spec is immutable: take a new snapshot"
+// +kubebuilder:printcolumn:name="VM",type=string,JSONPath=`.spec.vmName`
+// +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.status.nodeName`
+// +kubebuilder:printcolumn:name="Size",type=string,JSONPath=`.status.size`
+// +kubebuilder:printcolumn:name="Pause-ms",type=integer,JSONPath=`.status.pauseMilliseconds`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type ImpVMSnapshot struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +required
+	Spec ImpVMSnapshotSpec `json:"spec"`
+	// +optional
+	Status ImpVMSnapshotStatus `json:"status,omitempty"`
+}
+
+// ImpVMSnapshotList is a list of ImpVMSnapshots.
+//
+// +kubebuilder:object:root=true
+type ImpVMSnapshotList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []ImpVMSnapshot `json:"items"`
+}
+
+// SnapshotReference names an ImpVMSnapshot of the VM's own namespace.
+type SnapshotReference struct {
+	// name of the ImpVMSnapshot.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	Name string `json:"name"`
+}
+
+func init() {
+	SchemeBuilder.Register(&ImpVMSnapshot{}, &ImpVMSnapshotList{})
+}

@@ -1,0 +1,303 @@
+package agent_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/guestsession"
+	"github.com/syscode-labs/imp/internal/testcluster"
+	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testnetns"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+// TestSnapshotRestore: a running VM whose workload counts in memory is snapshotted; two new
+// VMs naming the snapshot come up restored, not booted: the count carries on from the
+// snapshot's, and each has its own address, MAC, hostname, Secret value (rotated after the
+// snapshot), guest channel token and random stream, its own disk writes, and reaches the other
+// over their network; the source ran on throughout. A VM of another namespace cannot name the
+// snapshot, nor one asking for another VMM; a snapshot whose files say they were taken on
+// another host (kernel) is refused by the node; a deleted snapshot's files go, and a VM naming
+// it then waits with SnapshotNotFound.
+func TestSnapshotRestore(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns, other := c.Namespace(t), c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	node := testnetns.New(t, "imp-n-"+sfx)
+	nodeName := "imp-snap-" + sfx
+	readyNode(t, c, nodeName)
+	startOperator(t, c)
+	stateDir := filepath.Join(tmp, "state")
+	ag := startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: testnetns.PinDir(t)})
+	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.94.0.0/24"}}); err != nil {
+		t.Fatal(err)
+	}
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "greeting"}, StringData: map[string]string{"value": "before"}}
+	if err := c.Client.Create(ctx, secret); err != nil {
+		t.Fatal(err)
+	}
+	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}
+	newVM := func(name string) *impv1.ImpVM {
+		vm := w.vm(name, "counter")
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+		vm.Spec.Env = []impv1.EnvVar{{Name: "GREETING", ValueFrom: &impv1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
+			LocalObjectReference: corev1.LocalObjectReference{Name: "greeting"}, Key: "value"}}}}
+		return vm
+	}
+	g := NewWithT(t)
+	ready := func(name string) func() string {
+		return func() string {
+			v := w.get(name)
+			if v == nil || v.Status.Runtime == nil {
+				return "absent"
+			}
+			c := meta.FindStatusCondition(v.Status.Conditions, impv1.ReadyCondition)
+			if c == nil || c.Status != metav1.ConditionTrue {
+				return fmt.Sprintf("%s %+v", v.Status.Phase, *v.Status.Runtime)
+			}
+			return "ready"
+		}
+	}
+	try := func(name string, args ...string) (string, error) {
+		v := w.get(name)
+		s, err := ag.Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
+		if err != nil {
+			return "", err
+		}
+		var out bytes.Buffer
+		ctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		if err := s.Exec(ctx, guestsession.ExecOptions{Command: append([]string{"/bin/hello"}, args...), Stdout: &out, Stderr: &out}); err != nil {
+			return "", fmt.Errorf("exec %v in %s: %w: %s", args, name, err, out.String())
+		}
+		return strings.TrimSpace(out.String()), nil
+	}
+	exec := func(name string, args ...string) string {
+		t.Helper()
+		out, err := try(name, args...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	count := func(name string) (int, string) {
+		t.Helper()
+		f := strings.Fields(exec(name, "tool-dial", "127.0.0.1:7000")) // count N host H
+		if len(f) != 4 {
+			t.Fatalf("%s's counter said %q", name, f)
+		}
+		n, _ := strconv.Atoi(f[1])
+		return n, f[3]
+	}
+
+	if err := c.Client.Create(ctx, newVM("src")); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(ready("src")).WithTimeout(10 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal("ready"))
+	g.Eventually(func() string { out, _ := try("src", "tool-dial", "127.0.0.1:7000"); return out }).WithTimeout(time.Minute).Should(HavePrefix("count "))
+	g.Eventually(func() int { n, _ := count("src"); return n }).WithTimeout(time.Minute).Should(BeNumerically(">=", 30))
+	atSnapshot, _ := count("src")
+
+	snap := &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "snap"}, Spec: impv1.ImpVMSnapshotSpec{VMName: "src"}}
+	if err := c.Client.Create(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
+	getSnap := func() *impv1.ImpVMSnapshot {
+		s := &impv1.ImpVMSnapshot{}
+		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "snap"}, s); err != nil {
+			return nil
+		}
+		return s
+	}
+	g.Eventually(func() impv1.SnapshotPhase { return getSnap().Status.Phase }).WithTimeout(3*time.Minute).Should(Equal(impv1.SnapshotReady), func() string {
+		return fmt.Sprintf("%+v", getSnap().Status)
+	})
+	snap = getSnap()
+	st := snap.Status
+	t.Logf("snapshot of a %s guest: paused %d ms, %s on the node", st.Source.Memory.String(), st.PauseMilliseconds, st.Size)
+	if st.NodeName != nodeName || st.Source == nil || st.Source.VMM != impv1.VMMQEMU || !strings.Contains(st.Source.Image, "@sha256:") ||
+		st.Size == nil || st.Size.Value() == 0 || st.PauseMilliseconds <= 0 || !st.Source.Network {
+		t.Errorf("snapshot status %+v", st)
+	}
+	// The files are the agent's alone, outside every jail.
+	dir := filepath.Join(stateDir, "snapshots", string(snap.UID))
+	for _, f := range []string{snapshot.StateFile, snapshot.DiskFile, snapshot.ManifestFile} {
+		fi, err := os.Stat(filepath.Join(dir, f))
+		if err != nil || fi.Mode().Perm() != 0o600 || fi.Sys().(*syscall.Stat_t).Uid != 0 {
+			t.Errorf("snapshot file %s: %v %v", f, fi, err)
+		}
+	}
+
+	secret.StringData = map[string]string{"value": "after"}
+	if err := c.Client.Update(ctx, secret); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"copy-a", "copy-b"} {
+		vm := newVM(name)
+		vm.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "snap"}
+		if err := c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range []string{"copy-a", "copy-b"} {
+		g.Eventually(ready(name)).WithTimeout(5 * time.Minute).WithPolling(50 * time.Millisecond).Should(Equal("ready"))
+	}
+	src, a, b := w.get("src"), w.get("copy-a"), w.get("copy-b")
+	for _, v := range []*impv1.ImpVM{a, b} {
+		rt := v.Status.Runtime
+		if rt.RestoredFrom != "snap" || v.Status.Resources.Memory.Cmp(st.Source.Memory) != 0 {
+			t.Errorf("%s: restoredFrom %q, resources %+v", v.Name, rt.RestoredFrom, v.Status.Resources)
+		}
+		// Restored, not booted: the count carries on, and the workload never started again.
+		n, hostName := count(v.Name)
+		if n < atSnapshot || hostName != v.Name {
+			t.Errorf("%s: count %d (the source had %d before the snapshot), host name %q", v.Name, n, atSnapshot, hostName)
+		}
+		if con := w.console(v); strings.Contains(con, "hello from imp") {
+			t.Errorf("%s booted its workload anew:\n%s", v.Name, con)
+		}
+		// Its own Secret value, address and MAC.
+		if got := exec(v.Name, "tool-env", "GREETING"); got != "after" {
+			t.Errorf("%s: GREETING %q, want the rotated value", v.Name, got)
+		}
+		ifaces := exec(v.Name, "tool-ifaces")
+		if !strings.Contains(ifaces, " "+v.Status.IP+"/24") || strings.Contains(ifaces, " "+src.Status.IP+"/") || v.Status.IP == src.Status.IP {
+			t.Errorf("%s (address %s; the source's %s): interfaces %q", v.Name, v.Status.IP, src.Status.IP, ifaces)
+		}
+		if srcIfaces := exec("src", "tool-ifaces"); strings.Fields(srcIfaces)[1] == strings.Fields(ifaces)[1] {
+			t.Errorf("%s has the source's MAC: %q, %q", v.Name, ifaces, srcIfaces)
+		}
+	}
+	if got := exec("src", "tool-env", "GREETING"); got != "before" {
+		t.Errorf("the source's GREETING %q", got)
+	}
+	// Each copy's random stream is its own.
+	uuids := func(name string) string {
+		var out []string
+		for range 3 {
+			out = append(out, exec(name, "tool-read", "/proc/sys/kernel/random/uuid"))
+		}
+		return strings.Join(out, " ")
+	}
+	if ua, ub := uuids("copy-a"), uuids("copy-b"); ua == ub || strings.Fields(ua)[0] == strings.Fields(ub)[0] {
+		t.Errorf("the copies' random streams agree: %s / %s", ua, ub)
+	}
+	// Their own channel tokens, neither the snapshot's.
+	tokens := map[string]bool{}
+	for _, v := range []*impv1.ImpVM{src, a, b} {
+		data, err := os.ReadFile(filepath.Join(stateDir, "vms", string(v.UID), "meta.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m vmrun.Meta
+		_ = json.Unmarshal(data, &m)
+		tokens[m.Token] = true
+	}
+	if len(tokens) != 3 {
+		t.Errorf("the source and its copies share a guest channel token")
+	}
+	// Their own disks; and they reach each other over their network.
+	exec("copy-a", "tool-touch", "/written-by-a")
+	if out := exec("copy-b", "tool-absent", "/written-by-a"); out != "" {
+		t.Errorf("copy-b sees copy-a's write: %q", out)
+	}
+	if got := exec("copy-a", "tool-dial", b.Status.IP+":7000"); !strings.HasSuffix(got, " host copy-b") {
+		t.Errorf("copy-a → copy-b: %q", got)
+	}
+	if got := exec("copy-b", "tool-dial", a.Status.IP+":7000"); !strings.HasSuffix(got, " host copy-a") {
+		t.Errorf("copy-b → copy-a: %q", got)
+	}
+	// The source ran on throughout: one run, counting on.
+	if n, _ := count("src"); n <= atSnapshot || w.get("src").Status.RestartCount != 0 || ready("src")() != "ready" {
+		t.Errorf("the source after the copies: count %d (was %d), status %+v", n, atSnapshot, w.get("src").Status)
+	}
+
+	// Refusals, each with its reason on the VM's status.
+	scheduled := func(namespace, name string) string {
+		v := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: namespace, Name: name}, v); err != nil {
+			return err.Error()
+		}
+		if c := meta.FindStatusCondition(v.Status.Conditions, impv1.ScheduledCondition); c != nil {
+			return c.Reason
+		}
+		return "none"
+	}
+	elsewhere := newVM("thief")
+	elsewhere.Namespace, elsewhere.Spec.NetworkRef, elsewhere.Spec.Env = other, nil, nil
+	elsewhere.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "snap"}
+	fc := newVM("fc")
+	fc.Spec.VMM, fc.Spec.SnapshotRef = impv1.VMMFirecracker, &impv1.SnapshotReference{Name: "snap"}
+	for _, v := range []*impv1.ImpVM{elsewhere, fc} {
+		if err := c.Client.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g.Eventually(func() string { return scheduled(other, "thief") }).WithTimeout(time.Minute).Should(Equal(impv1.ReasonSnapshotNotFound))
+	g.Eventually(func() string { return scheduled(ns, "fc") }).WithTimeout(time.Minute).Should(Equal(impv1.ReasonSnapshotIncompatible))
+
+	// The node refuses a snapshot taken on another host (here: its files say another kernel).
+	manifest := filepath.Join(dir, snapshot.ManifestFile)
+	orig, _ := os.ReadFile(manifest)
+	var m snapshot.Manifest
+	_ = json.Unmarshal(orig, &m)
+	m.Host.Kernel = strings.Repeat("0", 64)
+	tampered, _ := json.Marshal(m)
+	if err := os.WriteFile(manifest, tampered, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	odd := newVM("odd")
+	odd.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "snap"}
+	if err := c.Client.Create(ctx, odd); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string {
+		if rt := w.get("odd").Status.Runtime; rt != nil {
+			return rt.Reason + ": " + rt.Message
+		}
+		return ""
+	}).WithTimeout(2 * time.Minute).Should(HavePrefix(impv1.ReasonSnapshotIncompatible + ": ImpVMSnapshot snap: the snapshot's guest kernel"))
+
+	// Deleted: its files go, and a VM naming it waits with the reason.
+	if err := c.Client.Delete(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(getSnap).WithTimeout(time.Minute).Should(BeNil())
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("the deleted snapshot's files: %v", err)
+	}
+	late := newVM("late")
+	late.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "snap"}
+	if err := c.Client.Create(ctx, late); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string { return scheduled(ns, "late") }).WithTimeout(time.Minute).Should(Equal(impv1.ReasonSnapshotNotFound))
+	// The copies run on without it.
+	if n, _ := count("copy-a"); n <= atSnapshot {
+		t.Errorf("copy-a after its snapshot went: count %d", n)
+	}
+}

@@ -1,0 +1,216 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/guestchan"
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots/status,verbs=get;patch
+
+var (
+	snapshotPauseSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "imp_agent_snapshot_pause_seconds", Help: "Time a running VM was paused to take its snapshot.",
+		Buckets: prometheus.ExponentialBuckets(0.01, 2, 12)})
+	snapshotFailures = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "imp_agent_snapshot_failures_total", Help: "Snapshots that could not be taken (their VMs ran on)."})
+)
+
+func init() { metrics.Registry.MustRegister(snapshotPauseSeconds, snapshotFailures) }
+
+// snapshotter takes the ImpVMSnapshots the operator gave this node and removes their files when
+// they are deleted. It only ever writes a snapshot's status.
+type snapshotter struct{ a *Agent }
+
+// Reconcile takes, or removes, one snapshot of this node.
+func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	a := s.a
+	snap := &impv1.ImpVMSnapshot{}
+	if err := a.Client.Get(ctx, req.NamespacedName, snap); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if snap.Status.NodeName != a.Opts.NodeName {
+		return ctrl.Result{}, nil
+	}
+	if !snap.DeletionTimestamp.IsZero() {
+		if snap.Status.FilesRemoved {
+			return ctrl.Result{}, nil
+		}
+		if err := a.snapshots.Remove(snap.UID); err != nil {
+			return ctrl.Result{}, fmt.Errorf("removing the files of ImpVMSnapshot %s: %w", snap.Name, err)
+		}
+		return ctrl.Result{}, s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) { st.FilesRemoved = true })
+	}
+	switch snap.Status.Phase {
+	case impv1.SnapshotReady, impv1.SnapshotFailed:
+		return ctrl.Result{}, nil
+	case impv1.SnapshotTaking:
+		// An agent stopped while taking it: its VM may be left paused. It runs on first.
+		if err := s.unpause(ctx, snap); err != nil {
+			return ctrl.Result{}, err
+		}
+	}
+	return ctrl.Result{}, s.take(ctx, snap)
+}
+
+// take snapshots the VM: a running one paused for the time it takes, a suspended one from its
+// saved state. A snapshot that cannot be taken fails with its reason; the VM runs on.
+func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
+	a := s.a
+	vm, m, running, why := s.source(ctx, snap)
+	if why != "" {
+		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMNotRunning, errors.New(why))
+	}
+	if err := s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
+		st.Phase, st.Reason, st.Message = impv1.SnapshotTaking, "", "saving the VM's memory, devices and disk"
+	}); err != nil {
+		return err
+	}
+	host, err := a.snapshotHost(m.VMM)
+	if err != nil {
+		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
+	}
+	tmp, err := a.snapshots.Begin(snap.UID)
+	if err != nil {
+		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
+	}
+	taken := time.Now()
+	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp)
+	if err != nil {
+		_ = a.snapshots.Remove(snap.UID)
+		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
+	}
+	image, err := a.imageByDigest(vm.Spec.Image, m.Digest)
+	if err != nil {
+		_ = a.snapshots.Remove(snap.UID)
+		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
+	}
+	res := vm.Status.Resources
+	man := &snapshot.Manifest{Namespace: snap.Namespace, Name: snap.Name, UID: snap.UID, VMUID: vm.UID, Host: host,
+		Image: image, VCPUs: res.VCPUs, MemoryMiB: res.Memory.Value() >> 20, DiskBytes: res.DiskSize.Value(),
+		Network: vm.Spec.NetworkRef != nil, Session: m.Session, Token: m.Token, Taken: taken, Pause: pause}
+	if err := a.snapshots.Commit(tmp, man); err != nil {
+		_ = a.snapshots.Remove(snap.UID)
+		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
+	}
+	if running {
+		snapshotPauseSeconds.Observe(pause.Seconds())
+	}
+	size, err := a.snapshots.Size(snap.UID)
+	if err != nil {
+		return err
+	}
+	t := metav1.NewTime(taken)
+	if err := s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
+		st.Phase, st.Reason = impv1.SnapshotReady, ""
+		st.Message = fmt.Sprintf("taken of VM %s on node %s", vm.Name, a.Opts.NodeName)
+		st.TakenAt, st.PauseMilliseconds, st.Size = &t, pause.Milliseconds(), resource.NewQuantity(size, resource.BinarySI)
+		st.Source = &impv1.SnapshotSource{VMUID: vm.UID, Image: man.Image, VMM: m.VMM, VMMVersion: host.VMMVersion,
+			VCPUs: res.VCPUs, Memory: res.Memory.DeepCopy(), DiskSize: res.DiskSize.DeepCopy(), Network: man.Network}
+		apimeta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.SnapshotReadyCondition, Status: metav1.ConditionTrue,
+			Reason: string(impv1.SnapshotReady), Message: st.Message, ObservedGeneration: snap.Generation})
+	}); err != nil {
+		return err
+	}
+	a.Recorder.Eventf(vm, snap, corev1.EventTypeNormal, "Snapshotted", "Snapshot", "ImpVMSnapshot %s taken (%s; the VM was paused %v)",
+		snap.Name, resource.NewQuantity(size, resource.BinarySI), pause.Round(time.Millisecond))
+	return nil
+}
+
+// source is the snapshot's VM on this node, its meta and whether it runs (else it is
+// suspended), or why there is none to take.
+func (s snapshotter) source(ctx context.Context, snap *impv1.ImpVMSnapshot) (*impv1.ImpVM, *meta, bool, string) {
+	a := s.a
+	vm := &impv1.ImpVM{}
+	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
+		return nil, nil, false, fmt.Sprintf("ImpVM %s: %v", snap.Spec.VMName, err)
+	}
+	rt, st := vm.Status.Runtime, vm.Status
+	if st.NodeName != a.Opts.NodeName || rt == nil || st.Resources == nil || !vm.DeletionTimestamp.IsZero() {
+		return nil, nil, false, fmt.Sprintf("ImpVM %s does not run on node %s", vm.Name, a.Opts.NodeName)
+	}
+	dir := a.vmDir(vm.UID)
+	m, err := readMeta(dir)
+	if err != nil || m.Instance != st.Instance || m.Run != st.RestartCount {
+		return nil, nil, false, fmt.Sprintf("ImpVM %s has no current run on node %s", vm.Name, a.Opts.NodeName)
+	}
+	rec, _ := vmm.ReadRecord(dir)
+	switch {
+	case rt.State == impv1.RuntimeRunning && rec != nil && rec.Alive() && rt.GuestReady:
+		return vm, m, true, ""
+	case rt.State == impv1.RuntimeSuspended && a.driver(string(m.VMM)).saved(vm, dir, m):
+		return vm, m, false, ""
+	}
+	return nil, nil, false, fmt.Sprintf("ImpVM %s is neither running with its guest ready nor suspended (%s)", vm.Name, rt.State)
+}
+
+// unpause runs on the VM of a snapshot whose taking an agent did not see through.
+func (s snapshotter) unpause(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
+	a := s.a
+	vm := &impv1.ImpVM{}
+	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	dir := a.vmDir(vm.UID)
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() && rec.Kind == string(impv1.VMMQEMU) {
+		if err := qemu.Continue(dir); err != nil {
+			return fmt.Errorf("running on VM %s after a snapshot left unfinished: %w", vm.Name, err)
+		}
+	}
+	return nil
+}
+
+func (s snapshotter) fail(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *impv1.ImpVM, reason string, err error) error {
+	snapshotFailures.Inc()
+	msg := guestchan.Sanitize(err.Error())
+	if vm != nil {
+		s.a.Recorder.Eventf(vm, snap, corev1.EventTypeWarning, reason, "Snapshot", "ImpVMSnapshot %s failed; the VM runs on: %s", snap.Name, msg)
+	}
+	return s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
+		st.Phase, st.Reason, st.Message = impv1.SnapshotFailed, reason, msg
+		apimeta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.SnapshotReadyCondition, Status: metav1.ConditionFalse,
+			Reason: reason, Message: msg, ObservedGeneration: snap.Generation})
+	})
+}
+
+// patch changes the snapshot's status with change, as a merge patch.
+func (s snapshotter) patch(ctx context.Context, snap *impv1.ImpVMSnapshot, change func(*impv1.ImpVMSnapshotStatus)) error {
+	orig := snap.DeepCopy()
+	change(&snap.Status)
+	if err := s.a.Client.Status().Patch(ctx, snap, client.MergeFrom(orig)); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return fmt.Errorf("reporting ImpVMSnapshot %s: %w", snap.Name, err)
+	}
+	return nil
+}
+
+// imageByDigest is image's repository at digest.
+func (a *Agent) imageByDigest(image, digest string) (string, error) {
+	ref, err := name.ParseReference(image, a.nameOptions(image)...)
+	if err != nil {
+		return "", err
+	}
+	return ref.Context().Digest(digest).String(), nil
+}

@@ -1,0 +1,167 @@
+// Package impvmsnapshot is the operator's half of ImpVMSnapshots: it holds each with a finalizer,
+// gives it to its VM's node (status.nodeName) once the VM runs or is suspended there, where the
+// node's agent takes it, and lets it go once that node removed its files or is gone.
+package impvmsnapshot
+
+import (
+	"context"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch;update;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots/finalizers,verbs=update
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
+
+// indexVM indexes ImpVMSnapshots by the VM they are of.
+const indexVM = "spec.vmName"
+
+// Reconciler is the operator's ImpVMSnapshot controller.
+type Reconciler struct {
+	Client client.Client
+}
+
+// Reconcile holds, assigns or releases one snapshot.
+func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	snap := &impv1.ImpVMSnapshot{}
+	if err := r.Client.Get(ctx, req.NamespacedName, snap); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if !snap.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, r.release(ctx, snap)
+	}
+	if !controllerutil.ContainsFinalizer(snap, impv1.SnapshotFinalizer) {
+		patch := client.MergeFromWithOptions(snap.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		controllerutil.AddFinalizer(snap, impv1.SnapshotFinalizer)
+		if err := r.Client.Patch(ctx, snap, patch); err != nil {
+			return ctrl.Result{}, fmt.Errorf("holding ImpVMSnapshot %s: %w", snap.Name, err)
+		}
+	}
+	if snap.Status.NodeName != "" {
+		return ctrl.Result{}, nil // the node's agent has it
+	}
+	vm := &impv1.ImpVM{}
+	err := r.Client.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm)
+	switch {
+	case apierrors.IsNotFound(err):
+		return ctrl.Result{}, r.pending(ctx, snap, "", impv1.ReasonSnapshotVMNotFound, fmt.Sprintf("ImpVM %q does not exist in namespace %s", snap.Spec.VMName, snap.Namespace))
+	case err != nil:
+		return ctrl.Result{}, fmt.Errorf("getting ImpVM %s: %w", snap.Spec.VMName, err)
+	}
+	rt := vm.Status.Runtime
+	if vm.Status.NodeName == "" || rt == nil || (rt.State != impv1.RuntimeRunning && rt.State != impv1.RuntimeSuspended) || !vm.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, r.pending(ctx, snap, "", impv1.ReasonSnapshotVMNotRunning, fmt.Sprintf("ImpVM %s neither runs nor is suspended on a node: the snapshot is taken once it does", vm.Name))
+	}
+	// Its node's agent takes it from here.
+	return ctrl.Result{}, r.pending(ctx, snap, vm.Status.NodeName, "", fmt.Sprintf("to be taken on node %s", vm.Status.NodeName))
+}
+
+// pending writes the snapshot's phase Pending, with the node it is given to ("" for none yet).
+func (r *Reconciler) pending(ctx context.Context, snap *impv1.ImpVMSnapshot, node, reason, msg string) error {
+	orig := snap.DeepCopy()
+	snap.Status.Phase, snap.Status.NodeName, snap.Status.Reason, snap.Status.Message = impv1.SnapshotPending, node, reason, msg
+	condReason := reason
+	if condReason == "" {
+		condReason = string(impv1.SnapshotPending)
+	}
+	meta.SetStatusCondition(&snap.Status.Conditions, metav1.Condition{Type: impv1.SnapshotReadyCondition, Status: metav1.ConditionFalse,
+		Reason: condReason, Message: msg, ObservedGeneration: snap.Generation})
+	if equalStatus(orig, snap) {
+		return nil
+	}
+	// The optimistic lock: never over an agent's report of the same snapshot.
+	if err := r.Client.Status().Patch(ctx, snap, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		return fmt.Errorf("reporting ImpVMSnapshot %s: %w", snap.Name, err)
+	}
+	return nil
+}
+
+func equalStatus(a, b *impv1.ImpVMSnapshot) bool {
+	return a.Status.Phase == b.Status.Phase && a.Status.NodeName == b.Status.NodeName && a.Status.Reason == b.Status.Reason && a.Status.Message == b.Status.Message
+}
+
+// release lets a deleted snapshot go once nothing of it is left on a node: none was given
+// it, its node removed its files, or its node is gone.
+func (r *Reconciler) release(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
+	if !controllerutil.ContainsFinalizer(snap, impv1.SnapshotFinalizer) {
+		return nil
+	}
+	gone := snap.Status.NodeName == "" || snap.Status.FilesRemoved
+	if !gone {
+		node := &corev1.Node{}
+		err := r.Client.Get(ctx, types.NamespacedName{Name: snap.Status.NodeName}, node)
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("getting node %s: %w", snap.Status.NodeName, err)
+		}
+		gone = apierrors.IsNotFound(err)
+	}
+	if !gone {
+		return nil // its node's agent removes the files, then says so
+	}
+	patch := client.MergeFromWithOptions(snap.DeepCopy(), client.MergeFromWithOptimisticLock{})
+	controllerutil.RemoveFinalizer(snap, impv1.SnapshotFinalizer)
+	if err := client.IgnoreNotFound(r.Client.Patch(ctx, snap, patch)); err != nil {
+		return fmt.Errorf("releasing ImpVMSnapshot %s: %w", snap.Name, err)
+	}
+	return nil
+}
+
+// SetupWithManager registers the controller: snapshots, and the VMs they wait for.
+func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) error {
+	if err := mgr.GetFieldIndexer().IndexField(ctx, &impv1.ImpVMSnapshot{}, indexVM, func(o client.Object) []string {
+		return []string{o.(*impv1.ImpVMSnapshot).Spec.VMName}
+	}); err != nil {
+		return fmt.Errorf("indexing ImpVMSnapshots by VM: %w", err)
+	}
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&impv1.ImpVMSnapshot{}).
+		Named("impvmsnapshot").
+		Watches(&impv1.ImpVM{}, handler.EnqueueRequestsFromMapFunc(r.forVM)).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode)).
+		Complete(r)
+}
+
+// forVM: the snapshots of the VM that wait for it.
+func (r *Reconciler) forVM(ctx context.Context, o client.Object) []reconcile.Request {
+	var list impv1.ImpVMSnapshotList
+	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexVM: o.GetName()}); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "listing the VM's snapshots")
+		return nil
+	}
+	var out []reconcile.Request
+	for i := range list.Items {
+		if list.Items[i].Status.NodeName == "" {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])})
+		}
+	}
+	return out
+}
+
+// forNode: a deleted node's deleted snapshots, which nothing else lets go.
+func (r *Reconciler) forNode(ctx context.Context, o client.Object) []reconcile.Request {
+	var list impv1.ImpVMSnapshotList
+	if err := r.Client.List(ctx, &list); err != nil {
+		return nil
+	}
+	var out []reconcile.Request
+	for i := range list.Items {
+		if s := &list.Items[i]; s.Status.NodeName == o.GetName() && !s.DeletionTimestamp.IsZero() {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(s)})
+		}
+	}
+	return out
+}

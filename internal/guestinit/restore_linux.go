@@ -1,0 +1,234 @@
+package guestinit
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"unsafe"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// live is the run as it stands: the configuration, network and probes of the boot, or of the
+// VM this guest was restored as.
+var live = &liveRun{}
+
+type liveRun struct {
+	mu     sync.Mutex
+	cfg    Config
+	net    *Net
+	pid    int
+	probes context.CancelFunc // stops the probes of the configuration before
+}
+
+func (l *liveRun) config() Config {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.cfg
+}
+
+// configure records the run's configuration and network, as booted.
+func (l *liveRun) configure(cfg Config, n *Net) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.cfg, l.net = cfg, n
+}
+
+// start records the workload, once it runs, and runs the probes.
+func (l *liveRun) start(pid int) {
+	l.mu.Lock()
+	l.pid = pid
+	cfg := l.cfg
+	l.mu.Unlock()
+	l.runProbes(cfg)
+}
+
+// runProbes (re)starts the probes of cfg, stopping those of the configuration before.
+func (l *liveRun) runProbes(cfg Config) {
+	ctx, cancel := context.WithCancel(context.Background())
+	l.mu.Lock()
+	if l.probes != nil {
+		l.probes()
+	}
+	l.probes = cancel
+	pid := l.pid
+	l.mu.Unlock()
+	go runProbes(ctx, cfg, pid)
+}
+
+// restore makes this guest, restored from another VM's snapshot, the VM r describes: the
+// clock, the kernel's random state, its own configuration disk, hostname and network, then
+// the channel's token. The agent's rules drop whatever the guest sends from the snapshot's
+// MAC until then. It answers on the channel with RestoredEvent.
+func (c *channel) restore(r *Restore) {
+	if err := applyRestore(r); err != nil {
+		fmt.Fprintln(os.Stderr, "imp-init: taking on the restored VM's identity:", err)
+		c.send(Message{Event: "error", Message: RestoreErrorPrefix + err.Error()})
+		return
+	}
+	c.retoken(r.Token)
+	c.send(Message{Event: RestoredEvent, Token: r.Token})
+}
+
+func applyRestore(r *Restore) error {
+	if r.UnixNano > 0 {
+		ts := unix.NsecToTimespec(r.UnixNano)
+		if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
+			return fmt.Errorf("stepping the clock: %w", err)
+		}
+	}
+	if err := reseed(r.Entropy); err != nil {
+		return err
+	}
+	cfg, err := rereadConfig()
+	if err != nil {
+		return err
+	}
+	n, err := ParseNet(r.Net)
+	if err != nil {
+		return err
+	}
+	live.mu.Lock()
+	old := live.net
+	live.mu.Unlock()
+	if n != nil && old != nil {
+		if err := moveNet(old, n); err != nil {
+			return fmt.Errorf("moving the network interface to %s %s: %w", n.MAC, n.Address, err)
+		}
+	}
+	if cfg.Hostname != "" {
+		if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+			return fmt.Errorf("setting the hostname: %w", err)
+		}
+	}
+	if n != nil {
+		if err := writeNetFiles(n, cfg.Hostname); err != nil {
+			return err
+		}
+	}
+	live.mu.Lock()
+	live.cfg, live.net = cfg, n
+	live.mu.Unlock()
+	live.runProbes(cfg)
+	return nil
+}
+
+// reseed mixes entropy into the kernel's pool, crediting it, and makes the kernel reseed its
+// generator from the pool at once: the copies of a snapshot draw different numbers from here.
+func reseed(entropy []byte) error {
+	if len(entropy) < 32 {
+		return fmt.Errorf("the host sent %d bytes of entropy, fewer than 32", len(entropy))
+	}
+	f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("opening /dev/urandom: %w", err)
+	}
+	defer f.Close()
+	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+	buf := make([]byte, 8+len(entropy))
+	binary.NativeEndian.PutUint32(buf[0:], uint32(len(entropy)*8))
+	binary.NativeEndian.PutUint32(buf[4:], uint32(len(entropy)))
+	copy(buf[8:], entropy)
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.RNDADDENTROPY, uintptr(unsafe.Pointer(&buf[0]))); errno != 0 {
+		return fmt.Errorf("adding the host's entropy: %w", errno)
+	}
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.RNDRESEEDCRNG, 0); errno != 0 {
+		return fmt.Errorf("reseeding the kernel's generator: %w", errno)
+	}
+	return nil
+}
+
+// rereadConfig reads the configuration disk anew: the restored VM's own, which the agent
+// attached in the place of the snapshot's. The block cache still holds the snapshot's, so it
+// is dropped first.
+func rereadConfig() (Config, error) {
+	devs, _ := filepath.Glob("/dev/vd*")
+	for _, d := range devs {
+		f, err := os.Open(d)
+		if err != nil {
+			continue
+		}
+		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
+		f.Close()
+		switch cfg, err := readConfigDisk(d); {
+		case err == nil:
+			return cfg, nil
+		case !errors.Is(err, ErrNotConfigDisk):
+			return Config{}, fmt.Errorf("configuration disk %s: %w", d, err)
+		}
+	}
+	return Config{}, fmt.Errorf("no configuration disk among %v", devs)
+}
+
+// moveNet moves the interface with old's MAC to n: its MAC, MTU, address and default route.
+// Taking it down drops its neighbours and every address the old identity had.
+func moveNet(old, n *Net) error {
+	oldMAC, err := net.ParseMAC(old.MAC)
+	if err != nil {
+		return err
+	}
+	mac, err := net.ParseMAC(n.MAC)
+	if err != nil {
+		return fmt.Errorf("network interface MAC %q: %w", n.MAC, err)
+	}
+	links, err := netlink.LinkList()
+	if err != nil {
+		return fmt.Errorf("listing network interfaces: %w", err)
+	}
+	var link netlink.Link
+	for _, l := range links {
+		if l.Attrs().HardwareAddr.String() == oldMAC.String() {
+			link = l
+		}
+	}
+	if link == nil {
+		return fmt.Errorf("no network interface with MAC %s", oldMAC)
+	}
+	if err := netlink.LinkSetDown(link); err != nil {
+		return err
+	}
+	if err := netlink.LinkSetHardwareAddr(link, mac); err != nil {
+		return fmt.Errorf("setting the MAC: %w", err)
+	}
+	addrs, err := netlink.AddrList(link, netlink.FAMILY_V4)
+	if err != nil {
+		return err
+	}
+	for i := range addrs {
+		if err := netlink.AddrDel(link, &addrs[i]); err != nil {
+			return fmt.Errorf("removing address %s: %w", addrs[i].IPNet, err)
+		}
+	}
+	return configureNet(n, 0)
+}
+
+// retoken makes token the channel's, and the hello a new host connection is told carries it.
+func (c *channel) retoken(token string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.token = token
+	for i, line := range c.history {
+		var m Message
+		if json.Unmarshal(line, &m) == nil && m.Event == "hello" {
+			m.Token = token
+			if b, err := json.Marshal(m); err == nil {
+				c.history[i] = append(b, '\n')
+			}
+		}
+	}
+	c.probes = nil // the new probes report afresh
+}
+
+// currentToken is the channel's token as it stands.
+func (c *channel) currentToken() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.token
+}
