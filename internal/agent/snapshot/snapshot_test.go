@@ -78,9 +78,9 @@ func TestCompatible(t *testing.T) {
 		"taken under qemu; this node runs the VM under firecracker": func(h *Host) { h.VMM = impv1.VMMFirecracker },
 		"taken under qemu 7.2; this node has 8.0":                   func(h *Host) { h.VMMVersion = "8.0" },
 		"with tcg acceleration; this node has kvm":                  func(h *Host) { h.Accel = "kvm" },
-		"guest kernel":                                              func(h *Host) { h.Kernel = "other" },
-		"initramfs":                                                 func(h *Host) { h.Initramfs = "other" },
-		"another CPU model":                                         func(h *Host) { h.CPU = "other" },
+		"guest kernel":      func(h *Host) { h.Kernel = "other" },
+		"initramfs":         func(h *Host) { h.Initramfs = "other" },
+		"another CPU model": func(h *Host) { h.CPU = "other" },
 	} {
 		o := h
 		change(&o)
