@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot images chart-push
 
 all: build
 
@@ -72,6 +72,9 @@ bench-overhead: ## Memory a QEMU VMM holds beyond its guest's RAM, for guests of
 
 bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 of each.
 	go run ./test/bench/suspend -rounds 5 -memory 256
+
+bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs restored from a snapshot (1 VM, 10 at once); snapshot pause and size.
+	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore)|^(ok|FAIL|---)'
 
 images: ## Build imp-operator and imp-agent without Docker, push to REGISTRY (host:port), print digests.
 	hack/images.sh $(REGISTRY)

@@ -28,6 +28,16 @@ type QuotaResources struct {
 	// +optional
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('0')) >= 0",message="suspendedMemory must not be negative"
 	SuspendedMemory *resource.Quantity `json:"suspendedMemory,omitempty"`
+	// snapshots is the number of ImpVMSnapshots of the namespace that hold files on a node, or
+	// are being taken (a Failed one holds nothing).
+	// +optional
+	// +kubebuilder:validation:Minimum=0
+	Snapshots *int32 `json:"snapshots,omitempty"`
+	// snapshotStorage is the space those snapshots take on their nodes: a snapshot taken counts
+	// its size, one being taken its VM's memory and disk size (what it may take at most).
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('0')) >= 0",message="snapshotStorage must not be negative"
+	SnapshotStorage *resource.Quantity `json:"snapshotStorage,omitempty"`
 }
 
 // PerVMBounds bound the size of each VM of a namespace.
@@ -65,6 +75,8 @@ type QuotaSummary struct {
 	VCPUs  string `json:"vcpus,omitempty"`
 	Memory string `json:"memory,omitempty"`
 	Disk   string `json:"disk,omitempty"`
+	// snapshots is the number of snapshots and the storage they take, used/hard.
+	Snapshots string `json:"snapshots,omitempty"`
 }
 
 // ImpQuotaStatus is what the namespace's VMs hold now.
@@ -96,6 +108,7 @@ type ImpQuotaStatus struct {
 // +kubebuilder:printcolumn:name="vCPUs",type=string,JSONPath=`.status.summary.vcpus`
 // +kubebuilder:printcolumn:name="Memory",type=string,JSONPath=`.status.summary.memory`
 // +kubebuilder:printcolumn:name="Disk",type=string,JSONPath=`.status.summary.disk`
+// +kubebuilder:printcolumn:name="Snapshots",type=string,JSONPath=`.status.summary.snapshots`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImpQuota struct {
 	metav1.TypeMeta   `json:",inline"`

@@ -11,7 +11,7 @@ import (
 const SnapshotFinalizer = "imp.dev/snapshot"
 
 // SnapshotPhase is where an ImpVMSnapshot is in its life.
-// +kubebuilder:validation:Enum=Pending;Taking;Ready;Failed
+// +kubebuilder:validation:Enum=Pending;Taking;Ready;Failed;Scheduled
 type SnapshotPhase string
 
 const (
@@ -23,7 +23,12 @@ const (
 	SnapshotReady SnapshotPhase = "Ready"
 	// SnapshotFailed: it could not be taken (the reason says why); the VM kept running.
 	SnapshotFailed SnapshotPhase = "Failed"
+	// SnapshotScheduled: a recurring snapshot (spec.schedule), which takes none itself.
+	SnapshotScheduled SnapshotPhase = "Scheduled"
 )
+
+// ScheduleLabel is set on each snapshot a recurring one made, to the recurring one's name.
+const ScheduleLabel = "imp.dev/snapshot-schedule"
 
 // Reasons of an ImpVMSnapshot, and of a VM that names one (spec.snapshotRef).
 const (
@@ -45,12 +50,15 @@ const (
 	ReasonSnapshotNodeLost = "SnapshotNodeLost"
 	// ReasonRestoreFailed: the node could not start the VM from its snapshot.
 	ReasonRestoreFailed = "RestoreFailed"
+	// ReasonInvalidSchedule: spec.schedule is no cron expression.
+	ReasonInvalidSchedule = "InvalidSchedule"
 )
 
 // SnapshotReadyCondition is True once a snapshot is on its node, ready to start VMs from.
 const SnapshotReadyCondition = "Ready"
 
-// ImpVMSnapshotSpec names the VM to snapshot.
+// ImpVMSnapshotSpec names the VM to snapshot, once or on a schedule.
+// +kubebuilder:validation:XValidation:rule="!has(self.retention) || has(self.schedule)",message="retention is for a recurring snapshot: set schedule too"
 type ImpVMSnapshotSpec struct {
 	// vmName is the ImpVM of this namespace to snapshot, while it runs (paused for the time
 	// it takes to save its memory, devices and writable disk) or while suspended.
@@ -59,6 +67,21 @@ type ImpVMSnapshotSpec struct {
 	// +kubebuilder:validation:MaxLength=253
 	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	VMName string `json:"vmName"`
+	// schedule makes the snapshot recurring: a cron expression (five fields, as a CronJob's,
+	// in UTC; or @hourly, @daily, ...). It takes none itself: at each time it creates an
+	// ImpVMSnapshot of the VM, named after it and the time, labelled imp.dev/snapshot-schedule
+	// with its name and owned by it (deleting it deletes them). A time missed while the
+	// operator was away is made up once, not once per missed time.
+	// +optional
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=128
+	Schedule string `json:"schedule,omitempty"`
+	// retention is how many of a recurring snapshot's snapshots are kept: the newest that are
+	// Ready; older ones, and failures but the newest, are deleted. Default 3.
+	// +optional
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000
+	Retention *int32 `json:"retention,omitempty"`
 }
 
 // SnapshotSource is what a snapshot was taken of and with: a VM restoring it must match.
@@ -109,6 +132,12 @@ type ImpVMSnapshotStatus struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=4096
 	Message string `json:"message,omitempty"`
+	// lastScheduleTime is the time of a recurring snapshot's newest snapshot, and
+	// nextScheduleTime that of the next.
+	// +optional
+	LastScheduleTime *metav1.Time `json:"lastScheduleTime,omitempty"`
+	// +optional
+	NextScheduleTime *metav1.Time `json:"nextScheduleTime,omitempty"`
 	// conditions: Ready.
 	// +optional
 	// +listType=map

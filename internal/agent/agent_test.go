@@ -189,7 +189,10 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts.Accel, opts.ReportInterval, opts.HeartbeatInterval, opts.VCPUOvercommit, opts.CgroupRoot = "tcg", time.Second, time.Second, 4, cgroup.Root
+	opts.Accel, opts.ReportInterval, opts.HeartbeatInterval, opts.CgroupRoot = "tcg", time.Second, time.Second, cgroup.Root
+	if opts.VCPUOvercommit == 0 {
+		opts.VCPUOvercommit = 4
+	}
 	opts.LocalRegistries = append(opts.LocalRegistries, "127.0.0.1") // the tests' registries
 	if opts.NetNSDir == "" {
 		opts.NetNSDir = testnetns.PinDir(t) // each simulated node its own, never the machine's

@@ -34,7 +34,7 @@ type launchSpec struct {
 	at       hostnet.Attachment
 	net      *guestinit.Net
 	resume   bool
-	// restore is the memory and device state of the snapshot the run is restored from.
+	// restore is the directory, in the node's store, of the snapshot the run is restored from.
 	restore string
 }
 
@@ -99,7 +99,7 @@ func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) 
 		spec.Incoming = filepath.Join(l.dir, qemu.StateFile)
 	}
 	if l.restore != "" {
-		spec.Incoming = l.restore // opened by the agent, passed as a descriptor
+		spec.Incoming = filepath.Join(l.restore, snapshot.StateFile) // opened by the agent, passed as a descriptor
 	}
 	return qemu.Start(spec, l.m.Digest)
 }
@@ -206,7 +206,7 @@ func (d firecrackerDriver) start(ctx context.Context, l launchSpec) (*vmm.Record
 		return firecracker.ResumeSnapshot(ctx, s, l.m.Digest)
 	}
 	if l.restore != "" {
-		return nil, errFirecrackerRestore
+		return firecracker.RestoreSnapshot(ctx, s, filepath.Join(l.restore, firecracker.SnapshotStateFile), filepath.Join(l.restore, firecracker.SnapshotMemFile), l.m.Digest)
 	}
 	return firecracker.Start(ctx, s, l.m.Digest)
 }
@@ -222,11 +222,17 @@ func (d firecrackerDriver) suspend(ctx context.Context, vm *impv1.ImpVM, dir str
 	return firecracker.Suspend(ctx, d.spec(vm, dir, m, "", hostnet.Attachment{}, nil), rec)
 }
 
-// errFirecrackerRestore: snapshots of Firecracker VMs are not built yet (docs/snapshots.md).
-var errFirecrackerRestore = errors.New("restoring a snapshot under Firecracker is not supported yet")
-
-func (firecrackerDriver) snapshot(context.Context, *impv1.ImpVM, string, *meta, bool, string) (time.Duration, error) {
-	return 0, errors.New("snapshots of Firecracker VMs are not supported yet")
+// snapshot: a running VM's state and memory written by Firecracker into its jail, then moved out
+// into the snapshot; a suspended VM's (its jail's suspension files) copied out.
+func (d firecrackerDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, running bool, into string) (time.Duration, error) {
+	s := d.spec(vm, dir, m, "", hostnet.Attachment{}, nil)
+	disk := func() error {
+		return snapshot.CopyDisk(filepath.Join(dir, vmrun.WritableDisk), filepath.Join(into, snapshot.DiskFile))
+	}
+	if !running {
+		return 0, errors.Join(firecracker.CopySuspension(s, into), disk())
+	}
+	return firecracker.TakeSnapshot(ctx, s, into, disk)
 }
 
 // quit sends Ctrl-Alt-Del, on which Firecracker exits with the guest's reset.

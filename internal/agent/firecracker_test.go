@@ -191,6 +191,74 @@ func TestFirecrackerVM(t *testing.T) {
 		}
 	}
 
+	// A snapshot (issue 31): the VM paused, its state and memory written in its jail, moved out
+	// into the node's store (the agent's, 0600), the VM resumed; a VM started from it loads it
+	// in a jail of its own and takes on its own token.
+	if err := w.c.Client.Create(ctx, &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "fc-snap"}, Spec: impv1.ImpVMSnapshotSpec{VMName: "fc"}}); err != nil {
+		t.Fatal(err)
+	}
+	snap := &impv1.ImpVMSnapshot{}
+	g.Eventually(func() impv1.SnapshotPhase {
+		_ = w.c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "fc-snap"}, snap)
+		return snap.Status.Phase
+	}).WithTimeout(time.Minute).Should(Equal(impv1.SnapshotReady), func() string { return fmt.Sprintf("%+v", snap.Status) })
+	if snap.Status.Source.VMM != impv1.VMMFirecracker || !ready() {
+		t.Errorf("snapshot %+v; the source ready: %v", snap.Status, ready())
+	}
+	store := filepath.Join(w.stateDir, "snapshots", string(snap.UID))
+	for _, f := range []string{"vm.state", "vm.mem", "rw.ext4", "manifest.json"} {
+		fi, err := os.Stat(filepath.Join(store, f))
+		if err != nil || fi.Mode().Perm() != 0o600 || fi.Sys().(*syscall.Stat_t).Uid != 0 {
+			t.Errorf("the snapshot's %s: %v %v", f, fi, err)
+		}
+	}
+	for _, f := range []string{"take.state", "take.mem"} {
+		if _, err := os.Stat(filepath.Join(jail, "root", "snapshot", f)); !os.IsNotExist(err) {
+			t.Errorf("the snapshot's %s stays in the source's jail: %v", f, err)
+		}
+	}
+	copyVM := w.vm("fc-copy", "serve")
+	copyVM.Spec.VMM, copyVM.Spec.SnapshotRef = impv1.VMMFirecracker, &impv1.SnapshotReference{Name: "fc-snap"}
+	copyVM.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+	if err := w.c.Client.Create(ctx, copyVM); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string {
+		v := w.get("fc-copy")
+		if v == nil || v.Status.Runtime == nil || !meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition) {
+			return fmt.Sprintf("%+v", v.Status)
+		}
+		return v.Status.Runtime.RestoredFrom
+	}).WithTimeout(3 * time.Minute).Should(Equal("fc-snap"))
+	cv := w.get("fc-copy")
+	copyJail := filepath.Join(w.stateDir, "jail", "firecracker", string(cv.UID), "root")
+	var identity struct {
+		Restore struct {
+			Token   string `json:"token"`
+			Entropy string `json:"entropy"`
+		} `json:"restore"`
+	}
+	data, _ = os.ReadFile(filepath.Join(copyJail, "guest-identity.json"))
+	_ = json.Unmarshal(data, &identity)
+	var cm, sm struct {
+		Token string `json:"token"`
+	}
+	cdata, _ := os.ReadFile(filepath.Join(w.stateDir, "vms", string(cv.UID), "meta.json"))
+	_ = json.Unmarshal(cdata, &cm)
+	sdata, _ := os.ReadFile(filepath.Join(dir, "meta.json"))
+	_ = json.Unmarshal(sdata, &sm)
+	if identity.Restore.Token == "" || identity.Restore.Token != cm.Token || cm.Token == sm.Token || len(identity.Restore.Entropy) < 64 {
+		t.Errorf("the copy's guest took on %s (its meta: token %q; the source's %q)", data, cm.Token, sm.Token)
+	}
+	for _, f := range []string{"load.state", "load.mem"} {
+		if _, err := os.Stat(filepath.Join(copyJail, "snapshot", f)); !os.IsNotExist(err) {
+			t.Errorf("the loaded snapshot's %s stays in the copy's jail: %v", f, err)
+		}
+	}
+	if err := w.c.Client.Delete(ctx, cv); err != nil {
+		t.Fatal(err)
+	}
+
 	v = w.get("fc")
 	if err := w.c.Client.Delete(ctx, v); err != nil {
 		t.Fatal(err)

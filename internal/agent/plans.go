@@ -153,7 +153,7 @@ func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error)
 	}
 	spec := launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume}
 	if r.Snapshot != nil {
-		spec.restore = r.Snapshot.State
+		spec.restore = r.Snapshot.Dir
 	}
 	return l.a.driver(string(r.Meta.VMM)).start(ctx, spec)
 }

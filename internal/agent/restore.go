@@ -100,7 +100,7 @@ func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snaps
 	if err := f.fits(vm, m); err != nil {
 		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s: %w", name, err))
 	}
-	return &vmrun.Snapshot{Name: name, Manifest: m, State: a.snapshots.File(snap.UID, snapshot.StateFile), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile)}, nil
+	return &vmrun.Snapshot{Name: name, Manifest: m, Dir: a.snapshots.Path(snap.UID), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile)}, nil
 }
 
 // fits says why the snapshot m cannot run as vm on this node, or nil: its host (VMM, version,

@@ -47,6 +47,7 @@ type options struct {
 	node     string
 	all      bool
 	message  string
+	wait     bool
 }
 
 // NewCommand is `kubectl imp` writing to out.
@@ -56,7 +57,7 @@ func NewCommand(in io.Reader, out, errOut io.Writer) *cobra.Command {
 		Use:   "kubectl-imp",
 		Short: "Act on IMP microVMs",
 		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, exec,
-port-forward, console, suspend, resume, stop, start and restart. Suspending creates an
+port-forward, console, suspend, resume, snapshot, stop, start and restart. Suspending creates an
 ImpVMSuspension of the VM's name (RBAC grants it apart from editing VMs; the audit log says who);
 resuming deletes it. logs, exec, port-forward and console are the VM's subresources in the API
 group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
@@ -75,6 +76,9 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 		Args: cobra.MaximumNArgs(1), RunE: o.run(o.resume)}
 	resume.Flags().StringVar(&o.node, "node", "", "with --all: the node whose VMs to resume")
 	resume.Flags().BoolVar(&o.all, "all", false, "with --node: resume every VM the pressure lifecycle suspended there")
+	snapshot := &cobra.Command{Use: "snapshot VM [NAME]", Short: "Snapshot a VM (an ImpVMSnapshot: named NAME, or after the VM and the time)",
+		Args: cobra.RangeArgs(1, 2), RunE: o.run(o.snapshot)}
+	snapshot.Flags().BoolVar(&o.wait, "wait", false, "wait until the snapshot is ready (or failed)")
 	a := &accessOptions{}
 	logs := &cobra.Command{Use: "logs NAME [-f]", Short: "Print a VM's console log (its newest part), and follow it with -f", Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -91,7 +95,7 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 	logs.Flags().BoolVar(&a.raw, "raw", false, "print the guest's output as it is: escape sequences included (default: shown, not interpreted)")
 	root.AddCommand(list, logs,
 		&cobra.Command{Use: "status NAME", Short: "Show a VM's state", Args: cobra.ExactArgs(1), RunE: o.run(o.status)},
-		suspend, resume,
+		suspend, resume, snapshot,
 		&cobra.Command{Use: "stop NAME", Short: "Stop a VM (runStrategy Halted); it keeps its disks", Args: cobra.ExactArgs(1), RunE: o.run(o.stop)},
 		&cobra.Command{Use: "start NAME", Short: "Start a stopped VM (its runStrategy before stop)", Args: cobra.ExactArgs(1), RunE: o.run(o.start)},
 		&cobra.Command{Use: "restart NAME", Short: "Restart a VM's workload (a new run on its node)", Args: cobra.ExactArgs(1), RunE: o.run(o.restart)},
@@ -235,10 +239,16 @@ func (o *options) status(ctx context.Context, c client.Client, ns string, args [
 		}
 		fmt.Fprintf(w, "Suspended:\t%s (%s) %s\n", sp.Reason, since, sp.Message)
 	}
+	if rt := st.Runtime; rt != nil && rt.RestoredFrom != "" {
+		fmt.Fprintf(w, "Restored from:\timpvmsnapshot/%s\n", rt.RestoredFrom)
+	}
 	for _, cond := range st.Conditions {
 		fmt.Fprintf(w, "Condition %s:\t%s %s: %s\n", cond.Type, cond.Status, cond.Reason, cond.Message)
 	}
-	return w.Flush()
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	return printSnapshots(ctx, c, o.out, ns, vm.Name)
 }
 
 func (o *options) suspend(ctx context.Context, c client.Client, ns string, args []string) error {

@@ -494,6 +494,11 @@ network:
 	// and port-forward, as a user runs them, through the API server to the node's agent.
 	checkKubectlImp(t, env, tmp, ref.String(), realNode, vmmKind)
 
+	// ## Snapshots (docs/snapshots.md): kubectl imp snapshot, and a VM started from it.
+	if vmmKind == "" || vmmKind == "qemu" {
+		checkSnapshots(t, sh, must, eventually, tmp, realNode, vm)
+	}
+
 	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.
 	checkServices(t, sh, must, eventually, tmp, root, registry, ref.String(), realNode)
 

@@ -31,6 +31,12 @@ func CopyDisk(src, dst string) (err error) {
 			_ = os.Remove(dst)
 		}
 	}()
+	return Copy(in, out)
+}
+
+// Copy copies the open file in into the empty file out: a reflink where the file system shares
+// blocks, else only the extents of in that hold data.
+func Copy(in, out *os.File) error {
 	if unix.IoctlFileClone(int(out.Fd()), int(in.Fd())) == nil {
 		return nil
 	}
@@ -47,14 +53,14 @@ func CopyDisk(src, dst string) (err error) {
 		if errors.Is(err, unix.ENXIO) {
 			break // only a hole is left
 		} else if err != nil {
-			return fmt.Errorf("finding data in %s: %w", src, err)
+			return fmt.Errorf("finding data in %s: %w", in.Name(), err)
 		}
 		hole, err := unix.Seek(int(in.Fd()), data, unix.SEEK_HOLE)
 		if err != nil {
-			return fmt.Errorf("finding a hole in %s: %w", src, err)
+			return fmt.Errorf("finding a hole in %s: %w", in.Name(), err)
 		}
 		if err := copyRange(in, out, data, hole-data); err != nil {
-			return fmt.Errorf("copying %s: %w", src, err)
+			return fmt.Errorf("copying %s: %w", in.Name(), err)
 		}
 		off = hole
 	}

@@ -113,8 +113,12 @@ func (s *Store) Commit(tmp string, m *Manifest) error {
 	if err := os.WriteFile(filepath.Join(tmp, ManifestFile), data, 0o600); err != nil {
 		return fmt.Errorf("writing the snapshot's manifest: %w", err)
 	}
-	for _, f := range []string{StateFile, DiskFile, ManifestFile} {
-		if err := syncPath(filepath.Join(tmp, f)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	entries, err := os.ReadDir(tmp)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if err := syncPath(filepath.Join(tmp, e.Name())); err != nil {
 			return err
 		}
 	}
@@ -165,12 +169,19 @@ func (s *Store) List() ([]types.UID, error) {
 	return out, nil
 }
 
-// Size is the space the snapshot with uid takes on the node (allocated bytes).
+// Size is the space the snapshot with uid takes on the node: the allocated bytes of its files.
 func (s *Store) Size(uid types.UID) (int64, error) {
+	entries, err := os.ReadDir(s.Path(uid))
+	if err != nil {
+		return 0, err
+	}
 	var total int64
-	for _, f := range []string{StateFile, DiskFile, ManifestFile} {
-		n, err := disk.Allocated(s.File(uid, f))
-		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+	for _, e := range entries {
+		if !e.Type().IsRegular() {
+			continue
+		}
+		n, err := disk.Allocated(s.File(uid, e.Name()))
+		if err != nil {
 			return 0, err
 		}
 		total += n

@@ -185,6 +185,6 @@ type Snapshot struct {
 	// Name is the ImpVMSnapshot's.
 	Name     string
 	Manifest *snapshot.Manifest
-	// State and Disk are its memory and device state, and its writable disk.
-	State, Disk string
+	// Dir is its directory in the node's store (its VMM's files), Disk its writable disk.
+	Dir, Disk string
 }

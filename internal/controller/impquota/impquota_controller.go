@@ -21,6 +21,7 @@ import (
 // +kubebuilder:rbac:groups=imp.dev,resources=impquotas,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impquotas/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch
 
 // Reconciler reconciles ImpQuotas.
 type Reconciler struct {
@@ -37,10 +38,16 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.Client.List(ctx, &vms, client.InNamespace(q.Namespace)); err != nil {
 		return ctrl.Result{}, fmt.Errorf("listing the namespace's VMs: %w", err)
 	}
+	var snaps impv1.ImpVMSnapshotList
+	if err := r.Client.List(ctx, &snaps, client.InNamespace(q.Namespace)); err != nil {
+		return ctrl.Result{}, fmt.Errorf("listing the namespace's snapshots: %w", err)
+	}
 	orig := q.DeepCopy()
 	q.Status.ObservedGeneration = q.Generation
 	q.Status.Hard = q.Spec.Hard
 	q.Status.Used = Used(vms.Items)
+	n, storage := UsedBySnapshots(snaps.Items, vms.Items)
+	q.Status.Used.Snapshots, q.Status.Used.SnapshotStorage = &n, &storage
 	q.Status.Summary = summary(q.Status.Used, q.Spec.Hard)
 	if equality.Semantic.DeepEqual(orig.Status, q.Status) {
 		return ctrl.Result{}, nil
@@ -79,6 +86,42 @@ func Used(vms []impv1.ImpVM) impv1.QuotaResources {
 	return impv1.QuotaResources{VMs: &n, VCPUs: &cpus, Memory: &mem, Disk: &disk, SuspendedMemory: &susp}
 }
 
+// UsedBySnapshots is what snaps hold against a quota: those that hold files or are being taken
+// (given to a node, not Failed), with their size once taken, else their VM's memory and disk
+// size (of vms), what they may take at most.
+func UsedBySnapshots(snaps []impv1.ImpVMSnapshot, vms []impv1.ImpVM) (int32, resource.Quantity) {
+	var n int32
+	var storage resource.Quantity
+	storage.Format = resource.BinarySI
+	for i := range snaps {
+		st := &snaps[i].Status
+		if st.NodeName == "" || st.Phase == impv1.SnapshotFailed || st.FilesRemoved {
+			continue
+		}
+		n++
+		if st.Size != nil {
+			storage.Add(*st.Size)
+			continue
+		}
+		storage.Add(SnapshotEstimate(snaps[i].Spec.VMName, vms))
+	}
+	return n, storage
+}
+
+// SnapshotEstimate is the most a snapshot of the VM named vm (of vms) takes: its memory and
+// its disk size.
+func SnapshotEstimate(vm string, vms []impv1.ImpVM) resource.Quantity {
+	var q resource.Quantity
+	q.Format = resource.BinarySI
+	for i := range vms {
+		if vms[i].Name == vm && vms[i].Status.Resources != nil {
+			q.Add(vms[i].Status.Resources.Memory)
+			q.Add(vms[i].Status.Resources.DiskSize)
+		}
+	}
+	return q
+}
+
 func summary(used, hard impv1.QuotaResources) impv1.QuotaSummary {
 	i := func(u, h *int32) string {
 		if h == nil {
@@ -92,7 +135,11 @@ func summary(used, hard impv1.QuotaResources) impv1.QuotaSummary {
 		}
 		return u.String() + "/" + h.String()
 	}
-	return impv1.QuotaSummary{VMs: i(used.VMs, hard.VMs), VCPUs: i(used.VCPUs, hard.VCPUs), Memory: q(used.Memory, hard.Memory), Disk: q(used.Disk, hard.Disk)}
+	s := impv1.QuotaSummary{VMs: i(used.VMs, hard.VMs), VCPUs: i(used.VCPUs, hard.VCPUs), Memory: q(used.Memory, hard.Memory), Disk: q(used.Disk, hard.Disk)}
+	if used.Snapshots != nil && used.SnapshotStorage != nil {
+		s.Snapshots = i(used.Snapshots, hard.Snapshots) + " (" + q(used.SnapshotStorage, hard.SnapshotStorage) + ")"
+	}
+	return s
 }
 
 // SetupWithManager registers the reconciler: a quota is computed again when it changes or any
@@ -102,6 +149,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		For(&impv1.ImpQuota{}).
 		Named("impquota").
 		Watches(&impv1.ImpVM{}, handler.EnqueueRequestsFromMapFunc(r.forVM)).
+		Watches(&impv1.ImpVMSnapshot{}, handler.EnqueueRequestsFromMapFunc(r.forVM)).
 		Complete(r)
 }
 
@@ -119,7 +167,7 @@ func (r *Reconciler) forVM(ctx context.Context, o client.Object) []reconcile.Req
 }
 
 var (
-	usedDesc = prometheus.NewDesc("imp_quota_used", "What the VMs of an ImpQuota's namespace hold, by resource (vms, vcpus, memory and disk in bytes, suspended_memory), from its status.",
+	usedDesc = prometheus.NewDesc("imp_quota_used", "What the VMs and snapshots of an ImpQuota's namespace hold, by resource (vms, vcpus, memory and disk in bytes, suspended_memory, snapshots, snapshot_storage in bytes), from its status.",
 		[]string{"namespace", "quota", "resource"}, nil)
 	hardDesc = prometheus.NewDesc("imp_quota_hard", "An ImpQuota's hard limit, by resource (as imp_quota_used); absent when unbounded.",
 		[]string{"namespace", "quota", "resource"}, nil)
@@ -159,7 +207,10 @@ func values(r impv1.QuotaResources) map[string]float64 {
 	if r.VCPUs != nil {
 		out["vcpus"] = float64(*r.VCPUs)
 	}
-	for name, q := range map[string]*resource.Quantity{"memory": r.Memory, "disk": r.Disk, "suspended_memory": r.SuspendedMemory} {
+	if r.Snapshots != nil {
+		out["snapshots"] = float64(*r.Snapshots)
+	}
+	for name, q := range map[string]*resource.Quantity{"memory": r.Memory, "disk": r.Disk, "suspended_memory": r.SuspendedMemory, "snapshot_storage": r.SnapshotStorage} {
 		if q != nil {
 			out[name] = float64(q.Value())
 		}

@@ -6,12 +6,14 @@ package impvmsnapshot
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
@@ -19,12 +21,14 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/impquota"
 )
 
-// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch;update;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots/status,verbs=get;update;patch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots/finalizers,verbs=update
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impquotas,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 
 // indexVM indexes ImpVMSnapshots by the VM they are of.
@@ -33,6 +37,18 @@ const indexVM = "spec.vmName"
 // Reconciler is the operator's ImpVMSnapshot controller.
 type Reconciler struct {
 	Client client.Client
+	// APIReader lists the namespace's snapshots past the cache, for the quota: the cache may
+	// not have the last one given to a node yet.
+	APIReader client.Reader
+	// Clock is what schedules follow (the real clock when nil).
+	Clock clock.PassiveClock
+}
+
+func (r *Reconciler) clock() clock.PassiveClock {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
 }
 
 // Reconcile holds, assigns or releases one snapshot.
@@ -51,6 +67,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 			return ctrl.Result{}, fmt.Errorf("holding ImpVMSnapshot %s: %w", snap.Name, err)
 		}
 	}
+	if snap.Spec.Schedule != "" {
+		return r.schedule(ctx, snap)
+	}
 	if snap.Status.NodeName != "" {
 		return ctrl.Result{}, nil // the node's agent has it
 	}
@@ -66,8 +85,47 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if vm.Status.NodeName == "" || rt == nil || (rt.State != impv1.RuntimeRunning && rt.State != impv1.RuntimeSuspended) || !vm.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, r.pending(ctx, snap, "", impv1.ReasonSnapshotVMNotRunning, fmt.Sprintf("ImpVM %s neither runs nor is suspended on a node: the snapshot is taken once it does", vm.Name))
 	}
+	if why, err := r.quotaRoom(ctx, snap); err != nil {
+		return ctrl.Result{}, err
+	} else if why != "" {
+		return ctrl.Result{}, r.pending(ctx, snap, "", impv1.ReasonQuotaExceeded, why)
+	}
 	// Its node's agent takes it from here.
 	return ctrl.Result{}, r.pending(ctx, snap, vm.Status.NodeName, "", fmt.Sprintf("to be taken on node %s", vm.Status.NodeName))
+}
+
+// quotaRoom says which ImpQuota of the namespace the snapshot would break, or "": the number
+// of snapshots, and the storage they take with this one counted at its most (its VM's memory
+// and disk size).
+func (r *Reconciler) quotaRoom(ctx context.Context, snap *impv1.ImpVMSnapshot) (string, error) {
+	var quotas impv1.ImpQuotaList
+	if err := r.Client.List(ctx, &quotas, client.InNamespace(snap.Namespace)); err != nil {
+		return "", fmt.Errorf("listing ImpQuotas: %w", err)
+	}
+	if len(quotas.Items) == 0 {
+		return "", nil
+	}
+	var snaps impv1.ImpVMSnapshotList
+	if err := r.APIReader.List(ctx, &snaps, client.InNamespace(snap.Namespace)); err != nil {
+		return "", fmt.Errorf("listing the namespace's snapshots: %w", err)
+	}
+	var vms impv1.ImpVMList
+	if err := r.Client.List(ctx, &vms, client.InNamespace(snap.Namespace)); err != nil {
+		return "", fmt.Errorf("listing the namespace's VMs: %w", err)
+	}
+	others := slices.DeleteFunc(snaps.Items, func(s impv1.ImpVMSnapshot) bool { return s.UID == snap.UID })
+	n, storage := impquota.UsedBySnapshots(others, vms.Items)
+	storage.Add(impquota.SnapshotEstimate(snap.Spec.VMName, vms.Items))
+	for _, q := range quotas.Items {
+		h := q.Spec.Hard
+		if h.Snapshots != nil && n+1 > *h.Snapshots {
+			return fmt.Sprintf("ImpQuota %s allows %d snapshots; the namespace has %d", q.Name, *h.Snapshots, n), nil
+		}
+		if h.SnapshotStorage != nil && storage.Cmp(*h.SnapshotStorage) > 0 {
+			return fmt.Sprintf("ImpQuota %s allows %s of snapshot storage; with this one (at most its VM's memory and disk) the namespace's would take %s", q.Name, h.SnapshotStorage, storage.String()), nil
+		}
+	}
+	return "", nil
 }
 
 // pending writes the snapshot's phase Pending, with the node it is given to ("" for none yet).
@@ -99,6 +157,11 @@ func equalStatus(a, b *impv1.ImpVMSnapshot) bool {
 func (r *Reconciler) release(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
 	if !controllerutil.ContainsFinalizer(snap, impv1.SnapshotFinalizer) {
 		return nil
+	}
+	if snap.Spec.Schedule != "" {
+		if err := r.dropScheduled(ctx, snap); err != nil {
+			return err
+		}
 	}
 	gone := snap.Status.NodeName == "" || snap.Status.FilesRemoved
 	if !gone {
@@ -132,6 +195,11 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) err
 		Named("impvmsnapshot").
 		Watches(&impv1.ImpVM{}, handler.EnqueueRequestsFromMapFunc(r.forVM)).
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.forNode)).
+		// A quota raised, a snapshot gone: the namespace's waiting snapshots may fit.
+		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.waiting)).
+		Watches(&impv1.ImpVMSnapshot{}, handler.EnqueueRequestsFromMapFunc(r.waiting)).
+		// A recurring snapshot's snapshot Ready, failed or gone: its retention.
+		Watches(&impv1.ImpVMSnapshot{}, handler.EnqueueRequestForOwner(mgr.GetScheme(), mgr.GetRESTMapper(), &impv1.ImpVMSnapshot{}, handler.OnlyControllerOwner())).
 		Complete(r)
 }
 
@@ -146,6 +214,21 @@ func (r *Reconciler) forVM(ctx context.Context, o client.Object) []reconcile.Req
 	for i := range list.Items {
 		if list.Items[i].Status.NodeName == "" {
 			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])})
+		}
+	}
+	return out
+}
+
+// waiting: the snapshots of o's namespace that no node was given yet.
+func (r *Reconciler) waiting(ctx context.Context, o client.Object) []reconcile.Request {
+	var list impv1.ImpVMSnapshotList
+	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace())); err != nil {
+		return nil
+	}
+	var out []reconcile.Request
+	for i := range list.Items {
+		if s := &list.Items[i]; s.Status.NodeName == "" && s.DeletionTimestamp.IsZero() {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(s)})
 		}
 	}
 	return out

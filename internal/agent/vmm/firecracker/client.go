@@ -166,6 +166,13 @@ type (
 		SnapshotPath string         `json:"snapshot_path"`
 		MemBackend   *MemoryBackend `json:"mem_backend,omitempty"`
 		ResumeVM     bool           `json:"resume_vm"`
+		// NetworkOverrides move a restored VM's interfaces to its own taps.
+		NetworkOverrides []NetworkOverride `json:"network_overrides,omitempty"`
+	}
+	// NetworkOverride is a snapshot load's new tap for an interface.
+	NetworkOverride struct {
+		IfaceID     string `json:"iface_id"`
+		HostDevName string `json:"host_dev_name"`
 	}
 	// InstanceInfo is GET /.
 	InstanceInfo struct {

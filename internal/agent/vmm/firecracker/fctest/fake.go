@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
 )
 
@@ -75,18 +76,72 @@ func echoConsole(in *os.File, out string) {
 	}
 }
 
-// fakeGuest is the guest end of the vsock channel, as imp-init serves it.
+// fakeGuest is the guest end of the vsock channel, as imp-init serves it: a new connection is
+// told the history; a "replay" request tells it again; a "restore" request with the guest's
+// token makes it take on the new token (its hello says it from then on), writes the request's
+// identity to /guest-identity.json (the jail's root) with the interfaces the VM has, and
+// answers "restored".
 type fakeGuest struct {
+	mu      sync.Mutex
 	history [][]byte
 	conn    net.Conn
+	token   string
+	ifaces  map[string]map[string]any
 }
 
 func (g *fakeGuest) send(m map[string]any) {
 	line, _ := json.Marshal(m)
 	line = append(line, '\n')
-	g.history = append(g.history, line)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if m["event"] != "restored" {
+		g.history = append(g.history, line)
+	}
 	if g.conn != nil {
 		_, _ = g.conn.Write(line)
+	}
+}
+
+// serve answers the requests of connection c.
+func (g *fakeGuest) serve(r *bufio.Reader, c net.Conn) {
+	for {
+		line, err := r.ReadBytes('\n')
+		if err != nil {
+			return
+		}
+		var req struct {
+			Op      string         `json:"op"`
+			Token   string         `json:"token"`
+			Restore map[string]any `json:"restore"`
+		}
+		if json.Unmarshal(line, &req) != nil {
+			continue
+		}
+		g.mu.Lock()
+		ok := req.Token == g.token && g.token != ""
+		g.mu.Unlock()
+		switch {
+		case !ok:
+		case req.Op == "replay":
+			g.mu.Lock()
+			for _, l := range g.history {
+				_, _ = c.Write(l)
+			}
+			g.mu.Unlock()
+		case req.Op == "restore" && req.Restore != nil:
+			g.mu.Lock()
+			newToken, _ := req.Restore["token"].(string)
+			g.token = newToken
+			for i, l := range g.history {
+				if strings.Contains(string(l), `"hello"`) {
+					g.history[i] = []byte(`{"event":"hello","token":"` + newToken + `"}` + "\n")
+				}
+			}
+			id, _ := json.Marshal(map[string]any{"restore": req.Restore, "interfaces": g.ifaces})
+			g.mu.Unlock()
+			_ = os.WriteFile("/guest-identity.json", id, 0o600)
+			g.send(map[string]any{"event": "restored", "token": newToken})
+		}
 	}
 }
 
@@ -102,6 +157,9 @@ func (g *fakeGuest) start(sock string, cfg Config) {
 	if err != nil {
 		return
 	}
+	g.mu.Lock()
+	g.token, g.ifaces = token, cfg.NetIfaces
+	g.mu.Unlock()
 	g.send(map[string]any{"event": "hello", "token": token})
 	g.send(map[string]any{"event": "ready"})
 	go func() {
@@ -110,16 +168,20 @@ func (g *fakeGuest) start(sock string, cfg Config) {
 			if err != nil {
 				return
 			}
-			line, err := bufio.NewReader(c).ReadString('\n')
+			r := bufio.NewReader(c)
+			line, err := r.ReadString('\n')
 			if err != nil || !strings.HasPrefix(line, "CONNECT ") {
 				c.Close()
 				continue
 			}
 			fmt.Fprintf(c, "OK 1073741824\n")
+			g.mu.Lock()
 			g.conn = c
 			for _, l := range g.history {
 				_, _ = c.Write(l)
 			}
+			g.mu.Unlock()
+			go g.serve(r, c)
 		}
 	}()
 }

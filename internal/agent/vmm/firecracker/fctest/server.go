@@ -289,6 +289,18 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			return nil, badRequest("Cannot deserialize the microVM state: %v", err)
 		}
 		c.Logger, c.Metrics = logger, metrics
+		// network_overrides: an interface moved to another tap; one the snapshot lacks is an error.
+		if ovs, ok := obj["network_overrides"].([]any); ok {
+			for _, o := range ovs {
+				ov, _ := o.(map[string]any)
+				id, _ := ov["iface_id"].(string)
+				iface, ok := c.NetIfaces[id]
+				if !ok {
+					return nil, badRequest("Invalid network override: the snapshot has no interface %q", id)
+				}
+				iface["host_dev_name"] = ov["host_dev_name"]
+			}
+		}
 		if err := s.vsockFree(c.Vsock); err != nil {
 			return nil, err
 		}

@@ -1,0 +1,127 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+)
+
+// TestBenchSnapshot is `make bench-snapshot`, skipped otherwise (IMP_BENCH=snapshot): with QEMU
+// guests of 256 MiB under TCG on this node, create → Ready (the guest's workload running, the
+// Ready condition) for cold boots and for restores from a node-local snapshot, one VM at a time
+// and ten at once, P50/P99; the pause of a running VM to snapshot it, and the snapshot's size.
+// It prints each figure beside its target and asserts none.
+func TestBenchSnapshot(t *testing.T) {
+	if os.Getenv("IMP_BENCH") != "snapshot" {
+		t.Skip("a benchmark: make bench-snapshot")
+	}
+	w := newWorld(t, func(o *agent.Options) { o.VCPUOvercommit = 8 })
+	ctx := context.Background()
+	g := NewWithT(t)
+	vm := func(name string, snap string) *impv1.ImpVM {
+		v := w.vm(name, "counter")
+		v.Spec.Resources.Memory = ptr.To(resource.MustParse("256Mi"))
+		if snap != "" {
+			v.Spec.SnapshotRef = &impv1.SnapshotReference{Name: snap}
+		}
+		return v
+	}
+	// createReady creates vms at once and returns each one's create → Ready, then deletes them.
+	createReady := func(vms ...*impv1.ImpVM) []time.Duration {
+		began := time.Now()
+		for _, v := range vms {
+			if err := w.c.Client.Create(ctx, v); err != nil {
+				t.Fatal(err)
+			}
+		}
+		took := map[string]time.Duration{}
+		g.Eventually(func() int {
+			var l impv1.ImpVMList
+			_ = w.c.Client.List(ctx, &l, client.InNamespace(w.ns))
+			for _, v := range l.Items {
+				if _, done := took[v.Name]; !done && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition) {
+					took[v.Name] = time.Since(began)
+				}
+			}
+			return len(took)
+		}).WithTimeout(15*time.Minute).WithPolling(10*time.Millisecond).Should(BeNumerically(">=", len(vms)), "VMs ready")
+		var out []time.Duration
+		for _, v := range vms {
+			out = append(out, took[v.Name])
+			if err := w.c.Client.Delete(ctx, v); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, v := range vms {
+			g.Eventually(func() *impv1.ImpVM { return w.get(v.Name) }).WithTimeout(3 * time.Minute).Should(BeNil())
+		}
+		return out
+	}
+	pct := func(d []time.Duration, p float64) time.Duration {
+		s := slices.Clone(d)
+		slices.Sort(s)
+		return s[int(p*float64(len(s)-1)+0.5)].Round(time.Millisecond)
+	}
+	const rounds = 5
+	var cold, restore []time.Duration
+	for i := range rounds {
+		cold = append(cold, createReady(vm(fmt.Sprintf("cold-%d", i), ""))...)
+	}
+	// The source, and its snapshots: the pause each took.
+	if err := w.c.Client.Create(ctx, vm("src", "")); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("src")
+		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(10 * time.Minute).Should(BeTrue())
+	var pauses []time.Duration
+	var size *resource.Quantity
+	for i := range rounds {
+		name := fmt.Sprintf("snap-%d", i)
+		if err := w.c.Client.Create(ctx, &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMSnapshotSpec{VMName: "src"}}); err != nil {
+			t.Fatal(err)
+		}
+		s := &impv1.ImpVMSnapshot{}
+		g.Eventually(func() impv1.SnapshotPhase {
+			_ = w.c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: name}, s)
+			return s.Status.Phase
+		}).WithTimeout(5 * time.Minute).Should(Equal(impv1.SnapshotReady))
+		pauses, size = append(pauses, time.Duration(s.Status.PauseMilliseconds)*time.Millisecond), s.Status.Size
+	}
+	for i := range rounds {
+		restore = append(restore, createReady(vm(fmt.Sprintf("restored-%d", i), "snap-0"))...)
+	}
+	var ten []*impv1.ImpVM
+	for i := range 10 {
+		ten = append(ten, vm(fmt.Sprintf("restored-ten-%d", i), "snap-0"))
+	}
+	restoreTen := createReady(ten...)
+	ten = ten[:0]
+	for i := range 10 {
+		ten = append(ten, vm(fmt.Sprintf("cold-ten-%d", i), ""))
+	}
+	coldTen := createReady(ten...)
+
+	fmt.Printf("create → Ready, one VM (256 MiB, TCG), %d runs:   cold boot P50 %v P99 %v; restore (node-local) P50 %v P99 %v (target ≤ 290 ms); %.1f× faster (target ≥ 10×)\n",
+		rounds, pct(cold, .5), pct(cold, .99), pct(restore, .5), pct(restore, .99), float64(pct(cold, .5))/float64(pct(restore, .5)))
+	fmt.Printf("create → Ready, ten VMs at once:                cold boot P50 %v P99 %v; restore (node-local) P50 %v P99 %v (target ≤ 3 s P50); %.1f× faster\n",
+		pct(coldTen, .5), pct(coldTen, .99), pct(restoreTen, .5), pct(restoreTen, .99), float64(pct(coldTen, .5))/float64(pct(restoreTen, .5)))
+	fmt.Printf("snapshot of a running 256 MiB guest, %d runs:     pause P50 %v P99 %v (target ≤ 1 s); size %s on the node\n",
+		rounds, pct(pauses, .5), pct(pauses, .99), size)
+	fmt.Printf("restore from the registry:                       not built yet (issue 31's registry transfer)\n")
+}

@@ -1,0 +1,72 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+)
+
+// checkSnapshots snapshots the running VM hello with kubectl imp (docs/snapshots.md), on the
+// real node through the chart's operator and agent, and starts hello-copy from the snapshot: it
+// runs restored, not booted (its console ticks on from the snapshot's count), with its own
+// address and hostname, while hello runs on. Deleting the snapshot and the copy leaves hello.
+func checkSnapshots(t *testing.T, sh func(string) (string, error), must func(string, ...string) string,
+	eventually func(string, time.Duration, func() error), dir, node string, hello map[string]any) {
+	t.Helper()
+	must("kubectl imp -n demo snapshot hello snap1 --wait", "impvmsnapshot/snap1 ready on node "+node)
+	must("kubectl imp -n demo status hello", "Snapshots:", "snap1", "Ready")
+	must("kubectl -n demo get impsnap snap1", "snap1", "hello", "Ready", node)
+
+	data, _ := yaml.Marshal(hello)
+	var cp map[string]any
+	if err := yaml.Unmarshal(data, &cp); err != nil {
+		t.Fatal(err)
+	}
+	cp["metadata"] = map[string]any{"name": "hello-copy", "namespace": "demo"}
+	cp["spec"].(map[string]any)["snapshotRef"] = map[string]any{"name": "snap1"}
+	data, _ = yaml.Marshal(cp)
+	if err := os.WriteFile(filepath.Join(dir, "hello-copy.yaml"), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	must("kubectl -n demo apply -f hello-copy.yaml", "impvm.imp.dev/hello-copy created")
+	var ip string
+	eventually("hello-copy Running and Ready, restored from snap1", 2*time.Minute, func() error {
+		out, err := sh("kubectl -n demo get impvm hello-copy -o jsonpath='{.status.phase} {.status.conditions[?(@.type==\"Ready\")].status} {.status.runtime.restoredFrom} {.status.ip}'")
+		f := strings.Fields(out)
+		if err != nil || len(f) != 4 || f[0] != "Running" || f[1] != "True" || f[2] != "snap1" {
+			return fmt.Errorf("%q %v", out, err)
+		}
+		ip = f[3]
+		return nil
+	})
+	t.Logf("hello-copy Ready %v after its creation, restored from snap1, at %s", time.Since(began).Round(time.Millisecond), ip)
+	helloIP := must("kubectl -n demo get impvm hello -o jsonpath='{.status.ip}'")
+	if ip == strings.TrimSpace(helloIP) {
+		t.Errorf("the copy has the source's address %s", ip)
+	}
+	must("kubectl imp -n demo exec hello-copy -- /bin/hello tool-read /proc/sys/kernel/hostname", "hello-copy")
+	must("kubectl imp -n demo exec hello -- /bin/hello tool-read /proc/sys/kernel/hostname", "hello")
+	// Restored, not booted: the copy's console starts at the snapshot's tick, not at 0.
+	eventually("hello-copy's console ticking on", time.Minute, func() error {
+		out, err := sh("kubectl imp -n demo logs hello-copy")
+		ticks := regexp.MustCompile(`hello: tick (\d+)`).FindAllStringSubmatch(out, -1)
+		if err != nil || len(ticks) == 0 {
+			return fmt.Errorf("%v: %q", err, out)
+		}
+		if first, _ := strconv.Atoi(ticks[0][1]); first == 0 || strings.Contains(out, "hello from imp") {
+			t.Errorf("hello-copy booted anew:\n%s", out)
+		}
+		return nil
+	})
+	must("kubectl -n demo delete impvm hello-copy --timeout=2m", `impvm.imp.dev "hello-copy" deleted`)
+	must("kubectl -n demo delete impsnap snap1 --timeout=1m", `impvmsnapshot.imp.dev "snap1" deleted`)
+	must("kubectl -n demo get impvm hello -o jsonpath='{.status.phase}'", "Running")
+}
