@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -52,6 +53,11 @@ const (
 	ReasonRestoreFailed = "RestoreFailed"
 	// ReasonInvalidSchedule: spec.schedule is no cron expression.
 	ReasonInvalidSchedule = "InvalidSchedule"
+	// ReasonPushFailed: the snapshot could not be pushed to its registry (it is tried again);
+	// it is Ready on its node meanwhile.
+	ReasonPushFailed = "PushFailed"
+	// ReasonRegistrySecretNotFound: spec.registry.secretRef names no Secret of the namespace.
+	ReasonRegistrySecretNotFound = "RegistrySecretNotFound"
 )
 
 // SnapshotReadyCondition is True once a snapshot is on its node, ready to start VMs from.
@@ -82,6 +88,26 @@ type ImpVMSnapshotSpec struct {
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=1000
 	Retention *int32 `json:"retention,omitempty"`
+	// registry, when set, pushes the snapshot once taken to an OCI registry, so that VMs on
+	// other nodes can start from it. Its files are compressed and encrypted with a key of the
+	// snapshot's own (AES-256-GCM, kept in a Secret of IMP's namespace): the registry sees their
+	// names and sizes, not the tenant's memory or disk. A recurring snapshot's snapshots are
+	// pushed too.
+	// +optional
+	Registry *SnapshotRegistry `json:"registry,omitempty"`
+}
+
+// SnapshotRegistry is where a snapshot is pushed.
+type SnapshotRegistry struct {
+	// repository is host[:port]/path; the snapshot is pushed there with its UID as the tag.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=512
+	Repository string `json:"repository"`
+	// secretRef names a kubernetes.io/dockerconfigjson Secret of the snapshot's namespace with
+	// credentials that may push there (and pull, for the nodes that restore it).
+	// +optional
+	SecretRef *corev1.LocalObjectReference `json:"secretRef,omitempty"`
 }
 
 // SnapshotSource is what a snapshot was taken of and with: a VM restoring it must match.
@@ -123,6 +149,9 @@ type ImpVMSnapshotStatus struct {
 	// writable disk (allocated bytes).
 	// +optional
 	Size *resource.Quantity `json:"size,omitempty"`
+	// digest is the snapshot's manifest digest in spec.registry.repository, once pushed.
+	// +optional
+	Digest string `json:"digest,omitempty"`
 	// filesRemoved: the node removed its files (the object is being deleted).
 	// +optional
 	FilesRemoved bool `json:"filesRemoved,omitempty"`
@@ -161,6 +190,7 @@ type ImpVMSnapshotStatus struct {
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.status.nodeName`
 // +kubebuilder:printcolumn:name="Size",type=string,JSONPath=`.status.size`
 // +kubebuilder:printcolumn:name="Pause-ms",type=integer,JSONPath=`.status.pauseMilliseconds`
+// +kubebuilder:printcolumn:name="Digest",type=string,JSONPath=`.status.digest`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type ImpVMSnapshot struct {
 	metav1.TypeMeta   `json:",inline"`

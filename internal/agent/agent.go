@@ -186,6 +186,7 @@ type Agent struct {
 	fetches   *fetches                // images being fetched for a run: a lock of its own
 	snapshots *snapshot.Store         // the node's snapshots (snapshots.go, restore.go)
 	hashes    snapshot.Hashes         // of the guest kernel and initramfs, which snapshots record
+	pulls     snapshotPulls           // snapshots being pulled for restores (transfer.go)
 
 	// The per-VM work under way that the reconcile workers, monitors and deferred reports
 	// share. One lock, mu, guards the four maps below and the allocation of jail uids (which

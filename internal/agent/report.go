@@ -47,6 +47,9 @@ func (s sweeper) Start(ctx context.Context) error {
 		if err := s.a.sweep(ctx); err != nil {
 			ctrl.LoggerFrom(ctx).Error(err, "sweeping VMs no longer on this node")
 		}
+		if err := s.a.sweepSnapshots(ctx); err != nil {
+			ctrl.LoggerFrom(ctx).Error(err, "sweeping snapshots no longer in the cluster")
+		}
 		select {
 		case <-ctx.Done():
 			return nil

@@ -86,8 +86,16 @@ func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snaps
 		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("ImpVMSnapshot %s is being deleted", name))
 	case snap.Status.Phase != impv1.SnapshotReady:
 		return nil, plan.Fail(impv1.ReasonSnapshotNotReady, fmt.Errorf("ImpVMSnapshot %s is not Ready", name))
+	case snap.Status.NodeName != a.Opts.NodeName && (snap.Spec.Registry == nil || snap.Status.Digest == ""):
+		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s is on node %s, not %s, and not pushed to a registry", name, snap.Status.NodeName, a.Opts.NodeName))
 	case snap.Status.NodeName != a.Opts.NodeName:
-		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s is on node %s, not %s", name, snap.Status.NodeName, a.Opts.NodeName))
+		// Another node's, pushed: pulled into this node's store first.
+		if err := a.pulled(vm, snap); err != nil {
+			if errors.Is(err, plan.ErrWait) {
+				return nil, err
+			}
+			return nil, plan.Fail(impv1.ReasonRestoreFailed, err)
+		}
 	}
 	m, err := a.snapshots.Read(snap.UID)
 	if err != nil {

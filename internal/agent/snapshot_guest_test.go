@@ -15,9 +15,11 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
@@ -299,5 +301,142 @@ func TestSnapshotRestore(t *testing.T) {
 	// The copies run on without it.
 	if n, _ := count("copy-a"); n <= atSnapshot {
 		t.Errorf("copy-a after its snapshot went: count %d", n)
+	}
+}
+
+// TestSnapshotAcrossNodes: a snapshot pushed to a registry on 127.0.0.1 (with credentials, from
+// a Secret of the namespace) is restored on another node, which pulls it: its copy carries on
+// the count with its own hostname, beside a copy on the snapshot's own node. The key stays in
+// IMP's namespace; deleting the snapshot removes its key, its node's files and (swept) the other
+// node's pulled copy. (What a registry sees, and one that changes blobs on the way:
+// snapshot.TestPushPull.)
+func TestSnapshotAcrossNodes(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	images := testregistry.Start(t, "", "")
+	testguest.Image(t, images, "hello")
+	snaps := testregistry.Start(t, "pusher", "s3cret")
+	startOperator(t, c)
+	agents := map[string]*agent.Agent{}
+	for _, n := range []string{"a", "b"} {
+		node := "imp-xn-" + n + "-" + sfx
+		readyNode(t, c, node)
+		agents[n] = startAgent(t, c, agent.Options{NodeName: node, StateDir: filepath.Join(tmp, n), Kernel: kernel, Initramfs: initrd})
+	}
+	nodeOf := func(n string) string { return "imp-xn-" + n + "-" + sfx }
+	auth := fmt.Sprintf(`{"auths":{%q:{"username":"pusher","password":"s3cret"}}}`, snaps)
+	if err := c.Client.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "push"}, Type: corev1.SecretTypeDockerConfigJson,
+		Data: map[string][]byte{corev1.DockerConfigJsonKey: []byte(auth)}}); err != nil {
+		t.Fatal(err)
+	}
+	w := &world{c: c, ns: ns, host: images, node: nodeOf("a")}
+	g := NewWithT(t)
+	vmOn := func(name, n, snap string) {
+		v := w.vm(name, "counter")
+		v.Spec.NodeSelector = map[string]string{"imp.test/node": nodeOf(n)}
+		if snap != "" {
+			v.Spec.SnapshotRef = &impv1.SnapshotReference{Name: snap}
+		}
+		if err := c.Client.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ready := func(name string) func() string {
+		return func() string {
+			v := w.get(name)
+			if v == nil || v.Status.Runtime == nil {
+				return "absent"
+			}
+			if !meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition) {
+				return fmt.Sprintf("%s %+v", v.Status.Phase, *v.Status.Runtime)
+			}
+			return "ready on " + v.Status.NodeName
+		}
+	}
+	dial := func(name, n string) string {
+		v := w.get(name)
+		s, err := agents[n].Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
+		if err != nil {
+			return err.Error()
+		}
+		var out bytes.Buffer
+		ctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		_ = s.Exec(ctx, guestsession.ExecOptions{Command: []string{"/bin/hello", "tool-dial", "127.0.0.1:7000"}, Stdout: &out, Stderr: &out})
+		return strings.TrimSpace(out.String())
+	}
+	vmOn("src", "a", "")
+	g.Eventually(ready("src")).WithTimeout(10 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal("ready on " + nodeOf("a")))
+	g.Eventually(func() string { return dial("src", "a") }).WithTimeout(time.Minute).Should(MatchRegexp(`^count ([3-9]\d|\d{3,}) host src$`))
+	atSnapshot, _ := strconv.Atoi(strings.Fields(dial("src", "a"))[1])
+
+	snap := &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "snap"}, Spec: impv1.ImpVMSnapshotSpec{VMName: "src",
+		Registry: &impv1.SnapshotRegistry{Repository: snaps + "/team/snaps", SecretRef: &corev1.LocalObjectReference{Name: "push"}}}}
+	if err := c.Client.Create(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string {
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(snap), snap)
+		return snap.Status.Digest
+	}).WithTimeout(3*time.Minute).Should(HavePrefix("sha256:"), func() string { return fmt.Sprintf("%+v", snap.Status) })
+	t.Logf("snapshot pushed: %s (%s)", snap.Status.Message, snap.Status.Size)
+
+	began := time.Now()
+	vmOn("copy-a", "a", "snap")
+	vmOn("copy-b", "b", "snap")
+	for name, n := range map[string]string{"copy-a": "a", "copy-b": "b"} {
+		g.Eventually(ready(name)).WithTimeout(5 * time.Minute).WithPolling(50 * time.Millisecond).Should(Equal("ready on " + nodeOf(n)))
+		got := dial(name, n)
+		f := strings.Fields(got)
+		if len(f) != 4 || f[3] != name {
+			t.Fatalf("%s: %q", name, got)
+		}
+		if count, _ := strconv.Atoi(f[1]); count < atSnapshot {
+			t.Errorf("%s counts %d, below the snapshot's %d: booted, not restored", name, count, atSnapshot)
+		}
+	}
+	t.Logf("two copies Ready, one from the node-local snapshot and one pulled by the other node: %v", time.Since(began).Round(time.Millisecond))
+	if got := dial("src", "a"); !strings.HasSuffix(got, " host src") {
+		t.Errorf("the source after the copies: %q", got)
+	}
+	// Node b's copy of the snapshot is the agent's alone, as node a's.
+	pulled := filepath.Join(tmp, "b", "snapshots", string(snap.UID))
+	for _, f := range []string{snapshot.StateFile, snapshot.DiskFile, snapshot.ManifestFile} {
+		fi, err := os.Stat(filepath.Join(pulled, f))
+		if err != nil || fi.Mode().Perm() != 0o600 {
+			t.Errorf("node b's %s: %v %v", f, fi, err)
+		}
+	}
+	// The key is IMP's, in its namespace, not the tenant's.
+	var keys corev1.SecretList
+	_ = c.Client.List(ctx, &keys, client.InNamespace(ns))
+	for _, s := range keys.Items {
+		if strings.HasPrefix(s.Name, "imp-snapshot-") {
+			t.Errorf("a snapshot key in the tenant's namespace: %s", s.Name)
+		}
+	}
+
+	// Deleted: its key goes, node a's files go, and node b's pulled copy is swept.
+	if err := c.Client.Delete(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		return apierrors.IsNotFound(c.Client.Get(ctx, client.ObjectKeyFromObject(snap), &impv1.ImpVMSnapshot{}))
+	}).WithTimeout(time.Minute).Should(BeTrue())
+	if _, err := os.Stat(filepath.Join(tmp, "a", "snapshots", string(snap.UID))); !os.IsNotExist(err) {
+		t.Errorf("node a's files of the deleted snapshot: %v", err)
+	}
+	if err := c.Client.Get(ctx, types.NamespacedName{Namespace: "imp-system", Name: "imp-snapshot-" + string(snap.UID)}, &corev1.Secret{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the deleted snapshot's key: %v", err)
+	}
+	if err := agents["b"].SweepSnapshots(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(pulled); !os.IsNotExist(err) {
+		t.Errorf("node b's pulled copy of the deleted snapshot: %v", err)
 	}
 }

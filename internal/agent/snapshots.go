@@ -62,7 +62,12 @@ func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) { st.FilesRemoved = true })
 	}
 	switch snap.Status.Phase {
-	case impv1.SnapshotReady, impv1.SnapshotFailed:
+	case impv1.SnapshotReady:
+		if snap.Spec.Registry != nil && snap.Status.Digest == "" {
+			return ctrl.Result{}, s.push(ctx, snap)
+		}
+		return ctrl.Result{}, nil
+	case impv1.SnapshotFailed:
 		return ctrl.Result{}, nil
 	case impv1.SnapshotTaking:
 		// An agent stopped while taking it: its VM may be left paused. It runs on first.
@@ -134,6 +139,9 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	}
 	a.Recorder.Eventf(vm, snap, corev1.EventTypeNormal, "Snapshotted", "Snapshot", "ImpVMSnapshot %s taken (%s; the VM was paused %v)",
 		snap.Name, resource.NewQuantity(size, resource.BinarySI), pause.Round(time.Millisecond))
+	if snap.Spec.Registry != nil {
+		return s.push(ctx, snap)
+	}
 	return nil
 }
 

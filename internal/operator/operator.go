@@ -125,7 +125,8 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 			return fmt.Errorf("setting up the ImpNode reconciler: %w", err)
 		}
 	}
-	if err := (&impvmsnapshot.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Clock: o.Clock}).SetupWithManager(ctx, mgr); err != nil {
+	if err := (&impvmsnapshot.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Clock: o.Clock,
+		SecretNamespace: cmp.Or(o.VM.RunSecretNamespace, runsecret.DefaultNamespace)}).SetupWithManager(ctx, mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMSnapshot reconciler: %w", err)
 	}
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {

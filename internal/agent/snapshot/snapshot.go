@@ -134,23 +134,37 @@ func (s *Store) Commit(tmp string, m *Manifest) error {
 
 // Read reads the manifest of the snapshot with uid.
 func (s *Store) Read(uid types.UID) (*Manifest, error) {
-	data, err := os.ReadFile(s.File(uid, ManifestFile))
+	m, err := readManifest(s.File(uid, ManifestFile))
+	if err != nil {
+		return nil, err
+	}
+	if m.UID != uid {
+		return nil, fmt.Errorf("the manifest in snapshot %s's directory is of snapshot %s", uid, m.UID)
+	}
+	return m, nil
+}
+
+// readManifest reads the manifest at path (at most 1 MiB of it).
+func readManifest(path string) (*Manifest, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, 1<<20))
 	if err != nil {
 		return nil, err
 	}
 	var m Manifest
 	if err := json.Unmarshal(data, &m); err != nil {
-		return nil, fmt.Errorf("reading the manifest of snapshot %s: %w", uid, err)
-	}
-	if m.UID != uid {
-		return nil, fmt.Errorf("the manifest in snapshot %s's directory is of snapshot %s", uid, m.UID)
+		return nil, fmt.Errorf("reading the snapshot manifest %s: %w", path, err)
 	}
 	return &m, nil
 }
 
 // Remove removes the snapshot with uid, and what a taking of it left.
 func (s *Store) Remove(uid types.UID) error {
-	return errors.Join(os.RemoveAll(s.Path(uid)), os.RemoveAll(s.Path(uid)+".tmp"))
+	return errors.Join(os.RemoveAll(s.Path(uid)), os.RemoveAll(s.Path(uid)+".tmp"), os.RemoveAll(s.Path(uid)+".push"))
 }
 
 // List is the uids of the snapshots in the store, finished or not.
@@ -163,8 +177,13 @@ func (s *Store) List() ([]types.UID, error) {
 		return nil, err
 	}
 	var out []types.UID
+	seen := map[types.UID]bool{}
 	for _, e := range entries {
-		out = append(out, types.UID(strings.TrimSuffix(e.Name(), ".tmp")))
+		uid := types.UID(strings.TrimSuffix(strings.TrimSuffix(e.Name(), ".tmp"), ".push"))
+		if !seen[uid] {
+			seen[uid] = true
+			out = append(out, uid)
+		}
 	}
 	return out, nil
 }

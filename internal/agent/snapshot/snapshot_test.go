@@ -55,7 +55,7 @@ func TestStore(t *testing.T) {
 		t.Fatal(err)
 	}
 	uids, _ := s.List()
-	if len(uids) != 3 {
+	if len(uids) != 2 {
 		t.Errorf("list %v", uids)
 	}
 	if err := s.Remove(other); err != nil {

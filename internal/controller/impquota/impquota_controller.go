@@ -136,7 +136,7 @@ func summary(used, hard impv1.QuotaResources) impv1.QuotaSummary {
 		return u.String() + "/" + h.String()
 	}
 	s := impv1.QuotaSummary{VMs: i(used.VMs, hard.VMs), VCPUs: i(used.VCPUs, hard.VCPUs), Memory: q(used.Memory, hard.Memory), Disk: q(used.Disk, hard.Disk)}
-	if used.Snapshots != nil && used.SnapshotStorage != nil {
+	if used.Snapshots != nil && used.SnapshotStorage != nil && (*used.Snapshots > 0 || hard.Snapshots != nil || hard.SnapshotStorage != nil) {
 		s.Snapshots = i(used.Snapshots, hard.Snapshots) + " (" + q(used.SnapshotStorage, hard.SnapshotStorage) + ")"
 	}
 	return s

@@ -56,6 +56,9 @@ func (r *Reconciler) restoreSource(ctx context.Context, s *scope, res *impv1.Res
 		return "", false, reconcile.TerminalError(fmt.Errorf("%s", s.schedMsg))
 	}
 	res.VCPUs, res.Memory, res.DiskSize, res.VMM = src.VCPUs, src.Memory.DeepCopy(), src.DiskSize.DeepCopy(), src.VMM
+	if snap.Spec.Registry != nil && snap.Status.Digest != "" {
+		return "", true, nil // pushed: any node that runs its VMM pulls it
+	}
 	return snap.Status.NodeName, true, nil
 }
 

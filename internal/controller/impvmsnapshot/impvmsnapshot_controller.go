@@ -5,6 +5,7 @@ package impvmsnapshot
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -22,6 +23,8 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
+	"github.com/syscode-labs/imp/internal/runsecret"
+	"github.com/syscode-labs/imp/internal/snapshotsecret"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch;create;update;patch;delete
@@ -29,6 +32,8 @@ import (
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots/finalizers,verbs=update
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impquotas,verbs=get;list;watch
+// Secrets: its key Secret in IMP's namespace is written under the chart's Role there
+// (imp-operator-run-secrets); a tenant's registry credentials are read as a VM's pull secrets are.
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 
 // indexVM indexes ImpVMSnapshots by the VM they are of.
@@ -42,6 +47,16 @@ type Reconciler struct {
 	APIReader client.Reader
 	// Clock is what schedules follow (the real clock when nil).
 	Clock clock.PassiveClock
+	// SecretNamespace is IMP's namespace, where a pushed snapshot's key Secret lives
+	// (snapshotsecret).
+	SecretNamespace string
+}
+
+func (r *Reconciler) secretNamespace() string {
+	if r.SecretNamespace == "" {
+		return runsecret.DefaultNamespace
+	}
+	return r.SecretNamespace
 }
 
 func (r *Reconciler) clock() clock.PassiveClock {
@@ -89,6 +104,14 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, err
 	} else if why != "" {
 		return ctrl.Result{}, r.pending(ctx, snap, "", impv1.ReasonQuotaExceeded, why)
+	}
+	if snap.Spec.Registry != nil {
+		var missing snapshotsecret.ErrNoCredentials
+		if err := snapshotsecret.Ensure(ctx, r.Client, r.APIReader, r.secretNamespace(), snap); errors.As(err, &missing) {
+			return ctrl.Result{}, r.pending(ctx, snap, "", impv1.ReasonRegistrySecretNotFound, missing.Error()+" in namespace "+snap.Namespace)
+		} else if err != nil {
+			return ctrl.Result{}, err
+		}
 	}
 	// Its node's agent takes it from here.
 	return ctrl.Result{}, r.pending(ctx, snap, vm.Status.NodeName, "", fmt.Sprintf("to be taken on node %s", vm.Status.NodeName))
@@ -174,6 +197,9 @@ func (r *Reconciler) release(ctx context.Context, snap *impv1.ImpVMSnapshot) err
 	}
 	if !gone {
 		return nil // its node's agent removes the files, then says so
+	}
+	if err := snapshotsecret.Delete(ctx, r.Client, r.secretNamespace(), snap.UID); err != nil {
+		return fmt.Errorf("removing the key of ImpVMSnapshot %s: %w", snap.Name, err)
 	}
 	patch := client.MergeFromWithOptions(snap.DeepCopy(), client.MergeFromWithOptimisticLock{})
 	controllerutil.RemoveFinalizer(snap, impv1.SnapshotFinalizer)

@@ -78,7 +78,7 @@ func (r *Reconciler) makeScheduled(ctx context.Context, snap *impv1.ImpVMSnapsho
 			Labels:      map[string]string{impv1.ScheduleLabel: snap.Name},
 			Annotations: map[string]string{scheduledAtAnnotation: strconv.FormatInt(at.Unix(), 10)},
 		},
-		Spec: impv1.ImpVMSnapshotSpec{VMName: snap.Spec.VMName},
+		Spec: impv1.ImpVMSnapshotSpec{VMName: snap.Spec.VMName, Registry: snap.Spec.Registry},
 	}
 	if err := controllerutil.SetControllerReference(snap, child, r.Client.Scheme()); err != nil {
 		return err
