@@ -187,6 +187,7 @@ type Agent struct {
 	snapshots *snapshot.Store         // the node's snapshots (snapshots.go, restore.go)
 	hashes    snapshot.Hashes         // of the guest kernel and initramfs, which snapshots record
 	pulls     snapshotPulls           // snapshots being pulled for restores (transfer.go)
+	taking    sync.Map                // VM UID → a snapshot of it is being taken: a suspension waits
 
 	// The per-VM work under way that the reconcile workers, monitors and deferred reports
 	// share. One lock, mu, guards the four maps below and the allocation of jail uids (which
@@ -280,7 +281,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err := a.networks.setup(mgr); err != nil {
 		return err
 	}
-	if err := ctrl.NewControllerManagedBy(mgr).For(&impv1.ImpVMSnapshot{}).Named("imp-agent-snapshots").Complete(snapshotter{a}); err != nil {
+	// Four at once: a push to a slow registry holds one worker, not every snapshot of the node.
+	if err := ctrl.NewControllerManagedBy(mgr).For(&impv1.ImpVMSnapshot{}).Named("imp-agent-snapshots").
+		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).Complete(snapshotter{a}); err != nil {
 		return err
 	}
 	if err := mgr.Add(reporter{a}); err != nil {
@@ -394,6 +397,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			}
 		}
 		if st.Suspension != nil && !suspendFailed(st.Runtime) {
+			if _, busy := a.taking.Load(vm.UID); busy {
+				return ctrl.Result{RequeueAfter: time.Second}, nil // QEMU saves one state at a time
+			}
 			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
 		}
 		a.ensureMonitor(vm, dir, m, rec) // re-attach after an agent restart
@@ -480,11 +486,7 @@ var errFetching = errors.New("the image is being fetched")
 func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *meta) error {
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: old}
 	defer r.Done()
-	p := a.bootPlan(vm)
-	if restores(vm, old) {
-		p = a.restorePlan(vm)
-	}
-	err := p.Run(ctx, r)
+	err := a.startPlan(vm, restores(vm, old)).Run(ctx, r)
 	var failed *plan.Failed
 	switch {
 	case errors.Is(err, plan.ErrWait):

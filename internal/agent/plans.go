@@ -15,25 +15,37 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
-// bootPlan is the plan of a run that boots, its steps chosen by what the VM asks (a VM on no
-// ImpNetwork has no network step; a node with no pins, no provenance step). Each step that acts
-// is timed in imp_agent_vm_start_step_seconds{step}, and its failpoint is "start/<step>".
-func (a *Agent) bootPlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
+// startPlan is the plan of a run that starts, its steps chosen by what the VM asks: booted, or
+// restored from its snapshot (restore: the snapshot found and checked first, the writable disk a
+// copy of the snapshot's, the VMM started on the snapshot's state, the guest run on and then
+// given its own identity; restore.go); a VM on no ImpNetwork has no network step, a node with no
+// pins no provenance step. Each step that acts is timed in imp_agent_vm_start_step_seconds{step},
+// and its failpoint is "start/<step>".
+func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	var ss []steps.Step
 	if len(a.Opts.Pins) > 0 {
 		ss = append(ss, steps.Provenance{Pins: a.Opts.Pins, Fetches: a.fetches})
 	}
+	ss = append(ss, steps.StateDir{})
+	if restore {
+		ss = append(ss, steps.Snapshot{Snapshots: snapshotFinder{a}})
+	}
 	ss = append(ss,
-		steps.StateDir{},
 		steps.Image{Fetches: a.fetches, Reports: reports{a}, NameOptions: a.nameOptions, FetchWait: fetchWait},
-		steps.ConfigDisk{},
-		steps.WritableDisk{Disks: a.writables},
-		steps.Identity{IDs: identities{a}},
-		steps.Intent{})
+		steps.ConfigDisk{})
+	if restore {
+		ss = append(ss, steps.RestoreDisk{})
+	} else {
+		ss = append(ss, steps.WritableDisk{Disks: a.writables})
+	}
+	ss = append(ss, steps.Identity{IDs: identities{a}}, steps.Intent{})
 	if vm.Spec.NetworkRef != nil {
 		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
 	ss = append(ss, steps.Exec{Launcher: launcher{a}})
+	if restore {
+		ss = append(ss, steps.Resumed{Resumer: launcher{a}}, steps.Reidentify{Guests: guests{a}})
+	}
 	return plan.Plan[*vmrun.Run]{Name: "start", Reason: "StartFailed", Steps: ss, Observe: observeStartStep}
 }
 

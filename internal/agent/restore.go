@@ -22,38 +22,14 @@ import (
 )
 
 // restores reports whether the VM's run starts by restoring its snapshot: a VM with a
-// snapshotRef whose placement has not had a run restored yet. Once one was, later runs boot
-// from the VM's disk, as a restarted machine does.
+// snapshotRef whose placement has not had a run restored yet (none recorded of this placement,
+// or one whose guest never took on its identity). Once one was, later runs of the placement
+// boot from the VM's disk, as a restarted machine does: their meta records no restore.
 func restores(vm *impv1.ImpVM, old *meta) bool {
 	if vm.Spec.SnapshotRef == nil {
 		return false
 	}
-	return old == nil || old.Instance != vm.Status.Instance || old.Restore == nil || !old.Restore.Done
-}
-
-// restorePlan is the plan of a run restored from a snapshot instead of booted: the snapshot
-// found and checked first, the base disk of its image, the run's own configuration disk, a copy
-// of the snapshot's writable disk, the run's identity, network and endpoint, the VMM started on
-// the snapshot's state, the guest run on, and then given its own identity. Its steps are timed
-// and fail at "start/<step>" as the boot plan's.
-func (a *Agent) restorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
-	var ss []steps.Step
-	if len(a.Opts.Pins) > 0 {
-		ss = append(ss, steps.Provenance{Pins: a.Opts.Pins, Fetches: a.fetches})
-	}
-	ss = append(ss,
-		steps.StateDir{},
-		steps.Snapshot{Snapshots: snapshotFinder{a}},
-		steps.Image{Fetches: a.fetches, Reports: reports{a}, NameOptions: a.nameOptions, FetchWait: fetchWait},
-		steps.ConfigDisk{},
-		steps.RestoreDisk{},
-		steps.Identity{IDs: identities{a}},
-		steps.Intent{})
-	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
-	}
-	ss = append(ss, steps.Exec{Launcher: launcher{a}}, steps.Resumed{Resumer: launcher{a}}, steps.Reidentify{Guests: guests{a}})
-	return plan.Plan[*vmrun.Run]{Name: "start", Reason: "StartFailed", Steps: ss, Observe: observeStartStep}
+	return old == nil || old.Instance != vm.Status.Instance || (old.Restore != nil && !old.Restore.Done)
 }
 
 // finishRestorePlan finishes a restore an agent began and did not see through (it stopped
@@ -82,6 +58,8 @@ func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snaps
 		return nil, plan.Retry(err)
 	}
 	switch {
+	case snap.Status.Source == nil && snap.Status.Phase == impv1.SnapshotReady:
+		return nil, plan.Fail(impv1.ReasonSnapshotNotReady, fmt.Errorf("ImpVMSnapshot %s says nothing of what it was taken of", name))
 	case !snap.DeletionTimestamp.IsZero():
 		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("ImpVMSnapshot %s is being deleted", name))
 	case snap.Status.Phase != impv1.SnapshotReady:

@@ -22,6 +22,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
@@ -61,6 +62,14 @@ func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		}
 		return ctrl.Result{}, s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) { st.FilesRemoved = true })
 	}
+	// What to do is decided on what the API server says now: the cache may not have this
+	// agent's last report yet, and a snapshot is taken once.
+	if err := a.APIReader.Get(ctx, req.NamespacedName, snap); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if snap.Status.NodeName != a.Opts.NodeName || !snap.DeletionTimestamp.IsZero() {
+		return ctrl.Result{Requeue: true}, nil
+	}
 	switch snap.Status.Phase {
 	case impv1.SnapshotReady:
 		if snap.Spec.Registry != nil && snap.Status.Digest == "" {
@@ -74,6 +83,9 @@ func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		if err := s.unpause(ctx, snap); err != nil {
 			return ctrl.Result{}, err
 		}
+		if man, err := a.snapshots.Read(snap.UID); err == nil {
+			return ctrl.Result{}, s.ready(ctx, snap, nil, man) // taken, not yet reported
+		}
 	}
 	return ctrl.Result{}, s.take(ctx, snap)
 }
@@ -86,10 +98,11 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	if why != "" {
 		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMNotRunning, errors.New(why))
 	}
-	if err := s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
-		st.Phase, st.Reason, st.Message = impv1.SnapshotTaking, "", "saving the VM's memory, devices and disk"
-	}); err != nil {
-		return err
+	// Taking, with the optimistic lock: of two passes on one version, one takes it.
+	orig := snap.DeepCopy()
+	snap.Status.Phase, snap.Status.Reason, snap.Status.Message = impv1.SnapshotTaking, "", "saving the VM's memory, devices and disk"
+	if err := a.Client.Status().Patch(ctx, snap, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		return fmt.Errorf("reporting ImpVMSnapshot %s taking: %w", snap.Name, err)
 	}
 	host, err := a.snapshotHost(m.VMM)
 	if err != nil {
@@ -100,7 +113,9 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
 	taken := time.Now()
+	a.taking.Store(vm.UID, struct{}{})
 	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp)
+	a.taking.Delete(vm.UID)
 	if err != nil {
 		_ = a.snapshots.Remove(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
@@ -121,24 +136,34 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	if running {
 		snapshotPauseSeconds.Observe(pause.Seconds())
 	}
+	return s.ready(ctx, snap, vm, man)
+}
+
+// ready reports a snapshot taken (its files in the store, described by man) Ready, with an
+// Event on its VM when it has it, and pushes it when it has a registry.
+func (s snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *impv1.ImpVM, man *snapshot.Manifest) error {
+	a := s.a
 	size, err := a.snapshots.Size(snap.UID)
 	if err != nil {
 		return err
 	}
-	t := metav1.NewTime(taken)
+	t := metav1.NewTime(man.Taken)
 	if err := s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
 		st.Phase, st.Reason = impv1.SnapshotReady, ""
-		st.Message = fmt.Sprintf("taken of VM %s on node %s", vm.Name, a.Opts.NodeName)
-		st.TakenAt, st.PauseMilliseconds, st.Size = &t, pause.Milliseconds(), resource.NewQuantity(size, resource.BinarySI)
-		st.Source = &impv1.SnapshotSource{VMUID: vm.UID, Image: man.Image, VMM: m.VMM, VMMVersion: host.VMMVersion,
-			VCPUs: res.VCPUs, Memory: res.Memory.DeepCopy(), DiskSize: res.DiskSize.DeepCopy(), Network: man.Network}
+		st.Message = fmt.Sprintf("taken of VM %s on node %s", snap.Spec.VMName, a.Opts.NodeName)
+		st.TakenAt, st.PauseMilliseconds, st.Size = &t, man.Pause.Milliseconds(), resource.NewQuantity(size, resource.BinarySI)
+		st.Source = &impv1.SnapshotSource{VMUID: man.VMUID, Image: man.Image, VMM: man.Host.VMM, VMMVersion: man.Host.VMMVersion,
+			VCPUs: man.VCPUs, Memory: *resource.NewQuantity(man.MemoryMiB<<20, resource.BinarySI),
+			DiskSize: *resource.NewQuantity(man.DiskBytes, resource.BinarySI), Network: man.Network}
 		apimeta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.SnapshotReadyCondition, Status: metav1.ConditionTrue,
 			Reason: string(impv1.SnapshotReady), Message: st.Message, ObservedGeneration: snap.Generation})
 	}); err != nil {
 		return err
 	}
-	a.Recorder.Eventf(vm, snap, corev1.EventTypeNormal, "Snapshotted", "Snapshot", "ImpVMSnapshot %s taken (%s; the VM was paused %v)",
-		snap.Name, resource.NewQuantity(size, resource.BinarySI), pause.Round(time.Millisecond))
+	if vm != nil {
+		a.Recorder.Eventf(vm, snap, corev1.EventTypeNormal, "Snapshotted", "Snapshot", "ImpVMSnapshot %s taken (%s; the VM was paused %v)",
+			snap.Name, resource.NewQuantity(size, resource.BinarySI), man.Pause.Round(time.Millisecond))
+	}
 	if snap.Spec.Registry != nil {
 		return s.push(ctx, snap)
 	}
@@ -180,10 +205,17 @@ func (s snapshotter) unpause(ctx context.Context, snap *impv1.ImpVMSnapshot) err
 		return client.IgnoreNotFound(err)
 	}
 	dir := a.vmDir(vm.UID)
-	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() && rec.Kind == string(impv1.VMMQEMU) {
-		if err := qemu.Continue(dir); err != nil {
-			return fmt.Errorf("running on VM %s after a snapshot left unfinished: %w", vm.Name, err)
-		}
+	rec, err := vmm.ReadRecord(dir)
+	if err != nil || !rec.Alive() {
+		return nil
+	}
+	if rec.Kind == string(impv1.VMMFirecracker) {
+		err = firecracker.Continue(ctx, a.jailRoot(vm.UID))
+	} else {
+		err = qemu.Continue(dir)
+	}
+	if err != nil {
+		return fmt.Errorf("running on VM %s after a snapshot left unfinished: %w", vm.Name, err)
 	}
 	return nil
 }

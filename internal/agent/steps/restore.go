@@ -3,6 +3,7 @@ package steps
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 
@@ -41,18 +42,29 @@ func (s Snapshot) Do(ctx context.Context, r *vmrun.Run) error {
 }
 
 // RestoreDisk gives the VM its own writable disk, a copy of the snapshot's (sparse, or a reflink
-// where the file system shares blocks), in the place of a fresh one. Once the VM has a disk it
-// is kept, as a booted VM's is.
+// where the file system shares blocks), in the place of whatever disk it had: the snapshot's
+// memory runs on the snapshot's disk and no other (an older disk of the VM under it would be
+// corrupted). A marker beside it (restoredDisk) says which snapshot and placement it is the copy
+// for, so that a plan run again does not copy it twice.
 type RestoreDisk struct{}
+
+// restoredDisk is the marker of RestoreDisk's copy: "<snapshot uid> <instance>".
+const restoredDisk = "rw.restored"
 
 func (RestoreDisk) Name() string { return "restore_disk" }
 
 func (RestoreDisk) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
-	_, err := os.Stat(r.Path(vmrun.WritableDisk))
+	b, err := os.ReadFile(r.Path(restoredDisk))
 	if errors.Is(err, fs.ErrNotExist) {
 		return true, nil
+	} else if err != nil {
+		return false, err
 	}
-	return false, err
+	if string(b) != diskMarker(r) {
+		return true, nil
+	}
+	_, err = os.Stat(r.Path(vmrun.WritableDisk))
+	return errors.Is(err, fs.ErrNotExist), nil
 }
 
 func (RestoreDisk) Do(_ context.Context, r *vmrun.Run) error {
@@ -61,7 +73,14 @@ func (RestoreDisk) Do(_ context.Context, r *vmrun.Run) error {
 	if err := snapshot.CopyDisk(r.Snapshot.Disk, tmp); err != nil {
 		return plan.Fail(impv1.ReasonRestoreFailed, err)
 	}
-	return os.Rename(tmp, r.Path(vmrun.WritableDisk))
+	if err := os.Rename(tmp, r.Path(vmrun.WritableDisk)); err != nil {
+		return err
+	}
+	return os.WriteFile(r.Path(restoredDisk), []byte(diskMarker(r)), 0o600)
+}
+
+func diskMarker(r *vmrun.Run) string {
+	return fmt.Sprintf("%s %d", r.Snapshot.Manifest.UID, r.VM.Status.Instance)
 }
 
 // Guests give a restored guest its own identity.

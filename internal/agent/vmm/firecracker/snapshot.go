@@ -64,28 +64,58 @@ func TakeSnapshot(ctx context.Context, s Spec, into string, whilePaused func() e
 	if err != nil {
 		return pause, err
 	}
-	for src, dst := range map[string]string{jailTakeState: SnapshotStateFile, jailTakeMem: SnapshotMemFile} {
-		if err := moveOut(root, src, filepath.Join(into, dst)); err != nil {
+	for _, f := range []struct {
+		src, dst string
+		max      int64
+	}{{jailTakeState, SnapshotStateFile, maxStateBytes}, {jailTakeMem, SnapshotMemFile, s.MemoryMiB << 20}} {
+		if err := moveOut(root, f.src, filepath.Join(into, f.dst), f.max); err != nil {
 			return pause, err
 		}
 	}
 	return pause, nil
 }
 
+// maxStateBytes bounds a Firecracker VM's device state file.
+const maxStateBytes = 16 << 20
+
 // moveOut copies the file rel of the jail at root to dst, a new file of the agent's, and
 // removes it from the jail.
-func moveOut(root, rel, dst string) error {
-	fd, err := openInJail(root, rel, unix.O_RDONLY)
+func moveOut(root, rel, dst string, max int64) error {
+	if err := copyOut(root, rel, dst, max); err != nil {
+		return err
+	}
+	return removeInJail(root, rel)
+}
+
+// copyOut copies the file rel of the jail at root, which must be a regular file of one link
+// and at most max bytes, to dst, a new file of the agent's. It is opened without blocking: a
+// FIFO the VMM planted holds nothing up.
+func copyOut(root, rel, dst string, max int64) error {
+	fd, err := openInJail(root, rel, unix.O_RDONLY|unix.O_NONBLOCK)
 	if err != nil {
 		return fmt.Errorf("the snapshot's %s in the jail: %w", rel, err)
 	}
 	in := os.NewFile(uintptr(fd), rel)
-	err = copyOwnFile(in, dst)
-	in.Close()
+	defer in.Close()
+	fi, err := in.Stat()
 	if err != nil {
 		return err
 	}
-	return removeInJail(root, rel)
+	if !fi.Mode().IsRegular() || fi.Sys().(*syscall.Stat_t).Nlink != 1 {
+		return fmt.Errorf("%s in the jail is not a file of its own: refused", rel)
+	}
+	if fi.Size() > max {
+		return fmt.Errorf("%s in the jail holds %d bytes, more than the %d it may: refused", rel, fi.Size(), max)
+	}
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return err
+	}
+	if err := snapshot.Copy(in, out); err != nil {
+		out.Close()
+		return fmt.Errorf("copying %s out of the jail: %w", rel, err)
+	}
+	return out.Close()
 }
 
 // RestoreSnapshot starts a fresh VMM in the jail of s (the restored VM's own: its disks, its
@@ -152,37 +182,22 @@ func placeOwned(root, rel, src string, uid, gid int) error {
 // directory into, as TakeSnapshot's files; the suspension stays.
 func CopySuspension(s Spec, into string) error {
 	root := s.ChrootDir()
-	for src, dst := range map[string]string{jailSnapshotState: SnapshotStateFile, jailSnapshotMem: SnapshotMemFile} {
-		fd, err := openInJail(root, src, unix.O_RDONLY)
-		if err != nil {
-			return fmt.Errorf("the suspension's %s in the jail: %w", src, err)
-		}
-		in := os.NewFile(uintptr(fd), src)
-		err = copyOwnFile(in, filepath.Join(into, dst))
-		in.Close()
-		if err != nil {
-			return err
-		}
+	if err := copyOut(root, jailSnapshotState, filepath.Join(into, SnapshotStateFile), maxStateBytes); err != nil {
+		return err
 	}
-	return nil
+	return copyOut(root, jailSnapshotMem, filepath.Join(into, SnapshotMemFile), s.MemoryMiB<<20)
 }
 
-// copyOwnFile copies in, which must be a regular file of one link, into the new file dst.
-func copyOwnFile(in *os.File, dst string) error {
-	fi, err := in.Stat()
+// Continue resumes the VM jailed at root if it is paused (a snapshot's pause that an agent did
+// not see through).
+func Continue(ctx context.Context, root string) error {
+	c := NewJailClient(root)
+	info, err := Info(ctx, c)
 	if err != nil {
 		return err
 	}
-	if !fi.Mode().IsRegular() || fi.Sys().(*syscall.Stat_t).Nlink != 1 {
-		return fmt.Errorf("%s in the jail is not a file of its own: refused", in.Name())
+	if info.State == "Paused" {
+		return Resume(ctx, c)
 	}
-	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
-	if err != nil {
-		return err
-	}
-	if err := snapshot.Copy(in, out); err != nil {
-		out.Close()
-		return fmt.Errorf("copying %s out of the jail: %w", in.Name(), err)
-	}
-	return out.Close()
+	return nil
 }

@@ -192,8 +192,13 @@ func Snapshot(dir string, state *os.File, whilePaused func() error, timeout time
 	if err == nil && whilePaused != nil {
 		err = whilePaused()
 	}
+	// The guest runs on whatever the save and the copy took: a deadline of its own, and a new
+	// connection if this one is done for.
+	_ = q.conn.SetDeadline(time.Now().Add(30 * time.Second))
 	if _, cerr := q.Execute("cont", nil); cerr != nil {
-		return time.Since(paused), errors.Join(err, fmt.Errorf("resuming the guest: %w", cerr))
+		if cerr = Continue(dir); cerr != nil {
+			return time.Since(paused), errors.Join(err, fmt.Errorf("resuming the guest: %w", cerr))
+		}
 	}
 	return time.Since(paused), err
 }
@@ -253,15 +258,11 @@ func ResumeIncoming(dir string, timeout time.Duration) error {
 	defer q.Close()
 	_ = q.conn.SetDeadline(deadline)
 	for {
-		raw, err := q.Execute("query-status", nil)
+		status, err := q.status()
 		if err != nil {
 			return err
 		}
-		var st struct {
-			Status string `json:"status"`
-		}
-		_ = json.Unmarshal(raw, &st)
-		switch st.Status {
+		switch status {
 		case "inmigrate":
 			time.Sleep(20 * time.Millisecond)
 			continue
@@ -281,19 +282,28 @@ func Continue(dir string) error {
 		return err
 	}
 	defer q.Close()
-	raw, err := q.Execute("query-status", nil)
+	status, err := q.status()
 	if err != nil {
 		return err
 	}
-	var st struct {
-		Status string `json:"status"`
-	}
-	_ = json.Unmarshal(raw, &st)
-	switch st.Status {
+	switch status {
 	case "running", "inmigrate", "shutdown", "internal-error", "guest-panicked":
 		return nil
 	}
 	_, _ = q.Execute("migrate_cancel", nil)
 	_, err = q.Execute("cont", nil)
 	return err
+}
+
+// status is the VM's run state (query-status): running, paused, inmigrate, postmigrate, ...
+func (q *QMP) status() (string, error) {
+	raw, err := q.Execute("query-status", nil)
+	if err != nil {
+		return "", err
+	}
+	var st struct {
+		Status string `json:"status"`
+	}
+	_ = json.Unmarshal(raw, &st)
+	return st.Status, nil
 }
