@@ -10,6 +10,7 @@ import (
 
 	"github.com/go-logr/logr"
 	authenticationv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -68,6 +69,18 @@ func TestOnlyAuthorizedReaders(t *testing.T) {
 	t.Cleanup(func() {
 		_ = admin.RbacV1().ClusterRoleBindings().Delete(context.WithoutCancel(ctx), binding.Name, metav1.DeleteOptions{})
 	})
+	// The API server's authorizer sees the binding a moment after it is made (its RBAC cache):
+	// the scrapes below wait for that, as a reader granted a role would.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		sar, err := admin.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+			User: "system:serviceaccount:" + ns + ":prometheus", NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"}}}, metav1.CreateOptions{})
+		if err == nil && sar.Status.Allowed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the binding of imp-metrics-reader never took effect: %+v %v", sar, err)
+		}
+	}
 
 	clock := clocktesting.NewFakePassiveClock(time.Now())
 	tokens := &countingTokens{TokenReviewer: agent.AuthenticationV1().TokenReviews()}
