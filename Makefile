@@ -74,7 +74,7 @@ bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 
 	go run ./test/bench/suspend -rounds 5 -memory 256
 
 bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs restored from a snapshot (1 VM, 10 at once); snapshot pause and size.
-	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore)|^(ok|FAIL|---)'
+	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore|start steps)|^(ok|FAIL|---)'
 
 images: ## Build imp-operator and imp-agent without Docker, push to REGISTRY (host:port), print digests.
 	hack/images.sh $(REGISTRY)
