@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"net/netip"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -332,7 +333,8 @@ func TestSnapshotRestore(t *testing.T) {
 
 // TestSnapshotAcrossNodes: a snapshot pushed to a registry on 127.0.0.1 (with credentials, from
 // a Secret of the namespace) is restored on another node, which pulls it: its copy carries on
-// the count with its own hostname, beside a copy on the snapshot's own node. The key stays in
+// the count with its own hostname, beside a copy on the snapshot's own node, and the two reach
+// each other over their network across the nodes (its overlay). The key stays in
 // IMP's namespace; deleting the snapshot removes its key, its node's files and (swept) the other
 // node's pulled copy. (What a registry sees, and one that changes blobs on the way:
 // snapshot.TestPushPull.)
@@ -347,11 +349,19 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 	testguest.Image(t, images, "hello")
 	snaps := testregistry.Start(t, "pusher", "s3cret")
 	startOperator(t, c)
+	// Two nodes, each its own network namespace, on one underlay: the network's overlay joins
+	// them.
+	netA, netB := testnetns.New(t, "imp-xa-"+sfx), testnetns.New(t, "imp-xb-"+sfx)
+	testnetns.Link(t, netA, "under0", "192.168.78.1/24", netB, "under0", "192.168.78.2/24")
 	agents := map[string]*agent.Agent{}
-	for _, n := range []string{"a", "b"} {
-		node := "imp-xn-" + n + "-" + sfx
+	for _, n := range []struct{ name, netns, vtep string }{{"a", netA, "192.168.78.1"}, {"b", netB, "192.168.78.2"}} {
+		node := "imp-xn-" + n.name + "-" + sfx
 		readyNode(t, c, node)
-		agents[n] = startAgent(t, c, agent.Options{NodeName: node, StateDir: filepath.Join(tmp, n), Kernel: kernel, Initramfs: initrd})
+		agents[n.name] = startAgent(t, c, agent.Options{NodeName: node, StateDir: filepath.Join(tmp, n.name), Kernel: kernel, Initramfs: initrd,
+			NetNS: n.netns, NetNSDir: testnetns.PinDir(t), OverlayAddress: netip.MustParseAddr(n.vtep)})
+	}
+	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.95.0.0/24"}}); err != nil {
+		t.Fatal(err)
 	}
 	nodeOf := func(n string) string { return "imp-xn-" + n + "-" + sfx }
 	auth := fmt.Sprintf(`{"auths":{%q:{"username":"pusher","password":"s3cret"}}}`, snaps)
@@ -364,6 +374,7 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 	vmOn := func(name, n, snap string) {
 		v := w.vm(name, "counter")
 		v.Spec.NodeSelector = map[string]string{"imp.test/node": nodeOf(n)}
+		v.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
 		if snap != "" {
 			v.Spec.SnapshotRef = &impv1.SnapshotReference{Name: snap}
 		}
@@ -383,7 +394,7 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 			return "ready on " + v.Status.NodeName
 		}
 	}
-	dial := func(name, n string) string {
+	dialTo := func(name, n, target string) string {
 		v := w.get(name)
 		s, err := agents[n].Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
 		if err != nil {
@@ -392,9 +403,10 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 		var out bytes.Buffer
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		_ = s.Exec(ctx, guestsession.ExecOptions{Command: []string{"/bin/hello", "tool-dial", "127.0.0.1:7000"}, Stdout: &out, Stderr: &out})
+		_ = s.Exec(ctx, guestsession.ExecOptions{Command: []string{"/bin/hello", "tool-dial", target}, Stdout: &out, Stderr: &out})
 		return strings.TrimSpace(out.String())
 	}
+	dial := func(name, n string) string { return dialTo(name, n, "127.0.0.1:7000") }
 	vmOn("src", "a", "")
 	g.Eventually(ready("src")).WithTimeout(10 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal("ready on " + nodeOf("a")))
 	g.Eventually(func() string { return dial("src", "a") }).WithTimeout(time.Minute).Should(MatchRegexp(`^count ([3-9]\d|\d{3,}) host src$`))
@@ -426,6 +438,13 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 		}
 	}
 	t.Logf("two copies Ready, one from the node-local snapshot and one pulled by the other node: %v", time.Since(began).Round(time.Millisecond))
+	// Side by side on two nodes, each reaches the other over their network (the overlay).
+	a, b := w.get("copy-a"), w.get("copy-b")
+	if a.Status.IP == b.Status.IP || a.Status.IP == w.get("src").Status.IP {
+		t.Errorf("addresses: copy-a %s, copy-b %s, src %s", a.Status.IP, b.Status.IP, w.get("src").Status.IP)
+	}
+	g.Eventually(func() string { return dialTo("copy-a", "a", b.Status.IP+":7000") }).WithTimeout(time.Minute).Should(HaveSuffix(" host copy-b"))
+	g.Eventually(func() string { return dialTo("copy-b", "b", a.Status.IP+":7000") }).WithTimeout(time.Minute).Should(HaveSuffix(" host copy-a"))
 	if got := dial("src", "a"); !strings.HasSuffix(got, " host src") {
 		t.Errorf("the source after the copies: %q", got)
 	}
