@@ -123,9 +123,11 @@ func TestBenchSnapshot(t *testing.T) {
 		}).WithTimeout(5 * time.Minute).Should(HavePrefix("sha256:"))
 		pauses, size = append(pauses, time.Duration(s.Status.PauseMilliseconds)*time.Millisecond), s.Status.Size
 	}
+	before := startSteps()
 	for i := range rounds {
 		restore = append(restore, createReady(vm(fmt.Sprintf("restored-%d", i), "snap-0"))...)
 	}
+	oneAtATime := startSteps().minus(before)
 	// From the registry: node b pulls the snapshot (its copy removed before each round), then
 	// restores it.
 	var fromRegistry []time.Duration
@@ -158,24 +160,46 @@ func TestBenchSnapshot(t *testing.T) {
 		pct(coldTen, .5), pct(coldTen, .99), pct(restoreTen, .5), pct(restoreTen, .99), float64(pct(coldTen, .5))/float64(pct(restoreTen, .5)))
 	fmt.Printf("snapshot of a running 256 MiB guest, %d runs:     pause P50 %v P99 %v (target ≤ 1 s); size %s on the node\n",
 		rounds, pct(pauses, .5), pct(pauses, .99), size)
-	// Where a start's time goes: the mean of each step of the agent's start plan, over every
-	// start above (boots and restores; both nodes' agents share this process's registry).
-	if mfs, err := metrics.Registry.Gather(); err == nil {
-		for _, mf := range mfs {
-			if mf.GetName() != "imp_agent_vm_start_step_seconds" {
-				continue
-			}
-			var parts []string
-			for _, m := range mf.GetMetric() {
-				h := m.GetHistogram()
-				if h.GetSampleCount() > 0 {
-					parts = append(parts, fmt.Sprintf("%s %v×%d", m.GetLabel()[0].GetValue(),
-						(time.Duration(h.GetSampleSum()/float64(h.GetSampleCount())*1e9)).Round(100*time.Microsecond), h.GetSampleCount()))
-				}
-			}
-			fmt.Printf("start steps, mean×count: %s\n", strings.Join(parts, ", "))
-		}
-	}
+	fmt.Printf("start steps of a restore, one VM at a time, mean: %s\n", oneAtATime)
 	fmt.Printf("restore from the registry (another node pulls, then restores): one VM P50 %v P99 %v; ten at once P50 %v P99 %v\n",
 		pct(fromRegistry, .5), pct(fromRegistry, .99), pct(fromRegistryTen, .5), pct(fromRegistryTen, .99))
+}
+
+// steps are the agent's start steps: the sum of their times and their count, by step.
+type steps map[string][2]float64
+
+// startSteps reads imp_agent_vm_start_step_seconds from this process's registry (the agents of
+// the test run in it).
+func startSteps() steps {
+	out := steps{}
+	mfs, _ := metrics.Registry.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != "imp_agent_vm_start_step_seconds" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			out[m.GetLabel()[0].GetValue()] = [2]float64{m.GetHistogram().GetSampleSum(), float64(m.GetHistogram().GetSampleCount())}
+		}
+	}
+	return out
+}
+
+func (s steps) minus(o steps) steps {
+	out := steps{}
+	for k, v := range s {
+		if d := [2]float64{v[0] - o[k][0], v[1] - o[k][1]}; d[1] > 0 {
+			out[k] = d
+		}
+	}
+	return out
+}
+
+func (s steps) String() string {
+	var parts []string
+	for _, k := range []string{"state_dir", "snapshot", "image", "config_disk", "restore_disk", "identity", "intent", "network", "expose", "exec", "resumed", "reidentify", "total"} {
+		if v, ok := s[k]; ok {
+			parts = append(parts, fmt.Sprintf("%s %v", k, time.Duration(v[0]/v[1]*1e9).Round(100*time.Microsecond)))
+		}
+	}
+	return strings.Join(parts, ", ")
 }
