@@ -329,6 +329,39 @@ func TestSnapshotRestore(t *testing.T) {
 	if n, _ := count("copy-b"); n <= atSnapshot {
 		t.Errorf("copy-b after its snapshot went: count %d", n)
 	}
+
+	// A suspended VM is snapshotted from its saved state, untouched (no pause), and a copy
+	// restored from that carries on from where the suspension caught it.
+	susp := &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "src"}, Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser}}
+	atSuspension, _ := count("src")
+	if err := c.Client.Create(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("src").Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMSuspended))
+	fromSuspended := &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "from-suspended"}, Spec: impv1.ImpVMSnapshotSpec{VMName: "src"}}
+	if err := c.Client.Create(ctx, fromSuspended); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.SnapshotPhase {
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(fromSuspended), fromSuspended)
+		return fromSuspended.Status.Phase
+	}).WithTimeout(3*time.Minute).Should(Equal(impv1.SnapshotReady), func() string { return fmt.Sprintf("%+v", fromSuspended.Status) })
+	if fromSuspended.Status.PauseMilliseconds != 0 || w.get("src").Status.Phase != impv1.VMSuspended {
+		t.Errorf("a suspended VM's snapshot: paused %d ms; the VM %s", fromSuspended.Status.PauseMilliseconds, w.get("src").Status.Phase)
+	}
+	copyC := newVM("copy-c")
+	copyC.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "from-suspended"}
+	if err := c.Client.Create(ctx, copyC); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(ready("copy-c")).WithTimeout(5 * time.Minute).WithPolling(50 * time.Millisecond).Should(Equal("ready"))
+	if n, host := count("copy-c"); n < atSuspension || host != "copy-c" {
+		t.Errorf("copy-c, from the suspended VM: count %d (%d when suspended), host %q", n, atSuspension, host)
+	}
+	if err := c.Client.Delete(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(ready("src")).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal("ready"))
 }
 
 // TestSnapshotAcrossNodes: a snapshot pushed to a registry on 127.0.0.1 (with credentials, from
