@@ -11,8 +11,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -153,26 +151,9 @@ func (r *Reconciler) quotaRoom(ctx context.Context, snap *impv1.ImpVMSnapshot) (
 
 // pending writes the snapshot's phase Pending, with the node it is given to ("" for none yet).
 func (r *Reconciler) pending(ctx context.Context, snap *impv1.ImpVMSnapshot, node, reason, msg string) error {
-	orig := snap.DeepCopy()
-	snap.Status.Phase, snap.Status.NodeName, snap.Status.Reason, snap.Status.Message = impv1.SnapshotPending, node, reason, msg
-	condReason := reason
-	if condReason == "" {
-		condReason = string(impv1.SnapshotPending)
-	}
-	meta.SetStatusCondition(&snap.Status.Conditions, metav1.Condition{Type: impv1.SnapshotReadyCondition, Status: metav1.ConditionFalse,
-		Reason: condReason, Message: msg, ObservedGeneration: snap.Generation})
-	if equalStatus(orig, snap) {
-		return nil
-	}
-	// The optimistic lock: never over an agent's report of the same snapshot.
-	if err := r.Client.Status().Patch(ctx, snap, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
-		return fmt.Errorf("reporting ImpVMSnapshot %s: %w", snap.Name, err)
-	}
-	return nil
-}
-
-func equalStatus(a, b *impv1.ImpVMSnapshot) bool {
-	return a.Status.Phase == b.Status.Phase && a.Status.NodeName == b.Status.NodeName && a.Status.Reason == b.Status.Reason && a.Status.Message == b.Status.Message
+	return r.setStatus(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
+		st.Phase, st.NodeName, st.Reason, st.Message = impv1.SnapshotPending, node, reason, msg
+	})
 }
 
 // release lets a deleted snapshot go once nothing of it is left on a node: none was given

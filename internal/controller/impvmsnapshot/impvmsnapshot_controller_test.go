@@ -183,9 +183,8 @@ func TestScheduledSnapshotsKeepTheNewest(t *testing.T) {
 	}
 	tick := func(d time.Duration) {
 		clk.SetTime(clk.Now().Add(d))
-		r := get("nightly")
-		r.Annotations = map[string]string{"test/tick": clk.Now().String()}
-		if err := c.Client.Update(ctx, r); err != nil {
+		patch := fmt.Sprintf(`{"metadata":{"annotations":{"test/tick":%q}}}`, clk.Now().String())
+		if err := c.Client.Patch(ctx, get("nightly"), client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/robfig/cron/v3"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -154,7 +155,9 @@ func scheduledAt(c *impv1.ImpVMSnapshot) time.Time {
 	return c.CreationTimestamp.Time
 }
 
-// setStatus changes the snapshot's status with change, when it changes it.
+// setStatus changes the snapshot's status with change, and its Ready condition with it (True
+// only for a recurring snapshot, the agent reports a taken one), when that changes anything;
+// with the optimistic lock, never over an agent's report of the same snapshot.
 func (r *Reconciler) setStatus(ctx context.Context, snap *impv1.ImpVMSnapshot, change func(*impv1.ImpVMSnapshotStatus)) error {
 	orig := snap.DeepCopy()
 	change(&snap.Status)
@@ -168,20 +171,13 @@ func (r *Reconciler) setStatus(ctx context.Context, snap *impv1.ImpVMSnapshot, c
 	}
 	apimeta.SetStatusCondition(&snap.Status.Conditions, metav1.Condition{Type: impv1.SnapshotReadyCondition, Status: status,
 		Reason: reason, Message: snap.Status.Message, ObservedGeneration: snap.Generation})
-	if equalStatus(orig, snap) && equalTimes(orig.Status.LastScheduleTime, snap.Status.LastScheduleTime) && equalTimes(orig.Status.NextScheduleTime, snap.Status.NextScheduleTime) {
+	if equality.Semantic.DeepEqual(orig.Status, snap.Status) {
 		return nil
 	}
-	if err := r.Client.Status().Patch(ctx, snap, client.MergeFrom(orig)); err != nil {
-		return client.IgnoreNotFound(err)
+	if err := r.Client.Status().Patch(ctx, snap, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("reporting ImpVMSnapshot %s: %w", snap.Name, err)
 	}
 	return nil
-}
-
-func equalTimes(a, b *metav1.Time) bool {
-	if a == nil || b == nil {
-		return a == b
-	}
-	return a.Equal(b)
 }
 
 // dropScheduled deletes the snapshots of a recurring snapshot being deleted (the garbage

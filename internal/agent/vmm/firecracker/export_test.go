@@ -5,3 +5,6 @@ var (
 	RemoveInJail = removeInJail
 	ExistsInJail = existsInJail
 )
+
+// CopyOut is the copy of a file out of a jail, for the attack tests.
+var CopyOut = copyOut

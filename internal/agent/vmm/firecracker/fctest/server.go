@@ -289,6 +289,14 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			return nil, badRequest("Cannot deserialize the microVM state: %v", err)
 		}
 		c.Logger, c.Metrics = logger, metrics
+		// The drives' backing files must be where the snapshot's VM had them, as Firecracker
+		// opens them at load ("accessible at the same relative paths", snapshot-support.md).
+		for id, d := range c.Drives {
+			p, _ := d["path_on_host"].(string)
+			if _, err := os.Stat(filepath.Join(s.Root, p)); s.Root != "" && err != nil {
+				return nil, badRequest("Cannot restore drive %s: its backing file %s: %v", id, p, err)
+			}
+		}
 		// network_overrides: an interface moved to another tap; one the snapshot lacks is an error.
 		if ovs, ok := obj["network_overrides"].([]any); ok {
 			for _, o := range ovs {
