@@ -382,8 +382,8 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if alive && current {
 		if rs := m.Restore; rs != nil && !rs.Done {
 			// Restored by an agent that stopped before the guest took on its identity.
-			if err := a.finishRestore(ctx, vm, dir, m, rec); err != nil {
-				return ctrl.Result{}, err
+			if err := a.finishRestore(ctx, vm, dir, m, rec); err != nil || !rs.Done {
+				return ctrl.Result{}, err // failed: the run is reported ended, its VMM asked to quit
 			}
 		}
 		if rt := st.Runtime; (rt == nil || rt.Instance != st.Instance || rt.Run != st.RestartCount || rt.State == impv1.RuntimeStarting) && !a.reportedSince(vm) {
