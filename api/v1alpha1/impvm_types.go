@@ -219,7 +219,12 @@ type Probe struct {
 // args, env, workingDir, stdin, tty) take effect at the VM's next start.
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.tty) || !self.tty || (has(self.stdin) && self.stdin)",message="tty requires stdin",fieldPath=".tty"
-// +kubebuilder:validation:XValidation:rule="has(self.classRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
+// +kubebuilder:validation:XValidation:rule="has(self.classRef) || has(self.snapshotRef) || has(self.templateRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
+// +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef)",message="image is required (a copy of a template, with templateRef, takes its template's)",fieldPath=".image"
+// +kubebuilder:validation:XValidation:rule="!has(self.templateRef) || !has(self.snapshotRef)",message="set snapshotRef or templateRef, not both",fieldPath=".templateRef"
+// +kubebuilder:validation:XValidation:rule="!has(self.templateRef) || [has(self.image), has(self.command), has(self.args), has(self.workingDir), has(self.classRef), has(self.resources), has(self.diskSize)].all(x, !x)",message="a copy of a template takes its image, command, args, workingDir, class, resources and disk size from the template: set none of them",fieldPath=".templateRef"
+// +kubebuilder:validation:XValidation:rule="has(self.templateRef) == has(oldSelf.templateRef)",message="templateRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".templateRef"
+// +kubebuilder:validation:XValidation:rule="has(self.nodeName) == has(oldSelf.nodeName)",message="nodeName is immutable; delete and recreate the ImpVM to change it",fieldPath=".nodeName"
 // +kubebuilder:validation:XValidation:rule="has(self.classRef) == has(oldSelf.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".classRef"
 // +kubebuilder:validation:XValidation:rule="has(self.resources) == has(oldSelf.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".resources"
 // +kubebuilder:validation:XValidation:rule="has(self.diskSize) == has(oldSelf.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".diskSize"
@@ -248,11 +253,12 @@ type ImpVMSpec struct {
 	// image is the OCI image whose filesystem becomes the VM's root, such as
 	// registry.example.com/team/app:1.2 or ...@sha256:<digest>. A tag is resolved to a digest when
 	// the VM is started.
-	// +required
+	// It is required but in a copy of a template (templateRef), which takes its template's.
+	// +optional
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=1024
 	// +kubebuilder:validation:Pattern=`^[a-zA-Z0-9][a-zA-Z0-9.-]*(:[0-9]+)?(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$`
-	Image string `json:"image"`
+	Image string `json:"image,omitempty"`
 
 	// imagePullSecrets name Secrets of type kubernetes.io/dockerconfigjson in the VM's namespace
 	// used to pull image.
@@ -383,6 +389,25 @@ type ImpVMSpec struct {
 	// +optional
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="snapshotRef is immutable; delete and recreate the ImpVM to change it"
 	SnapshotRef *SnapshotReference `json:"snapshotRef,omitempty"`
+
+	// templateRef names an ImpVMTemplate of the VM's namespace: the VM is a copy of the
+	// template. Its first run on a node restores the template's snapshot for that node (made
+	// there first if there is none, while the VM waits with TemplateNotReady; or the
+	// template's pushed snapshot) and gets its own identity, as with snapshotRef. The VM takes
+	// the template's image, command, args, workingDir, resources and disk size (set none of
+	// them here); its env, Secrets, ports, probes and network are its own. See
+	// docs/snapshots.md.
+	// +optional
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="templateRef is immutable; delete and recreate the ImpVM to change it"
+	TemplateRef *TemplateReference `json:"templateRef,omitempty"`
+
+	// nodeName places the VM on this node, as a Pod's nodeName does, instead of letting IMP
+	// choose; the node must still carry imp/enabled=true, match nodeSelector and have room.
+	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="nodeName is immutable; delete and recreate the ImpVM to change it"
+	NodeName string `json:"nodeName,omitempty"`
 
 	// expireAfter deletes the VM once it has existed this long, such as 1h or 90m.
 	// +optional
@@ -563,6 +588,11 @@ type ImpVMStatus struct {
 	// suspension is set while the VM is suspended.
 	// +optional
 	Suspension *SuspensionStatus `json:"suspension,omitempty"`
+
+	// template is, for a copy of a template (spec.templateRef), the template as its placement
+	// found it, and the snapshot its first run restores.
+	// +optional
+	Template *TemplateStatus `json:"template,omitempty"`
 }
 
 // ImpVM is a Firecracker (or QEMU) microVM run from an OCI image.

@@ -160,7 +160,10 @@ type launcher struct{ a *Agent }
 
 func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error) {
 	base := r.BaseDisk
-	if r.Image != nil {
+	switch {
+	case r.Snapshot != nil && r.Snapshot.Base != "":
+		base = r.Path(vmrun.RestoredBase) // the disk the snapshot's memory knows
+	case r.Image != nil:
 		base = r.Image.BaseDisk
 	}
 	spec := launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume}

@@ -22,11 +22,12 @@ import (
 )
 
 // restores reports whether the VM's run starts by restoring its snapshot: a VM with a
-// snapshotRef whose placement has not had a run restored yet (none recorded of this placement,
-// or one whose guest never took on its identity). Once one was, later runs of the placement
-// boot from the VM's disk, as a restarted machine does: their meta records no restore.
+// snapshotRef, or a copy of a template, whose placement has not had a run restored yet (none
+// recorded of this placement, or one whose guest never took on its identity). Once one was,
+// later runs of the placement boot from the VM's disk, as a restarted machine does: their meta
+// records no restore.
 func restores(vm *impv1.ImpVM, old *meta) bool {
-	if vm.Spec.SnapshotRef == nil {
+	if vm.RestoreFrom() == "" {
 		return false
 	}
 	return old == nil || old.Instance != vm.Status.Instance || (old.Restore != nil && !old.Restore.Done)
@@ -49,7 +50,7 @@ type snapshotFinder struct{ a *Agent }
 
 func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snapshot, error) {
 	a := f.a
-	name := vm.Spec.SnapshotRef.Name
+	name := vm.RestoreFrom()
 	snap := &impv1.ImpVMSnapshot{}
 	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: name}, snap); err != nil {
 		if apierrors.IsNotFound(err) {
@@ -86,7 +87,11 @@ func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snaps
 	if err := f.fits(vm, m); err != nil {
 		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s: %w", name, err))
 	}
-	return &vmrun.Snapshot{Name: name, Manifest: m, Dir: a.snapshots.Path(snap.UID), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile)}, nil
+	found := &vmrun.Snapshot{Name: name, Manifest: m, Dir: a.snapshots.Path(snap.UID), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile)}
+	if _, err := os.Stat(a.snapshots.File(snap.UID, snapshot.BaseFile)); err == nil {
+		found.Base = a.snapshots.File(snap.UID, snapshot.BaseFile)
+	}
+	return found, nil
 }
 
 // fits says why the snapshot m cannot run as vm on this node, or nil: its host (VMM, version,

@@ -427,7 +427,8 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 			return "ready on " + v.Status.NodeName
 		}
 	}
-	dialTo := func(name, n, target string) string {
+	// tool runs a hello tool in the VM name of node n: its output, or the error.
+	tool := func(name, n string, args ...string) string {
 		v := w.get(name)
 		s, err := agents[n].Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
 		if err != nil {
@@ -436,9 +437,12 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 		var out bytes.Buffer
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		_ = s.Exec(ctx, guestsession.ExecOptions{Command: []string{"/bin/hello", "tool-dial", target}, Stdout: &out, Stderr: &out})
+		if err := s.Exec(ctx, guestsession.ExecOptions{Command: append([]string{"/bin/hello"}, args...), Stdout: &out, Stderr: &out}); err != nil {
+			fmt.Fprintf(&out, " (%v)", err)
+		}
 		return strings.TrimSpace(out.String())
 	}
+	dialTo := func(name, n, target string) string { return tool(name, n, "tool-dial", target) }
 	dial := func(name, n string) string { return dialTo(name, n, "127.0.0.1:7000") }
 	vmOn("src", "a", "")
 	g.Eventually(ready("src")).WithTimeout(10 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal("ready on " + nodeOf("a")))
@@ -498,6 +502,8 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 		}
 	}
 
+	checkTemplateCopies(t, w, nodeOf, ready, tool, snaps)
+
 	// Deleted: its key goes, node a's files go, and node b's pulled copy is swept.
 	if err := c.Client.Delete(ctx, snap); err != nil {
 		t.Fatal(err)
@@ -517,4 +523,97 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 	if _, err := os.Stat(pulled); !os.IsNotExist(err) {
 		t.Errorf("node b's pulled copy of the deleted snapshot: %v", err)
 	}
+}
+
+// checkTemplateCopies: an ImpVMTemplate pushed to the registry (snapshots) has its VM booted on
+// one node, snapshotted once Ready and pushed; three copies of it, two on node a and one on node
+// b (which pulls it), are restored from it, run side by side with their own addresses and
+// hostnames, reach each other over their network, and neither sees another's disk writes.
+func checkTemplateCopies(t *testing.T, w *world, nodeOf func(string) string, ready func(string) func() string,
+	tool func(name, n string, args ...string) string, registry string) {
+	ctx := context.Background()
+	g := NewWithT(t)
+	spec := w.vm("", "counter").Spec
+	spec.NodeSelector = nil
+	spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	tmpl := &impv1.ImpVMTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "tpl"}, Spec: impv1.ImpVMTemplateSpec{VM: spec,
+		Registry: &impv1.SnapshotRegistry{Repository: registry + "/team/templates", SecretRef: &corev1.LocalObjectReference{Name: "push"}}}}
+	if err := w.c.Client.Create(ctx, tmpl); err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	copies := map[string]string{"tpl-a1": "a", "tpl-a2": "a", "tpl-b": "b"}
+	for name, n := range copies {
+		v := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMSpec{
+			TemplateRef:  &impv1.TemplateReference{Name: "tpl"},
+			NodeSelector: map[string]string{"imp.test/node": nodeOf(n)},
+			NetworkRef:   &impv1.NetworkReference{Name: "net"}}}
+		if err := w.c.Client.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for name, n := range copies {
+		g.Eventually(ready(name)).WithTimeout(8*time.Minute).WithPolling(100*time.Millisecond).Should(Equal("ready on "+nodeOf(n)),
+			func() string { return fmt.Sprintf("template %+v", w.templateStatus("tpl")) })
+	}
+	t.Logf("three copies of a template Ready (its VM booted, snapshotted, pushed; two nodes): %v", time.Since(began).Round(time.Millisecond))
+	st := w.templateStatus("tpl")
+	if len(st.Snapshots) != 1 || !st.Snapshots[0].Pushed || st.Snapshots[0].NodeName == "" {
+		t.Fatalf("the template's snapshots: %+v", st.Snapshots)
+	}
+	built := st.Snapshots[0].Name
+	if w.get(built) != nil {
+		t.Errorf("the template's VM %s is still there", built)
+	}
+	ips := map[string]string{}
+	for name, n := range copies {
+		v := w.get(name)
+		if v.Status.Runtime.RestoredFrom != built || v.Status.Template.Snapshot != built {
+			t.Errorf("%s: restored from %q (template status %+v)", name, v.Status.Runtime.RestoredFrom, v.Status.Template)
+		}
+		if got := tool(name, n, "tool-read", "/proc/sys/kernel/hostname"); got != name {
+			t.Errorf("%s's hostname %q", name, got)
+		}
+		ips[name] = v.Status.IP
+	}
+	if len(map[string]bool{ips["tpl-a1"]: true, ips["tpl-a2"]: true, ips["tpl-b"]: true}) != 3 {
+		t.Errorf("addresses %v", ips)
+	}
+	// Each reaches the others over their network, on one node and across.
+	for from, n := range copies {
+		for to := range copies {
+			if to != from {
+				g.Eventually(func() string { return tool(from, n, "tool-dial", ips[to]+":7000") }).WithTimeout(time.Minute).Should(HaveSuffix(" host "+to), from+" to "+to)
+			}
+		}
+	}
+	// A write of one is its own: its disk is a copy of the snapshot's, not shared. A copy on
+	// the node that pulled the snapshot runs on the snapshot's base disk, not on the one that
+	// node built of the image (other blocks: its file system would fail, EBADMSG).
+	for name, n := range copies {
+		if got := tool(name, n, "tool-touch", "/written-by-"+name); got != "" {
+			t.Fatalf("writing in %s (node %s): %q", name, n, got)
+		}
+		if got := tool(name, n, "tool-absent", "/written-by-"+name); !strings.Contains(got, "exists") {
+			t.Errorf("%s does not see its own write: %q", name, got)
+		}
+	}
+	for name, n := range copies {
+		for other := range copies {
+			if got := tool(name, n, "tool-absent", "/written-by-"+other); other != name && got != "" {
+				t.Errorf("%s sees %s's write: %q", name, other, got)
+			}
+		}
+	}
+	for name := range copies {
+		if err := w.c.Client.Delete(ctx, w.get(name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func (w *world) templateStatus(name string) impv1.ImpVMTemplateStatus {
+	t := &impv1.ImpVMTemplate{}
+	_ = w.c.Client.Get(context.Background(), types.NamespacedName{Namespace: w.ns, Name: name}, t)
+	return t.Status
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -24,6 +26,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvmsnapshots,verbs=get;list;watch
@@ -120,7 +123,10 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 		_ = a.snapshots.Remove(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
-	image, err := a.imageByDigest(vm.Spec.Image, m.Digest)
+	image, err := a.imageByDigest(vm.Workload().Image, m.Digest)
+	if err == nil {
+		err = a.keepBase(vm, m, tmp)
+	}
 	if err != nil {
 		_ = a.snapshots.Remove(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
@@ -247,6 +253,36 @@ func (s snapshotter) patch(ctx context.Context, snap *impv1.ImpVMSnapshot, chang
 }
 
 // imageByDigest is image's repository at digest.
+// runBase is the base disk the VM's current run runs on: the snapshot's it was restored from,
+// or the node's disk of its image.
+func (a *Agent) runBase(vm *impv1.ImpVM, dir string, m *meta) (string, error) {
+	if m.Restore != nil {
+		if _, err := os.Stat(filepath.Join(dir, vmrun.RestoredBase)); err == nil {
+			return filepath.Join(dir, vmrun.RestoredBase), nil
+		}
+	}
+	image := vm.Workload().Image
+	ref, err := name.ParseReference(image, a.nameOptions(image)...)
+	if err != nil {
+		return "", err
+	}
+	return a.images.Path(ref.Context().Digest(m.Digest)), nil
+}
+
+// keepBase puts a copy of the base disk the VM runs on in the snapshot being taken in tmp
+// (a reflink where the file system shares blocks), read-only.
+func (a *Agent) keepBase(vm *impv1.ImpVM, m *meta, tmp string) error {
+	base, err := a.runBase(vm, a.vmDir(vm.UID), m)
+	if err != nil {
+		return err
+	}
+	dst := filepath.Join(tmp, snapshot.BaseFile)
+	if err := snapshot.CopyDisk(base, dst); err != nil {
+		return fmt.Errorf("keeping the base disk: %w", err)
+	}
+	return os.Chmod(dst, 0o444)
+}
+
 func (a *Agent) imageByDigest(image, digest string) (string, error) {
 	ref, err := name.ParseReference(image, a.nameOptions(image)...)
 	if err != nil {

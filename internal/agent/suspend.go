@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -117,11 +116,11 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 	if !drv.saved(vm, dir, m) {
 		return end("ResumeFailed", errors.New("no saved state of the VM on its node"))
 	}
-	ref, err := name.ParseReference(vm.Spec.Image, a.nameOptions(vm.Spec.Image)...)
+	base, err := a.runBase(vm, dir, m)
 	if err != nil {
 		return end("ResumeFailed", err)
 	}
-	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, BaseDisk: a.images.Path(ref.Context().Digest(m.Digest))}
+	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, BaseDisk: base}
 	defer r.Done()
 	start := time.Now()
 	if err := a.resumePlan(vm).Run(ctx, r); err != nil {

@@ -148,7 +148,8 @@ func (a *Agent) pullSnapshot(snap *impv1.ImpVMSnapshot) error {
 	}
 	src := snap.Status.Source
 	mem, dsk := src.Memory.Value(), src.DiskSize.Value()
-	limits := map[string]int64{snapshot.ManifestFile: 1 << 20, snapshot.DiskFile: dsk}
+	// The base disk holds the image's files (at most MaxImageBytes) and its file system's own.
+	limits := map[string]int64{snapshot.ManifestFile: 1 << 20, snapshot.DiskFile: dsk, snapshot.BaseFile: 2*a.Opts.MaxImageBytes + 64<<20}
 	if src.VMM == impv1.VMMFirecracker {
 		limits[firecracker.SnapshotStateFile], limits[firecracker.SnapshotMemFile] = 16<<20, mem
 	} else {

@@ -32,6 +32,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/controller/impvmsnapshot"
+	"github.com/syscode-labs/imp/internal/controller/impvmtemplate"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/pki"
@@ -128,6 +129,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err := (&impvmsnapshot.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Clock: o.Clock,
 		SecretNamespace: cmp.Or(o.VM.RunSecretNamespace, runsecret.DefaultNamespace)}).SetupWithManager(ctx, mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMSnapshot reconciler: %w", err)
+	}
+	if err := (&impvmtemplate.Reconciler{Client: mgr.GetClient(), Clock: o.Clock}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the ImpVMTemplate reconciler: %w", err)
 	}
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the endpoints reconciler: %w", err)

@@ -37,6 +37,15 @@ type Request struct {
 	Namespace string
 	DiskBytes int64
 	Quotas    []Quota
+	// Room is what the node must have free beside the VM, without holding it: a copy of a
+	// template placed where the template's snapshot is still to be made leaves room for the VM
+	// that makes it (with its VMM's overhead).
+	Room *Room
+}
+
+// Room is capacity a placement leaves free on its node.
+type Room struct {
+	VCPUs, MemoryBytes, DiskBytes int64
 }
 
 // Quota is one ImpQuota of a namespace as placement enforces it: nil is unbounded.
@@ -456,16 +465,24 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 			return "", &QuotaExceeded{Message: why}
 		}
 	}
+	room := Room{}
+	if req.Room != nil {
+		room = *req.Room
+	}
 	best, bestFree, bestOverhead := "", int64(-1), int64(0)
 	for _, c := range fit {
 		used := l.usage[c.name]
 		freeMem := c.mem - used.memory
+		roomMem := room.MemoryBytes
+		if roomMem > 0 {
+			roomMem += c.overhead
+		}
 		switch {
-		case c.vcpus-used.vcpus < req.VCPUs:
+		case c.vcpus-used.vcpus < req.VCPUs+room.VCPUs:
 			why[whyNoCPU]++
-		case freeMem < req.MemoryBytes+c.overhead:
+		case freeMem < req.MemoryBytes+c.overhead+roomMem:
 			why[whyNoMemory]++
-		case c.disk >= 0 && c.disk-used.disk < req.DiskBytes:
+		case c.disk >= 0 && c.disk-used.disk < req.DiskBytes+room.DiskBytes:
 			why[whyNoDisk]++
 		case freeMem > bestFree || (freeMem == bestFree && c.name < best):
 			best, bestFree, bestOverhead = c.name, freeMem, c.overhead

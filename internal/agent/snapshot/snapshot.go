@@ -34,6 +34,10 @@ const (
 	StateFile = "state"
 	// DiskFile is the VM's writable disk as it was when the VM was paused.
 	DiskFile = "rw.ext4"
+	// BaseFile is the image's disk the VM ran on (read-only, 0444): the guest's memory holds
+	// pages of it, so that a restore runs on this very disk, not on one a node built again from
+	// the image (the same files, other blocks).
+	BaseFile = "base.ext4"
 )
 
 // Host is what a snapshot's memory depends on of the node it was taken on: a restore needs the

@@ -160,6 +160,11 @@ func (s *Store) Pull(ctx context.Context, uid types.UID, namespace, snapName str
 		if err := pullFile(img, desc.Digest, filepath.Join(tmp, fileName), key, fileName, limit); err != nil {
 			return err
 		}
+		if fileName == BaseFile {
+			if err := os.Chmod(filepath.Join(tmp, fileName), 0o444); err != nil { // as the node's base disks
+				return err
+			}
+		}
 	}
 	m, err := readManifest(filepath.Join(tmp, ManifestFile))
 	if err != nil {

@@ -48,7 +48,7 @@ func (Image) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) { return r.
 
 func (s Image) Do(ctx context.Context, r *vmrun.Run) error {
 	vm := r.VM
-	image := vm.Spec.Image
+	image := vm.Workload().Image
 	if r.Snapshot != nil {
 		image = r.Snapshot.Manifest.Image // a restore's base disk is the snapshot's, by digest
 	}

@@ -63,8 +63,15 @@ func (RestoreDisk) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 	if string(b) != diskMarker(r) {
 		return true, nil
 	}
-	_, err = os.Stat(r.Path(vmrun.WritableDisk))
-	return errors.Is(err, fs.ErrNotExist), nil
+	for _, f := range []string{vmrun.WritableDisk, vmrun.RestoredBase} {
+		if f == vmrun.RestoredBase && r.Snapshot.Base == "" {
+			continue
+		}
+		if _, err := os.Stat(r.Path(f)); errors.Is(err, fs.ErrNotExist) {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 func (RestoreDisk) Do(_ context.Context, r *vmrun.Run) error {
@@ -76,7 +83,29 @@ func (RestoreDisk) Do(_ context.Context, r *vmrun.Run) error {
 	if err := os.Rename(tmp, r.Path(vmrun.WritableDisk)); err != nil {
 		return err
 	}
+	if err := linkBase(r); err != nil {
+		return plan.Fail(impv1.ReasonRestoreFailed, err)
+	}
 	return os.WriteFile(r.Path(restoredDisk), []byte(diskMarker(r)), 0o600)
+}
+
+// linkBase gives the run the snapshot's base disk (vmrun.RestoredBase): a link to it, or a
+// copy where the two are on different file systems.
+func linkBase(r *vmrun.Run) error {
+	dst := r.Path(vmrun.RestoredBase)
+	if err := os.Remove(dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	if r.Snapshot.Base == "" {
+		return nil // taken before snapshots kept their base: the node's disk of the image
+	}
+	if err := os.Link(r.Snapshot.Base, dst); err == nil {
+		return nil
+	}
+	if err := snapshot.CopyDisk(r.Snapshot.Base, dst); err != nil {
+		return fmt.Errorf("the snapshot's base disk: %w", err)
+	}
+	return os.Chmod(dst, 0o444)
 }
 
 func diskMarker(r *vmrun.Run) string {

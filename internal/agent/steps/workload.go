@@ -16,11 +16,12 @@ import (
 // added to the image's, a name of the VM's winning.
 func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Config, error) {
 	cfg := guestinit.Config{WorkingDir: img.WorkingDir, User: img.User, Hostname: vm.Name, Stdin: vm.Spec.Stdin, TTY: vm.Spec.TTY}
+	w := vm.Workload() // a copy of a template runs its template's
 	switch {
-	case len(vm.Spec.Command) > 0:
-		cfg.Argv = append(append([]string{}, vm.Spec.Command...), vm.Spec.Args...)
-	case len(vm.Spec.Args) > 0:
-		cfg.Argv = append(append([]string{}, img.Entrypoint...), vm.Spec.Args...)
+	case len(w.Command) > 0:
+		cfg.Argv = append(append([]string{}, w.Command...), w.Args...)
+	case len(w.Args) > 0:
+		cfg.Argv = append(append([]string{}, img.Entrypoint...), w.Args...)
 	default:
 		cfg.Argv = append(append([]string{}, img.Entrypoint...), img.Cmd...)
 	}
@@ -32,8 +33,8 @@ func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Co
 		return cfg, err
 	}
 	cfg.Probes = probes
-	if vm.Spec.WorkingDir != "" {
-		cfg.WorkingDir = vm.Spec.WorkingDir
+	if w.WorkingDir != "" {
+		cfg.WorkingDir = w.WorkingDir
 	}
 	env := map[string]int{}
 	for _, e := range img.Env {

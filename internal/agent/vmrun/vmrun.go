@@ -100,6 +100,9 @@ func WriteMeta(dir string, m *Meta) error {
 const (
 	// WritableDisk is the VM's own disk, kept across its runs.
 	WritableDisk = "rw.ext4"
+	// RestoredBase is, in a run restored from a snapshot, a link to the snapshot's base disk
+	// (snapshot.BaseFile), which the run runs on instead of the node's disk of its image.
+	RestoredBase = "base.ext4"
 	// ConfigDisk is the current run's configuration disk (its workload, secrets and all): it
 	// goes when the run ends.
 	ConfigDisk = "config.img"
@@ -185,6 +188,7 @@ type Snapshot struct {
 	// Name is the ImpVMSnapshot's.
 	Name     string
 	Manifest *snapshot.Manifest
-	// Dir is its directory in the node's store (its VMM's files), Disk its writable disk.
-	Dir, Disk string
+	// Dir is its directory in the node's store (its VMM's files), Disk its writable disk, Base
+	// its base disk (empty for a snapshot taken without one).
+	Dir, Disk, Base string
 }

@@ -124,6 +124,8 @@ type scope struct {
 	nodeLost       bool
 	unreachable    string // why the VM's node is unreachable (not fenced: the VM stays placed)
 	oldReadyReason string
+	waitReason     string // why a placed VM waits before its node may start it (a template's snapshot)
+	waitMsg        string
 	suspendRefused string // why a suspension was not carried out (a quota)
 	oldSuspReason  string
 	expired        bool // deleted by this reconcile: nothing else to do
@@ -200,6 +202,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 	for _, phase := range []func(context.Context, *scope) error{
 		r.reconcileExpiry,
 		r.reconcilePlacement,
+		r.reconcileTemplate,
 		r.reconcileSuspension,
 		r.reconcileRuns,
 	} {
@@ -327,9 +330,20 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		return nil // a halted VM holds no node until it is asked to run
 	}
 
+	// Template: a copy is placed as its template's VM.
+	spec := &vm.Spec
+	var tmpl *impv1.ImpVMTemplate
+	if vm.Spec.TemplateRef != nil {
+		t, ok, err := r.template(ctx, s)
+		if !ok || err != nil {
+			return err
+		}
+		tmpl, spec = t, &t.Spec.VM
+	}
+
 	// Class.
 	var class *impv1.ImpVMClassSpec
-	if ref := vm.Spec.ClassRef; ref != nil {
+	if ref := spec.ClassRef; ref != nil {
 		c := &impv1.ImpVMClass{}
 		if err := r.Client.Get(ctx, types.NamespacedName{Name: ref.Name}, c); err != nil {
 			if apierrors.IsNotFound(err) {
@@ -340,8 +354,11 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		}
 		class = &c.Spec
 	}
-	res, err := impv1.ResolveResources(&vm.Spec, class)
-	if err != nil {
+	res, err := impv1.ResolveResources(spec, class)
+	if err != nil && vm.Spec.SnapshotRef == nil { // a snapshot's copy takes the snapshot's
+		if tmpl != nil {
+			err = fmt.Errorf("ImpVMTemplate %s: %w", tmpl.Name, err)
+		}
 		s.schedReason, s.schedMsg = impv1.ReasonInvalidSpec, err.Error()
 		return reconcile.TerminalError(err)
 	}
@@ -389,11 +406,14 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 
 	// Node.
 	nodes := r.candidates()
+	if vm.Spec.NodeName != "" {
+		nodes = onlyNode(nodes, vm.Spec.NodeName)
+	}
 	if snapNode != "" {
 		nodes = onlyNode(nodes, snapNode) // the node holding the snapshot
 	}
 	start := r.Clock.Now()
-	node, err := r.Ledger.Place(vm.UID, placement.Request{
+	req := placement.Request{
 		VCPUs:       int64(res.VCPUs),
 		MemoryBytes: res.Memory.Value(),
 		VMM:         res.VMM,
@@ -402,7 +422,22 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		Namespace:   vm.Namespace,
 		DiskBytes:   res.DiskSize.Value(),
 		Quotas:      quotas,
-	}, nodes)
+	}
+	var node string
+	if tmpl != nil {
+		// A copy goes to a node holding its template's snapshot if one has room; else to any,
+		// where the snapshot is made first.
+		if prefer := preferTemplateNodes(tmpl, nodes); len(prefer) > 0 {
+			node, err = r.Ledger.Place(vm.UID, req, prefer)
+		}
+	}
+	if node == "" {
+		if tmpl != nil && snapshotFor(tmpl, "") == "" {
+			// The template's snapshot is made where the copy goes: room for its VM too.
+			req.Room = &placement.Room{VCPUs: int64(res.VCPUs), MemoryBytes: res.Memory.Value(), DiskBytes: res.DiskSize.Value()}
+		}
+		node, err = r.Ledger.Place(vm.UID, req, nodes)
+	}
 	var unsched *placement.Unschedulable
 	if errors.As(err, &unsched) {
 		s.schedReason, s.schedMsg = impv1.ReasonNoNodeAvailable, unsched.Message
@@ -439,6 +474,10 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		}
 	}
 	vm.Status.Resources = &res
+	vm.Status.Template = nil
+	if tmpl != nil {
+		vm.Status.Template = templateStatus(tmpl, node)
+	}
 	vm.Status.Instance++
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)
 	placementLatency.Observe(r.Clock.Since(firstSeen(vm, start)).Seconds())

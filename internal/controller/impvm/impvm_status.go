@@ -36,6 +36,8 @@ func computeStatus(s *scope, now time.Time) {
 	phase, ready, reason, msg := phaseOf(vm, now)
 	if s.unreachable != "" {
 		ready, reason, msg = metav1.ConditionFalse, impv1.ReasonNodeUnreachable, s.unreachable
+	} else if s.waitReason != "" && phase == impv1.VMScheduled {
+		reason, msg = s.waitReason, s.waitMsg
 	}
 	st.Phase = phase
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: ready,

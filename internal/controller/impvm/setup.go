@@ -56,6 +56,12 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 			}
 			return []string{vm.Spec.SnapshotRef.Name}
 		},
+		indexTemplate: func(vm *impv1.ImpVM) []string {
+			if vm.Spec.TemplateRef == nil {
+				return nil
+			}
+			return []string{vm.Spec.TemplateRef.Name}
+		},
 		indexUnplaced: func(vm *impv1.ImpVM) []string {
 			if vm.Status.NodeName == "" && !isTerminal(vm.Status.Phase) && vm.DeletionTimestamp.IsZero() {
 				return []string{"true"}
@@ -88,6 +94,8 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		Watches(&impv1.ImpNetwork{}, handler.EnqueueRequestsFromMapFunc(r.forNetwork)).
 		// A snapshot Ready: the VMs waiting to start from it.
 		Watches(&impv1.ImpVMSnapshot{}, handler.EnqueueRequestsFromMapFunc(r.forSnapshot)).
+		// A template's snapshot Ready: its copies waiting for one.
+		Watches(&impv1.ImpVMTemplate{}, handler.EnqueueRequestsFromMapFunc(r.forTemplate)).
 		// A quota raised or removed: the namespace's waiting VMs may fit; a suspension it
 		// held back may go ahead.
 		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.forQuota)).

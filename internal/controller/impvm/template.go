@@ -1,0 +1,148 @@
+package impvm
+
+import (
+	"context"
+	"fmt"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/placement"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmtemplates,verbs=get;list;watch
+
+// indexTemplate indexes ImpVMs by the ImpVMTemplate they are copies of.
+const indexTemplate = "spec.templateRef.name"
+
+// template gets the template a copy (spec.templateRef) names, in the VM's namespace (another
+// namespace's cannot be named). It returns false, with the scope's reason set, while there is
+// none, or when the VM cannot be a copy of it.
+func (r *Reconciler) template(ctx context.Context, s *scope) (*impv1.ImpVMTemplate, bool, error) {
+	vm := s.vm
+	t := &impv1.ImpVMTemplate{}
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.TemplateRef.Name}, t); err != nil {
+		if apierrors.IsNotFound(err) {
+			s.schedReason, s.schedMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %q does not exist in namespace %s", vm.Spec.TemplateRef.Name, vm.Namespace)
+			return nil, false, nil
+		}
+		return nil, false, fmt.Errorf("getting ImpVMTemplate %s: %w", vm.Spec.TemplateRef.Name, err)
+	}
+	if !t.DeletionTimestamp.IsZero() {
+		s.schedReason, s.schedMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %s is being deleted", t.Name)
+		return nil, false, nil
+	}
+	if (vm.Spec.NetworkRef != nil) != (t.Spec.VM.NetworkRef != nil) {
+		has := map[bool]string{true: "has a network interface", false: "has no network interface"}
+		s.schedReason, s.schedMsg = impv1.ReasonTemplateIncompatible, fmt.Sprintf("the VM of ImpVMTemplate %s %s; a copy must too (its devices are the template's)", t.Name, has[t.Spec.VM.NetworkRef != nil])
+		return nil, false, reconcile.TerminalError(fmt.Errorf("%s", s.schedMsg))
+	}
+	if t.Status.Revision == "" {
+		s.schedReason, s.schedMsg = impv1.ReasonTemplateNotReady, fmt.Sprintf("ImpVMTemplate %s has not been looked at yet", t.Name)
+		return nil, false, nil
+	}
+	return t, true, nil
+}
+
+// templateSnapshots are the snapshots of t's current revision a copy can start from: a pushed
+// one (for every node: pushed), else those Ready on a node (by node).
+func templateSnapshots(t *impv1.ImpVMTemplate) (pushed string, byNode map[string]string) {
+	byNode = map[string]string{}
+	for _, ts := range t.Status.Snapshots {
+		if ts.Revision != t.Status.Revision || ts.Phase != impv1.TemplateReady {
+			continue
+		}
+		if ts.Pushed && pushed == "" {
+			pushed = ts.Name
+		}
+		byNode[ts.NodeName] = ts.Name
+	}
+	return pushed, byNode
+}
+
+// snapshotFor is the snapshot of t a copy on node starts from, or "" while there is none.
+func snapshotFor(t *impv1.ImpVMTemplate, node string) string {
+	pushed, byNode := templateSnapshots(t)
+	if s, ok := byNode[node]; ok {
+		return s
+	}
+	return pushed
+}
+
+// templateStatus is what a copy of t placed on node records of it.
+func templateStatus(t *impv1.ImpVMTemplate, node string) *impv1.TemplateStatus {
+	vm := &t.Spec.VM
+	return &impv1.TemplateStatus{Revision: t.Status.Revision, Snapshot: snapshotFor(t, node), Image: vm.Image,
+		Command: vm.Command, Args: vm.Args, WorkingDir: vm.WorkingDir}
+}
+
+// preferTemplateNodes: of nodes, those holding a Ready snapshot of t (all of them when its
+// snapshot is pushed, or none is Ready anywhere).
+func preferTemplateNodes(t *impv1.ImpVMTemplate, nodes []placement.Node) []placement.Node {
+	pushed, byNode := templateSnapshots(t)
+	if pushed != "" || len(byNode) == 0 {
+		return nil
+	}
+	var out []placement.Node
+	for _, n := range nodes {
+		if _, ok := byNode[n.Node.Name]; ok {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// reconcileTemplate gives a placed copy whose node had no snapshot of its template the one
+// made there since, with the template as it is now (the copy has not run). Until then the copy
+// waits: TemplateNotReady.
+func (r *Reconciler) reconcileTemplate(ctx context.Context, s *scope) error {
+	vm := s.vm
+	ts := vm.Status.Template
+	if vm.Spec.TemplateRef == nil || vm.Status.NodeName == "" || ts == nil || ts.Snapshot != "" || isTerminal(vm.Status.Phase) {
+		return nil
+	}
+	t := &impv1.ImpVMTemplate{}
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.TemplateRef.Name}, t); err != nil {
+		if apierrors.IsNotFound(err) {
+			s.waitReason, s.waitMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %q does not exist in namespace %s", vm.Spec.TemplateRef.Name, vm.Namespace)
+			return nil
+		}
+		return fmt.Errorf("getting ImpVMTemplate %s: %w", vm.Spec.TemplateRef.Name, err)
+	}
+	if now := templateStatus(t, vm.Status.NodeName); now.Snapshot != "" {
+		vm.Status.Template = now
+		return nil
+	}
+	s.waitReason, s.waitMsg = impv1.ReasonTemplateNotReady, fmt.Sprintf("the snapshot of ImpVMTemplate %s for node %s is being made", t.Name, vm.Status.NodeName)
+	for _, sn := range t.Status.Snapshots {
+		if sn.NodeName == vm.Status.NodeName && sn.Revision == t.Status.Revision {
+			s.waitMsg = fmt.Sprintf("the snapshot of ImpVMTemplate %s for node %s is %s", t.Name, vm.Status.NodeName, sn.Phase)
+			if sn.Message != "" {
+				s.waitMsg += ": " + sn.Message
+			}
+		}
+	}
+	return nil
+}
+
+// forTemplate: the copies of the template that wait for it (not placed, or placed without a
+// snapshot yet).
+func (r *Reconciler) forTemplate(ctx context.Context, o client.Object) []reconcile.Request {
+	var list impv1.ImpVMList
+	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexTemplate: o.GetName()}); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "listing the copies of a template")
+		return nil
+	}
+	var out []reconcile.Request
+	for i := range list.Items {
+		vm := &list.Items[i]
+		if ts := vm.Status.Template; vm.Status.NodeName == "" || ts == nil || ts.Snapshot == "" {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
+		}
+	}
+	return out
+}
