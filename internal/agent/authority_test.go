@@ -92,6 +92,9 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 		`{"status":{"phase":"Failed"}}`,
 		`{"status":{"ip":"10.0.0.9"}}`,
 		`{"status":{"runtime":{"instance":1,"run":1,"state":"Running"},"restartCount":7}}`,
+		// A copy's snapshot is the operator's choice: an agent naming another would restore
+		// whatever snapshot it liked into the VM.
+		`{"status":{"template":{"revision":"r","image":"registry.example/app:v1","snapshot":"snap-b"}}}`,
 	} {
 		err := asA.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "on-a"}}, client.RawPatch(types.MergePatchType, []byte(patch)))
 		if !refused(err, "may write status.runtime of on-a only") {

@@ -497,6 +497,7 @@ network:
 	// ## Snapshots (docs/snapshots.md): kubectl imp snapshot, and a VM started from it.
 	if vmmKind == "" || vmmKind == "qemu" {
 		checkSnapshots(t, sh, must, eventually, tmp, realNode, vm)
+		checkTemplates(t, sh, must, eventually, tmp, vm)
 	}
 
 	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.

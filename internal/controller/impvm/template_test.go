@@ -158,6 +158,12 @@ func TestCopiesOfATemplate(t *testing.T) {
 	// Waiting with a reason.
 	e.create(e.copyOf("orphan", "nothing"))
 	eventually(t, func() string { return scheduled(e.get("orphan")) }).Should(Equal(impv1.ReasonTemplateNotFound))
+	// Another namespace's template cannot be named: a copy looks in its own.
+	foreign := e.template("foreign")
+	foreign.Namespace = e.cl.Namespace(t)
+	e.create(foreign)
+	e.create(e.copyOf("thief", "foreign"))
+	eventually(t, func() string { return scheduled(e.get("thief")) }).Should(Equal(impv1.ReasonTemplateNotFound))
 	netted := e.copyOf("netted", "web")
 	netted.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
 	e.create(netted)

@@ -133,6 +133,14 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		}
 	}
 	for key, b := range builds {
+		if failed, _ := b.failed(); failed && b.rev == rev && !slices.Contains(needed, b.node) {
+			// A failed build no node needs any more: not made again.
+			if err := r.remove(ctx, b.objects()...); err != nil {
+				return ctrl.Result{}, err
+			}
+			delete(builds, key)
+			continue
+		}
 		if gone, err := r.collect(ctx, t, rev, b, copies); err != nil {
 			return ctrl.Result{}, err
 		} else if gone {
@@ -154,7 +162,10 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	}
 	meta.SetStatusCondition(&t.Status.Conditions, ready)
 	if !equality.Semantic.DeepEqual(orig.Status, t.Status) {
-		if err := r.Client.Status().Patch(ctx, t, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		// This controller alone writes a template's status, one reconcile of it at a time, and
+		// computes all of it afresh: no lock, which a cache that lags its own last write
+		// would make fail (and back off) for nothing.
+		if err := r.Client.Status().Patch(ctx, t, client.MergeFrom(orig)); err != nil {
 			return ctrl.Result{}, fmt.Errorf("writing the status of ImpVMTemplate %s: %w", t.Name, err)
 		}
 	}
