@@ -465,7 +465,7 @@ func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		return ctrl.Result{}, nil // never under a running VMM
 	}
-	for _, f := range []string{"rw.ext4", configDisk} {
+	for _, f := range []string{"rw.ext4", configDisk, vmrun.RestoredBase} {
 		if err := os.Remove(filepath.Join(dir, f)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return ctrl.Result{}, fmt.Errorf("removing the disks of finished VM %s: %w", vm.Name, err)
 		}

@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -263,6 +264,22 @@ func (w *world) watchReports(t *testing.T) func() []string {
 		defer mu.Unlock()
 		return slices.Clone(seen)
 	}
+}
+
+// diagnose says where a VM stands, for a test that waited for it in vain: its status as the API
+// server has it, and the end of its console (stateDirOf gives its node's agent's state
+// directory).
+func diagnose(c client.Client, vm *impv1.ImpVM, stateDirOf func(node string) string) string {
+	v := &impv1.ImpVM{}
+	if err := c.Get(context.Background(), client.ObjectKeyFromObject(vm), v); err != nil {
+		return err.Error()
+	}
+	st, _ := json.Marshal(v.Status)
+	b, _ := os.ReadFile(filepath.Join(stateDirOf(v.Status.NodeName), "vms", string(v.UID), qemu.ConsoleLog))
+	if len(b) > 3000 {
+		b = b[len(b)-3000:]
+	}
+	return fmt.Sprintf("status %s\nconsole (end):\n%s", st, b)
 }
 
 func (w *world) console(vm *impv1.ImpVM) string {

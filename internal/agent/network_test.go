@@ -156,7 +156,9 @@ func TestNetworksAcrossNodes(t *testing.T) {
 			}
 			vms[name] = v
 			return v.Status.IP
-		}).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).ShouldNot(BeEmpty(), "VM %s", name)
+		}).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).ShouldNot(BeEmpty(), func() string {
+			return "VM " + name + ": " + diagnose(c.Client, vm, func(node string) string { return filepath.Join(tmp, node) })
+		})
 		ips[name] = vms[name].Status.IP
 	}
 	t.Logf("addresses: %v", ips)

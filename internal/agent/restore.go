@@ -114,6 +114,8 @@ func (f snapshotFinder) fits(vm *impv1.ImpVM, m *snapshot.Manifest) error {
 		return fmt.Errorf("the VM has no resources recorded by its placement")
 	case res.VCPUs != m.VCPUs || res.Memory.Value()>>20 != m.MemoryMiB:
 		return fmt.Errorf("it was taken of a VM with %d vCPUs and %d MiB; this VM has %d and %d MiB", m.VCPUs, m.MemoryMiB, res.VCPUs, res.Memory.Value()>>20)
+	case m.DiskBytes != 0 && res.DiskSize.Value() != m.DiskBytes:
+		return fmt.Errorf("it was taken of a VM with a disk of %d bytes; this VM's is %d", m.DiskBytes, res.DiskSize.Value())
 	case (vm.Spec.NetworkRef != nil) != m.Network:
 		return fmt.Errorf("the network interface of its VM and this VM's differ (one has none)")
 	}

@@ -234,8 +234,14 @@ func TestSnapshotRestore(t *testing.T) {
 	if got := exec("copy-b", "tool-dial", a.Status.IP+":7000"); !strings.HasSuffix(got, " host copy-a") {
 		t.Errorf("copy-b → copy-a: %q", got)
 	}
+	// A restored run runs on the snapshot's base disk (a link in its state directory), until
+	// it ends.
+	restoredBase := filepath.Join(w.stateDir, "vms", string(w.get("copy-a").UID), vmrun.RestoredBase)
+	if fi, err := os.Stat(restoredBase); err != nil || fi.Mode().Perm() != 0o444 {
+		t.Errorf("the restored run's base disk: %v %v", fi, err)
+	}
 	// A restart of a restored VM boots from its own disk (its writes kept), twice: it never
-	// goes back to the snapshot's memory.
+	// goes back to the snapshot's memory, nor holds its base disk.
 	for i := int32(1); i <= 2; i++ {
 		v := w.get("copy-a")
 		started := v.Status.Runtime.StartedAt.Time
@@ -257,6 +263,9 @@ func TestSnapshotRestore(t *testing.T) {
 		}
 		if _, err := try("copy-a", "tool-read", "/written-by-a"); err != nil {
 			t.Errorf("restart %d lost copy-a's write: %v", i, err)
+		}
+		if _, err := os.Lstat(restoredBase); !os.IsNotExist(err) {
+			t.Errorf("restart %d kept the restored run's base disk: %v", i, err)
 		}
 	}
 

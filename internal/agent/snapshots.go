@@ -269,14 +269,18 @@ func (a *Agent) runBase(vm *impv1.ImpVM, dir string, m *meta) (string, error) {
 	return a.images.Path(ref.Context().Digest(m.Digest)), nil
 }
 
-// keepBase puts a copy of the base disk the VM runs on in the snapshot being taken in tmp
-// (a reflink where the file system shares blocks), read-only.
+// keepBase puts the base disk the VM runs on in the snapshot being taken in tmp, read-only.
 func (a *Agent) keepBase(vm *impv1.ImpVM, m *meta, tmp string) error {
 	base, err := a.runBase(vm, a.vmDir(vm.UID), m)
 	if err != nil {
 		return err
 	}
 	dst := filepath.Join(tmp, snapshot.BaseFile)
+	// A base disk is never changed once built (a rebuilt one is a new file): a link to it costs
+	// nothing. A copy where the two are on different file systems.
+	if err := os.Link(base, dst); err == nil {
+		return nil
+	}
 	if err := snapshot.CopyDisk(base, dst); err != nil {
 		return fmt.Errorf("keeping the base disk: %w", err)
 	}

@@ -147,10 +147,14 @@ func reseed(entropy []byte) error {
 
 // rereadConfig reads the configuration disk anew: the restored VM's own, which the agent
 // attached in the place of the snapshot's. The block cache still holds the snapshot's, so it
-// is dropped first.
+// is dropped first (of that disk alone: the base and writable disks are mounted, and their
+// caches hold what the restored file systems run on).
 func rereadConfig() (Config, error) {
 	devs, _ := filepath.Glob("/dev/vd*")
 	for _, d := range devs {
+		if l := ext4Label(d); l == BaseLabel || l == WritableLabel {
+			continue // the mounted disks: their caches are the file systems' own
+		}
 		f, err := os.Open(d)
 		if err != nil {
 			continue

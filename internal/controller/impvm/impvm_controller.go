@@ -395,7 +395,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	}
 
 	// Quotas of the namespace.
-	quotas, why, err := r.quotas(ctx, vm, &res)
+	quotas, why, err := r.quotas(ctx, vm, spec, &res)
 	if err != nil {
 		return err
 	}
@@ -411,6 +411,9 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	}
 	if snapNode != "" {
 		nodes = onlyNode(nodes, snapNode) // the node holding the snapshot
+	}
+	if tmpl != nil && snapshotFor(tmpl, "") == "" {
+		nodes = templateNodes(tmpl, res.VMM, nodes) // where the template's VM may run too
 	}
 	start := r.Clock.Now()
 	req := placement.Request{
@@ -477,6 +480,11 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	vm.Status.Template = nil
 	if tmpl != nil {
 		vm.Status.Template = templateStatus(tmpl, node)
+		if ts := vm.Status.Template; ts.Snapshot != "" {
+			if why, err := r.sameSize(ctx, vm, ts.Snapshot); err != nil || why != "" {
+				ts.Snapshot = "" // a snapshot of another size: made again, or the copy waits
+			}
+		}
 	}
 	vm.Status.Instance++
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)

@@ -14,7 +14,7 @@ import (
 
 // quotas returns the ImpQuotas of the VM's namespace as placement enforces them, or why the VM
 // alone breaks one: a class the quota does not allow, or a size past its perVM bounds.
-func (r *Reconciler) quotas(ctx context.Context, vm *impv1.ImpVM, res *impv1.ResolvedResources) ([]placement.Quota, string, error) {
+func (r *Reconciler) quotas(ctx context.Context, vm *impv1.ImpVM, spec *impv1.ImpVMSpec, res *impv1.ResolvedResources) ([]placement.Quota, string, error) {
 	list, err := r.listQuotas(ctx, vm.Namespace)
 	if err != nil {
 		return nil, "", err
@@ -22,7 +22,7 @@ func (r *Reconciler) quotas(ctx context.Context, vm *impv1.ImpVM, res *impv1.Res
 	out := make([]placement.Quota, 0, len(list))
 	for i := range list {
 		q := &list[i]
-		if why := perVM(q, vm, res); why != "" {
+		if why := perVM(q, vm, spec, res); why != "" {
 			return nil, "ImpQuota " + q.Name + ": " + why, nil
 		}
 		out = append(out, placementQuota(q))
@@ -51,14 +51,16 @@ func (r *Reconciler) listQuotas(ctx context.Context, ns string) ([]impv1.ImpQuot
 	return list.Items, nil
 }
 
-// perVM says how the VM alone breaks q's class list or per-VM bounds, or "".
-func perVM(q *impv1.ImpQuota, vm *impv1.ImpVM, res *impv1.ResolvedResources) string {
-	if allowed := q.Spec.AllowedClasses; len(allowed) > 0 {
+// perVM says how the VM alone breaks q's class list or per-VM bounds, or "". spec is what
+// the VM is placed as: its own spec, or its template's VM (whose class a copy takes). A copy of
+// a snapshot has the snapshot's size, which the per-VM bounds check.
+func perVM(q *impv1.ImpQuota, vm *impv1.ImpVM, spec *impv1.ImpVMSpec, res *impv1.ResolvedResources) string {
+	if allowed := q.Spec.AllowedClasses; len(allowed) > 0 && vm.Spec.SnapshotRef == nil {
 		switch {
-		case vm.Spec.ClassRef == nil:
+		case spec.ClassRef == nil:
 			return fmt.Sprintf("the VM names no class; allowed: %v", allowed)
-		case !slices.Contains(allowed, vm.Spec.ClassRef.Name):
-			return fmt.Sprintf("class %s is not allowed; allowed: %v", vm.Spec.ClassRef.Name, allowed)
+		case !slices.Contains(allowed, spec.ClassRef.Name):
+			return fmt.Sprintf("class %s is not allowed; allowed: %v", spec.ClassRef.Name, allowed)
 		}
 	}
 	b := q.Spec.PerVM

@@ -250,6 +250,19 @@ spec:
 	if out, err := apply("fits", 2, "2Gi", "1Gi"); err != nil {
 		t.Errorf("a VM that fits was refused: %v\n%s", err, out)
 	}
+	// A namespace's allowed classes: a VM must name one; a copy names none (the operator checks
+	// its template's class), and is admitted.
+	classes := &impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "classes"}, Spec: impv1.ImpQuotaSpec{AllowedClasses: []string{"small"}}}
+	e.create(classes)
+	eventually(t, func() string { out, _ := apply("classless", 1, "1Gi", "1Gi", "--dry-run=server"); return out }).
+		Should(ContainSubstring("ImpQuota classes: the VM must name one of the classes small"))
+	copyPath := t.TempDir() + "/copy.yaml"
+	if err := os.WriteFile(copyPath, []byte(fmt.Sprintf("apiVersion: imp.dev/v1alpha1\nkind: ImpVM\nmetadata: {name: copy, namespace: %s}\nspec:\n  templateRef: {name: web}\n", e.ns)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := testcluster.Kubectl(kc, "apply", "-f", copyPath); err != nil {
+		t.Errorf("a copy of a template was refused in a namespace with allowed classes: %v\n%s", err, out)
+	}
 }
 
 // TestOnlyTheOperatorClaimsPressure: with the chart's admission policy, a tenant with the

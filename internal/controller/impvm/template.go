@@ -96,6 +96,19 @@ func preferTemplateNodes(t *impv1.ImpVMTemplate, nodes []placement.Node) []place
 	return out
 }
 
+// templateNodes: of nodes, those where t's VM may run (its selectors, tolerations and VMM):
+// a copy that finds no snapshot of t where it goes has it made there.
+func templateNodes(t *impv1.ImpVMTemplate, vmm impv1.VMMKind, nodes []placement.Node) []placement.Node {
+	req := placement.Request{Labels: t.Spec.VM.RequiredNodeLabels(), Tolerations: t.Spec.VM.Tolerations, VMM: vmm}
+	var out []placement.Node
+	for _, n := range nodes {
+		if ok, _ := placement.Fits(req, n); ok {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
 // reconcileTemplate gives a placed copy whose node had no snapshot of its template the one
 // made there since, with the template as it is now (the copy has not run). Until then the copy
 // waits: TemplateNotReady.
@@ -114,6 +127,13 @@ func (r *Reconciler) reconcileTemplate(ctx context.Context, s *scope) error {
 		return fmt.Errorf("getting ImpVMTemplate %s: %w", vm.Spec.TemplateRef.Name, err)
 	}
 	if now := templateStatus(t, vm.Status.NodeName); now.Snapshot != "" {
+		// The copy was placed with the size its template had then: it restores a snapshot of
+		// that size only (a template replaced by a bigger one waits; its disk would not be
+		// the one the node and the quota count).
+		if why, err := r.sameSize(ctx, vm, now.Snapshot); err != nil || why != "" {
+			s.waitReason, s.waitMsg = impv1.ReasonTemplateIncompatible, why+": delete and recreate the copy"
+			return err
+		}
 		vm.Status.Template = now
 		return nil
 	}
@@ -127,6 +147,24 @@ func (r *Reconciler) reconcileTemplate(ctx context.Context, s *scope) error {
 		}
 	}
 	return nil
+}
+
+// sameSize says why the copy vm, placed, cannot restore the snapshot name (its VM had another
+// size or VMM than the copy was placed with), or "".
+func (r *Reconciler) sameSize(ctx context.Context, vm *impv1.ImpVM, name string) (string, error) {
+	snap := &impv1.ImpVMSnapshot{}
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: name}, snap); err != nil {
+		return "", client.IgnoreNotFound(err)
+	}
+	src, res := snap.Status.Source, vm.Status.Resources
+	if src == nil || res == nil {
+		return "", nil // the node checks the files
+	}
+	if src.VCPUs != res.VCPUs || src.Memory.Cmp(res.Memory) != 0 || src.DiskSize.Cmp(res.DiskSize) != 0 || (res.VMM != "" && res.VMM != src.VMM) {
+		return fmt.Sprintf("ImpVMSnapshot %s of its template is of a VM with %d vCPUs, %s memory, %s disk under %s; the copy was placed with %d, %s, %s",
+			name, src.VCPUs, &src.Memory, &src.DiskSize, src.VMM, res.VCPUs, &res.Memory, &res.DiskSize), nil
+	}
+	return "", nil
 }
 
 // forTemplate: the copies of the template that wait for it (not placed, or placed without a

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -243,5 +244,44 @@ func TestCopiesLeaveRoomForTheirTemplate(t *testing.T) {
 	}
 	if n := e.events()["Unschedulable"]; n != 1 {
 		t.Errorf("%d Unschedulable events, want 1 (the copy that waited for room)", n)
+	}
+}
+
+// TestCopiesFollowTheirTemplatesClassAndNodes: a copy names no class, so a namespace's allowed
+// classes are checked against its template's; and it goes only where its template's VM may run
+// too (its selectors), since its snapshot is made where the copy goes.
+func TestCopiesFollowTheirTemplatesClassAndNodes(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 8, 8, func(n *corev1.Node) { n.Labels["imp.test/zone"] = "x" })
+	e.node("b", 8, 8)
+	e.startOperator()
+	e.startAgent(nil)
+	small, big := e.ns+"-small", e.ns+"-big"
+	for _, name := range []string{small, big} {
+		class := &impv1.ImpVMClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: impv1.ImpVMClassSpec{VCPUs: 1, Memory: resource.MustParse("256Mi")}}
+		e.create(class)
+		t.Cleanup(func() { _ = e.c.Delete(context.Background(), class) })
+	}
+	e.create(&impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "classes"}, Spec: impv1.ImpQuotaSpec{AllowedClasses: []string{small}}})
+	for name, class := range map[string]string{"allowed": small, "refused": big} {
+		tmpl := e.template(name)
+		tmpl.Spec.VM.Resources, tmpl.Spec.VM.ClassRef = nil, &impv1.ClassReference{Name: class}
+		tmpl.Spec.VM.NodeSelector["imp.test/zone"] = "x"
+		e.create(tmpl)
+		eventually(t, func() string { return e.getTemplate(name).Status.Revision }).ShouldNot(BeEmpty())
+	}
+	for i := range 3 {
+		e.create(e.copyOf(name("allowed", i), "allowed"))
+	}
+	e.create(e.copyOf("refused-0", "refused"))
+	for i := range 3 {
+		eventually(t, func() string { return readyReason(e.get(name("allowed", i))) }).Should(Equal(impv1.ReasonGuestReady))
+		if node := e.get(name("allowed", i)).Status.NodeName; node != e.ns+"-a" {
+			t.Errorf("%s on %s, where its template's VM may not run", name("allowed", i), node)
+		}
+	}
+	eventually(t, func() string { return scheduled(e.get("refused-0")) }).Should(Equal(impv1.ReasonQuotaExceeded))
+	if c := condition(e.get("refused-0"), impv1.ScheduledCondition); !strings.Contains(c.Message, "class "+big+" is not allowed") {
+		t.Errorf("message %q", c.Message)
 	}
 }

@@ -26,9 +26,11 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	ctrlbuilder "sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -84,13 +86,8 @@ type build struct {
 	node, rev string
 	vm        *impv1.ImpVM
 	snap      *impv1.ImpVMSnapshot
-}
-
-func (b *build) name() string {
-	if b.snap != nil {
-		return b.snap.Name
-	}
-	return b.vm.Name
+	name      string
+	refused   string // why its VM could not be created
 }
 
 // Reconcile keeps one template's snapshots.
@@ -117,11 +114,19 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, err
 	}
 	var requeue time.Duration
-	for _, node := range needed {
+	targets := slices.Clone(needed)
+	for _, b := range builds {
+		// A build under way goes on though no node needs it any more: it will serve the next
+		// copy (and a builder left as it is would run on for nothing).
+		if failed, _ := b.failed(); b.rev == rev && !failed && !slices.Contains(targets, b.node) {
+			targets = append(targets, b.node)
+		}
+	}
+	for _, node := range targets {
 		key := BuildName(t, rev, node)
 		b := builds[key]
 		if b == nil {
-			b = &build{node: node, rev: rev}
+			b = &build{node: node, rev: rev, name: key}
 			builds[key] = b
 		}
 		again, err := r.advance(ctx, t, b)
@@ -190,7 +195,7 @@ func (r *Reconciler) builds(ctx context.Context, t *impv1.ImpVMTemplate) (map[st
 		}
 		b := out[o.GetName()]
 		if b == nil {
-			b = &build{node: o.GetAnnotations()[nodeAnnotation], rev: o.GetLabels()[impv1.TemplateRevisionLabel]}
+			b = &build{node: o.GetAnnotations()[nodeAnnotation], rev: o.GetLabels()[impv1.TemplateRevisionLabel], name: o.GetName()}
 			out[o.GetName()] = b
 		}
 		return b
@@ -201,8 +206,12 @@ func (r *Reconciler) builds(ctx context.Context, t *impv1.ImpVMTemplate) (map[st
 		}
 	}
 	for i := range snaps.Items {
-		if b := get(&snaps.Items[i]); b != nil {
-			b.snap = &snaps.Items[i]
+		// A build's snapshot is of its own builder: one of another VM, labelled and owned
+		// by hand, is not the template's.
+		if s := &snaps.Items[i]; s.Spec.VMName == s.Name {
+			if b := get(s); b != nil {
+				b.snap = s
+			}
 		}
 	}
 	return out, nil
@@ -257,7 +266,7 @@ func (r *Reconciler) neededNodes(ctx context.Context, t *impv1.ImpVMTemplate, re
 		nodes = append(nodes, n)
 	}
 	sort.Strings(nodes)
-	if t.Spec.Registry != nil {
+	if t.Spec.Registry != nil && len(nodes) > 0 {
 		// One build of this revision, on whichever node has room, serves every node once
 		// pushed; another is made only in place of a failed one.
 		for _, b := range builds {
@@ -265,9 +274,7 @@ func (r *Reconciler) neededNodes(ctx context.Context, t *impv1.ImpVMTemplate, re
 				return []string{b.node}, nil
 			}
 		}
-		if len(nodes) > 0 {
-			return []string{anyNode}, nil
-		}
+		return []string{anyNode}, nil
 	}
 	return nodes, nil
 }
@@ -279,7 +286,7 @@ func (r *Reconciler) advance(ctx context.Context, t *impv1.ImpVMTemplate, b *bui
 		if left := RetryAfter - r.clock().Since(since); left > 0 {
 			return left, nil
 		}
-		ctrl.LoggerFrom(ctx).Info("making a failed template build again", "build", b.name(), "node", b.node)
+		ctrl.LoggerFrom(ctx).Info("making a failed template build again", "build", b.name, "node", b.node)
 		if err := r.remove(ctx, b.objects()...); err != nil {
 			return 0, err
 		}
@@ -294,6 +301,13 @@ func (r *Reconciler) advance(ctx context.Context, t *impv1.ImpVMTemplate, b *bui
 			}
 		}
 		b.vm = nil
+	case b.snap != nil && b.vm == nil:
+		// Being taken of a builder that is gone (deleted after a failure while a cache still
+		// showed it Ready): it never will be; the build begins again.
+		if err := r.remove(ctx, b.snap); err != nil {
+			return 0, err
+		}
+		return time.Second, nil
 	case b.snap != nil:
 		// Being taken.
 	case b.vm == nil:
@@ -301,7 +315,13 @@ func (r *Reconciler) advance(ctx context.Context, t *impv1.ImpVMTemplate, b *bui
 		if err := controllerutil.SetControllerReference(t, vm, r.Client.Scheme()); err != nil {
 			return 0, err
 		}
-		if err := r.Client.Create(ctx, vm); err != nil && !apierrors.IsAlreadyExists(err) {
+		switch err := r.Client.Create(ctx, vm); {
+		case apierrors.IsForbidden(err) || apierrors.IsInvalid(err):
+			// Refused (a quota's admission policy, a class the namespace may not use): said
+			// in the status, and tried again later.
+			b.refused = fmt.Sprintf("its VM %s was refused: %v", vm.Name, err)
+			return time.Minute, nil
+		case err != nil && !apierrors.IsAlreadyExists(err):
 			return 0, fmt.Errorf("creating the builder VM of ImpVMTemplate %s on node %s: %w", t.Name, b.node, err)
 		}
 		b.vm = vm
@@ -430,7 +450,7 @@ func ptrUID(o client.Object) *types.UID {
 func statusOf(builds map[string]*build) []impv1.TemplateSnapshot {
 	out := make([]impv1.TemplateSnapshot, 0, len(builds))
 	for _, b := range builds {
-		s := impv1.TemplateSnapshot{NodeName: b.node, Name: b.name(), Revision: b.rev, Phase: impv1.TemplateBuilding}
+		s := impv1.TemplateSnapshot{NodeName: b.node, Name: b.name, Revision: b.rev, Phase: impv1.TemplateBuilding}
 		switch {
 		case s.NodeName != anyNode:
 		case b.snap != nil:
@@ -456,6 +476,8 @@ func statusOf(builds map[string]*build) []impv1.TemplateSnapshot {
 			s.Phase, s.Message = impv1.TemplateFailed, "its VM failed: "+readyMessage(b.vm)
 		case b.vm != nil:
 			s.Message = fmt.Sprintf("its VM %s is %s: %s", b.vm.Name, phaseOr(b.vm.Status.Phase), readyMessage(b.vm))
+		case b.refused != "":
+			s.Message = b.refused
 		}
 		out = append(out, s)
 	}
@@ -494,7 +516,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// A copy placed, or gone: the nodes that need a snapshot.
 		Watches(&impv1.ImpVM{}, handler.EnqueueRequestsFromMapFunc(forCopy)).
 		// A node labelled: the templates that make snapshots ahead of time.
-		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.ahead)).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.ahead), ctrlbuilder.WithPredicates(predicate.LabelChangedPredicate{})).
 		Complete(r)
 }
 
