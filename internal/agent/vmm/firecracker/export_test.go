@@ -8,3 +8,6 @@ var (
 
 // CopyOut is the copy of a file out of a jail, for the attack tests.
 var CopyOut = copyOut
+
+// PlaceIn puts a host file in a jail, for the tests of copies across file systems.
+var PlaceIn = placeIn

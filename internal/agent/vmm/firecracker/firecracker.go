@@ -254,8 +254,10 @@ func resetJail(root *os.Root, execName string) error {
 }
 
 // placeIn makes name inside root the file src: left alone when it is src already (a hard
-// link), or a copy of it made earlier; otherwise whatever is there goes and src is linked (or,
-// across file systems, copied) in its place.
+// link), or a copy of it made earlier (root's, of src's size and modification time: the copy
+// takes src's, and a base disk built anew, or a restore's snapshot base, is a new file with its
+// own); otherwise whatever is there goes and src is linked (or, across file systems, copied) in
+// its place.
 func placeIn(root *os.Root, name, src string) error {
 	want, err := os.Stat(src)
 	if err != nil {
@@ -265,7 +267,7 @@ func placeIn(root *os.Root, name, src string) error {
 		if os.SameFile(fi, want) {
 			return nil
 		}
-		if fi.Mode().IsRegular() && fi.Sys().(*syscall.Stat_t).Nlink == 1 && fi.Size() == want.Size() && fi.Sys().(*syscall.Stat_t).Uid == 0 {
+		if fi.Mode().IsRegular() && fi.Sys().(*syscall.Stat_t).Nlink == 1 && fi.Size() == want.Size() && fi.ModTime().Equal(want.ModTime()) && fi.Sys().(*syscall.Stat_t).Uid == 0 {
 			return nil // a copy made where links cannot be, and still root's
 		}
 		if err := root.Remove(name); err != nil {
@@ -294,7 +296,10 @@ func placeIn(root *os.Root, name, src string) error {
 		out.Close()
 		return err
 	}
-	return out.Close()
+	if err := out.Close(); err != nil {
+		return err
+	}
+	return root.Chtimes(name, want.ModTime(), want.ModTime())
 }
 
 // RemoveConfig removes the run's configuration disk from the jail at chroot. The jail's
