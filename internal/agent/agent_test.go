@@ -938,7 +938,9 @@ func TestStopsDoNotHoldWorkers(t *testing.T) {
 		}
 	}
 	for _, vm := range stubborn {
-		g.Eventually(running(vm.Name)).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), vm.Name)
+		g.Eventually(running(vm.Name)).WithTimeout(15*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+			return vm.Name + ": " + diagnose(w.c.Client, vm, func(string) string { return w.stateDir })
+		})
 		// Ready comes as the workload starts; it ignores SIGTERM once it ticks.
 		g.Eventually(func() string { return w.console(w.get(vm.Name)) }).WithTimeout(6*time.Minute).Should(ContainSubstring("hello: tick 0"), vm.Name)
 	}
