@@ -161,7 +161,7 @@ type launcher struct{ a *Agent }
 func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error) {
 	base := r.BaseDisk
 	switch {
-	case r.Snapshot != nil && r.Snapshot.Base != "":
+	case r.Snapshot != nil:
 		base = r.Path(vmrun.RestoredBase) // the disk the snapshot's memory knows
 	case r.Image != nil:
 		base = r.Image.BaseDisk

@@ -87,11 +87,12 @@ func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snaps
 	if err := f.fits(vm, m); err != nil {
 		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s: %w", name, err))
 	}
-	found := &vmrun.Snapshot{Name: name, Manifest: m, Dir: a.snapshots.Path(snap.UID), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile)}
-	if _, err := os.Stat(a.snapshots.File(snap.UID, snapshot.BaseFile)); err == nil {
-		found.Base = a.snapshots.File(snap.UID, snapshot.BaseFile)
+	base := a.snapshots.File(snap.UID, snapshot.BaseFile)
+	if _, err := os.Stat(base); err != nil {
+		// Its memory knows a base disk it did not keep: no node's disk of the image stands in.
+		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s has no base disk on node %s (taken by an older agent: take it again): %w", name, a.Opts.NodeName, err))
 	}
-	return found, nil
+	return &vmrun.Snapshot{Name: name, Manifest: m, Dir: a.snapshots.Path(snap.UID), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile), Base: base}, nil
 }
 
 // fits says why the snapshot m cannot run as vm on this node, or nil: its host (VMM, version,

@@ -319,6 +319,24 @@ func TestSnapshotRestore(t *testing.T) {
 		}
 		return ""
 	}).WithTimeout(2 * time.Minute).Should(HavePrefix(impv1.ReasonSnapshotIncompatible + ": ImpVMSnapshot snap: the snapshot's guest kernel"))
+	// Nor one without its base disk: the node's disk of the image never stands in for it.
+	if err := os.WriteFile(manifest, orig, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(dir, snapshot.BaseFile)); err != nil {
+		t.Fatal(err)
+	}
+	baseless := newVM("baseless")
+	baseless.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "snap"}
+	if err := c.Client.Create(ctx, baseless); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string {
+		if rt := w.get("baseless").Status.Runtime; rt != nil {
+			return rt.Reason + ": " + rt.Message
+		}
+		return ""
+	}).WithTimeout(2 * time.Minute).Should(HavePrefix(impv1.ReasonSnapshotIncompatible + ": ImpVMSnapshot snap has no base disk"))
 
 	// Deleted: its files go, and a VM naming it waits with the reason.
 	if err := c.Client.Delete(ctx, snap); err != nil {

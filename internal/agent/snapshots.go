@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"time"
 
@@ -252,21 +251,18 @@ func (s snapshotter) patch(ctx context.Context, snap *impv1.ImpVMSnapshot, chang
 	return nil
 }
 
-// imageByDigest is image's repository at digest.
-// runBase is the base disk the VM's current run runs on: the snapshot's it was restored from,
-// or the node's disk of its image.
+// runBase is the base disk the VM's current run runs on: the snapshot's it was restored from
+// (never the node's disk of the image in its place: its memory knows the snapshot's blocks), or
+// the node's disk of its image.
 func (a *Agent) runBase(vm *impv1.ImpVM, dir string, m *meta) (string, error) {
 	if m.Restore != nil {
-		if _, err := os.Stat(filepath.Join(dir, vmrun.RestoredBase)); err == nil {
-			return filepath.Join(dir, vmrun.RestoredBase), nil
-		}
+		return filepath.Join(dir, vmrun.RestoredBase), nil
 	}
-	image := vm.Workload().Image
-	ref, err := name.ParseReference(image, a.nameOptions(image)...)
+	ref, err := a.digestRef(vm.Workload().Image, m.Digest)
 	if err != nil {
 		return "", err
 	}
-	return a.images.Path(ref.Context().Digest(m.Digest)), nil
+	return a.images.Path(ref), nil
 }
 
 // keepBase puts the base disk the VM runs on in the snapshot being taken in tmp, read-only.
@@ -275,22 +271,26 @@ func (a *Agent) keepBase(vm *impv1.ImpVM, m *meta, tmp string) error {
 	if err != nil {
 		return err
 	}
-	dst := filepath.Join(tmp, snapshot.BaseFile)
-	// A base disk is never changed once built (a rebuilt one is a new file): a link to it costs
-	// nothing. A copy where the two are on different file systems.
-	if err := os.Link(base, dst); err == nil {
-		return nil
-	}
-	if err := snapshot.CopyDisk(base, dst); err != nil {
+	if err := snapshot.LinkDisk(base, filepath.Join(tmp, snapshot.BaseFile)); err != nil {
 		return fmt.Errorf("keeping the base disk: %w", err)
 	}
-	return os.Chmod(dst, 0o444)
+	return nil
 }
 
+// imageByDigest is image's repository at digest.
 func (a *Agent) imageByDigest(image, digest string) (string, error) {
-	ref, err := name.ParseReference(image, a.nameOptions(image)...)
+	ref, err := a.digestRef(image, digest)
 	if err != nil {
 		return "", err
 	}
-	return ref.Context().Digest(digest).String(), nil
+	return ref.String(), nil
+}
+
+// digestRef is image's repository at digest.
+func (a *Agent) digestRef(image, digest string) (name.Digest, error) {
+	ref, err := name.ParseReference(image, a.nameOptions(image)...)
+	if err != nil {
+		return name.Digest{}, err
+	}
+	return ref.Context().Digest(digest), nil
 }

@@ -10,6 +10,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// LinkDisk makes dst, a new name, the read-only disk image src: a hard link (a base disk is
+// never changed once built: one built again is a new file), or a copy (0444) where the two are
+// on different file systems. It is how a snapshot keeps its VM's base disk, and a restored run
+// gets the snapshot's.
+func LinkDisk(src, dst string) error {
+	if err := os.Link(src, dst); err == nil {
+		return nil
+	}
+	if err := CopyDisk(src, dst); err != nil {
+		return err
+	}
+	return os.Chmod(dst, 0o444)
+}
+
 // CopyDisk copies the disk image src to dst, a new file (0600), sparse: a reflink where the
 // file system shares blocks (FICLONE), else only the extents that hold data. It is what makes
 // a snapshot's disk, and a restored VM's disk from it.

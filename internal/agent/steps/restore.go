@@ -42,7 +42,8 @@ func (s Snapshot) Do(ctx context.Context, r *vmrun.Run) error {
 }
 
 // RestoreDisk gives the VM its own writable disk, a copy of the snapshot's (sparse, or a reflink
-// where the file system shares blocks), in the place of whatever disk it had: the snapshot's
+// where the file system shares blocks), and a link to the snapshot's base disk, in the place of
+// whatever disk it had: the snapshot's
 // memory runs on the snapshot's disk and no other (an older disk of the VM under it would be
 // corrupted). A marker beside it (restoredDisk) says which snapshot and placement it is the copy
 // for, so that a plan run again does not copy it twice.
@@ -64,9 +65,6 @@ func (RestoreDisk) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 		return true, nil
 	}
 	for _, f := range []string{vmrun.WritableDisk, vmrun.RestoredBase} {
-		if f == vmrun.RestoredBase && r.Snapshot.Base == "" {
-			continue
-		}
 		if _, err := os.Stat(r.Path(f)); errors.Is(err, fs.ErrNotExist) {
 			return true, nil
 		}
@@ -83,29 +81,15 @@ func (RestoreDisk) Do(_ context.Context, r *vmrun.Run) error {
 	if err := os.Rename(tmp, r.Path(vmrun.WritableDisk)); err != nil {
 		return err
 	}
-	if err := linkBase(r); err != nil {
-		return plan.Fail(impv1.ReasonRestoreFailed, err)
-	}
-	return os.WriteFile(r.Path(restoredDisk), []byte(diskMarker(r)), 0o600)
-}
-
-// linkBase gives the run the snapshot's base disk (vmrun.RestoredBase): a link to it, or a
-// copy where the two are on different file systems.
-func linkBase(r *vmrun.Run) error {
-	dst := r.Path(vmrun.RestoredBase)
-	if err := os.Remove(dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	// The run runs on the snapshot's base disk (vmrun.RestoredBase), which its memory knows.
+	base := r.Path(vmrun.RestoredBase)
+	if err := os.Remove(base); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
-	if r.Snapshot.Base == "" {
-		return nil // taken before snapshots kept their base: the node's disk of the image
+	if err := snapshot.LinkDisk(r.Snapshot.Base, base); err != nil {
+		return plan.Fail(impv1.ReasonRestoreFailed, fmt.Errorf("the snapshot's base disk: %w", err))
 	}
-	if err := os.Link(r.Snapshot.Base, dst); err == nil {
-		return nil
-	}
-	if err := snapshot.CopyDisk(r.Snapshot.Base, dst); err != nil {
-		return fmt.Errorf("the snapshot's base disk: %w", err)
-	}
-	return os.Chmod(dst, 0o444)
+	return os.WriteFile(r.Path(restoredDisk), []byte(diskMarker(r)), 0o600)
 }
 
 func diskMarker(r *vmrun.Run) string {

@@ -189,6 +189,6 @@ type Snapshot struct {
 	Name     string
 	Manifest *snapshot.Manifest
 	// Dir is its directory in the node's store (its VMM's files), Disk its writable disk, Base
-	// its base disk (empty for a snapshot taken without one).
+	// its base disk.
 	Dir, Disk, Base string
 }

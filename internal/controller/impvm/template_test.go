@@ -207,7 +207,9 @@ func TestTemplatesAheadOfTimeAndPushed(t *testing.T) {
 	pushed.Spec.Registry = &impv1.SnapshotRegistry{Repository: "registry.test/snapshots"}
 	e.create(pushed)
 	for i := range 4 {
-		e.create(e.copyOf(name("pushed", i), "pushed"))
+		cp := e.copyOf(name("pushed", i), "pushed")
+		cp.Spec.NodeName = e.ns + "-" + []string{"a", "b"}[i%2] // two on each node
+		e.create(cp)
 	}
 	for i := range 4 {
 		eventually(t, func() string { return readyReason(e.get(name("pushed", i))) }).Should(Equal(impv1.ReasonGuestReady))
@@ -224,7 +226,9 @@ func TestTemplatesAheadOfTimeAndPushed(t *testing.T) {
 			t.Errorf("%s restores %q", vm.Name, vm.Status.Template.Snapshot)
 		}
 	}
-	t.Logf("copies of the pushed template on %d nodes", len(nodes))
+	if len(nodes) != 2 {
+		t.Errorf("the copies of the pushed template ran on %v, want both nodes", nodes)
+	}
 }
 
 // TestCopiesLeaveRoomForTheirTemplate: a copy placed where its template's snapshot is still to
