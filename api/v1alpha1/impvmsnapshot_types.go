@@ -47,8 +47,6 @@ const (
 	// ReasonSnapshotIncompatible: the snapshot cannot run as this VM or on this node: another
 	// VMM, kernel, CPU, size or device set than it was taken with.
 	ReasonSnapshotIncompatible = "SnapshotIncompatible"
-	// ReasonSnapshotNodeLost: the only node holding the snapshot is gone.
-	ReasonSnapshotNodeLost = "SnapshotNodeLost"
 	// ReasonRestoreFailed: the node could not start the VM from its snapshot.
 	ReasonRestoreFailed = "RestoreFailed"
 	// ReasonInvalidSchedule: spec.schedule is no cron expression.

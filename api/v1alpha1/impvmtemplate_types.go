@@ -21,9 +21,6 @@ const (
 	// ReasonTemplateIncompatible: the VM cannot be a copy of the template (one has a network
 	// interface, the other none).
 	ReasonTemplateIncompatible = "TemplateIncompatible"
-	// ReasonTemplateBuildFailed: the template's VM failed, or its snapshot did; it is tried
-	// again.
-	ReasonTemplateBuildFailed = "BuildFailed"
 )
 
 // TemplateReadyCondition is True while a snapshot of the template's current revision is Ready

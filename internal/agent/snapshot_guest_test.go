@@ -337,6 +337,12 @@ func TestSnapshotRestore(t *testing.T) {
 		}
 		return ""
 	}).WithTimeout(2 * time.Minute).Should(HavePrefix(impv1.ReasonSnapshotIncompatible + ": ImpVMSnapshot snap has no base disk"))
+	// The refused VMs would hold the node's room while their runStrategy retries them.
+	for _, name := range []string{"odd", "baseless"} {
+		if err := c.Client.Delete(ctx, w.get(name)); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	// Deleted: its files go, and a VM naming it waits with the reason.
 	if err := c.Client.Delete(ctx, snap); err != nil {
