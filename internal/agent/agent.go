@@ -377,6 +377,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 				return ctrl.Result{RequeueAfter: again}, nil
 			}
 		}
+		// The VMM is gone: its run's configuration goes before the run is reported stopped,
+		// not whenever its monitor sees the exit.
+		a.endRun(vm.UID)
 		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
