@@ -69,18 +69,22 @@ func TestOnlyAuthorizedReaders(t *testing.T) {
 	t.Cleanup(func() {
 		_ = admin.RbacV1().ClusterRoleBindings().Delete(context.WithoutCancel(ctx), binding.Name, metav1.DeleteOptions{})
 	})
-	// The API server's authorizer sees the binding a moment after it is made (its RBAC cache):
-	// the scrapes below wait for that, as a reader granted a role would.
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		sar, err := admin.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
-			User: "system:serviceaccount:" + ns + ":prometheus", NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"}}}, metav1.CreateOptions{})
-		if err == nil && sar.Status.Allowed {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the binding of imp-metrics-reader never took effect: %+v %v", sar, err)
+	// The API server's authorizer sees a binding (or its removal) a moment after it is written
+	// (its RBAC cache): the scrapes below wait for that, as a reader granted a role would.
+	authorized := func(want bool) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			sar, err := admin.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+				User: "system:serviceaccount:" + ns + ":prometheus", NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"}}}, metav1.CreateOptions{})
+			if err == nil && sar.Status.Allowed == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the binding of imp-metrics-reader never took effect (allowed %v): %+v %v", want, sar, err)
+			}
 		}
 	}
+	authorized(true)
 
 	clock := clocktesting.NewFakePassiveClock(time.Now())
 	tokens := &countingTokens{TokenReviewer: agent.AuthenticationV1().TokenReviews()}
@@ -132,6 +136,7 @@ func TestOnlyAuthorizedReaders(t *testing.T) {
 	if tokens.n != before {
 		t.Errorf("a scrape within the token's TTL made %d TokenReviews", tokens.n-before)
 	}
+	authorized(false)
 	clock.SetTime(clock.Now().Add(metricsauth.AllowTTL + time.Second))
 	if got := scrape("GET", "/metrics", "Bearer "+reader); got != http.StatusForbidden {
 		t.Errorf("the revoked reader, after the allowance expired: got %d, want 403", got)
