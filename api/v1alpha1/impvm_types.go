@@ -239,6 +239,14 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.livenessProbe) || !has(self.livenessProbe.tcpSocket) || type(self.livenessProbe.tcpSocket.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.livenessProbe.tcpSocket.port))",message="livenessProbe.tcpSocket.port names no port of spec.ports",fieldPath=".livenessProbe.tcpSocket.port"
 // +kubebuilder:validation:XValidation:rule="!has(self.livenessProbe) || !has(self.livenessProbe.successThreshold) || self.livenessProbe.successThreshold == 1",message="a liveness probe's successThreshold must be 1",fieldPath=".livenessProbe.successThreshold"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.successThreshold) || self.startupProbe.successThreshold == 1",message="a startup probe's successThreshold must be 1",fieldPath=".startupProbe.successThreshold"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",message="every volumeMount names a volume of spec.volumes",fieldPath=".volumeMounts"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !has(m.subPath) || size(m.subPath) == 0 || !has(self.volumes) || !self.volumes.exists(v, v.name == m.name && has(v.emptyDisk)))",message="subPath is for volumes of files (secret, configMap, downwardAPI), not disks",fieldPath=".volumeMounts"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || self.volumeDevices.all(d, has(self.volumes) && self.volumes.exists(v, v.name == d.name && has(v.emptyDisk)))",message="every volumeDevice names a disk volume (emptyDisk) of spec.volumes",fieldPath=".volumeDevices"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || !has(self.volumeMounts) || !self.volumeDevices.exists(d, self.volumeMounts.exists(m, m.name == d.name))",message="a volume is mounted (volumeMounts) or a raw device (volumeDevices), not both",fieldPath=".volumeDevices"
+// +kubebuilder:validation:XValidation:rule="!(has(self.snapshotRef) || has(self.templateRef)) || !has(self.volumes) || self.volumes.all(v, !has(v.emptyDisk))",message="a VM started from a snapshot or template cannot have disk volumes (emptyDisk): a snapshot holds no disk volume",fieldPath=".volumes"
+// +kubebuilder:validation:XValidation:rule="has(self.volumes) == has(oldSelf.volumes)",message="volumes are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumes"
+// +kubebuilder:validation:XValidation:rule="has(self.volumeMounts) == has(oldSelf.volumeMounts)",message="volumeMounts are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeMounts"
+// +kubebuilder:validation:XValidation:rule="has(self.volumeDevices) == has(oldSelf.volumeDevices)",message="volumeDevices are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeDevices"
 type ImpVMSpec struct {
 	// classRef names the ImpVMClass giving the VM's default vCPUs, memory, disk size and VMM.
 	// +optional
@@ -415,6 +423,34 @@ type ImpVMSpec struct {
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$`
 	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s')",message="expireAfter must be at least 1s"
 	ExpireAfter *metav1.Duration `json:"expireAfter,omitempty"`
+
+	// volumes are the VM's volumes, as a Pod's: extra disks (emptyDisk) and files from
+	// Secrets, ConfigMaps and the VM itself (secret, configMap, downwardAPI). Each is used by a
+	// volumeMount or a volumeDevice. See docs/volumes.md.
+	// +optional
+	// +listType=map
+	// +listMapKey=name
+	// +kubebuilder:validation:MaxItems=16
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumes are immutable; delete and recreate the ImpVM to change them"
+	Volumes []Volume `json:"volumes,omitempty"`
+
+	// volumeMounts mount volumes in the guest, as a container's: imp-init mounts them before
+	// the workload starts.
+	// +optional
+	// +listType=map
+	// +listMapKey=mountPath
+	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumeMounts are immutable; delete and recreate the ImpVM to change them"
+	VolumeMounts []VolumeMount `json:"volumeMounts,omitempty"`
+
+	// volumeDevices put disk volumes in the guest as raw block devices at a path, as a
+	// container's volumeDevices do.
+	// +optional
+	// +listType=map
+	// +listMapKey=devicePath
+	// +kubebuilder:validation:MaxItems=16
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumeDevices are immutable; delete and recreate the ImpVM to change them"
+	VolumeDevices []VolumeDevice `json:"volumeDevices,omitempty"`
 }
 
 // ResolvedResources are what a VM was placed with: its class and inline resources combined at
@@ -426,6 +462,10 @@ type ResolvedResources struct {
 	Memory resource.Quantity `json:"memory"`
 	// diskSize is the size of the VM's writable disk.
 	DiskSize resource.Quantity `json:"diskSize"`
+	// volumeDiskSize is what the VM's disk volumes that IMP makes on its node take there
+	// (their emptyDisk capacities); the node's disk and the quota's count it with diskSize.
+	// +optional
+	VolumeDiskSize *resource.Quantity `json:"volumeDiskSize,omitempty"`
 	// vmm is the VMM asked for, empty when any will do.
 	// +optional
 	VMM VMMKind `json:"vmm,omitempty"`

@@ -37,6 +37,9 @@ const (
 	ReasonSnapshotVMNotFound = "VMNotFound"
 	// ReasonSnapshotVMNotRunning: the VM does not run (nor is it suspended) on a node.
 	ReasonSnapshotVMNotRunning = "VMNotRunning"
+	// ReasonSnapshotVMHasDisks: the VM has disk volumes (emptyDisk), which a snapshot does not
+	// hold; it is not snapshotted.
+	ReasonSnapshotVMHasDisks = "VMHasDiskVolumes"
 	// ReasonSnapshotTakeFailed: the node could not save the VM; it kept running.
 	ReasonSnapshotTakeFailed = "SnapshotFailed"
 	// ReasonSnapshotNotFound: the VM's snapshotRef names no ImpVMSnapshot of its namespace

@@ -44,6 +44,9 @@ func ResolveResources(spec *ImpVMSpec, class *ImpVMClassSpec) (ResolvedResources
 	if spec.VMM != "" {
 		r.VMM = spec.VMM
 	}
+	if v := spec.VolumeDiskSize(); !v.IsZero() {
+		r.VolumeDiskSize = &v
+	}
 	switch {
 	case r.VCPUs < 1:
 		return ResolvedResources{}, fmt.Errorf("%w: no vcpus in spec.resources or the class", ErrIncompleteResources)
@@ -62,4 +65,19 @@ func (s *ImpVMSpec) RequiredNodeLabels() labels.Set {
 	}
 	set[NodeEnabledLabel] = NodeEnabledValue
 	return set
+}
+
+// NodeDisk is all the VM holds of its node's disk: its writable disk and its disk volumes.
+func (r *ResolvedResources) NodeDisk() resource.Quantity {
+	q := r.DiskSize.DeepCopy()
+	if r.VolumeDiskSize != nil {
+		q.Add(*r.VolumeDiskSize)
+	}
+	return q
+}
+
+// NodeDiskBytes is NodeDisk in bytes.
+func (r *ResolvedResources) NodeDiskBytes() int64 {
+	q := r.NodeDisk()
+	return q.Value()
 }

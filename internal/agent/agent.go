@@ -55,6 +55,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/agent/volume"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
@@ -177,6 +178,7 @@ type Agent struct {
 
 	images    *disk.BaseStore
 	writables *disk.Writables
+	volumes   volume.Maker
 	vmms      []impv1.VMMCapability // what the node runs, best first
 	net       *hostnet.Host
 	exposer   *exposer
@@ -254,6 +256,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		ResolveTTL:    a.Opts.ImageResolveTTL,
 		RemoteOptions: []remote.Option{remote.WithTransport(pullnet.Transport(append(slices.Clone(a.Opts.LocalRegistries), a.Opts.InsecureRegistries...)))}}
 	a.writables = &disk.Writables{Dir: filepath.Join(a.Opts.StateDir, "templates")}
+	a.volumes = volume.Maker{ChooseVMM: a.chooseVMM}
 	a.monitors = map[types.UID]*monitor{}
 	a.stops = map[types.UID]*vmrun.Stop{}
 	a.fetched = make(chan event.GenericEvent, 1024)
@@ -472,6 +475,9 @@ func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error
 		if err := os.Remove(filepath.Join(dir, f)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return ctrl.Result{}, fmt.Errorf("removing the disks of finished VM %s: %w", vm.Name, err)
 		}
+	}
+	if err := volume.Remove(dir, vm); err != nil {
+		return ctrl.Result{}, fmt.Errorf("removing the disk volumes of finished VM %s: %w", vm.Name, err)
 	}
 	if err := a.removeJail(vm.UID); err != nil {
 		return ctrl.Result{}, err

@@ -36,6 +36,8 @@ type launchSpec struct {
 	resume   bool
 	// restore is the directory, in the node's store, of the snapshot the run is restored from.
 	restore string
+	// drives are the run's disk volumes.
+	drives []vmm.Drive
 }
 
 // driver is one kind of VMM as the agent runs it. The agent never asks which kind it has:
@@ -94,7 +96,7 @@ func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) 
 	spec := qemu.Spec{Dir: l.dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: l.baseDisk,
 		WritableDisk: filepath.Join(l.dir, "rw.ext4"), ConfigDisk: filepath.Join(l.dir, configDisk),
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: l.m.Token, Accel: a.Opts.Accel, TSCkHz: qemu.TSCkHz(),
-		CgroupRoot: a.Opts.CgroupRoot, Tap: l.at.Tap, Net: l.net, UID: l.m.JailUID, GID: l.m.JailUID, Session: l.m.Session}
+		CgroupRoot: a.Opts.CgroupRoot, Tap: l.at.Tap, Net: l.net, UID: l.m.JailUID, GID: l.m.JailUID, Session: l.m.Session, Drives: l.drives}
 	if l.resume {
 		spec.Incoming = filepath.Join(l.dir, qemu.StateFile)
 	}
@@ -188,6 +190,7 @@ func (d firecrackerDriver) spec(vm *impv1.ImpVM, dir string, m *meta, base strin
 // start runs the VM under Firecracker's jailer: booted, or resumed from its snapshot.
 func (d firecrackerDriver) start(ctx context.Context, l launchSpec) (*vmm.Record, error) {
 	s := d.spec(l.vm, l.dir, l.m, l.baseDisk, l.at, l.net)
+	s.Drives = l.drives
 	if l.at.Tap != nil {
 		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name.
 		if err := hostnet.SetOwner(l.at.Tap, l.m.JailUID); err != nil {

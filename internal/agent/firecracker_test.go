@@ -22,6 +22,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/volume"
 )
 
 // TestFirecrackerVM runs a VM that asks for Firecracker on a node offering it, with a fake
@@ -256,6 +257,46 @@ func TestFirecrackerVM(t *testing.T) {
 		}
 	}
 	if err := w.c.Client.Delete(ctx, cv); err != nil {
+		t.Fatal(err)
+	}
+
+	// Disk volumes (issue 32): linked into the jail as the writable disk is, the VM's uid's,
+	// attached as drives; the guest finds each by the serial Firecracker gives its file.
+	vols := w.vm("fc-vols", "serve")
+	vols.Spec.VMM = impv1.VMMFirecracker
+	vols.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+	vols.Spec.Volumes = []impv1.Volume{
+		{Name: "scratch", EmptyDisk: &impv1.EmptyDiskSource{Capacity: "32Mi"}},
+		{Name: "raw", EmptyDisk: &impv1.EmptyDiskSource{Capacity: "16Mi"}},
+	}
+	vols.Spec.VolumeMounts = []impv1.VolumeMount{{Name: "scratch", MountPath: "/data"}}
+	vols.Spec.VolumeDevices = []impv1.VolumeDevice{{Name: "raw", DevicePath: "/dev/xvdb"}}
+	if err := w.c.Client.Create(ctx, vols); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("fc-vols")
+		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(3*time.Minute).Should(BeTrue(), func() string { return fmt.Sprintf("%+v", w.get("fc-vols").Status) })
+	vv := w.get("fc-vols")
+	volJail := filepath.Join(w.stateDir, "jail", "firecracker", string(vv.UID), "root")
+	found, _ := os.ReadFile(filepath.Join(volJail, "guest-volumes.json"))
+	if string(found) != `{"raw":"vol-raw","scratch":"vol-scratch"}` {
+		t.Errorf("the guest found its volumes' drives as %s", found)
+	}
+	var vm2 struct {
+		JailUID uint32 `json:"jailUID"`
+	}
+	data, _ = os.ReadFile(filepath.Join(w.stateDir, "vms", string(vv.UID), "meta.json"))
+	_ = json.Unmarshal(data, &vm2)
+	for _, name := range []string{"scratch", "raw"} {
+		in, err1 := os.Stat(filepath.Join(volJail, "disks", "vol-"+name+".img"))
+		out, err2 := os.Stat(filepath.Join(w.stateDir, "vms", string(vv.UID), volume.DiskFile(name)))
+		if err1 != nil || err2 != nil || !os.SameFile(in, out) || vm2.JailUID < 300000 || in.Sys().(*syscall.Stat_t).Uid != vm2.JailUID {
+			t.Errorf("volume %s in the jail: %v %v %v", name, in, err1, err2)
+		}
+	}
+	if err := w.c.Client.Delete(ctx, vv); err != nil {
 		t.Fatal(err)
 	}
 

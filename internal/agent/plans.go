@@ -15,7 +15,8 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
-// startPlan is the plan of a run that starts, its steps chosen by what the VM asks: booted, or
+// startPlan is the plan of a run that starts, its steps chosen by what the VM asks (volumes:
+// package volume): booted, or
 // restored from its snapshot (restore: the snapshot found and checked first, the writable disk a
 // copy of the snapshot's, the VMM started on the snapshot's state, the guest run on and then
 // given its own identity; restore.go); a VM on no ImpNetwork has no network step, a node with no
@@ -30,9 +31,11 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	if restore {
 		ss = append(ss, steps.Snapshot{Snapshots: snapshotFinder{a}})
 	}
-	ss = append(ss,
-		steps.Image{Fetches: a.fetches, Reports: reports{a}, NameOptions: a.nameOptions, FetchWait: fetchWait},
-		steps.ConfigDisk{})
+	ss = append(ss, steps.Image{Fetches: a.fetches, Reports: reports{a}, NameOptions: a.nameOptions, FetchWait: fetchWait})
+	if len(vm.Spec.Volumes) > 0 {
+		ss = append(ss, steps.Volumes{Maker: a.volumes})
+	}
+	ss = append(ss, steps.ConfigDisk{})
 	if restore {
 		ss = append(ss, steps.RestoreDisk{})
 	} else {
@@ -54,6 +57,9 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 // timed as a whole (imp_agent_vm_resume_duration_seconds); its failpoints are "resume/<step>".
 func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	ss := []steps.Step{steps.Intent{}}
+	if len(vm.Spec.Volumes) > 0 {
+		ss = append(ss, steps.Volumes{Maker: a.volumes}) // its disks, to attach again
+	}
 	if vm.Spec.NetworkRef != nil {
 		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
@@ -167,6 +173,9 @@ func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error)
 		base = r.Image.BaseDisk
 	}
 	spec := launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume}
+	if r.Volumes != nil {
+		spec.drives = r.Volumes.Drives
+	}
 	if r.Snapshot != nil {
 		spec.restore = r.Snapshot.Dir
 	}

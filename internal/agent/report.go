@@ -32,6 +32,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/agent/volume"
 )
 
 // sweeper runs Agent.sweep when the agent starts and every five minutes.
@@ -195,7 +196,12 @@ func (a *Agent) vmBytes() int64 {
 	}
 	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
 	for _, dir := range dirs {
-		for _, f := range []string{vmrun.WritableDisk, qemu.StateFile} {
+		files := []string{vmrun.WritableDisk, qemu.StateFile}
+		vols, _ := filepath.Glob(filepath.Join(dir, volume.DiskFile("*"))) // disk volumes, counted as placement counts them
+		for _, v := range vols {
+			files = append(files, filepath.Base(v))
+		}
+		for _, f := range files {
 			if fi, err := os.Lstat(filepath.Join(dir, f)); err == nil {
 				count(fi)
 			}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -99,6 +100,10 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	vm, m, running, why := s.source(ctx, snap)
 	if why != "" {
 		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMNotRunning, errors.New(why))
+	}
+	if slices.ContainsFunc(vm.Spec.Volumes, func(v impv1.Volume) bool { return v.Disk() }) {
+		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMHasDisks,
+			fmt.Errorf("ImpVM %s has disk volumes (emptyDisk), which a snapshot does not hold: its copies would run on another disk than their memory knows", vm.Name))
 	}
 	// Taking, with the optimistic lock: of two passes on one version, one takes it.
 	orig := snap.DeepCopy()

@@ -16,8 +16,9 @@ import (
 // every start and stay on the node no longer than the run that uses them.
 const (
 	ConfigMagic = "IMPCONF1"
-	// MaxConfigBytes bounds the JSON of a Config.
-	MaxConfigBytes = 1 << 20
+	// MaxConfigBytes bounds the JSON of a Config (with its volumes' files, which the run's
+	// Secret, at most 1 MiB, carries).
+	MaxConfigBytes = 4 << 20
 	configHeader   = len(ConfigMagic) + 4
 	configBlock    = 4096
 )

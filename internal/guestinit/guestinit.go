@@ -47,6 +47,50 @@ type Config struct {
 	TTY bool `json:"tty,omitempty"`
 	// Probes are the workload's startup, readiness and liveness probes, run in the guest.
 	Probes probe.Set `json:"probes,omitempty"`
+	// Volumes are the run's volumes; Mounts mount them, Devices put disks at device paths,
+	// before the workload starts (volumes_linux.go).
+	Volumes []Volume `json:"volumes,omitempty"`
+	Mounts  []Mount  `json:"mounts,omitempty"`
+	Devices []Device `json:"devices,omitempty"`
+}
+
+// VolumeSerialPrefix begins the serial of every disk volume's block device under QEMU, which
+// imp-init never takes for one of the VM's own disks.
+const VolumeSerialPrefix = "imp-vol"
+
+// VolumeLabel is the ext4 label of a disk volume the agent formatted to be mounted.
+const VolumeLabel = "imp-volume"
+
+// Volume is one of a run's volumes: files (a Secret's, a ConfigMap's, the VM's own facts),
+// which imp-init keeps on a read-only tmpfs, or a disk, a block device of the VM.
+type Volume struct {
+	Name string `json:"name"`
+	// Files, of a volume of files.
+	Files []File `json:"files,omitempty"`
+	// Serial, of a disk: the serial of its block device (/sys/block/vdX/serial).
+	Serial string `json:"serial,omitempty"`
+}
+
+// File is one file of a volume of files, at Path relative to the volume.
+type File struct {
+	Path string `json:"path"`
+	Mode uint32 `json:"mode"`
+	Data []byte `json:"data"`
+}
+
+// Mount mounts the volume named Volume at Path: a disk's ext4 file system (read-only with
+// ReadOnly), or a volume of files (always read-only), whole or its SubPath alone.
+type Mount struct {
+	Volume   string `json:"volume"`
+	Path     string `json:"path"`
+	SubPath  string `json:"subPath,omitempty"`
+	ReadOnly bool   `json:"readOnly,omitempty"`
+}
+
+// Device makes the disk volume named Volume a block device node at Path.
+type Device struct {
+	Volume string `json:"volume"`
+	Path   string `json:"path"`
 }
 
 // Message is one line of JSON on the guest channel, from the guest to the agent.

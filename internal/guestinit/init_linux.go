@@ -136,6 +136,9 @@ func run() (int, error) {
 			return ch.fail(err)
 		}
 	}
+	if err := mountVolumes(cfg, 10*time.Second); err != nil {
+		return ch.fail(fmt.Errorf("volumes: %w", err))
+	}
 	return runWorkload(cfg, gnet)
 }
 
@@ -192,11 +195,18 @@ func findDisks(timeout time.Duration) (base, rw string, cfg Config, err error) {
 	for {
 		devs, _ := filepath.Glob("/dev/vd*")
 		for _, d := range devs {
-			switch ext4Label(d) {
-			case BaseLabel:
+			if isVolumeDevice(d) {
+				continue // a volume's, whatever it holds
+			}
+			// The first of each: a VM's own disks come before its volumes (Firecracker
+			// attaches them in that order; QEMU's volumes are skipped above by serial).
+			switch l := ext4Label(d); {
+			case l == BaseLabel && base == "":
 				base = d
-			case WritableLabel:
+			case l == WritableLabel && rw == "":
 				rw = d
+			case l == BaseLabel || l == WritableLabel:
+				// another disk with the label: a volume's, never the VM's own
 			default:
 				if !found {
 					c, err := readConfigDisk(d)

@@ -96,8 +96,11 @@ func applyRestore(r *Restore) error {
 		return err
 	}
 	live.mu.Lock()
-	old := live.net
+	old, oldCfg := live.net, live.cfg
 	live.mu.Unlock()
+	if err := refreshVolumes(oldCfg, cfg); err != nil {
+		return err
+	}
 	if n != nil && old != nil {
 		if err := moveNet(old, n); err != nil {
 			return fmt.Errorf("moving the network interface to %s %s: %w", n.MAC, n.Address, err)
@@ -152,7 +155,7 @@ func reseed(entropy []byte) error {
 func rereadConfig() (Config, error) {
 	devs, _ := filepath.Glob("/dev/vd*")
 	for _, d := range devs {
-		if l := ext4Label(d); l == BaseLabel || l == WritableLabel {
+		if l := ext4Label(d); l == BaseLabel || l == WritableLabel || isVolumeDevice(d) {
 			continue // the mounted disks: their caches are the file systems' own
 		}
 		f, err := os.Open(d)

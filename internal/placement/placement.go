@@ -115,7 +115,7 @@ const (
 	whyNoVMM       = "do not offer the VMM the VM asks for"
 	whyNoCPU       = "have too few free vCPUs"
 	whyNoMemory    = "have too little free memory"
-	whyNoDisk      = "have too little free disk for the VM's diskSize"
+	whyNoDisk      = "have too little free disk for the VM's diskSize and disk volumes"
 )
 
 // Fits reports whether n can take a VM asking for req, ignoring capacity, and if not, why.

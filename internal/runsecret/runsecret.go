@@ -8,9 +8,12 @@ package runsecret
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -28,6 +31,7 @@ const DefaultNamespace = "imp-system"
 const (
 	pullPrefix = "pull."       // + index in spec.imagePullSecrets: a .dockerconfigjson
 	envPrefix  = "env."        // + index in spec.env: the resolved value
+	volPrefix  = "vol."        // + index in spec.volumes: the volume's files, JSON
 	errKey     = "error"       // why the run's references could not be resolved
 	runAnno    = "imp.dev/run" // "<instance>.<restartCount>": the run it was made for
 	vmAnno     = "imp.dev/vm"  // namespace/name of the VM
@@ -41,6 +45,11 @@ func Needed(vm *impv1.ImpVM) bool {
 	}
 	for _, e := range vm.Spec.Env {
 		if e.ValueFrom != nil {
+			return true
+		}
+	}
+	for _, v := range vm.Spec.Volumes {
+		if v.Secret != nil || v.ConfigMap != nil {
 			return true
 		}
 	}
@@ -135,7 +144,104 @@ func resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM, data map[str
 			data[envPrefix+strconv.Itoa(i)] = []byte(v)
 		}
 	}
+	for i := range vm.Spec.Volumes {
+		files, err := volumeFiles(ctx, r, vm.Namespace, &vm.Spec.Volumes[i])
+		if err != nil {
+			return err
+		}
+		if files == nil {
+			continue
+		}
+		b, err := json.Marshal(files)
+		if err != nil {
+			return err
+		}
+		data[volPrefix+strconv.Itoa(i)] = b
+	}
 	return nil
+}
+
+// File is one file of a volume of files, as the run's Secret carries it.
+type File struct {
+	Path string `json:"path"`
+	Mode uint32 `json:"mode"`
+	Data []byte `json:"data"`
+}
+
+// defaultFileMode is a volume's files' mode when neither the item nor the volume sets one,
+// as a Pod's.
+const defaultFileMode = 0o644
+
+// volumeFiles are the files of v, a Secret or ConfigMap volume of namespace ns (nil for a volume
+// of another kind): its items, or every key at a path of its name. A missing object or key is
+// an error unless the volume is optional.
+func volumeFiles(ctx context.Context, r client.Reader, ns string, v *impv1.Volume) ([]File, error) {
+	var (
+		kind, name string
+		items      []impv1.KeyToPath
+		mode       *int32
+		optional   bool
+		obj        client.Object
+		keys       func() map[string][]byte
+	)
+	switch {
+	case v.Secret != nil:
+		s := &corev1.Secret{}
+		kind, name, items, mode, obj = "Secret", v.Secret.SecretName, v.Secret.Items, v.Secret.DefaultMode, s
+		optional = v.Secret.Optional != nil && *v.Secret.Optional
+		keys = func() map[string][]byte { return s.Data }
+	case v.ConfigMap != nil:
+		cm := &corev1.ConfigMap{}
+		kind, name, items, mode, obj = "ConfigMap", v.ConfigMap.Name, v.ConfigMap.Items, v.ConfigMap.DefaultMode, cm
+		optional = v.ConfigMap.Optional != nil && *v.ConfigMap.Optional
+		keys = func() map[string][]byte {
+			all := make(map[string][]byte, len(cm.Data)+len(cm.BinaryData))
+			for k, d := range cm.BinaryData {
+				all[k] = d
+			}
+			for k, d := range cm.Data {
+				all[k] = []byte(d)
+			}
+			return all
+		}
+	default:
+		return nil, nil
+	}
+	files := []File{}
+	if err := r.Get(ctx, types.NamespacedName{Namespace: ns, Name: name}, obj); err != nil {
+		if apierrors.IsNotFound(err) && optional {
+			return files, nil
+		}
+		return nil, fmt.Errorf("volume %s: %s %s in namespace %s: %w", v.Name, kind, name, ns, err)
+	}
+	fileMode := func(m *int32) uint32 {
+		switch {
+		case m != nil:
+			return uint32(*m) & 0o777
+		case mode != nil:
+			return uint32(*mode) & 0o777
+		}
+		return defaultFileMode
+	}
+	data := keys()
+	if len(items) == 0 {
+		for k, d := range data {
+			files = append(files, File{Path: k, Mode: fileMode(nil), Data: d})
+		}
+		slices.SortFunc(files, func(a, b File) int { return strings.Compare(a.Path, b.Path) })
+		return files, nil
+	}
+	for _, it := range items {
+		d, ok := data[it.Key]
+		if !ok {
+			if optional {
+				continue
+			}
+			return nil, missingKeyError{fmt.Sprintf("volume %s: %s %s in namespace %s has no key %s", v.Name, kind, name, ns, it.Key)}
+		}
+		files = append(files, File{Path: it.Path, Mode: fileMode(it.Mode), Data: d})
+	}
+	return files, nil
 }
 
 // Delete removes the run Secret of vm, if there.
@@ -179,6 +285,20 @@ func (r *Run) PullConfigs(vm *impv1.ImpVM) [][]byte {
 		}
 	}
 	return out
+}
+
+// Files are the files of spec.volumes[i], a Secret or ConfigMap volume: none when the run's
+// Secret has none for it.
+func (r *Run) Files(i int) ([]File, error) {
+	b, ok := r.data[volPrefix+strconv.Itoa(i)]
+	if !ok {
+		return nil, nil
+	}
+	var files []File
+	if err := json.Unmarshal(b, &files); err != nil {
+		return nil, fmt.Errorf("the run's Secret holds bad files for volume %d: %w", i, err)
+	}
+	return files, nil
 }
 
 // Env is the resolved value of spec.env[i].

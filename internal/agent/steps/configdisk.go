@@ -21,5 +21,8 @@ func (ConfigDisk) Do(_ context.Context, r *vmrun.Run) error {
 	if err != nil {
 		return err
 	}
+	if v := r.Volumes; v != nil {
+		cfg.Volumes, cfg.Mounts, cfg.Devices = v.Guest.Volumes, v.Guest.Mounts, v.Guest.Devices
+	}
 	return disk.WriteConfig(r.Path(vmrun.ConfigDisk), cfg)
 }

@@ -139,6 +139,7 @@ type Run struct {
 
 	// Made by the steps, in order.
 	Image      *Image
+	Volumes    *Volumes
 	Meta       *Meta
 	Attachment hostnet.Attachment
 	Net        *guestinit.Net
@@ -191,4 +192,15 @@ type Snapshot struct {
 	// Dir is its directory in the node's store (its VMM's files), Disk its writable disk, Base
 	// its base disk.
 	Dir, Disk, Base string
+}
+
+// Volumes are a run's volumes: the disks its VMM attaches, and what imp-init makes of them and
+// of its volumes of files (guestinit.Config's Volumes, Mounts and Devices).
+type Volumes struct {
+	Drives []vmm.Drive
+	Guest  struct {
+		Volumes []guestinit.Volume
+		Mounts  []guestinit.Mount
+		Devices []guestinit.Device
+	}
 }

@@ -71,14 +71,14 @@ func Used(vms []impv1.ImpVM) impv1.QuotaResources {
 		}
 		if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
 			if rt := st.Runtime; rt == nil || !rt.DisksRemoved || rt.Instance != st.Instance {
-				disk.Add(st.Resources.DiskSize)
+				disk.Add(st.Resources.NodeDisk())
 			}
 			continue
 		}
 		n++
 		cpus += st.Resources.VCPUs
 		mem.Add(st.Resources.Memory)
-		disk.Add(st.Resources.DiskSize)
+		disk.Add(st.Resources.NodeDisk())
 		if st.Suspension != nil {
 			susp.Add(st.Resources.Memory)
 		}

@@ -265,7 +265,7 @@ func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
 	}
 	res := vm.Status.Resources
 	h := placement.Holding{Node: vm.Status.NodeName, Namespace: vm.Namespace, VCPUs: int64(res.VCPUs), Memory: res.Memory.Value(),
-		Disk: res.DiskSize.Value(), Suspended: vm.Status.Suspension != nil, Finished: isTerminal(vm.Status.Phase)}
+		Disk: res.NodeDiskBytes(), Suspended: vm.Status.Suspension != nil, Finished: isTerminal(vm.Status.Phase)}
 	if res.MemoryOverhead != nil {
 		h.Overhead = res.MemoryOverhead.Value()
 	}
@@ -423,7 +423,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		Labels:      vm.Spec.RequiredNodeLabels(),
 		Tolerations: vm.Spec.Tolerations,
 		Namespace:   vm.Namespace,
-		DiskBytes:   res.DiskSize.Value(),
+		DiskBytes:   res.NodeDiskBytes(),
 		Quotas:      quotas,
 	}
 	var node string

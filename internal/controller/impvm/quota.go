@@ -72,8 +72,9 @@ func perVM(q *impv1.ImpQuota, vm *impv1.ImpVM, spec *impv1.ImpVMSpec, res *impv1
 		return fmt.Sprintf("a VM may have at most %d vCPUs, asked %d", *b.VCPUs, res.VCPUs)
 	case b.Memory != nil && res.Memory.Cmp(*b.Memory) > 0:
 		return fmt.Sprintf("a VM may have at most %s memory, asked %s", b.Memory, &res.Memory)
-	case b.Disk != nil && res.DiskSize.Cmp(*b.Disk) > 0:
-		return fmt.Sprintf("a VM may have at most %s disk, asked %s", b.Disk, &res.DiskSize)
+	case b.Disk != nil && res.NodeDiskBytes() > b.Disk.Value():
+		d := res.NodeDisk()
+		return fmt.Sprintf("a VM may have at most %s disk, asked %s (its writable disk and disk volumes)", b.Disk, &d)
 	}
 	return ""
 }

@@ -250,6 +250,21 @@ spec:
 	if out, err := apply("fits", 2, "2Gi", "1Gi"); err != nil {
 		t.Errorf("a VM that fits was refused: %v\n%s", err, out)
 	}
+	// Disk volumes count with the writable disk.
+	for _, tt := range []struct{ name, capacity, want string }{
+		{"big-volume", "10Gi", "ImpQuota team: a VM may have at most 10Gi disk (its diskSize and disk volumes)"},
+		{"small-volume", "8Gi", ""},
+	} {
+		path := t.TempDir() + "/vm.yaml"
+		manifest := fmt.Sprintf("apiVersion: imp.dev/v1alpha1\nkind: ImpVM\nmetadata: {name: %s, namespace: %s}\nspec:\n  image: registry.test/app:1\n  resources: {vcpus: 1, memory: 1Gi}\n  diskSize: 1Gi\n  volumes: [{name: scratch, emptyDisk: {capacity: %s}}]\n", tt.name, e.ns, tt.capacity)
+		if err := os.WriteFile(path, []byte(manifest), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		out, err := testcluster.Kubectl(kc, "apply", "-f", path)
+		if tt.want == "" && err != nil || tt.want != "" && (err == nil || !strings.Contains(out, tt.want)) {
+			t.Errorf("%s: %v\n%s; want %q", tt.name, err, out, tt.want)
+		}
+	}
 	// A namespace's allowed classes: a VM must name one; a copy names none (the operator checks
 	// its template's class), and is admitted.
 	classes := &impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "classes"}, Spec: impv1.ImpQuotaSpec{AllowedClasses: []string{"small"}}}
@@ -263,6 +278,43 @@ spec:
 	if out, err := testcluster.Kubectl(kc, "apply", "-f", copyPath); err != nil {
 		t.Errorf("a copy of a template was refused in a namespace with allowed classes: %v\n%s", err, out)
 	}
+}
+
+// TestDiskVolumesCount: a VM's emptyDisk volumes are resolved into its placement and count with
+// its writable disk against the namespace's ImpQuota, as the operator places it.
+func TestDiskVolumesCount(t *testing.T) {
+	e := newEnv(t)
+	e.node("big", 64, 64)
+	e.startAgent(nil)
+	e.startOperator()
+	q := e.quota("team", 8, "8Gi")
+	q.Spec.Hard.Disk = ptr.To(resource.MustParse("3Gi"))
+	e.create(q)
+	for i := range 2 {
+		vm := e.vm(name("vm", i), 1, "1Gi") // a writable disk of 1Gi, and:
+		vm.Spec.Volumes = []impv1.Volume{{Name: "scratch", EmptyDisk: &impv1.EmptyDiskSource{Capacity: "1Gi"}}}
+		vm.Spec.VolumeMounts = []impv1.VolumeMount{{Name: "scratch", MountPath: "/data"}}
+		e.create(vm)
+	}
+	eventually(t, func() int { n, _, _ := e.placed(); return n }).Should(Equal(1))
+	var placed, waiting impv1.ImpVM
+	eventually(t, func() string {
+		for _, v := range e.list() {
+			if v.Status.NodeName != "" {
+				placed = v
+			} else if c := condition(&v, impv1.ScheduledCondition); c != nil && c.Reason == impv1.ReasonQuotaExceeded {
+				waiting = v
+			}
+		}
+		if c := condition(&waiting, impv1.ScheduledCondition); c != nil {
+			return c.Message
+		}
+		return ""
+	}).Should(ContainSubstring("ImpQuota team: disk 2Gi of 3Gi used, asked 2Gi"))
+	if r := placed.Status.Resources; r == nil || r.VolumeDiskSize == nil || r.VolumeDiskSize.String() != "1Gi" {
+		t.Errorf("the placed VM's resources %+v", r)
+	}
+	eventually(t, func() string { return e.quotaSummary("team").Disk }).Should(Equal("2Gi/3Gi"))
 }
 
 // TestOnlyTheOperatorClaimsPressure: with the chart's admission policy, a tenant with the

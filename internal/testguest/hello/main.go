@@ -16,6 +16,9 @@
 //	tool-absent PATH  exits 0 when PATH does not exist, else 1 (a probe's command)
 //	tool-env NAME     prints $NAME (as the run's configuration stands: exec gets it)
 //	tool-read PATH    prints the file at PATH
+//	tool-mode PATH    prints the permission bits of PATH in octal
+//	tool-write PATH S [OFF] writes S at OFF (default 0) of PATH (a file, created, or a device), synced
+//	tool-head PATH N  prints the first N bytes of PATH
 //	tool-dial ADDR    prints what a TCP connection to ADDR first says
 //	tool-ifaces       prints each non-loopback interface: "NAME MAC ADDR/BITS..."
 //	counter counts in memory, one every 100 ms from 0, until SIGTERM; serves TCP on :7000
@@ -31,6 +34,7 @@ package main
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -179,6 +183,41 @@ func tool(name string, args []string) int {
 			return 1
 		}
 		fmt.Print(string(b))
+		return 0
+	case "tool-mode":
+		fi, err := os.Stat(args[0])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Printf("%o\n", fi.Mode().Perm())
+		return 0
+	case "tool-write":
+		f, err := os.OpenFile(args[0], os.O_WRONLY|os.O_CREATE, 0o644)
+		if err == nil {
+			off := int64(0)
+			if len(args) > 2 {
+				off, _ = strconv.ParseInt(args[2], 10, 64)
+			}
+			_, err = f.WriteAt([]byte(args[1]), off)
+			err = errors.Join(err, f.Sync(), f.Close())
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		return 0
+	case "tool-head":
+		n, _ := strconv.Atoi(args[1])
+		f, err := os.Open(args[0])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer f.Close()
+		b := make([]byte, n)
+		k, _ := io.ReadFull(f, b)
+		fmt.Print(string(b[:k]))
 		return 0
 	case "tool-dial":
 		c, err := net.DialTimeout("tcp", args[0], 3*time.Second)

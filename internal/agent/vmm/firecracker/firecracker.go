@@ -101,6 +101,10 @@ type Spec struct {
 	Net *guestinit.Net
 	// DiskRate limits the writable disk, when set.
 	DiskRate *RateLimiter
+	// Drives are the VM's disk volumes, each linked into the jail's /disks as the writable
+	// disk is (owned by the VM's uid) and attached as a drive; the guest finds each by its
+	// serial, which Firecracker derives from the file (DriveSerial).
+	Drives []vmm.Drive
 }
 
 // ChrootDir is the jail's root: <chroot base>/<firecracker binary name>/<id>/root.
@@ -193,13 +197,19 @@ func PrepareChroot(s Spec) error {
 	if err := RemoveConfig(s.ChrootDir()); err != nil {
 		return err
 	}
-	for _, f := range []struct {
+	// The VM's own files (chowned to its uid) and the node's it only reads.
+	type jailFile struct {
 		src, dst string
-		owned    bool // the VM's own file: chowned to its uid
-	}{
+		owned    bool
+	}
+	files := []jailFile{
 		{s.Kernel, jailKernel, false}, {s.Initramfs, jailInitramfs, false},
 		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true}, {s.ConfigDisk, jailConfig, true},
-	} {
+	}
+	for _, d := range s.Drives {
+		files = append(files, jailFile{d.Path, jailDrive(d), !d.ReadOnly})
+	}
+	for _, f := range files {
 		name := strings.TrimPrefix(f.dst, "/")
 		if err := placeIn(root, name, f.src); err != nil {
 			return fmt.Errorf("putting %s in the jail: %w", f.src, err)
@@ -251,6 +261,26 @@ func resetJail(root *os.Root, execName string) error {
 		}
 	}
 	return nil
+}
+
+// jailDrive is where, in the jail, the drive d is.
+func jailDrive(d vmm.Drive) string { return "/disks/vol-" + d.ID + ".img" }
+
+// DriveSerial is the serial the guest reads of a drive whose file, in the jail, is the file at
+// path (a hard link of it): Firecracker's block device answers VIRTIO_BLK_T_GET_ID with the
+// file's st_dev, st_rdev and st_ino in decimal, run together and cut to 20 bytes (as kvmtool
+// does; Firecracker's source, block/virtio/device.rs build_device_id). Not configurable: the
+// agent computes it, and a copy placed in the jail instead of a link has another.
+func DriveSerial(path string) (string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return "", err
+	}
+	id := fmt.Sprintf("%d%d%d", st.Dev, st.Rdev, st.Ino)
+	if len(id) > 20 {
+		id = id[:20]
+	}
+	return id, nil
 }
 
 // placeIn makes name inside root the file src: left alone when it is src already (a hard
@@ -479,6 +509,12 @@ func Configure(ctx context.Context, c *Client, s Spec) error {
 		{"PUT", "/drives/base", Drive{DriveID: "base", PathOnHost: jailBaseDisk, IsReadOnly: true}},
 		{"PUT", "/drives/rw", Drive{DriveID: "rw", PathOnHost: jailRWDisk, RateLimiter: s.DiskRate}},
 		{"PUT", "/drives/config", Drive{DriveID: "config", PathOnHost: jailConfig, IsReadOnly: true}},
+	}
+	for _, d := range s.Drives {
+		steps = append(steps, struct {
+			method, path string
+			body         any
+		}{"PUT", "/drives/vol-" + d.ID, Drive{DriveID: "vol-" + d.ID, PathOnHost: jailDrive(d), IsReadOnly: d.ReadOnly}})
 	}
 	if s.Tap != "" && s.Net != nil {
 		steps = append(steps, struct {

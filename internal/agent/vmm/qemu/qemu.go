@@ -56,6 +56,9 @@ type Spec struct {
 	// Session adds the session channel's virtio-serial port (exec and port-forward). A VM
 	// suspended by an agent before it must resume without it: its saved devices are fixed.
 	Session bool
+	// Drives are the VM's disk volumes: each opened by the agent and passed as a descriptor
+	// (from driveFD on), a virtio-blk device with the drive's serial.
+	Drives []vmm.Drive
 }
 
 // Files of a VM's state directory.
@@ -111,6 +114,15 @@ func (s Spec) Args() []string {
 			"-chardev", fmt.Sprintf("socket,id=session,fd=%d,server=on,wait=off", sessionFD),
 			"-device", "virtserialport,chardev=session,name="+guestsession.PortName)
 	}
+	for i, d := range s.Drives {
+		ro := ""
+		if d.ReadOnly {
+			ro = ",readonly=on"
+		}
+		args = append(args,
+			"-drive", fmt.Sprintf("id=vol-%s,file=%s,format=raw,if=none%s", d.ID, fdPath(driveFD+i), ro),
+			"-device", fmt.Sprintf("virtio-blk-device,drive=vol-%s,serial=%s", d.ID, d.Serial))
+	}
 	if s.Incoming != "" {
 		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
 	}
@@ -138,7 +150,7 @@ func (s Spec) Limits() cgroup.Limits {
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
 func (s Spec) files() ([]*os.File, error) {
-	files := make([]*os.File, consoleSockFD-tapFD+1)
+	files := make([]*os.File, consoleSockFD-tapFD+1+len(s.Drives))
 	files[tapFD-3] = s.Tap
 	open := func(fd int, path string, flag int) error {
 		f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW, 0o600)
@@ -169,6 +181,22 @@ func (s Spec) files() ([]*os.File, error) {
 	} {
 		if err := open(o.fd, o.path, o.flag); err != nil {
 			return files, err
+		}
+	}
+	for i, d := range s.Drives {
+		flag := os.O_RDWR
+		if d.ReadOnly {
+			flag = os.O_RDONLY
+		}
+		f, err := os.OpenFile(d.Path, flag|syscall.O_NOFOLLOW, 0)
+		if err != nil {
+			return files, fmt.Errorf("opening volume %s for the VMM: %w", d.ID, err)
+		}
+		files[driveFD+i-3] = f
+		if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() && s.UID != 0 && !d.ReadOnly {
+			if err := f.Chown(s.UID, s.GID); err != nil { // as the writable disk: what it writes is its uid's
+				return files, fmt.Errorf("giving volume %s to uid %d: %w", d.ID, s.UID, err)
+			}
 		}
 	}
 	socks := map[int]string{channelFD: ChannelSock, qmpFD: QMPSock, consoleSockFD: ConsoleSock}
@@ -215,6 +243,7 @@ const (
 	consoleFD
 	sessionFD // runs that have none keep the numbers above
 	consoleSockFD
+	driveFD // the first of the disk volumes', one each
 )
 
 func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }

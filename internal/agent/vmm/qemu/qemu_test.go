@@ -57,6 +57,18 @@ func TestArgs(t *testing.T) {
 	if args := strings.Join(s.Args(), " "); !strings.Contains(args, "-chardev socket,id=session,fd=13,server=on,wait=off -device virtserialport,chardev=session,name=imp.session") {
 		t.Errorf("args lack the session channel:\n%s", args)
 	}
+	// Disk volumes by descriptor too, after every fixed one, each with its serial.
+	s.Drives = []vmm.Drive{{ID: "scratch", Path: "/v1", Serial: "imp-vol0"}, {ID: "ro", Path: "/v2", Serial: "imp-vol1", ReadOnly: true}}
+	args = strings.Join(s.Args(), " ")
+	for _, want := range []string{
+		"-drive id=vol-scratch,file=/proc/self/fd/15,format=raw,if=none -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
+		"-drive id=vol-ro,file=/proc/self/fd/16,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
+	} {
+		if !strings.Contains(args, want) {
+			t.Errorf("args lack %q:\n%s", want, args)
+		}
+	}
+	s.Drives = nil
 	s.Accel, s.Tap, s.Net = "kvm", nil, nil
 	args = strings.Join(s.Args(), " ")
 	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {

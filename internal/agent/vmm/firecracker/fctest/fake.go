@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+
+	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
 // FakeFirecracker stands in for the Firecracker that FakeJailer execs in the jail, for tests
@@ -41,6 +43,7 @@ func FakeFirecracker(args []string) int {
 	done := make(chan struct{})
 	guest := &fakeGuest{}
 	srv.OnStart = func(cfg Config) {
+		findVolumes(cfg)
 		if p, _ := cfg.Vsock["uds_path"].(string); p != "" {
 			guest.start(p, cfg)
 		}
@@ -61,6 +64,44 @@ func FakeFirecracker(args []string) int {
 	case <-sigs:
 	}
 	return 0
+}
+
+// findVolumes finds, as imp-init does, the block device of each disk volume that the run's
+// configuration disk names by serial, reading each drive's serial as Firecracker answers
+// VIRTIO_BLK_T_GET_ID (the file's st_dev, st_rdev and st_ino in decimal, cut to 20 bytes), and
+// writes what it found in /guest-volumes.json: volume name → drive id ("" when none).
+func findVolumes(cfg Config) {
+	serials := map[string]string{} // serial → drive id
+	var config string
+	for id, d := range cfg.Drives {
+		p, _ := d["path_on_host"].(string)
+		if id == "config" {
+			config = p
+		}
+		var st syscall.Stat_t
+		if syscall.Stat(p, &st) != nil {
+			continue
+		}
+		serial := fmt.Sprintf("%d%d%d", st.Dev, st.Rdev, st.Ino)
+		serials[serial[:min(len(serial), 20)]] = id
+	}
+	f, err := os.Open(config)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	c, err := guestinit.DecodeConfigDisk(f)
+	if err != nil || len(c.Volumes) == 0 {
+		return
+	}
+	found := map[string]string{}
+	for _, v := range c.Volumes {
+		if v.Serial != "" {
+			found[v.Name] = serials[v.Serial]
+		}
+	}
+	b, _ := json.Marshal(found)
+	_ = os.WriteFile("/guest-volumes.json", b, 0o600)
 }
 
 // echoConsole answers each line of in with "console said LINE" in the file out.
