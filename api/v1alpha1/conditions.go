@@ -56,6 +56,16 @@ const (
 	// ReasonNetworkNotFound: spec.networkRef names an ImpNetwork that does not exist in the
 	// VM's namespace.
 	ReasonNetworkNotFound = "NetworkNotFound"
+	// ReasonVolumeClaimNotFound: a persistentVolumeClaim volume names a PVC that does not
+	// exist in the VM's namespace.
+	ReasonVolumeClaimNotFound = "VolumeClaimNotFound"
+	// ReasonVolumeClaimNotBound: a PVC of immediate binding is not bound to a volume yet.
+	ReasonVolumeClaimNotBound = "VolumeClaimNotBound"
+	// ReasonVolumeInUse: a ReadWriteOnce PVC of the VM is attached to another VM.
+	ReasonVolumeInUse = "VolumeInUse"
+	// ReasonVolumesNotReady: the VM is placed and waits for its node's kubelet to attach its
+	// PVCs (its holder pod to run).
+	ReasonVolumesNotReady = "VolumesNotReady"
 	// ReasonNetworkExhausted: the VM's ImpNetwork has no free address.
 	ReasonNetworkExhausted = "NetworkExhausted"
 	// ReasonNoNodeAvailable: no node matches the VM's requirements and has room for it.

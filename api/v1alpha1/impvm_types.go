@@ -240,10 +240,10 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.livenessProbe) || !has(self.livenessProbe.successThreshold) || self.livenessProbe.successThreshold == 1",message="a liveness probe's successThreshold must be 1",fieldPath=".livenessProbe.successThreshold"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.successThreshold) || self.startupProbe.successThreshold == 1",message="a startup probe's successThreshold must be 1",fieldPath=".startupProbe.successThreshold"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",message="every volumeMount names a volume of spec.volumes",fieldPath=".volumeMounts"
-// +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !has(m.subPath) || size(m.subPath) == 0 || !has(self.volumes) || !self.volumes.exists(v, v.name == m.name && has(v.emptyDisk)))",message="subPath is for volumes of files (secret, configMap, downwardAPI), not disks",fieldPath=".volumeMounts"
-// +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || self.volumeDevices.all(d, has(self.volumes) && self.volumes.exists(v, v.name == d.name && has(v.emptyDisk)))",message="every volumeDevice names a disk volume (emptyDisk) of spec.volumes",fieldPath=".volumeDevices"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !has(m.subPath) || size(m.subPath) == 0 || !has(self.volumes) || !self.volumes.exists(v, v.name == m.name && (has(v.emptyDisk) || has(v.persistentVolumeClaim))))",message="subPath is for volumes of files (secret, configMap, downwardAPI), not disks",fieldPath=".volumeMounts"
+// +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || self.volumeDevices.all(d, has(self.volumes) && self.volumes.exists(v, v.name == d.name && (has(v.emptyDisk) || has(v.persistentVolumeClaim))))",message="every volumeDevice names a disk volume (emptyDisk, persistentVolumeClaim) of spec.volumes",fieldPath=".volumeDevices"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || !has(self.volumeMounts) || !self.volumeDevices.exists(d, self.volumeMounts.exists(m, m.name == d.name))",message="a volume is mounted (volumeMounts) or a raw device (volumeDevices), not both",fieldPath=".volumeDevices"
-// +kubebuilder:validation:XValidation:rule="!(has(self.snapshotRef) || has(self.templateRef)) || !has(self.volumes) || self.volumes.all(v, !has(v.emptyDisk))",message="a VM started from a snapshot or template cannot have disk volumes (emptyDisk): a snapshot holds no disk volume",fieldPath=".volumes"
+// +kubebuilder:validation:XValidation:rule="!(has(self.snapshotRef) || has(self.templateRef)) || !has(self.volumes) || self.volumes.all(v, !has(v.emptyDisk) && !has(v.persistentVolumeClaim))",message="a VM started from a snapshot or template cannot have disk volumes (emptyDisk, persistentVolumeClaim): a snapshot holds no disk volume",fieldPath=".volumes"
 // +kubebuilder:validation:XValidation:rule="has(self.volumes) == has(oldSelf.volumes)",message="volumes are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumes"
 // +kubebuilder:validation:XValidation:rule="has(self.volumeMounts) == has(oldSelf.volumeMounts)",message="volumeMounts are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeMounts"
 // +kubebuilder:validation:XValidation:rule="has(self.volumeDevices) == has(oldSelf.volumeDevices)",message="volumeDevices are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeDevices"
@@ -462,6 +462,10 @@ type ResolvedResources struct {
 	Memory resource.Quantity `json:"memory"`
 	// diskSize is the size of the VM's writable disk.
 	DiskSize resource.Quantity `json:"diskSize"`
+	// claims are the PersistentVolumeClaims the VM holds alone (ReadWriteOnce), resolved at
+	// placement: no other VM is placed with one of them while the VM holds its placement.
+	// +optional
+	Claims []string `json:"claims,omitempty"`
 	// volumeDiskSize is what the VM's disk volumes that IMP makes on its node take there
 	// (their emptyDisk capacities); the node's disk and the quota's count it with diskSize.
 	// +optional
@@ -633,6 +637,11 @@ type ImpVMStatus struct {
 	// found it, and the snapshot its first run restores.
 	// +optional
 	Template *TemplateStatus `json:"template,omitempty"`
+
+	// volumeHolder is the pod holding the VM's PVCs on its node (docs/volumes.md); the VM's
+	// run starts once it is ready. Operator-owned.
+	// +optional
+	VolumeHolder *VolumeHolderStatus `json:"volumeHolder,omitempty"`
 }
 
 // ImpVM is a Firecracker (or QEMU) microVM run from an OCI image.

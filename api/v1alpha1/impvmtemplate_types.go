@@ -45,7 +45,7 @@ type SnapshotWhen struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.nodeName)",message="a template's VM is placed on each node that needs it: it has no nodeName (use nodeSelector)",fieldPath=".vm.nodeName"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.expireAfter)",message="a template's VM lives until it is snapshotted: it has no expireAfter",fieldPath=".vm.expireAfter"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.runStrategy) || self.vm.runStrategy == 'Always'",message="a template's VM runs until it is snapshotted: its runStrategy is Always",fieldPath=".vm.runStrategy"
-// +kubebuilder:validation:XValidation:rule="!has(self.vm.volumes) || self.vm.volumes.all(v, !has(v.emptyDisk))",message="a template's VM has no disk volumes (emptyDisk): a snapshot holds no disk volume",fieldPath=".vm.volumes"
+// +kubebuilder:validation:XValidation:rule="!has(self.vm.volumes) || self.vm.volumes.all(v, !has(v.emptyDisk) && !has(v.persistentVolumeClaim))",message="a template's VM has no disk volumes (emptyDisk, persistentVolumeClaim): a snapshot holds no disk volume",fieldPath=".vm.volumes"
 type ImpVMTemplateSpec struct {
 	// vm is the VM of the template: its image, class or resources, workload, network and
 	// probes. IMP boots it on a node that needs the template's snapshot, snapshots it at the

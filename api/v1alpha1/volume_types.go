@@ -11,13 +11,21 @@ import (
 // left raw at a device path (volumeDevices); a volume of files (secret, configMap,
 // downwardAPI) is a read-only file system in the guest holding them, written anew at each run.
 // See docs/volumes.md.
-// +kubebuilder:validation:XValidation:rule="[has(self.emptyDisk), has(self.secret), has(self.configMap), has(self.downwardAPI)].filter(x, x).size() == 1",message="set exactly one of emptyDisk, secret, configMap and downwardAPI"
+// +kubebuilder:validation:XValidation:rule="[has(self.persistentVolumeClaim), has(self.emptyDisk), has(self.secret), has(self.configMap), has(self.downwardAPI)].filter(x, x).size() == 1",message="set exactly one of persistentVolumeClaim, emptyDisk, secret, configMap and downwardAPI"
 type Volume struct {
 	// name of the volume, which volumeMounts and volumeDevices use: a DNS label.
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=63
 	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`
 	Name string `json:"name"`
+
+	// persistentVolumeClaim is a PVC of the VM's namespace, attached by the kubelet of the VM's
+	// node to a holder pod of the VM and handed to the VMM: a claim of volumeMode Block is a
+	// disk of the VM; one of volumeMode Filesystem holds the disk's image, disk.img, made at
+	// the claim's requested size on first use. Its data outlives the VM. A ReadWriteOnce claim
+	// is never attached to two running VMs.
+	// +optional
+	PersistentVolumeClaim *PersistentVolumeClaimVolumeSource `json:"persistentVolumeClaim,omitempty"`
 
 	// emptyDisk is an extra disk of the VM on its node, empty when the VM is placed and kept
 	// across its runs there, gone with the placement (as the VM's own writable disk). Mounted
@@ -41,6 +49,18 @@ type Volume struct {
 	// guest as files, as a Pod's downwardAPI volume does.
 	// +optional
 	DownwardAPI *DownwardAPIVolumeSource `json:"downwardAPI,omitempty"`
+}
+
+// PersistentVolumeClaimVolumeSource names a PVC, as a Pod's does.
+type PersistentVolumeClaimVolumeSource struct {
+	// claimName is the PVC, of the VM's namespace.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	ClaimName string `json:"claimName"`
+	// readOnly attaches the disk read-only.
+	// +optional
+	ReadOnly bool `json:"readOnly,omitempty"`
 }
 
 // EmptyDiskSource is an extra node-local disk.
@@ -205,7 +225,56 @@ func (d *EmptyDiskSource) Bytes() (int64, error) {
 }
 
 // Disk reports whether v is a disk volume (a block device of the VM) rather than files.
-func (v *Volume) Disk() bool { return v.EmptyDisk != nil }
+func (v *Volume) Disk() bool { return v.EmptyDisk != nil || v.PersistentVolumeClaim != nil }
+
+// Claims are the PVCs the VM's volumes name.
+func (s *ImpVMSpec) Claims() []string {
+	var out []string
+	for i := range s.Volumes {
+		if c := s.Volumes[i].PersistentVolumeClaim; c != nil {
+			out = append(out, c.ClaimName)
+		}
+	}
+	return out
+}
+
+// VolumeHolderStatus is the pod that holds a VM's PVCs on its node: the kubelet attaches and
+// mounts them for it, and the VM's agent hands them to the VMM from there.
+type VolumeHolderStatus struct {
+	// podName and podUID are the holder pod's, in the VM's namespace.
+	PodName string `json:"podName"`
+	PodUID  string `json:"podUID"`
+	// nodeName is the node it was made for (the VM's).
+	NodeName string `json:"nodeName"`
+	// ready: its volumes are attached (the pod runs), and the VM may start.
+	// +optional
+	Ready bool `json:"ready,omitempty"`
+	// claims are the VM's claims as the holder holds them.
+	// +optional
+	Claims []HeldClaim `json:"claims,omitempty"`
+	// message says what the holder waits for.
+	// +optional
+	Message string `json:"message,omitempty"`
+}
+
+// HeldClaim is a VM's PVC in its holder pod.
+type HeldClaim struct {
+	// volume is the VM's volume that names the claim.
+	Volume string `json:"volume"`
+	// block: the claim's volumeMode is Block (a device in the holder), else Filesystem (a
+	// directory holding disk.img).
+	// +optional
+	Block bool `json:"block,omitempty"`
+	// sizeBytes is the claim's requested size: a Filesystem claim's disk image is made at it.
+	SizeBytes int64 `json:"sizeBytes"`
+}
+
+// Holder paths in the holder pod's container: a Filesystem claim's directory and a Block
+// claim's device of volume NAME.
+const (
+	HolderMountDir  = "/imp/volumes"
+	HolderDeviceDir = "/dev/imp"
+)
 
 // VolumeDiskSize is what the VM's disk volumes that IMP makes on its node take there: the sum
 // of their capacities.

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -18,6 +20,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/volumeholder"
 	"github.com/syscode-labs/imp/internal/logging"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/runsecret"
@@ -26,6 +29,10 @@ import (
 )
 
 func main() {
+	if len(os.Args) == 2 && os.Args[1] == volumeholder.HoldArg {
+		hold()
+		return
+	}
 	if err := run(); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-operator:", err)
 		os.Exit(1)
@@ -48,6 +55,7 @@ func run() error {
 		admissionTimeout       time.Duration
 		endpointRange          = netip.MustParsePrefix("100.72.0.0/16")
 		endpointBlockBits      int
+		holderImage            string
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -94,6 +102,7 @@ func run() error {
 	fs.IntVar(&sub.maxStreamsPerUser, "max-streams-per-user", subresources.DefaultMaxStreamsPerUser, "subresource requests (exec, port-forward, console, followed logs) one user may have open at once through one operator replica; past it, 429")
 	fs.IntVar(&sub.maxStreamsPerVM, "max-streams-per-vm", subresources.DefaultMaxStreamsPerVM, "subresource requests open at once to one ImpVM through one operator replica; past it, 429")
 	fs.DurationVar(&admissionTimeout, "wait-for-admission", 0, "instead of running: wait until the API server admits ImpVMs in --run-secret-namespace (a dry-run create, retried each second) for at most this long, then exit (the chart's post-install hook)")
+	fs.StringVar(&holderImage, "volume-holder-image", "", "image of the pods that hold VMs' PersistentVolumeClaims on their nodes, whose entrypoint holds with the argument \""+volumeholder.HoldArg+"\" (the chart: the operator's own image)")
 	logOpts.BindFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-operator [flags]\n\nPlaces ImpVMs on nodes, allocates their addresses and drives their lifecycle.\n\nFlags:\n")
@@ -144,7 +153,7 @@ func run() error {
 	}
 	ctx := ctrl.SetupSignalHandler()
 	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency, EndpointRange: endpointRange, EndpointBlockBits: endpointBlockBits,
-		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout}); err != nil {
+		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout, VolumeHolderImage: holderImage}); err != nil {
 		return err
 	}
 	if sub.addr != "" {
@@ -154,4 +163,12 @@ func run() error {
 	}
 	log.Info("starting imp-operator")
 	return mgr.Start(ctx)
+}
+
+// hold is a volume holder pod's process (volumeholder.HoldArg): it does nothing until
+// SIGTERM or SIGINT, while the kubelet keeps the pod's volumes attached for its VM's agent.
+func hold() {
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	<-sigs
 }

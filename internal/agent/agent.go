@@ -448,6 +448,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if vm.Spec.TemplateRef != nil && vm.RestoreFrom() == "" {
 		return ctrl.Result{}, nil // a copy whose template's snapshot is being made: it starts from it
 	}
+	if !volume.HolderReady(vm) {
+		return ctrl.Result{}, nil // its claims are not attached on this node yet: its status will say
+	}
 	if err := a.start(ctx, vm, dir, m); errors.Is(err, errFetching) {
 		return ctrl.Result{RequeueAfter: 250 * time.Millisecond}, nil
 	} else if err != nil {

@@ -15,6 +15,7 @@ import (
 
 	certv1 "k8s.io/api/certificates/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
@@ -34,6 +35,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impvmsnapshot"
 	"github.com/syscode-labs/imp/internal/controller/impvmtemplate"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
+	"github.com/syscode-labs/imp/internal/controller/volumeholder"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/placement"
@@ -56,6 +58,9 @@ type Options struct {
 	// reachable through a Service.
 	EndpointRange     netip.Prefix
 	EndpointBlockBits int
+	// VolumeHolderImage is the image of the pods holding VMs' PersistentVolumeClaims (the
+	// operator's own: its entrypoint holds with the argument volumeholder.HoldArg).
+	VolumeHolderImage string
 }
 
 // CacheOptions narrow what the operator's cache holds of kinds it needs only a part of: the
@@ -70,6 +75,8 @@ func CacheOptions(o Options) cache.Options {
 		&certv1.CertificateSigningRequest{}: {Field: fields.OneTermEqualSelector("spec.signerName", pki.SignerName)},
 		// Only IMP's own slices: the cluster's others are none of its business.
 		&discoveryv1.EndpointSlice{}: {Label: labels.SelectorFromSet(labels.Set{discoveryv1.LabelManagedBy: endpoints.ManagedBy})},
+		// Only the pods holding VMs' claims.
+		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{volumeholder.HolderLabel: "true"})},
 	}}
 }
 
@@ -132,6 +139,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := (&impvmtemplate.Reconciler{Client: mgr.GetClient(), Clock: o.Clock}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMTemplate reconciler: %w", err)
+	}
+	if err := (&volumeholder.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Image: o.VolumeHolderImage}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the volume holders: %w", err)
 	}
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the endpoints reconciler: %w", err)

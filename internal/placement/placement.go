@@ -37,10 +37,21 @@ type Request struct {
 	Namespace string
 	DiskBytes int64
 	Quotas    []Quota
+	// VM names the VM (for messages); Claims are the PersistentVolumeClaims ("namespace/name")
+	// it must hold alone (ReadWriteOnce): no other VM of the ledger may hold one of them.
+	VM     string
+	Claims []string
 	// Room is what the node must have free beside the VM, without holding it: a copy of a
 	// template placed where the template's snapshot is still to be made leaves room for the VM
 	// that makes it (with its VMM's overhead).
 	Room *Room
+}
+
+// ClaimInUse is returned when a claim the VM must hold alone is held by another VM.
+type ClaimInUse struct{ Claim, By string }
+
+func (c *ClaimInUse) Error() string {
+	return fmt.Sprintf("PersistentVolumeClaim %s is ReadWriteOnce and attached to VM %s: the VM waits until that VM is gone", c.Claim, c.By)
 }
 
 // Room is capacity a placement leaves free on its node.
@@ -228,6 +239,9 @@ type holding struct {
 	// finished: the VM ended (Succeeded or Failed) and holds its disk alone, until its node
 	// removes it.
 	finished bool
+	// vm and claims: the VM's name and the claims it holds alone.
+	vm     string
+	claims []string
 }
 
 // nodeDisk is what h holds of its node's disk: its disk, and a suspended VM's memory file.
@@ -249,6 +263,9 @@ type Holding struct {
 	// Finished: the VM ended (Succeeded or Failed) and its disks are still on its node: it
 	// holds its disk there and in its namespace, nothing else, and is no VM of the quota.
 	Finished bool
+	// VM and Claims: as a Request's.
+	VM     string
+	Claims []string
 }
 
 // Ledger counts what placed VMs hold on each node. It is the operator's memory of its own
@@ -258,13 +275,14 @@ type Holding struct {
 type Ledger struct {
 	mu      sync.Mutex
 	byVM    map[types.UID]holding
-	usage   map[string]holding // per node: vcpus, memory and disk held
-	nsUsage map[string]Usage   // per namespace
+	usage   map[string]holding   // per node: vcpus, memory and disk held
+	nsUsage map[string]Usage     // per namespace
+	claims  map[string]types.UID // claim held alone → the VM holding it
 }
 
 // NewLedger returns an empty ledger.
 func NewLedger() *Ledger {
-	return &Ledger{byVM: map[types.UID]holding{}, usage: map[string]holding{}, nsUsage: map[string]Usage{}}
+	return &Ledger{byVM: map[types.UID]holding{}, usage: map[string]holding{}, nsUsage: map[string]Usage{}, claims: map[string]types.UID{}}
 }
 
 // Hold records what VM uid holds. It is idempotent, and moves the holding when the VM is now on
@@ -273,7 +291,7 @@ func (l *Ledger) Hold(uid types.UID, h Holding) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	hh := holding{node: h.Node, vcpus: h.VCPUs, memory: h.Memory + h.Overhead, namespace: h.Namespace, guestMemory: h.Memory, disk: h.Disk,
-		suspended: h.Suspended}
+		suspended: h.Suspended, vm: h.VM, claims: h.Claims}
 	if h.Finished {
 		hh = finished(hh)
 	}
@@ -329,6 +347,9 @@ func (l *Ledger) Resume(uid types.UID) {
 func (l *Ledger) hold(uid types.UID, h holding) {
 	l.release(uid)
 	l.byVM[uid] = h
+	for _, c := range h.claims {
+		l.claims[c] = uid
+	}
 	u := l.usage[h.node]
 	u.vcpus += h.vcpus
 	u.memory += h.memory
@@ -367,6 +388,11 @@ func (l *Ledger) release(uid types.UID) {
 		return
 	}
 	delete(l.byVM, uid)
+	for _, c := range h.claims {
+		if l.claims[c] == uid {
+			delete(l.claims, c)
+		}
+	}
 	u := l.usage[h.node]
 	u.vcpus -= h.vcpus
 	u.memory -= h.memory
@@ -460,6 +486,11 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 	if h, ok := l.byVM[uid]; ok {
 		return h.node, nil
 	}
+	for _, c := range req.Claims {
+		if by, ok := l.claims[c]; ok && by != uid {
+			return "", &ClaimInUse{Claim: c, By: l.byVM[by].vm}
+		}
+	}
 	for _, q := range req.Quotas {
 		if why := q.exceeds(l.nsUsage[req.Namespace], req); why != "" {
 			return "", &QuotaExceeded{Message: why}
@@ -492,7 +523,7 @@ func (l *Ledger) Place(uid types.UID, req Request, nodes []Node) (string, error)
 		return "", &Unschedulable{Message: unschedulableMessage(len(nodes), why)}
 	}
 	l.hold(uid, holding{node: best, vcpus: req.VCPUs, memory: req.MemoryBytes + bestOverhead,
-		namespace: req.Namespace, guestMemory: req.MemoryBytes, disk: req.DiskBytes})
+		namespace: req.Namespace, guestMemory: req.MemoryBytes, disk: req.DiskBytes, vm: req.VM, claims: req.Claims})
 	return best, nil
 }
 

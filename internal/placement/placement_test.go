@@ -447,3 +447,35 @@ func TestWhatStaysOnDiskIsCounted(t *testing.T) {
 		t.Errorf("after the resume: %v", err)
 	}
 }
+
+// TestClaimsAreHeldAlone: a VM holding a claim alone keeps every other VM naming it unplaced,
+// across a rebuild of the ledger from the VMs' holdings; an ended VM, or a released one, frees it.
+func TestClaimsAreHeldAlone(t *testing.T) {
+	nodes := []Node{node("a", 8, 8)}
+	l := NewLedger()
+	withClaim := func(vm string) Request { r := req(1, 1); r.VM, r.Claims = vm, []string{"ns/data"}; return r }
+	if _, err := l.Place("u1", withClaim("first"), nodes); err != nil {
+		t.Fatal(err)
+	}
+	var inUse *ClaimInUse
+	if _, err := l.Place("u2", withClaim("second"), nodes); !errors.As(err, &inUse) || inUse.By != "first" || inUse.Claim != "ns/data" {
+		t.Fatalf("a second VM naming the claim: %v", err)
+	}
+	if _, err := l.Place("u3", req(1, 1), nodes); err != nil {
+		t.Errorf("a VM without the claim: %v", err)
+	}
+	// Rebuilt from the holdings (an operator restart).
+	l2 := NewLedger()
+	l2.Hold("u1", Holding{Node: "a", VCPUs: 1, Memory: gi, VM: "first", Claims: []string{"ns/data"}})
+	if _, err := l2.Place("u2", withClaim("second"), nodes); !errors.As(err, &inUse) {
+		t.Errorf("after a rebuild, a second VM naming the claim: %v", err)
+	}
+	l2.Finish("u1")
+	if _, err := l2.Place("u2", withClaim("second"), nodes); err != nil {
+		t.Errorf("after the holder ended: %v", err)
+	}
+	l.Release("u1")
+	if _, err := l.Place("u2", withClaim("second"), nodes); err != nil {
+		t.Errorf("after the holder was released: %v", err)
+	}
+}

@@ -583,6 +583,12 @@ network:
 	untouched("two crashes of the agent")
 	vmReady("two crashes of the agent")
 
+	// ## Volumes (docs/volumes.md): PersistentVolumeClaims through the real node's kubelet.
+	if vmmKind == "" || vmmKind == "qemu" {
+		checkVolumes(t, sh, must, eventually, tmp, realNode, ref.String())
+		untouched("VMs with volumes beside it")
+	}
+
 	// The pull alternative of the install.
 	must("helm pull "+chart+" --version 0.9.0 --plain-http", "")
 	must("helm upgrade --install imp ./imp-0.9.0.tgz -n imp-system --create-namespace"+valueFiles, "STATUS: deployed")

@@ -1,11 +1,15 @@
 package vmm
 
+import "os"
+
 // Drive is an extra block device of a VM (a disk volume): the file or block device at Path on
-// the node, which the guest finds by Serial; ReadOnly: the guest may not write it. ID names it
-// among the VM's devices (a DNS label).
+// the node, or File, already open (a claim's, opened where the kubelet put it), which the guest
+// finds by Serial; ReadOnly: the guest may not write it. ID names it among the VM's devices (a
+// DNS label).
 type Drive struct {
-	ID       string `json:"id"`
-	Path     string `json:"path"`
-	Serial   string `json:"serial"`
-	ReadOnly bool   `json:"readOnly,omitempty"`
+	ID       string   `json:"id"`
+	Path     string   `json:"path,omitempty"`
+	File     *os.File `json:"-"`
+	Serial   string   `json:"serial"`
+	ReadOnly bool     `json:"readOnly,omitempty"`
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"golang.org/x/sys/unix"
 )
 
 // Maker makes runs' volumes.
@@ -29,6 +30,8 @@ type Maker struct {
 	Mkfs string
 	// ChooseVMM is the VMM a VM runs under on this node: a disk's serial depends on it.
 	ChooseVMM func(*impv1.ImpVM) (impv1.VMMKind, error)
+	// Proc is where the node's processes are (default /proc): the holder pods' among them.
+	Proc string
 }
 
 // DiskFile is the file, in a VM's state directory, of its emptyDisk volume name.
@@ -73,6 +76,13 @@ func (m Maker) Make(r *vmrun.Run) (*vmrun.Volumes, error) {
 			}
 			gv.Serial = serial
 			out.Drives = append(out.Drives, vmm.Drive{ID: v.Name, Path: path, Serial: serial})
+		case v.PersistentVolumeClaim != nil:
+			d, err := m.claimDrive(r, kind, i, v, mounted[v.Name])
+			if err != nil {
+				return nil, fmt.Errorf("volume %s (PersistentVolumeClaim %s): %w", v.Name, v.PersistentVolumeClaim.ClaimName, err)
+			}
+			gv.Serial = d.Serial
+			out.Drives = append(out.Drives, d)
 		case r.Image == nil:
 			// A resume: the guest has its files.
 		case v.Secret != nil || v.ConfigMap != nil:
@@ -99,6 +109,66 @@ func (m Maker) Make(r *vmrun.Run) (*vmrun.Volumes, error) {
 		out.Guest.Devices = append(out.Guest.Devices, guestinit.Device{Volume: d.Name, Path: d.DevicePath})
 	}
 	return out, nil
+}
+
+// claimDrive is the drive of the VM's i-th volume v, a claim, opened in its holder pod for the
+// run (closed when the run's start is done: the VMM has its own descriptor, or its jail a node
+// of the device).
+func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volume, mounted bool) (vmm.Drive, error) {
+	vm := r.VM
+	h := vm.Status.VolumeHolder
+	if !HolderReady(vm) {
+		return vmm.Drive{}, errors.New("its holder pod is not ready on this node")
+	}
+	var c *impv1.HeldClaim
+	for j := range h.Claims {
+		if h.Claims[j].Volume == v.Name {
+			c = &h.Claims[j]
+		}
+	}
+	if c == nil {
+		return vmm.Drive{}, fmt.Errorf("its holder pod %s does not hold it", h.PodName)
+	}
+	ro := v.PersistentVolumeClaim.ReadOnly
+	if kind == impv1.VMMFirecracker && !c.Block {
+		return vmm.Drive{}, errors.New("a claim of volumeMode Filesystem is not supported under Firecracker yet (its disk image would have to be bound into the jail): use volumeMode Block, or QEMU")
+	}
+	f, err := m.claimDisk(h.PodUID, *c, ro, mounted)
+	if err != nil {
+		return vmm.Drive{}, err
+	}
+	r.Defer(func() { f.Close() })
+	d := vmm.Drive{ID: v.Name, File: f, ReadOnly: ro, Serial: guestinit.VolumeSerialPrefix + strconv.Itoa(i)}
+	if kind == impv1.VMMFirecracker {
+		// Firecracker opens its drives by path, in its jail: a node of the claim's device in
+		// the VM's state directory, linked into the jail as the other disks are.
+		path := r.Path(DiskFile(v.Name))
+		if err := deviceNode(path, f); err != nil {
+			return vmm.Drive{}, err
+		}
+		if d.Serial, err = firecracker.DriveSerial(path); err != nil {
+			return vmm.Drive{}, err
+		}
+		d.Path, d.File = path, nil
+	}
+	return d, nil
+}
+
+// deviceNode makes path a block device node (0600, root's) of the device f is open on, unless it
+// is one already.
+func deviceNode(path string, f *os.File) error {
+	var st, cur unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return err
+	}
+	if unix.Lstat(path, &cur) == nil && cur.Mode&unix.S_IFMT == unix.S_IFBLK && cur.Rdev == st.Rdev {
+		return nil
+	}
+	_ = os.Remove(path)
+	if err := unix.Mknod(path, unix.S_IFBLK|0o600, int(st.Rdev)); err != nil {
+		return fmt.Errorf("making a node of the claim's device: %w", err)
+	}
+	return nil
 }
 
 // serialOf is the serial the guest reads of the i-th volume's disk at path: under QEMU one the
@@ -208,11 +278,12 @@ func formatMap(m map[string]string) string {
 	return b.String()
 }
 
-// Remove removes the disks of vm's volumes from its state directory dir.
+// Remove removes the disks of vm's volumes from its state directory dir: its emptyDisks, and
+// the nodes of its claims' devices (their data is the claims').
 func Remove(dir string, vm *impv1.ImpVM) error {
 	var errs []error
 	for _, v := range vm.Spec.Volumes {
-		if v.EmptyDisk == nil {
+		if !v.Disk() {
 			continue
 		}
 		if err := os.Remove(filepath.Join(dir, DiskFile(v.Name))); err != nil && !errors.Is(err, fs.ErrNotExist) {

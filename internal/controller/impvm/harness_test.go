@@ -25,6 +25,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/volume"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -56,6 +57,7 @@ func newEnv(t *testing.T) *env {
 	opts.VM.NodeLostGracePeriod = 2 * time.Second
 	opts.VM.AgentHeartbeatTimeout = time.Hour // the simulated reports beat only where a test says
 	opts.VM.DeletionTimeout = 30 * time.Second
+	opts.VolumeHolderImage = "registry.test/imp-operator:test"
 	return &env{t: t, c: c.Client, cl: c, ns: ns, pool: ns, opts: opts}
 }
 
@@ -314,6 +316,9 @@ func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
 		}
 		if vm.Spec.TemplateRef != nil && next.RestoredFrom == "" {
 			return // a copy waits for its template's snapshot, as the agent does
+		}
+		if !volume.HolderReady(vm) {
+			return // its claims are not held on its node yet, as the agent waits
 		}
 	case st.Suspension != nil && rt.State == impv1.RuntimeRunning:
 		next = *rt

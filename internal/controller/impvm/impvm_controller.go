@@ -203,6 +203,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 		r.reconcileExpiry,
 		r.reconcilePlacement,
 		r.reconcileTemplate,
+		r.reconcileVolumes,
 		r.reconcileSuspension,
 		r.reconcileRuns,
 	} {
@@ -265,7 +266,7 @@ func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
 	}
 	res := vm.Status.Resources
 	h := placement.Holding{Node: vm.Status.NodeName, Namespace: vm.Namespace, VCPUs: int64(res.VCPUs), Memory: res.Memory.Value(),
-		Disk: res.NodeDiskBytes(), Suspended: vm.Status.Suspension != nil, Finished: isTerminal(vm.Status.Phase)}
+		Disk: res.NodeDiskBytes(), Suspended: vm.Status.Suspension != nil, Finished: isTerminal(vm.Status.Phase), VM: vm.Name, Claims: res.Claims}
 	if res.MemoryOverhead != nil {
 		h.Overhead = res.MemoryOverhead.Value()
 	}
@@ -415,6 +416,10 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	if tmpl != nil && snapshotFor(tmpl, "") == "" {
 		nodes = templateNodes(tmpl, res.VMM, nodes) // where the template's VM may run too
 	}
+	claims, nodes, ok, err := r.claimPlacement(ctx, s, nodes) // where its claims' volumes attach
+	if !ok || err != nil {
+		return errors.Join(err, r.releaseUnplaced(ctx, net, vm))
+	}
 	start := r.Clock.Now()
 	req := placement.Request{
 		VCPUs:       int64(res.VCPUs),
@@ -425,6 +430,8 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		Namespace:   vm.Namespace,
 		DiskBytes:   res.NodeDiskBytes(),
 		Quotas:      quotas,
+		VM:          vm.Name,
+		Claims:      claims,
 	}
 	var node string
 	if tmpl != nil {
@@ -444,6 +451,12 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	var unsched *placement.Unschedulable
 	if errors.As(err, &unsched) {
 		s.schedReason, s.schedMsg = impv1.ReasonNoNodeAvailable, unsched.Message
+		return r.releaseUnplaced(ctx, net, vm)
+	}
+	var inUse *placement.ClaimInUse
+	if errors.As(err, &inUse) {
+		s.schedReason, s.schedMsg = impv1.ReasonVolumeInUse, inUse.Error()
+		s.requeueAfter(claimWait)
 		return r.releaseUnplaced(ctx, net, vm)
 	}
 	var exceeded *placement.QuotaExceeded
@@ -476,6 +489,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 			res.MemoryOverhead = resource.NewQuantity(placement.Overhead(n, res.VMM), resource.BinarySI)
 		}
 	}
+	res.Claims = claims
 	vm.Status.Resources = &res
 	vm.Status.Template = nil
 	if tmpl != nil {

@@ -207,7 +207,7 @@ func PrepareChroot(s Spec) error {
 		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true}, {s.ConfigDisk, jailConfig, true},
 	}
 	for _, d := range s.Drives {
-		files = append(files, jailFile{d.Path, jailDrive(d), !d.ReadOnly})
+		files = append(files, jailFile{d.Path, jailDrive(d), true}) // the VM's own, read-only or not
 	}
 	for _, f := range files {
 		name := strings.TrimPrefix(f.dst, "/")

@@ -188,7 +188,13 @@ func (s Spec) files() ([]*os.File, error) {
 		if d.ReadOnly {
 			flag = os.O_RDONLY
 		}
-		f, err := os.OpenFile(d.Path, flag|syscall.O_NOFOLLOW, 0)
+		var f *os.File
+		var err error
+		if d.File != nil {
+			f, err = dupFile(d.File) // the caller's stays open, Start closes this one
+		} else {
+			f, err = os.OpenFile(d.Path, flag|syscall.O_NOFOLLOW, 0)
+		}
 		if err != nil {
 			return files, fmt.Errorf("opening volume %s for the VMM: %w", d.ID, err)
 		}
@@ -211,6 +217,16 @@ func (s Spec) files() ([]*os.File, error) {
 		files[fd-3] = f
 	}
 	return files, nil
+}
+
+// dupFile is a new descriptor of f's open file.
+func dupFile(f *os.File) (*os.File, error) {
+	fd, err := syscall.Dup(int(f.Fd()))
+	if err != nil {
+		return nil, err
+	}
+	syscall.CloseOnExec(fd)
+	return os.NewFile(uintptr(fd), f.Name()), nil
 }
 
 // kvmGroup is the group owning /dev/kvm under KVM, which a VMM of its own uid needs.

@@ -1,0 +1,136 @@
+package volume
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+// fakeHolder lays out a /proc with the holder pod's pause process (its root without the
+// holder's directories) and its container's process, whose root is a directory of the test
+// (a plain link standing for /proc/PID/root), for pod uid.
+func fakeHolder(t *testing.T, uid string) (proc, root string) {
+	t.Helper()
+	tmp := t.TempDir()
+	proc, root = filepath.Join(tmp, "proc"), filepath.Join(tmp, "root")
+	pause := filepath.Join(tmp, "pause")
+	for pid, r := range map[string]string{"100": pause, "200": root} {
+		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte("0::/kubepods/besteffort/pod"+uid+"/c"+pid+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.MkdirAll(r, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(r, filepath.Join(proc, pid, "root")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Another pod's process, whose root holds a claim of the same volume name.
+	other := filepath.Join(tmp, "other")
+	if err := os.MkdirAll(filepath.Join(proc, "300"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	_ = os.WriteFile(filepath.Join(proc, "300", "cgroup"), []byte("0::/kubepods/besteffort/podOTHER/c\n"), 0o644)
+	_ = os.MkdirAll(filepath.Join(other, "imp/volumes/data"), 0o755)
+	_ = os.Symlink(other, filepath.Join(proc, "300", "root"))
+	if err := os.MkdirAll(filepath.Join(root, "imp/volumes/data"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return proc, root
+}
+
+// TestClaimDisk opens a Filesystem claim's disk image in the holder pod's container: made at the
+// claim's size with an ext4 file system the first time, the same file after. What the tenant
+// put on the claim never points the node elsewhere: a disk.img that is a link (to a host file),
+// a claim directory that is a link (to the host's /), a device that is a link or a regular file.
+func TestClaimDisk(t *testing.T) {
+	proc, root := fakeHolder(t, "u-1")
+	m := Maker{Proc: proc}
+	c := impv1.HeldClaim{Volume: "data", SizeBytes: 64 << 20}
+	f, err := m.claimDisk("u-1", c, false, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	img := filepath.Join(root, "imp/volumes/data/disk.img")
+	fi, err := os.Stat(img)
+	if err != nil || fi.Size() != 64<<20 || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("disk.img: %v %v", fi, err)
+	}
+	label := make([]byte, 16)
+	g, _ := os.Open(img)
+	_, _ = g.ReadAt(label, 1024+0x78)
+	g.Close()
+	if string(bytes.TrimRight(label, "\x00")) != guestinit.VolumeLabel {
+		t.Errorf("disk.img's file system label %q", label)
+	}
+	if err := os.WriteFile(img, []byte("kept"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err = m.claimDisk("u-1", c, false, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 4)
+	_, _ = f.ReadAt(b, 0)
+	f.Close()
+	if string(b) != "kept" {
+		t.Errorf("the second open made the image anew: %q", b)
+	}
+
+	secret := filepath.Join(t.TempDir(), "host-secret")
+	if err := os.WriteFile(secret, []byte("host"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	attacks := map[string]func(){
+		"disk.img a link to a host file": func() {
+			_ = os.Remove(img)
+			_ = os.Symlink(secret, img)
+		},
+		"the claim's directory a link to /": func() {
+			_ = os.RemoveAll(filepath.Join(root, "imp/volumes/data"))
+			_ = os.Symlink("/", filepath.Join(root, "imp/volumes/data"))
+		},
+		"disk.img a directory": func() {
+			_ = os.RemoveAll(filepath.Join(root, "imp/volumes/data"))
+			_ = os.MkdirAll(img, 0o755)
+		},
+	}
+	for name, plant := range attacks {
+		_ = os.RemoveAll(filepath.Join(root, "imp/volumes/data"))
+		_ = os.MkdirAll(filepath.Join(root, "imp/volumes/data"), 0o755)
+		plant()
+		if f, err := m.claimDisk("u-1", c, false, false); err == nil {
+			f.Close()
+			t.Errorf("%s: opened", name)
+		}
+		if b, _ := os.ReadFile(secret); string(b) != "host" {
+			t.Fatalf("%s: the host file changed: %q", name, b)
+		}
+	}
+	// A Block claim's device must be a block device, reached without a link.
+	_ = os.MkdirAll(filepath.Join(root, "dev/imp"), 0o755)
+	blk := impv1.HeldClaim{Volume: "raw", Block: true}
+	_ = os.Symlink("/dev/null", filepath.Join(root, "dev/imp/raw"))
+	if f, err := m.claimDisk("u-1", blk, false, false); err == nil {
+		f.Close()
+		t.Error("a link at the device's place was opened")
+	}
+	_ = os.Remove(filepath.Join(root, "dev/imp/raw"))
+	_ = os.WriteFile(filepath.Join(root, "dev/imp/raw"), nil, 0o600)
+	if _, err := m.claimDisk("u-1", blk, false, false); err == nil || !strings.Contains(err.Error(), "not a block device") {
+		t.Errorf("a regular file at the device's place: %v", err)
+	}
+	// Another pod's claims are not this one's.
+	if _, err := m.claimDisk("u-2", c, false, false); err == nil || !strings.Contains(err.Error(), "no process of the holder pod u-2") {
+		t.Errorf("a pod with no process here: %v", err)
+	}
+}

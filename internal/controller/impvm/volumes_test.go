@@ -1,0 +1,169 @@
+package impvm_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/volumeholder"
+)
+
+// TestClaimsPlaceAndHold: a VM naming a PVC bound to a local volume of node a goes to node a
+// (node b has more room); a holder pod, passing the namespace's restricted Pod Security, holds
+// the claim there, and the VM waits VolumesNotReady until it runs. A second VM naming the
+// ReadWriteOnce claim waits VolumeInUse, naming the first, and one naming a missing claim
+// VolumeClaimNotFound. The first gone, the second is placed and gets a holder of its own.
+func TestClaimsPlaceAndHold(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	hostname := func(n *corev1.Node) { n.Labels[corev1.LabelHostname] = n.Name }
+	a := e.node("a", 8, 8, hostname)
+	e.node("b", 16, 16, hostname)
+	e.startAgent(nil)
+	stop := e.startOperator()
+	ns := &corev1.Namespace{}
+	if err := e.c.Get(ctx, client.ObjectKey{Name: e.ns}, ns); err != nil {
+		t.Fatal(err)
+	}
+	ns.Labels["pod-security.kubernetes.io/enforce"] = "restricted"
+	if err := e.c.Update(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-data"}, Spec: corev1.PersistentVolumeSpec{
+		Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+		AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+		PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+		StorageClassName:              "manual",
+		PersistentVolumeSource:        corev1.PersistentVolumeSource{Local: &corev1.LocalVolumeSource{Path: "/mnt/data"}},
+		NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{
+			MatchExpressions: []corev1.NodeSelectorRequirement{{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{a.Name}}}}}}},
+	}}
+	pvc := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "data"}, Spec: corev1.PersistentVolumeClaimSpec{
+		AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+		StorageClassName: ptr.To("manual"), VolumeName: pv.Name,
+		Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+	}}
+	e.create(pv, pvc)
+	t.Cleanup(func() { _ = e.c.Delete(context.Background(), pv) })
+	withClaim := func(name, claim string) *impv1.ImpVM {
+		vm := e.vm(name, 1, "1Gi")
+		vm.Spec.Volumes = []impv1.Volume{{Name: "data", PersistentVolumeClaim: &impv1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}
+		vm.Spec.VolumeMounts = []impv1.VolumeMount{{Name: "data", MountPath: "/data"}}
+		return vm
+	}
+	reason := func(name string) string {
+		v := e.get(name)
+		if v == nil {
+			return "gone"
+		}
+		for _, c := range v.Status.Conditions {
+			if c.Status != metav1.ConditionTrue && c.Reason != "" {
+				if strings.HasPrefix(c.Reason, "Volume") {
+					return c.Reason + ": " + c.Message
+				}
+			}
+		}
+		return string(v.Status.Phase) + " on " + v.Status.NodeName
+	}
+	e.create(withClaim("first", "data"))
+	eventually(t, func() string { return e.get("first").Status.NodeName }).Should(Equal(a.Name))
+	eventually(t, func() string { return reason("first") }).Should(HavePrefix(impv1.ReasonVolumesNotReady + ": pod imp-vol-"))
+
+	// The holder: pinned to node a through the scheduler, the claim at its place, restricted.
+	first := e.get("first")
+	pod := &corev1.Pod{}
+	eventually(t, func() error {
+		return e.c.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(first.UID, first.Status.Instance)}, pod)
+	}).Should(Succeed(), func() string { return reason("first") })
+	terms := pod.Spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms
+	if pod.Spec.NodeName != "" || len(terms) != 1 || terms[0].MatchFields[0].Values[0] != a.Name {
+		t.Errorf("the holder is not pinned to node a through the scheduler: %+v", pod.Spec)
+	}
+	if c := pod.Spec.Containers[0]; len(pod.Spec.Volumes) != 1 || pod.Spec.Volumes[0].PersistentVolumeClaim.ClaimName != "data" ||
+		len(c.VolumeMounts) != 1 || c.VolumeMounts[0].MountPath != impv1.HolderMountDir+"/data" || !metav1.IsControlledBy(pod, first) {
+		t.Errorf("the holder's volumes: %+v %+v", pod.Spec.Volumes, c.VolumeMounts)
+	}
+	// Its node runs it: the VM may start.
+	pod.Spec.NodeName = a.Name
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, ContainerStatuses: []corev1.ContainerStatus{{Name: "hold",
+		State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.Now()}}}}}
+	if err := e.c.Status().Update(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() bool {
+		h := e.get("first").Status.VolumeHolder
+		return h != nil && h.Ready && h.PodUID == string(pod.UID)
+	}).Should(BeTrue())
+	eventually(t, func() string { return reason("first") }).Should(HavePrefix(string(impv1.VMRunning)))
+	if h := e.get("first").Status.VolumeHolder; len(h.Claims) != 1 || h.Claims[0].Block || h.Claims[0].SizeBytes != 1<<30 {
+		t.Errorf("the held claims: %+v", h.Claims)
+	}
+
+	// The claim is ReadWriteOnce: a second VM waits for it; a missing claim is named.
+	e.create(withClaim("second", "data"), withClaim("third", "missing"))
+	eventually(t, func() string { return reason("second") }).Should(And(HavePrefix(impv1.ReasonVolumeInUse+": "), ContainSubstring("attached to VM first")))
+	eventually(t, func() string { return reason("third") }).Should(Equal(impv1.ReasonVolumeClaimNotFound + `: PersistentVolumeClaim "missing" does not exist in namespace ` + e.ns))
+	// Another namespace's VM cannot name the claim.
+	other := e.cl.Namespace(t)
+	thief := withClaim("thief", "data")
+	thief.Namespace = other
+	e.create(thief)
+	eventually(t, func() string {
+		v := &impv1.ImpVM{}
+		_ = e.c.Get(ctx, client.ObjectKeyFromObject(thief), v)
+		if c := condition(v, impv1.ScheduledCondition); c != nil {
+			return c.Reason + ": " + c.Message
+		}
+		return ""
+	}).Should(Equal(impv1.ReasonVolumeClaimNotFound + `: PersistentVolumeClaim "data" does not exist in namespace ` + other))
+
+	// The first gone: the second is placed, with a holder of its own.
+	if err := e.c.Delete(ctx, e.get("first")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() string { return e.get("second").Status.NodeName }).Should(Equal(a.Name))
+	second := e.get("second")
+	holderKey := client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(second.UID, second.Status.Instance)}
+	eventually(t, func() error { return e.c.Get(ctx, holderKey, &corev1.Pod{}) }).Should(Succeed())
+
+	// A pod of the holder's name that IMP did not make (here: with a volume more) is never the
+	// holder: removed and made again.
+	stop()
+	genuine := &corev1.Pod{}
+	if err := e.c.Get(ctx, holderKey, genuine); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.c.Delete(ctx, genuine, client.GracePeriodSeconds(0)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() bool { return e.c.Get(ctx, holderKey, &corev1.Pod{}) != nil }).Should(BeTrue())
+	impostor := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: holderKey.Name, Labels: genuine.Labels,
+		OwnerReferences: genuine.OwnerReferences}, Spec: *genuine.Spec.DeepCopy()}
+	impostor.Spec.NodeName = ""
+	impostor.Spec.Volumes = append(impostor.Spec.Volumes, corev1.Volume{Name: "extra", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
+	impostor.Spec.Containers[0].VolumeMounts = append(impostor.Spec.Containers[0].VolumeMounts, corev1.VolumeMount{Name: "extra", MountPath: "/extra"})
+	e.create(impostor)
+	e.startOperator()
+	eventually(t, func() string {
+		p := &corev1.Pod{}
+		if err := e.c.Get(ctx, holderKey, p); err != nil {
+			return err.Error()
+		}
+		if p.UID == impostor.UID {
+			return "the impostor"
+		}
+		return fmt.Sprintf("%d volumes", len(p.Spec.Volumes))
+	}).Should(Equal("1 volumes"))
+	if h := e.get("second").Status.VolumeHolder; h != nil && h.PodUID == string(impostor.UID) {
+		t.Errorf("the impostor was reported as the holder: %+v", h)
+	}
+}
