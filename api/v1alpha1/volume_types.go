@@ -183,11 +183,11 @@ type VolumeMount struct {
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=63
 	Name string `json:"name"`
-	// mountPath is where, in the guest: an absolute path with no '..' element, not / and not
-	// under /proc, /sys or /dev.
+	// mountPath is where, in the guest: an absolute path with no '.' or '..' element, not /
+	// and not under /proc, /sys or /dev.
 	// +kubebuilder:validation:MinLength=2
 	// +kubebuilder:validation:MaxLength=1024
-	// +kubebuilder:validation:XValidation:rule="self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)') && !self.matches('^/+(proc|sys|dev)(/|$)') && self.matches('[^/]')",message="mountPath must be an absolute path with no '..' element, not / and not under /proc, /sys or /dev"
+	// +kubebuilder:validation:XValidation:rule="self.startsWith('/') && !self.matches('(^|/)[.][.]?(/|$)') && !self.matches('^/+(proc|sys|dev)(/|$)') && self.matches('[^/]')",message="mountPath must be an absolute path with no '.' or '..' element, not / and not under /proc, /sys or /dev"
 	MountPath string `json:"mountPath"`
 	// readOnly mounts a disk volume read-only (a volume of files always is).
 	// +optional
@@ -244,6 +244,11 @@ type VolumeHolderStatus struct {
 	// podName and podUID are the holder pod's, in the VM's namespace.
 	PodName string `json:"podName"`
 	PodUID  string `json:"podUID"`
+	// containerID is the holder container's, as its runtime names it (containerd://ID): the
+	// node's agent takes the claims from that container alone, never from another container
+	// of the pod (an ephemeral one).
+	// +optional
+	ContainerID string `json:"containerID,omitempty"`
 	// nodeName is the node it was made for (the VM's).
 	NodeName string `json:"nodeName"`
 	// ready: its volumes are attached (the pod runs), and the VM may start.

@@ -56,12 +56,20 @@ func mountVolumes(cfg Config, timeout time.Duration) error {
 	return nil
 }
 
-// cleanAbs is p, an absolute path, cleaned; an error for a relative one or one with "..".
-func cleanAbs(p string) (string, error) {
+// cleanAbs is p, an absolute path, cleaned; an error for a relative one, one with "..", or one
+// that is / or under /proc, /sys or /dev once cleaned (where the guest's own kernel interfaces
+// are: a device path goes under /dev, with allowDev).
+func cleanAbs(p string, allowDev bool) (string, error) {
 	if !path.IsAbs(p) || slices.Contains(strings.Split(p, "/"), "..") {
 		return "", fmt.Errorf("%q is not an absolute path without '..'", p)
 	}
-	return path.Clean(p), nil
+	c := path.Clean(p)
+	for _, d := range []string{"/proc", "/sys", "/dev"} {
+		if c == "/" || c == d || strings.HasPrefix(c, d+"/") && (d != "/dev" || !allowDev) {
+			return "", fmt.Errorf("%q is / or under /proc, /sys or /dev", p)
+		}
+	}
+	return c, nil
 }
 
 // cleanRel is p, a path relative to a volume, cleaned; an error for an absolute one or one
@@ -139,7 +147,7 @@ func writeFiles(dir string, files []File) error {
 
 // mountOne mounts v at m.Path.
 func mountOne(v *Volume, m Mount, timeout time.Duration) error {
-	target, err := cleanAbs(m.Path)
+	target, err := cleanAbs(m.Path, false)
 	if err != nil {
 		return err
 	}
@@ -191,7 +199,7 @@ func mountOne(v *Volume, m Mount, timeout time.Duration) error {
 
 // makeDevice makes a block device node at p for the disk of v.
 func makeDevice(v *Volume, p string, timeout time.Duration) error {
-	target, err := cleanAbs(p)
+	target, err := cleanAbs(p, true)
 	if err != nil {
 		return err
 	}

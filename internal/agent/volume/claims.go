@@ -25,16 +25,16 @@ func HolderReady(vm *impv1.ImpVM) bool {
 		return true
 	}
 	h := vm.Status.VolumeHolder
-	return h != nil && h.Ready && h.PodUID != "" && h.NodeName == vm.Status.NodeName
+	return h != nil && h.Ready && h.PodUID != "" && h.ContainerID != "" && h.NodeName == vm.Status.NodeName
 }
 
-// claimDisk opens the disk of the VM's claim held as c by the holder pod podUID: a Block
+// claimDisk opens the disk of the VM's claim held as c by the holder h: a Block
 // claim's device, or a Filesystem claim's disk image (disk.img, made at the claim's size on
 // first use: ext4 when mounted). Everything is reached beneath the root of the holder's
 // container (its mount namespace, where the kubelet put the claim), with no symbolic link
 // followed: what the tenant's claim holds cannot point the node at anything else.
-func (m Maker) claimDisk(podUID string, c impv1.HeldClaim, readOnly, mounted bool) (*os.File, error) {
-	root, err := m.holderRoot(podUID)
+func (m Maker) claimDisk(h *impv1.VolumeHolderStatus, c impv1.HeldClaim, readOnly, mounted bool) (*os.File, error) {
+	root, err := m.holderRoot(h.PodUID, h.ContainerID)
 	if err != nil {
 		return nil, err
 	}
@@ -44,13 +44,9 @@ func (m Maker) claimDisk(podUID string, c impv1.HeldClaim, readOnly, mounted boo
 		flags = unix.O_RDONLY
 	}
 	if c.Block {
-		f, err := openBeneath(root, strings.TrimPrefix(impv1.HolderDeviceDir, "/")+"/"+c.Volume, flags, 0)
+		f, err := openKind(root, strings.TrimPrefix(impv1.HolderDeviceDir, "/")+"/"+c.Volume, flags, unix.S_IFBLK)
 		if err != nil {
 			return nil, fmt.Errorf("opening the claim's device in the holder pod: %w", err)
-		}
-		if err := m.checkKind(f, unix.S_IFBLK); err != nil {
-			f.Close()
-			return nil, err
 		}
 		if mounted && !readOnly {
 			if err := m.formatIfBlank(f); err != nil {
@@ -62,16 +58,43 @@ func (m Maker) claimDisk(podUID string, c impv1.HeldClaim, readOnly, mounted boo
 	}
 	dir := strings.TrimPrefix(impv1.HolderMountDir, "/") + "/" + c.Volume
 	name := dir + "/disk.img"
-	f, err := openBeneath(root, name, flags, 0)
+	f, err := openKind(root, name, flags, unix.S_IFREG)
 	if errors.Is(err, unix.ENOENT) && !readOnly {
 		return m.makeImage(root, dir, name, c.SizeBytes, mounted)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("opening disk.img on the claim: %w", err)
 	}
-	if err := m.checkKind(f, unix.S_IFREG); err != nil {
-		f.Close()
+	return f, nil
+}
+
+// openKind opens name beneath root (openBeneath) only if it is a file of type kind
+// (unix.S_IFREG, unix.S_IFBLK): it is looked at through an O_PATH descriptor first, which opens
+// nothing, so that a FIFO, a character device or a terminal the tenant put in its place is never
+// opened (a FIFO would block the agent; a device's open has effects of its own).
+func openKind(root *os.File, name string, flags int, kind uint32) (*os.File, error) {
+	p, err := openBeneath(root, name, unix.O_PATH, 0)
+	if err != nil {
 		return nil, err
+	}
+	defer p.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(p.Fd()), &st); err != nil {
+		return nil, err
+	}
+	if st.Mode&unix.S_IFMT != kind {
+		return nil, fmt.Errorf("%s on the claim is not a %s", path.Base(name), map[uint32]string{unix.S_IFREG: "regular file", unix.S_IFBLK: "block device"}[kind])
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", p.Fd()), flags|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), name)
+	// The same file as the one looked at (the magic link reopens that inode).
+	var again unix.Stat_t
+	if err := unix.Fstat(fd, &again); err != nil || again.Ino != st.Ino || again.Dev != st.Dev {
+		f.Close()
+		return nil, fmt.Errorf("%s on the claim changed while it was opened", path.Base(name))
 	}
 	return f, nil
 }
@@ -133,7 +156,7 @@ func (m Maker) mkfs(f *os.File) error {
 	cmd := exec.Command(mkfs, "-q", "-F", "-t", "ext4", "-E", "lazy_itable_init=1,lazy_journal_init=1", "-L", guestinit.VolumeLabel, "/dev/fd/3")
 	cmd.ExtraFiles = []*os.File{f}
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("making the claim's file system: %w: %s", err, out)
+		return fmt.Errorf("making its file system: %w: %s", err, out)
 	}
 	return nil
 }
@@ -152,18 +175,6 @@ func (m Maker) formatIfBlank(f *os.File) error {
 	return m.mkfs(f)
 }
 
-// checkKind refuses f unless its file type is kind (unix.S_IFREG, unix.S_IFBLK).
-func (Maker) checkKind(f *os.File, kind uint32) error {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return err
-	}
-	if st.Mode&unix.S_IFMT != kind {
-		return fmt.Errorf("%s on the claim is not a %s", path.Base(f.Name()), map[uint32]string{unix.S_IFREG: "regular file", unix.S_IFBLK: "block device"}[kind])
-	}
-	return nil
-}
-
 // openBeneath opens name beneath root (a directory), resolving it as if root were "/" and
 // following no link of any kind.
 func openBeneath(root *os.File, name string, flags int, mode uint32) (*os.File, error) {
@@ -178,11 +189,17 @@ func openBeneath(root *os.File, name string, flags int, mode uint32) (*os.File, 
 	return os.NewFile(uintptr(fd), name), nil
 }
 
-// holderRoot opens the root directory of the holder pod's container: of a process in the
-// pod's cgroup (pod podUID) whose root holds the holder's directories (the sandbox's pause
-// process has none). The process is pinned by its /proc directory while its cgroup and root
-// are read, so that a pid reused meanwhile is never taken for it.
-func (m Maker) holderRoot(podUID string) (*os.File, error) {
+// holderRoot opens the root directory of the holder pod's hold container: of a process whose
+// cgroup names both the pod (podUID) and the container (containerID, "runtime://ID"), and
+// whose root holds the holder's directories. No other container of the pod (the sandbox's
+// pause, an ephemeral container a tenant added) is ever taken for it. The process is pinned by
+// its /proc directory while its cgroup and root are read, so that a pid reused meanwhile is
+// never taken for it.
+func (m Maker) holderRoot(podUID, containerID string) (*os.File, error) {
+	_, id, _ := strings.Cut(containerID, "://")
+	if len(id) < 8 || strings.ContainsAny(id, "/\n") {
+		return nil, fmt.Errorf("the holder's container ID %q is not one", containerID)
+	}
 	proc := m.Proc
 	if proc == "" {
 		proc = "/proc"
@@ -200,23 +217,23 @@ func (m Maker) holderRoot(podUID string) (*os.File, error) {
 		if err != nil {
 			continue
 		}
-		if root := holderRootOf(pd, ids); root != nil {
+		if root := holderRootOf(pd, ids, id); root != nil {
 			pd.Close()
 			return root, nil
 		}
 		pd.Close()
 	}
-	return nil, fmt.Errorf("no process of the holder pod %s runs on this node", podUID)
+	return nil, fmt.Errorf("no process of the holder pod %s (container %s) runs on this node", podUID, id)
 }
 
-func holderRootOf(pd *os.File, ids []string) *os.File {
+func holderRootOf(pd *os.File, ids []string, container string) *os.File {
 	cg, err := openBeneath(pd, "cgroup", unix.O_RDONLY, 0)
 	if err != nil {
 		return nil
 	}
 	b, _ := io.ReadAll(io.LimitReader(cg, 64<<10))
 	cg.Close()
-	if !strings.Contains(string(b), ids[0]) && !strings.Contains(string(b), ids[1]) {
+	if !strings.Contains(string(b), ids[0]) && !strings.Contains(string(b), ids[1]) || !strings.Contains(string(b), container) {
 		return nil
 	}
 	fd, err := unix.Openat(int(pd.Fd()), "root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)

@@ -6,6 +6,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/guestinit"
@@ -23,7 +26,7 @@ func fakeHolder(t *testing.T, uid string) (proc, root string) {
 		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte("0::/kubepods/besteffort/pod"+uid+"/c"+pid+"\n"), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte("0::/kubepods/besteffort/pod"+uid+"/cid"+pid+"abcdef\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		if err := os.MkdirAll(r, 0o755); err != nil {
@@ -41,6 +44,14 @@ func fakeHolder(t *testing.T, uid string) (proc, root string) {
 	_ = os.WriteFile(filepath.Join(proc, "300", "cgroup"), []byte("0::/kubepods/besteffort/podOTHER/c\n"), 0o644)
 	_ = os.MkdirAll(filepath.Join(other, "imp/volumes/data"), 0o755)
 	_ = os.Symlink(other, filepath.Join(proc, "300", "root"))
+	// An ephemeral container of the holder pod (pid 150, before the holder's in /proc), whose
+	// root holds a disk.img of its own making.
+	eph := filepath.Join(tmp, "ephemeral")
+	_ = os.MkdirAll(filepath.Join(proc, "150"), 0o755)
+	_ = os.WriteFile(filepath.Join(proc, "150", "cgroup"), []byte("0::/kubepods/besteffort/pod"+uid+"/cidEPHEMERAL\n"), 0o644)
+	_ = os.MkdirAll(filepath.Join(eph, "imp/volumes/data"), 0o755)
+	_ = os.WriteFile(filepath.Join(eph, "imp/volumes/data/disk.img"), []byte("planted"), 0o600)
+	_ = os.Symlink(eph, filepath.Join(proc, "150", "root"))
 	if err := os.MkdirAll(filepath.Join(root, "imp/volumes/data"), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -54,8 +65,9 @@ func fakeHolder(t *testing.T, uid string) (proc, root string) {
 func TestClaimDisk(t *testing.T) {
 	proc, root := fakeHolder(t, "u-1")
 	m := Maker{Proc: proc}
+	h := &impv1.VolumeHolderStatus{PodUID: "u-1", ContainerID: "containerd://cid200abcdef"}
 	c := impv1.HeldClaim{Volume: "data", SizeBytes: 64 << 20}
-	f, err := m.claimDisk("u-1", c, false, true)
+	f, err := m.claimDisk(h, c, false, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,7 +87,7 @@ func TestClaimDisk(t *testing.T) {
 	if err := os.WriteFile(img, []byte("kept"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	f, err = m.claimDisk("u-1", c, false, true)
+	f, err = m.claimDisk(h, c, false, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +120,7 @@ func TestClaimDisk(t *testing.T) {
 		_ = os.RemoveAll(filepath.Join(root, "imp/volumes/data"))
 		_ = os.MkdirAll(filepath.Join(root, "imp/volumes/data"), 0o755)
 		plant()
-		if f, err := m.claimDisk("u-1", c, false, false); err == nil {
+		if f, err := m.claimDisk(h, c, false, false); err == nil {
 			f.Close()
 			t.Errorf("%s: opened", name)
 		}
@@ -116,21 +128,43 @@ func TestClaimDisk(t *testing.T) {
 			t.Fatalf("%s: the host file changed: %q", name, b)
 		}
 	}
+	// A FIFO at disk.img of a read-only claim: opened, it would block the agent for ever.
+	_ = os.RemoveAll(filepath.Join(root, "imp/volumes/data"))
+	_ = os.MkdirAll(filepath.Join(root, "imp/volumes/data"), 0o755)
+	if err := unix.Mkfifo(img, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		f, err := m.claimDisk(h, c, true, false)
+		if err == nil {
+			f.Close()
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("a FIFO at disk.img: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a FIFO at disk.img blocked the open")
+	}
 	// A Block claim's device must be a block device, reached without a link.
 	_ = os.MkdirAll(filepath.Join(root, "dev/imp"), 0o755)
 	blk := impv1.HeldClaim{Volume: "raw", Block: true}
 	_ = os.Symlink("/dev/null", filepath.Join(root, "dev/imp/raw"))
-	if f, err := m.claimDisk("u-1", blk, false, false); err == nil {
+	if f, err := m.claimDisk(h, blk, false, false); err == nil {
 		f.Close()
 		t.Error("a link at the device's place was opened")
 	}
 	_ = os.Remove(filepath.Join(root, "dev/imp/raw"))
 	_ = os.WriteFile(filepath.Join(root, "dev/imp/raw"), nil, 0o600)
-	if _, err := m.claimDisk("u-1", blk, false, false); err == nil || !strings.Contains(err.Error(), "not a block device") {
+	if _, err := m.claimDisk(h, blk, false, false); err == nil || !strings.Contains(err.Error(), "not a block device") {
 		t.Errorf("a regular file at the device's place: %v", err)
 	}
 	// Another pod's claims are not this one's.
-	if _, err := m.claimDisk("u-2", c, false, false); err == nil || !strings.Contains(err.Error(), "no process of the holder pod u-2") {
+	if _, err := m.claimDisk(&impv1.VolumeHolderStatus{PodUID: "u-2", ContainerID: "containerd://cid200abcdef"}, c, false, false); err == nil || !strings.Contains(err.Error(), "no process of the holder pod u-2") {
 		t.Errorf("a pod with no process here: %v", err)
 	}
 }

@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -133,7 +132,7 @@ func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volu
 	if kind == impv1.VMMFirecracker && !c.Block {
 		return vmm.Drive{}, errors.New("a claim of volumeMode Filesystem is not supported under Firecracker yet (its disk image would have to be bound into the jail): use volumeMode Block, or QEMU")
 	}
-	f, err := m.claimDisk(h.PodUID, *c, ro, mounted)
+	f, err := m.claimDisk(h, *c, ro, mounted)
 	if err != nil {
 		return vmm.Drive{}, err
 	}
@@ -192,30 +191,20 @@ func (m Maker) ensureDisk(path string, size int64, ext4 bool) error {
 	}
 	tmp := path + ".tmp"
 	_ = os.Remove(tmp)
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
 		return err
 	}
 	err = f.Truncate(size)
+	if err == nil && ext4 {
+		err = m.mkfs(f)
+	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
 		_ = os.Remove(tmp)
 		return fmt.Errorf("making the disk: %w", err)
-	}
-	if ext4 {
-		mkfs := m.Mkfs
-		if mkfs == "" {
-			mkfs = "mkfs.ext4"
-		}
-		// Lazy inode table and journal initialisation: the new file reads as zeros already.
-		out, err := exec.Command(mkfs, "-q", "-F", "-t", "ext4", "-E", "lazy_itable_init=1,lazy_journal_init=1",
-			"-L", guestinit.VolumeLabel, tmp).CombinedOutput()
-		if err != nil {
-			_ = os.Remove(tmp)
-			return fmt.Errorf("making its file system: %w: %s", err, out)
-		}
 	}
 	return os.Rename(tmp, path)
 }

@@ -24,6 +24,7 @@ import (
 // VolumeClaimNotFound. The first gone, the second is placed and gets a holder of its own.
 func TestClaimsPlaceAndHold(t *testing.T) {
 	e := newEnv(t)
+	e.opts.VolumeHolderImage = "ghcr.io/syscode-labs/imp-operator:0.9.0" // the chart's default, which its policy names
 	ctx := context.Background()
 	hostname := func(n *corev1.Node) { n.Labels[corev1.LabelHostname] = n.Name }
 	a := e.node("a", 8, 8, hostname)
@@ -52,8 +53,10 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 		StorageClassName: ptr.To("manual"), VolumeName: pv.Name,
 		Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
 	}}
-	e.create(pv, pvc)
-	t.Cleanup(func() { _ = e.c.Delete(context.Background(), pv) })
+	pv2, pvc2 := pv.DeepCopy(), pvc.DeepCopy()
+	pv2.Name, pvc2.Name, pvc2.Spec.VolumeName = e.ns+"-data2", "data2", e.ns+"-data2"
+	e.create(pv, pvc, pv2, pvc2)
+	t.Cleanup(func() { _ = e.c.Delete(context.Background(), pv); _ = e.c.Delete(context.Background(), pv2) })
 	withClaim := func(name, claim string) *impv1.ImpVM {
 		vm := e.vm(name, 1, "1Gi")
 		vm.Spec.Volumes = []impv1.Volume{{Name: "data", PersistentVolumeClaim: &impv1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}
@@ -94,7 +97,7 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 	}
 	// Its node runs it: the VM may start.
 	pod.Spec.NodeName = a.Name
-	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, ContainerStatuses: []corev1.ContainerStatus{{Name: "hold",
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, ContainerStatuses: []corev1.ContainerStatus{{Name: "hold", ContainerID: "containerd://0123456789abcdef",
 		State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.Now()}}}}}
 	if err := e.c.Status().Update(ctx, pod); err != nil {
 		t.Fatal(err)
@@ -166,4 +169,24 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 	if h := e.get("second").Status.VolumeHolder; h != nil && h.PodUID == string(impostor.UID) {
 		t.Errorf("the impostor was reported as the holder: %+v", h)
 	}
+
+	// With the chart's policy, nobody but the operator makes a pod of a holder's name or
+	// label; the operator's holders pass it.
+	e.cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	squatter := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "imp-vol-squatter"}, Spec: *genuine.Spec.DeepCopy()}
+	squatter.Spec.NodeName = ""
+	eventually(t, func() string {
+		err := e.c.Create(ctx, squatter.DeepCopy(), client.DryRunAll)
+		if err == nil {
+			return "admitted"
+		}
+		return err.Error()
+	}).Should(ContainSubstring("only the operator makes or changes those"))
+	e.create(withClaim("fourth", "data2"))
+	eventually(t, func() string {
+		if h := e.get("fourth").Status.VolumeHolder; h != nil {
+			return h.Message
+		}
+		return ""
+	}).Should(Equal("made; waiting for its node to run it"))
 }

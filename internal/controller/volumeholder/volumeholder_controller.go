@@ -134,7 +134,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		return reconcile.Result{}, r.report(ctx, vm, status)
 	}
 	status.PodUID = string(cur.UID)
-	status.Ready, status.Message = podReady(cur)
+	status.ContainerID, status.Ready, status.Message = podReady(cur)
 	return reconcile.Result{}, r.report(ctx, vm, status)
 }
 
@@ -240,15 +240,16 @@ func sameHolder(cur, want *corev1.Pod) bool {
 		equality.Semantic.DeepEqual(cc.SecurityContext, wc.SecurityContext) && equality.Semantic.DeepEqual(c.SecurityContext, w.SecurityContext)
 }
 
-// podReady says whether the holder runs with its volumes attached, or what it waits for.
-func podReady(p *corev1.Pod) (bool, string) {
+// podReady says whether the holder runs with its volumes attached (and its container's ID), or
+// what it waits for.
+func podReady(p *corev1.Pod) (string, bool, string) {
 	if !p.DeletionTimestamp.IsZero() {
-		return false, "being deleted"
+		return "", false, "being deleted"
 	}
 	if p.Status.Phase == corev1.PodRunning {
 		for _, cs := range p.Status.ContainerStatuses {
-			if cs.Name == "hold" && cs.State.Running != nil {
-				return true, "running on node " + p.Spec.NodeName
+			if cs.Name == "hold" && cs.State.Running != nil && cs.ContainerID != "" {
+				return cs.ContainerID, true, "running on node " + p.Spec.NodeName
 			}
 		}
 	}
@@ -266,7 +267,7 @@ func podReady(p *corev1.Pod) (bool, string) {
 			msg += fmt.Sprintf("; container %s: %s", w.Reason, w.Message)
 		}
 	}
-	return false, msg
+	return "", false, msg
 }
 
 // report writes status.volumeHolder, when it changed.

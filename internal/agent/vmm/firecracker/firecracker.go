@@ -201,13 +201,14 @@ func PrepareChroot(s Spec) error {
 	type jailFile struct {
 		src, dst string
 		owned    bool
+		readOnly bool // the VM's to read only: root's, readable by its group (it may not chmod it)
 	}
 	files := []jailFile{
-		{s.Kernel, jailKernel, false}, {s.Initramfs, jailInitramfs, false},
-		{s.BaseDisk, jailBaseDisk, false}, {s.WritableDisk, jailRWDisk, true}, {s.ConfigDisk, jailConfig, true},
+		{s.Kernel, jailKernel, false, false}, {s.Initramfs, jailInitramfs, false, false},
+		{s.BaseDisk, jailBaseDisk, false, false}, {s.WritableDisk, jailRWDisk, true, false}, {s.ConfigDisk, jailConfig, true, false},
 	}
 	for _, d := range s.Drives {
-		files = append(files, jailFile{d.Path, jailDrive(d), true}) // the VM's own, read-only or not
+		files = append(files, jailFile{d.Path, jailDrive(d), !d.ReadOnly, d.ReadOnly})
 	}
 	for _, f := range files {
 		name := strings.TrimPrefix(f.dst, "/")
@@ -216,6 +217,14 @@ func PrepareChroot(s Spec) error {
 		}
 		if f.owned {
 			if err := root.Lchown(name, s.UID, s.GID); err != nil {
+				return err
+			}
+		}
+		if f.readOnly {
+			if err := root.Lchown(name, 0, s.GID); err != nil {
+				return err
+			}
+			if err := root.Chmod(name, 0o440); err != nil {
 				return err
 			}
 		}

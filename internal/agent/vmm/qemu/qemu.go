@@ -119,8 +119,15 @@ func (s Spec) Args() []string {
 		if d.ReadOnly {
 			ro = ",readonly=on"
 		}
+		// Through an fd set: QEMU uses the descriptors the agent opened as they are, where
+		// /proc/self/fd/N would open the file again as the VM's uid (a claim's device is not
+		// its to open). QEMU opens a drive read-only first, then read-write: one descriptor of
+		// each mode (both read-only for a read-only drive).
+		set := volumeFDSet + i
 		args = append(args,
-			"-drive", fmt.Sprintf("id=vol-%s,file=%s,format=raw,if=none%s", d.ID, fdPath(driveFD+i), ro),
+			"-add-fd", fmt.Sprintf("fd=%d,set=%d,opaque=vol-%s", driveFD+2*i, set, d.ID),
+			"-add-fd", fmt.Sprintf("fd=%d,set=%d,opaque=vol-%s-ro", driveFD+2*i+1, set, d.ID),
+			"-drive", fmt.Sprintf("id=vol-%s,file=/dev/fdset/%d,format=raw,if=none%s", d.ID, set, ro),
 			"-device", fmt.Sprintf("virtio-blk-device,drive=vol-%s,serial=%s", d.ID, d.Serial))
 	}
 	if s.Incoming != "" {
@@ -150,7 +157,7 @@ func (s Spec) Limits() cgroup.Limits {
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
 func (s Spec) files() ([]*os.File, error) {
-	files := make([]*os.File, consoleSockFD-tapFD+1+len(s.Drives))
+	files := make([]*os.File, consoleSockFD-tapFD+1+2*len(s.Drives))
 	files[tapFD-3] = s.Tap
 	open := func(fd int, path string, flag int) error {
 		f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW, 0o600)
@@ -198,8 +205,14 @@ func (s Spec) files() ([]*os.File, error) {
 		if err != nil {
 			return files, fmt.Errorf("opening volume %s for the VMM: %w", d.ID, err)
 		}
-		files[driveFD+i-3] = f
-		if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() && s.UID != 0 && !d.ReadOnly {
+		files[driveFD+2*i-3] = f
+		// Its read-only descriptor: the same file opened again by the agent.
+		ro, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), os.O_RDONLY, 0)
+		if err != nil {
+			return files, fmt.Errorf("opening volume %s read-only for the VMM: %w", d.ID, err)
+		}
+		files[driveFD+2*i+1-3] = ro
+		if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() && s.UID != 0 && !d.ReadOnly && d.File == nil {
 			if err := f.Chown(s.UID, s.GID); err != nil { // as the writable disk: what it writes is its uid's
 				return files, fmt.Errorf("giving volume %s to uid %d: %w", d.ID, s.UID, err)
 			}
@@ -259,8 +272,11 @@ const (
 	consoleFD
 	sessionFD // runs that have none keep the numbers above
 	consoleSockFD
-	driveFD // the first of the disk volumes', one each
+	driveFD // the first of the disk volumes', two each (read-write, read-only)
 )
+
+// volumeFDSet is the fd set of the first disk volume, one each.
+const volumeFDSet = 10
 
 func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }
 
