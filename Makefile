@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-volumes images chart-push
 
 all: build
 
@@ -75,6 +75,9 @@ bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 
 
 bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs restored from a snapshot (1 VM, 10 at once); snapshot pause and size.
 	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore|start steps)|^(ok|FAIL|---)'
+
+bench-volumes: ## A QEMU/TCG guest's raw disk volume: sequential MB/s and 4 KiB random IOPS in the guest against the same file on the node.
+	IMP_BENCH=volumes go test -count=1 -v -timeout 30m -run '^TestBenchVolumes$$' ./internal/agent/ | grep -E '^volume |^(ok|FAIL|---)'
 
 images: ## Build imp-operator and imp-agent without Docker, push to REGISTRY (host:port), print digests.
 	hack/images.sh $(REGISTRY)

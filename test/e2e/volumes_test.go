@@ -121,8 +121,8 @@ spec:
 			f := append(strings.Fields(out), "0", "0") // restartCount and run are left out at 0
 			want := fmt.Sprint(restarts)
 			if err != nil || len(f) < 4 || f[0] != "Running" || f[1] != "True" || f[2] != want || f[3] != want {
-				st, _ := sh("kubectl -n demo get impvm " + name + " -o jsonpath='{.status.conditions}'")
-				return fmt.Errorf("%q %v; conditions %s", out, err, st)
+				st, _ := sh("kubectl -n demo get impvm " + name + " -o jsonpath='{.status.conditions} {.status.runtime.message} {.status.volumeHolder.message}'")
+				return fmt.Errorf("%q %v; %s", out, err, st)
 			}
 			// The new run's session answers.
 			_, err = sh("kubectl imp -n demo exec " + name + " -- /bin/hello tool-true")

@@ -12,4 +12,6 @@ type Drive struct {
 	File     *os.File `json:"-"`
 	Serial   string   `json:"serial"`
 	ReadOnly bool     `json:"readOnly,omitempty"`
+	// Block: a block device (a Block claim's), not a file.
+	Block bool `json:"block,omitempty"`
 }

@@ -137,7 +137,7 @@ func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volu
 		return vmm.Drive{}, err
 	}
 	r.Defer(func() { f.Close() })
-	d := vmm.Drive{ID: v.Name, File: f, ReadOnly: ro, Serial: guestinit.VolumeSerialPrefix + strconv.Itoa(i)}
+	d := vmm.Drive{ID: v.Name, File: f, ReadOnly: ro, Block: c.Block, Serial: guestinit.VolumeSerialPrefix + strconv.Itoa(i)}
 	if kind == impv1.VMMFirecracker {
 		// Firecracker opens its drives by path, in its jail: a node of the claim's device in
 		// the VM's state directory, linked into the jail as the other disks are.

@@ -19,6 +19,10 @@
 //	tool-mode PATH    prints the permission bits of PATH in octal
 //	tool-write PATH S [OFF] writes S at OFF (default 0) of PATH (a file, created, or a device), synced
 //	tool-head PATH N  prints the first N bytes of PATH
+//	tool-io PATH MIB  measures PATH (a block device or a file of at least MIB MiB): sequential
+//	                  write and read of MIB MiB in 1 MiB requests, then 4 KiB random writes and
+//	                  reads for 3 s each; the caches dropped before each read; prints
+//	                  "seqwrite MB/s seqread MB/s randwrite IOPS randread IOPS"
 //	tool-dial ADDR    prints what a TCP connection to ADDR first says
 //	tool-ifaces       prints each non-loopback interface: "NAME MAC ADDR/BITS..."
 //	counter counts in memory, one every 100 ms from 0, until SIGTERM; serves TCP on :7000
@@ -219,6 +223,15 @@ func tool(name string, args []string) int {
 		k, _ := io.ReadFull(f, b)
 		fmt.Print(string(b[:k]))
 		return 0
+	case "tool-io":
+		mib, _ := strconv.Atoi(args[1])
+		out, err := measureIO(args[0], int64(mib))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Println(out)
+		return 0
 	case "tool-dial":
 		c, err := net.DialTimeout("tcp", args[0], 3*time.Second)
 		if err != nil {
@@ -312,4 +325,65 @@ func serveWeb(addr, host string) {
 	if err := http.ListenAndServe(addr, mux); err != nil {
 		fmt.Println("hello: web:", err)
 	}
+}
+
+// measureIO is tool-io.
+func measureIO(path string, mib int64) (string, error) {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	drop := func() {
+		_ = f.Sync()
+		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)    // a block device's buffer cache
+		_ = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED) // a file's page cache
+	}
+	buf := make([]byte, 1<<20)
+	for i := range buf {
+		buf[i] = byte(i * 7)
+	}
+	start := time.Now()
+	for i := int64(0); i < mib; i++ {
+		if _, err := f.WriteAt(buf, i<<20); err != nil {
+			return "", err
+		}
+	}
+	if err := f.Sync(); err != nil {
+		return "", err
+	}
+	seqW := float64(mib) / time.Since(start).Seconds()
+	drop()
+	start = time.Now()
+	for i := int64(0); i < mib; i++ {
+		if _, err := f.ReadAt(buf, i<<20); err != nil {
+			return "", err
+		}
+	}
+	seqR := float64(mib) / time.Since(start).Seconds()
+	blocks := mib << 8 // 4 KiB blocks
+	page := buf[:4096]
+	x := uint64(88172645463325252)
+	next := func() int64 { x ^= x << 13; x ^= x >> 7; x ^= x << 17; return int64(x%uint64(blocks)) << 12 }
+	n, start := 0, time.Now()
+	for time.Since(start) < 3*time.Second {
+		if _, err := f.WriteAt(page, next()); err != nil {
+			return "", err
+		}
+		if err := f.Sync(); err != nil { // each write reaches the device
+			return "", err
+		}
+		n++
+	}
+	randW := float64(n) / time.Since(start).Seconds()
+	drop()
+	n, start = 0, time.Now()
+	for time.Since(start) < 3*time.Second {
+		if _, err := f.ReadAt(page, next()); err != nil {
+			return "", err
+		}
+		n++
+	}
+	randR := float64(n) / time.Since(start).Seconds()
+	return fmt.Sprintf("seqwrite %.1f seqread %.1f randwrite %.0f randread %.0f", seqW, seqR, randW, randR), nil
 }

@@ -127,7 +127,7 @@ func (s Spec) Args() []string {
 		args = append(args,
 			"-add-fd", fmt.Sprintf("fd=%d,set=%d,opaque=vol-%s", driveFD+2*i, set, d.ID),
 			"-add-fd", fmt.Sprintf("fd=%d,set=%d,opaque=vol-%s-ro", driveFD+2*i+1, set, d.ID),
-			"-drive", fmt.Sprintf("id=vol-%s,file=/dev/fdset/%d,format=raw,if=none%s", d.ID, set, ro),
+			"-drive", fmt.Sprintf("id=vol-%s,file.driver=%s,file.filename=/dev/fdset/%d,format=raw,if=none%s", d.ID, protocol(d), set, ro),
 			"-device", fmt.Sprintf("virtio-blk-device,drive=vol-%s,serial=%s", d.ID, d.Serial))
 	}
 	if s.Incoming != "" {
@@ -230,6 +230,15 @@ func (s Spec) files() ([]*os.File, error) {
 		files[fd-3] = f
 	}
 	return files, nil
+}
+
+// protocol is QEMU's block driver of d: host_device for a block device (the file driver takes
+// regular files only, and cannot tell from an fd set's name).
+func protocol(d vmm.Drive) string {
+	if d.Block {
+		return "host_device"
+	}
+	return "file"
 }
 
 // dupFile is a new descriptor of f's open file.

@@ -58,11 +58,11 @@ func TestArgs(t *testing.T) {
 		t.Errorf("args lack the session channel:\n%s", args)
 	}
 	// Disk volumes by descriptor too, after every fixed one, each with its serial.
-	s.Drives = []vmm.Drive{{ID: "scratch", Path: "/v1", Serial: "imp-vol0"}, {ID: "ro", Path: "/v2", Serial: "imp-vol1", ReadOnly: true}}
+	s.Drives = []vmm.Drive{{ID: "scratch", Path: "/v1", Serial: "imp-vol0"}, {ID: "ro", Path: "/v2", Serial: "imp-vol1", ReadOnly: true, Block: true}}
 	args = strings.Join(s.Args(), " ")
 	for _, want := range []string{
-		"-add-fd fd=15,set=10,opaque=vol-scratch -add-fd fd=16,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file=/dev/fdset/10,format=raw,if=none -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
-		"-add-fd fd=17,set=11,opaque=vol-ro -add-fd fd=18,set=11,opaque=vol-ro-ro -drive id=vol-ro,file=/dev/fdset/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
+		"-add-fd fd=15,set=10,opaque=vol-scratch -add-fd fd=16,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file.driver=file,file.filename=/dev/fdset/10,format=raw,if=none -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
+		"-add-fd fd=17,set=11,opaque=vol-ro -add-fd fd=18,set=11,opaque=vol-ro-ro -drive id=vol-ro,file.driver=host_device,file.filename=/dev/fdset/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)
