@@ -272,6 +272,10 @@ type HeldClaim struct {
 	Block bool `json:"block,omitempty"`
 	// sizeBytes is the claim's requested size: a Filesystem claim's disk image is made at it.
 	SizeBytes int64 `json:"sizeBytes"`
+	// readOnly: the VM may only read the claim (its volume says readOnly, or the claim is
+	// ReadOnlyMany alone).
+	// +optional
+	ReadOnly bool `json:"readOnly,omitempty"`
 }
 
 // Holder paths in the holder pod's container: a Filesystem claim's directory and a Block

@@ -128,7 +128,7 @@ func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volu
 	if c == nil {
 		return vmm.Drive{}, fmt.Errorf("its holder pod %s does not hold it", h.PodName)
 	}
-	ro := v.PersistentVolumeClaim.ReadOnly
+	ro := v.PersistentVolumeClaim.ReadOnly || c.ReadOnly
 	if kind == impv1.VMMFirecracker && !c.Block {
 		return vmm.Drive{}, errors.New("a claim of volumeMode Filesystem is not supported under Firecracker yet (its disk image would have to be bound into the jail): use volumeMode Block, or QEMU")
 	}

@@ -209,14 +209,15 @@ func (r *Reconciler) pod(ctx context.Context, vm *impv1.ImpVM, name string) (*co
 		}
 		block := pvc.Spec.VolumeMode != nil && *pvc.Spec.VolumeMode == corev1.PersistentVolumeBlock
 		size := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
-		claims = append(claims, impv1.HeldClaim{Volume: v.Name, Block: block, SizeBytes: size.Value()})
+		readOnly := src.ReadOnly || (len(pvc.Spec.AccessModes) == 1 && pvc.Spec.AccessModes[0] == corev1.ReadOnlyMany)
+		claims = append(claims, impv1.HeldClaim{Volume: v.Name, Block: block, SizeBytes: size.Value(), ReadOnly: readOnly})
 		podVol := "v-" + v.Name
 		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: podVol, VolumeSource: corev1.VolumeSource{
-			PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: src.ClaimName, ReadOnly: src.ReadOnly}}})
+			PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: src.ClaimName, ReadOnly: readOnly}}})
 		if block {
 			c.VolumeDevices = append(c.VolumeDevices, corev1.VolumeDevice{Name: podVol, DevicePath: impv1.HolderDeviceDir + "/" + v.Name})
 		} else {
-			c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: podVol, MountPath: impv1.HolderMountDir + "/" + v.Name, ReadOnly: src.ReadOnly})
+			c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: podVol, MountPath: impv1.HolderMountDir + "/" + v.Name, ReadOnly: readOnly})
 		}
 	}
 	pod.Spec.Containers = []corev1.Container{c}
