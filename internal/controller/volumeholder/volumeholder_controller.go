@@ -176,7 +176,6 @@ func (r *Reconciler) pod(ctx context.Context, vm *impv1.ImpVM, name string) (*co
 			AutomountServiceAccountToken:  ptr.To(false),
 			EnableServiceLinks:            ptr.To(false),
 			TerminationGracePeriodSeconds: ptr.To[int64](1),
-			PriorityClassName:             "",
 			SecurityContext: &corev1.PodSecurityContext{
 				RunAsNonRoot: ptr.To(true), RunAsUser: ptr.To[int64](65534), RunAsGroup: ptr.To[int64](65534),
 				SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
