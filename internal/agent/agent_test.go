@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -41,6 +42,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/failpoint"
+	"github.com/syscode-labs/imp/internal/guestsession"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/runsecret"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -218,6 +220,26 @@ func (w *world) vm(name string, args ...string) *impv1.ImpVM {
 			DiskSize:     ptr.To(resource.MustParse("64Mi")),
 		},
 	}
+}
+
+// tryExec runs /bin/hello with args in the guest of the world's VM name, through its agent's
+// session channel, and returns what it printed (stdout and stderr, trimmed).
+func (w *world) tryExec(name string, args ...string) (string, error) {
+	v := w.get(name)
+	if v == nil {
+		return "", fmt.Errorf("no ImpVM %s", name)
+	}
+	s, err := w.agent.Session(types.NamespacedName{Namespace: w.ns, Name: name}, v.UID)
+	if err != nil {
+		return "", err
+	}
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := s.Exec(ctx, guestsession.ExecOptions{Command: append([]string{"/bin/hello"}, args...), Stdout: &out, Stderr: &out}); err != nil {
+		return "", fmt.Errorf("exec %v in %s: %w: %s", args, name, err, out.String())
+	}
+	return strings.TrimSpace(out.String()), nil
 }
 
 func (w *world) get(name string) *impv1.ImpVM {

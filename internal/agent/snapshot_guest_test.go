@@ -63,7 +63,7 @@ func TestSnapshotRestore(t *testing.T) {
 	if err := c.Client.Create(ctx, secret); err != nil {
 		t.Fatal(err)
 	}
-	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}
+	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir, agent: ag}
 	newVM := func(name string) *impv1.ImpVM {
 		vm := w.vm(name, "counter")
 		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
@@ -85,23 +85,9 @@ func TestSnapshotRestore(t *testing.T) {
 			return "ready"
 		}
 	}
-	try := func(name string, args ...string) (string, error) {
-		v := w.get(name)
-		s, err := ag.Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
-		if err != nil {
-			return "", err
-		}
-		var out bytes.Buffer
-		ctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		if err := s.Exec(ctx, guestsession.ExecOptions{Command: append([]string{"/bin/hello"}, args...), Stdout: &out, Stderr: &out}); err != nil {
-			return "", fmt.Errorf("exec %v in %s: %w: %s", args, name, err, out.String())
-		}
-		return strings.TrimSpace(out.String()), nil
-	}
 	exec := func(name string, args ...string) string {
 		t.Helper()
-		out, err := try(name, args...)
+		out, err := w.tryExec(name, args...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -121,7 +107,7 @@ func TestSnapshotRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	g.Eventually(ready("src")).WithTimeout(10 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal("ready"))
-	g.Eventually(func() string { out, _ := try("src", "tool-dial", "127.0.0.1:7000"); return out }).WithTimeout(time.Minute).Should(HavePrefix("count "))
+	g.Eventually(func() string { out, _ := w.tryExec("src", "tool-dial", "127.0.0.1:7000"); return out }).WithTimeout(time.Minute).Should(HavePrefix("count "))
 	g.Eventually(func() int { n, _ := count("src"); return n }).WithTimeout(time.Minute).Should(BeNumerically(">=", 30))
 	atSnapshot, _ := count("src")
 
@@ -261,7 +247,7 @@ func TestSnapshotRestore(t *testing.T) {
 		if rt := w.get("copy-a").Status.Runtime; rt.RestoredFrom != "" {
 			t.Errorf("restart %d was restored from %s, not booted", i, rt.RestoredFrom)
 		}
-		if _, err := try("copy-a", "tool-read", "/written-by-a"); err != nil {
+		if _, err := w.tryExec("copy-a", "tool-read", "/written-by-a"); err != nil {
 			t.Errorf("restart %d lost copy-a's write: %v", i, err)
 		}
 		if _, err := os.Lstat(restoredBase); !os.IsNotExist(err) {

@@ -1,12 +1,10 @@
 package agent_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -20,7 +18,6 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/volume"
-	"github.com/syscode-labs/imp/internal/guestsession"
 )
 
 // TestVolumesInTheGuest runs a real guest with every volume kind IMP makes on the node: an
@@ -89,20 +86,7 @@ func TestVolumesInTheGuest(t *testing.T) {
 			return diagnose(c.Client, w.get(name), func(string) string { return w.stateDir })
 		})
 	}
-	try := func(name string, args ...string) (string, error) {
-		v := w.get(name)
-		s, err := w.agent.Session(types.NamespacedName{Namespace: w.ns, Name: name}, v.UID)
-		if err != nil {
-			return "", err
-		}
-		var out bytes.Buffer
-		ctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		if err := s.Exec(ctx, guestsession.ExecOptions{Command: append([]string{"/bin/hello"}, args...), Stdout: &out, Stderr: &out}); err != nil {
-			return "", fmt.Errorf("exec %v in %s: %w: %s", args, name, err, out.String())
-		}
-		return strings.TrimSpace(out.String()), nil
-	}
+	try := w.tryExec
 	exec := func(args ...string) string {
 		t.Helper()
 		out, err := try("vols", args...)
