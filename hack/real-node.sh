@@ -13,7 +13,7 @@
 #      POD_CIDR [10.88.0.0/16]  SERVICE_IP [10.0.0.1] (the kubernetes Service's ClusterIP)
 #      DNS_IP [10.0.0.10] (the cluster DNS Service's)  COREDNS_PORT [1053]
 #      KUBE_PROXY_HEALTHZ_PORT [10346]  KUBE_PROXY_METRICS_PORT [10345]
-#      CP_BIN_DIR [$IMP_CACHE/cp/bin] (kubelet, kubectl, kube-proxy, coredns)
+#      CP_BIN_DIR [$IMP_CACHE/cp/bin] (kubelet, kubectl, kube-proxy, coredns, local-path-provisioner)
 #
 # The control plane must run with (start-control-plane.sh's APISERVER_EXTRA_ARGS)
 #   --kubelet-client-certificate CP_STATE/pki/admin.crt --kubelet-client-key CP_STATE/pki/admin.key
@@ -22,7 +22,8 @@
 # the node's Services, the kubernetes Service included (its EndpointSlice names the API server on
 # the node's address: the control plane runs --endpoint-reconciler-type none), and CoreDNS
 # (a process on the node's address, port COREDNS_PORT) is the cluster DNS behind the kube-dns
-# Service at DNS_IP, which the kubelet gives pods.
+# Service at DNS_IP, which the kubelet gives pods. local-path-provisioner serves the StorageClass
+# local-path (WaitForFirstConsumer) from directories under STATE/local-path.
 #
 # What it changes on the host, all undone by down (recorded under STATE): processes (containerd,
 # its shims, kubelet), mounts under STATE, the pods' network namespaces and CNI cache, the bridge
@@ -71,7 +72,7 @@ prepare() {
 up() {
   local state=$1 cp=$2
   : "${REGISTRY:?REGISTRY (host:port) is required}" "${APISERVER_PORT:?APISERVER_PORT is required}"
-  for b in kubelet kubectl kube-proxy coredns; do [[ -x $BIN/$b ]] || { echo "missing $BIN/$b (hack/setup-control-plane.sh)" >&2; exit 1; }; done
+  for b in kubelet kubectl kube-proxy coredns local-path-provisioner; do [[ -x $BIN/$b ]] || { echo "missing $BIN/$b (hack/setup-control-plane.sh)" >&2; exit 1; }; done
   command -v containerd >/dev/null && command -v runc >/dev/null && command -v nft >/dev/null ||
     { echo "containerd, runc or nft (kube-proxy's) is missing (hack/install-prerequisites.sh)" >&2; exit 1; }
   prepare
@@ -189,6 +190,53 @@ EOF
     "[[ \$(${kc[*]} get node $NODE_NAME -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}') == True ]]"
   log "node $NODE_NAME ($node_ip) Ready"
   services "$state" "$cp" "$node_ip"
+  storage "$state" "$cp"
+}
+
+# storage runs rancher's local-path-provisioner, as kind and k3s clusters have it: the class
+# local-path (WaitForFirstConsumer, reclaim Delete) makes each claim a directory under
+# STATE/local-path on the node its first consumer is scheduled to, through a helper pod whose
+# command is devtool's (hack/devtool/localpath.go: there is no busybox image here).
+storage() {
+  local state=$1 cp=$2
+  local kc=("$BIN/kubectl" --kubeconfig "$cp/kubeconfig") n=$IMP_CACHE/node
+  mkdir -p "$state/local-path/volumes"
+  "$n/devtool" image "$REGISTRY/imp-node/local-path-helper:1" "$n/devtool" >/dev/null
+  cat >"$state/local-path/config.json" <<EOF
+{"nodePathMap": [{"node": "DEFAULT_PATH_FOR_NON_LISTED_NODES", "paths": ["$state/local-path/volumes"]}],
+ "setupCommand": "/bin/app", "teardownCommand": "/bin/app", "cmdTimeoutSeconds": 60}
+EOF
+  cat >"$state/local-path/helper-pod.yaml" <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: helper-pod}
+spec:
+  containers:
+  - {name: helper-pod, image: "$REGISTRY/imp-node/local-path-helper:1", imagePullPolicy: IfNotPresent}
+EOF
+  cat <<EOF | "${kc[@]}" apply -f - >/dev/null
+apiVersion: v1
+kind: Namespace
+metadata: {name: local-path-storage}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: local-path-provisioner-service-account, namespace: local-path-storage}
+---
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: local-path}
+provisioner: rancher.io/local-path
+volumeBindingMode: WaitForFirstConsumer
+reclaimPolicy: Delete
+EOF
+  setsid "$BIN/local-path-provisioner" --debug start --kubeconfig "$cp/kubeconfig" --namespace local-path-storage \
+    --config "$state/local-path/config.json" --helper-pod-file "$state/local-path/helper-pod.yaml" \
+    --helper-image "$REGISTRY/imp-node/local-path-helper:1" \
+    --service-account-name local-path-provisioner-service-account \
+    >"$state/logs/local-path-provisioner.log" 2>&1 </dev/null &
+  echo $! >"$state/pids/local-path-provisioner.pid"
+  log "local-path-provisioner serves the class local-path from $state/local-path/volumes"
 }
 
 # services runs what serves the cluster's Services on the node: kube-proxy, CoreDNS, and the
@@ -269,6 +317,7 @@ down() {
   stop_pid "$state/pids/kubelet.pid"
   stop_pid "$state/pids/kube-proxy.pid"
   stop_pid "$state/pids/coredns.pid"
+  stop_pid "$state/pids/local-path-provisioner.pid"
   if command -v nft >/dev/null; then
     nft delete table ip kube-proxy 2>/dev/null
     nft delete table ip6 kube-proxy 2>/dev/null

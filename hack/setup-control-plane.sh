@@ -6,6 +6,8 @@
 #                                      k8s.io/kubernetes (throwaway module + replaces)
 #   coredns                            github.com/coredns/coredns (the cluster DNS of the
 #                                      e2e's real node and of make dev)
+#   local-path-provisioner             github.com/rancher/local-path-provisioner (dynamic local
+#                                      volumes of the e2e's real node, as kind and k3s have them)
 #   kwok                               sigs.k8s.io/kwok/cmd/kwok
 #   helm                               helm.sh/helm/v3/cmd/helm
 #   registry (OCI registry, in-memory, `registry -port N`, listens on localhost only)
@@ -23,8 +25,8 @@
 # Env overrides (defaults in brackets):
 #   K8S_VERSION [1.37.2]  ETCD_VERSION [3.6.16]  KWOK_VERSION [v0.8.0]
 #   HELM_VERSION [v3.22.0]  GGCR_VERSION [v0.22.1]  CP_BUILD_DIR [$IMP_CACHE/cp/build]
-#   DISTRIBUTION_VERSION [v3.1.2]  COREDNS_VERSION [v1.15.0]
-#   COMPONENTS ["etcd k8s kwok helm registry coredns"]   (subset to build; add "distribution" for
+#   DISTRIBUTION_VERSION [v3.1.2]  COREDNS_VERSION [v1.15.0]  LOCAL_PATH_VERSION [v0.0.30]
+#   COMPONENTS ["etcd k8s kwok helm registry coredns localpath"]   (subset to build; add "distribution" for
 #               the CNCF registry as DEST/distribution-registry)
 # Cold-cache wall times seen on a 2-core VM shared with other work: kube-apiserver 22 min
 # (21 CPU-min), then kube-controller-manager 3.2 min, kube-scheduler 16 s, kubectl 1 min,
@@ -41,8 +43,9 @@ HELM_VERSION=${HELM_VERSION:-v3.22.0}
 GGCR_VERSION=${GGCR_VERSION:-v0.22.1}
 DISTRIBUTION_VERSION=${DISTRIBUTION_VERSION:-v3.1.2}
 COREDNS_VERSION=${COREDNS_VERSION:-v1.15.0}
+LOCAL_PATH_VERSION=${LOCAL_PATH_VERSION:-v0.0.30}
 CP_BUILD_DIR=${CP_BUILD_DIR:-$IMP_CACHE/cp/build}
-COMPONENTS=${COMPONENTS:-"etcd k8s kwok helm registry coredns"}
+COMPONENTS=${COMPONENTS:-"etcd k8s kwok helm registry coredns localpath"}
 
 command -v go >/dev/null || { echo "go not found in PATH" >&2; exit 1; }
 mkdir -p "$DEST" "$CP_BUILD_DIR"
@@ -258,6 +261,20 @@ build_coredns() {
   (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/coredns" github.com/coredns/coredns)
 }
 
+build_localpath() {
+  if have local-path-provisioner; then log "local-path-provisioner: present, skipping"; return; fi
+  local dir="$CP_BUILD_DIR/local-path-$LOCAL_PATH_VERSION"
+  mkdir -p "$dir"
+  if [[ ! -f "$dir/go.sum" ]]; then
+    printf 'module cpbuild/localpath\n\ngo 1.26.0\n\nrequire github.com/rancher/local-path-provisioner %s\n' "$LOCAL_PATH_VERSION" >"$dir/go.mod"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/rancher/local-path-provisioner"\n' >"$dir/tools.go"
+    log "resolving local-path-provisioner $LOCAL_PATH_VERSION dependencies (go mod tidy)"
+    (cd "$dir" && timed go mod tidy)
+  fi
+  log "building local-path-provisioner $LOCAL_PATH_VERSION"
+  (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/local-path-provisioner" github.com/rancher/local-path-provisioner)
+}
+
 t_start=$SECONDS
 want etcd && build_etcd
 want k8s && build_k8s
@@ -266,5 +283,6 @@ want helm && build_helm
 want registry && build_registry
 want distribution && build_distribution
 want coredns && build_coredns
+want localpath && build_localpath
 log "all done in $((SECONDS - t_start))s; contents of $DEST:"
 ls -l "$DEST"

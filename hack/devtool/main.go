@@ -10,6 +10,7 @@
 //	devtool agent-cert CA_CRT CA_KEY NODE DIR       an agent's access endpoint files, for make dev
 //	devtool fetch URL N                             GET URL N times, print each answer's count (a pod's client)
 //	devtool resolve NAME                            print the addresses NAME resolves to
+//	devtool -p DIR -s SIZE -m MODE -a create|delete local-path-provisioner's helper pod command
 package main
 
 import (
@@ -64,8 +65,10 @@ func run(args []string) error {
 		return fetch(args[1], args[2])
 	case len(args) == 2 && args[0] == "resolve":
 		return resolve(args[1])
+	case len(args) >= 2 && args[0] == "-p":
+		return localPathHelper(args)
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool resolve NAME")
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {

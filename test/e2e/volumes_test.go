@@ -16,7 +16,7 @@ import (
 // pod and handed to the VMM by the chart's agent. What the VM writes on both is there after a
 // restart, after its agent is killed with SIGKILL, and after the VM is deleted and made again
 // with the same claims; a second VM naming a claim waits VolumeInUse until the first is gone,
-// then sees the data.
+// then sees the data. Then a claim of local-path-provisioner's class (below).
 func checkVolumes(t *testing.T, sh func(string) (string, error), must func(string, ...string) string,
 	eventually func(string, time.Duration, func() error), dir, node, image string) {
 	t.Helper()
@@ -189,4 +189,90 @@ spec:
 	data("vol-b", "written-by-vol-b")
 	must("kubectl -n demo delete impvm vol-b --timeout=2m", `impvm.imp.dev "vol-b" deleted`)
 	must("kubectl delete -f volumes.yaml --timeout=2m", "deleted")
+
+	// ### Dynamic provisioning: rancher's local-path-provisioner (hack/real-node.sh), as kind and
+	// k3s have it. A WaitForFirstConsumer claim is provisioned where the holder pod is scheduled,
+	// on this node, and its volume carries that node's affinity; the data outlives the VM; a
+	// claim deleted takes its directory with it. The figure: what a claim adds to a VM's start
+	// beyond its holder pod's own start, against a VM without volumes made just before.
+	clock := watchReady(t, filepath.Join(dir, "cp", "kubeconfig"), "demo")
+	plainVM := fmt.Sprintf(`apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: vol-plain, namespace: demo}
+spec:
+  image: %s
+  command: [/bin/hello]
+  args: [serve]
+  resources: {vcpus: 1, memory: 192Mi}
+  nodeSelector: {imp.test/node: %s}
+  terminationGracePeriodSeconds: 2
+`, image, node)
+	dynamic := fmt.Sprintf(`apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: data-dyn, namespace: demo}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: local-path
+  resources: {requests: {storage: 128Mi}}
+---
+apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: vol-dyn, namespace: demo}
+spec:
+  image: %s
+  command: [/bin/hello]
+  args: [serve]
+  resources: {vcpus: 1, memory: 192Mi}
+  nodeSelector: {imp.test/node: %s}
+  terminationGracePeriodSeconds: 2
+  volumes: [{name: data, persistentVolumeClaim: {claimName: data-dyn}}]
+  volumeMounts: [{name: data, mountPath: /data}]
+`, image, node)
+	for f, y := range map[string]string{"vol-plain.yaml": plainVM, "vol-dyn.yaml": dynamic} {
+		if err := os.WriteFile(filepath.Join(dir, f), []byte(y), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	since := func(key string, from time.Time) time.Duration {
+		t.Helper()
+		at, ok := clock.ready(key)
+		if !ok {
+			t.Fatalf("%s: no Ready seen", key)
+		}
+		return at.Sub(from)
+	}
+	t0 := time.Now()
+	must("kubectl apply -f vol-plain.yaml", "impvm.imp.dev/vol-plain created")
+	ready("vol-plain", 0)
+	plain := since("impvm/vol-plain", t0)
+	must("kubectl -n demo delete impvm vol-plain --timeout=2m", `impvm.imp.dev "vol-plain" deleted`)
+
+	t0 = time.Now()
+	must("kubectl apply -f vol-dyn.yaml", "persistentvolumeclaim/data-dyn created", "impvm.imp.dev/vol-dyn created")
+	ready("vol-dyn", 0)
+	holder, vm := since("holder/vol-dyn", t0), since("impvm/vol-dyn", t0)
+	t.Logf("BENCH volume start: a VM without volumes Ready %v after its creation; with a dynamically provisioned claim its holder pod Ready after %v and the VM %v after that: the claim adds %v beyond the holder pod's start (target ≤ 1s)",
+		plain.Round(time.Millisecond), holder.Round(time.Millisecond), (vm - holder).Round(time.Millisecond), (vm - holder - plain).Round(time.Millisecond))
+	pv := strings.TrimSpace(must("kubectl -n demo get pvc data-dyn -o jsonpath='{.spec.volumeName}'"))
+	must("kubectl get pv "+pv+" -o jsonpath='{.spec.storageClassName} {.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].values[0]} {.spec.hostPath.path}'",
+		"local-path "+node+" "+filepath.Join(nodeState, "local-path", "volumes"))
+	hostDir := strings.TrimSpace(must("kubectl get pv " + pv + " -o jsonpath='{.spec.hostPath.path}'"))
+	if fi, err := os.Stat(filepath.Join(hostDir, "disk.img")); err != nil || fi.Size() != 128<<20 {
+		t.Errorf("the dynamic claim's disk image: %v %v", fi, err)
+	}
+	must("kubectl imp -n demo exec vol-dyn -- /bin/hello tool-write /data/f written-on-a-dynamic-claim")
+	must("kubectl -n demo delete impvm vol-dyn --timeout=2m", `impvm.imp.dev "vol-dyn" deleted`)
+	must("kubectl apply -f vol-dyn.yaml", "impvm.imp.dev/vol-dyn created")
+	ready("vol-dyn", 0)
+	must("kubectl imp -n demo exec vol-dyn -- /bin/hello tool-read /data/f", "written-on-a-dynamic-claim")
+	must("kubectl -n demo delete impvm vol-dyn --timeout=2m", `impvm.imp.dev "vol-dyn" deleted`)
+	// The claim deleted once its holder pod is gone: the provisioner's helper removes the directory.
+	must("kubectl -n demo delete pvc data-dyn --timeout=2m", `persistentvolumeclaim "data-dyn" deleted`)
+	eventually("the dynamic volume and its directory gone", 2*time.Minute, func() error {
+		out, err := sh("kubectl get pv " + pv + " -o name")
+		if _, serr := os.Stat(hostDir); !os.IsNotExist(serr) || err == nil || !strings.Contains(out, "NotFound") {
+			return fmt.Errorf("pv %q %v, directory %v", out, err, serr)
+		}
+		return nil
+	})
 }
