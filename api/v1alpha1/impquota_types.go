@@ -129,8 +129,9 @@ type ImpQuotaList struct {
 	Items           []ImpQuota `json:"items"`
 }
 
-// ReasonQuotaExceeded (ScheduledCondition, SuspendedCondition): placing the VM, or suspending
-// it, would take its namespace past an ImpQuota; the message names the quota and the limit.
+// ReasonQuotaExceeded (ScheduledCondition, SuspendedCondition; an ImpVMPool's
+// ReplicaFailure): placing the VM, suspending it, or creating a pool's member would take its
+// namespace past an ImpQuota; the message names the quota and the limit.
 const ReasonQuotaExceeded = "QuotaExceeded"
 
 func init() {

@@ -223,14 +223,6 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef)",message="image is required (a copy of a template, with templateRef, takes its template's)",fieldPath=".image"
 // +kubebuilder:validation:XValidation:rule="!has(self.templateRef) || !has(self.snapshotRef)",message="set snapshotRef or templateRef, not both",fieldPath=".templateRef"
 // +kubebuilder:validation:XValidation:rule="!has(self.templateRef) || [has(self.image), has(self.command), has(self.args), has(self.workingDir), has(self.classRef), has(self.resources), has(self.diskSize), has(self.vmm)].all(x, !x)",message="a copy of a template takes its image, command, args, workingDir, class, resources, disk size and VMM from the template: set none of them",fieldPath=".templateRef"
-// +kubebuilder:validation:XValidation:rule="has(self.templateRef) == has(oldSelf.templateRef)",message="templateRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".templateRef"
-// +kubebuilder:validation:XValidation:rule="has(self.nodeName) == has(oldSelf.nodeName)",message="nodeName is immutable; delete and recreate the ImpVM to change it",fieldPath=".nodeName"
-// +kubebuilder:validation:XValidation:rule="has(self.classRef) == has(oldSelf.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".classRef"
-// +kubebuilder:validation:XValidation:rule="has(self.resources) == has(oldSelf.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".resources"
-// +kubebuilder:validation:XValidation:rule="has(self.diskSize) == has(oldSelf.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".diskSize"
-// +kubebuilder:validation:XValidation:rule="has(self.networkRef) == has(oldSelf.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".networkRef"
-// +kubebuilder:validation:XValidation:rule="has(self.vmm) == has(oldSelf.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".vmm"
-// +kubebuilder:validation:XValidation:rule="has(self.snapshotRef) == has(oldSelf.snapshotRef)",message="snapshotRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".snapshotRef"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.httpGet) || type(self.startupProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.httpGet.port))",message="startupProbe.httpGet.port names no port of spec.ports",fieldPath=".startupProbe.httpGet.port"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.tcpSocket) || type(self.startupProbe.tcpSocket.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.tcpSocket.port))",message="startupProbe.tcpSocket.port names no port of spec.ports",fieldPath=".startupProbe.tcpSocket.port"
 // +kubebuilder:validation:XValidation:rule="!has(self.readinessProbe) || !has(self.readinessProbe.httpGet) || type(self.readinessProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.readinessProbe.httpGet.port))",message="readinessProbe.httpGet.port names no port of spec.ports",fieldPath=".readinessProbe.httpGet.port"
@@ -244,18 +236,13 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || self.volumeDevices.all(d, has(self.volumes) && self.volumes.exists(v, v.name == d.name && (has(v.emptyDisk) || has(v.persistentVolumeClaim))))",message="every volumeDevice names a disk volume (emptyDisk, persistentVolumeClaim) of spec.volumes",fieldPath=".volumeDevices"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || !has(self.volumeMounts) || !self.volumeDevices.exists(d, self.volumeMounts.exists(m, m.name == d.name))",message="a volume is mounted (volumeMounts) or a raw device (volumeDevices), not both",fieldPath=".volumeDevices"
 // +kubebuilder:validation:XValidation:rule="!(has(self.snapshotRef) || has(self.templateRef)) || !has(self.volumes) || self.volumes.all(v, !has(v.emptyDisk) && !has(v.persistentVolumeClaim))",message="a VM started from a snapshot or template cannot have disk volumes (emptyDisk, persistentVolumeClaim): a snapshot holds no disk volume",fieldPath=".volumes"
-// +kubebuilder:validation:XValidation:rule="has(self.volumes) == has(oldSelf.volumes)",message="volumes are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumes"
-// +kubebuilder:validation:XValidation:rule="has(self.volumeMounts) == has(oldSelf.volumeMounts)",message="volumeMounts are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeMounts"
-// +kubebuilder:validation:XValidation:rule="has(self.volumeDevices) == has(oldSelf.volumeDevices)",message="volumeDevices are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeDevices"
 type ImpVMSpec struct {
 	// classRef names the ImpVMClass giving the VM's default vCPUs, memory, disk size and VMM.
 	// +optional
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="classRef is immutable; delete and recreate the ImpVM to change it"
 	ClassRef *ClassReference `json:"classRef,omitempty"`
 
 	// resources are the VM's vCPUs and memory, overriding its class field by field.
 	// +optional
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="resources are immutable; delete and recreate the ImpVM to change them"
 	Resources *VMResources `json:"resources,omitempty"`
 
 	// image is the OCI image whose filesystem becomes the VM's root, such as
@@ -318,7 +305,6 @@ type ImpVMSpec struct {
 	// networkRef attaches the VM to an ImpNetwork in its namespace, which gives it an address.
 	// Without it the VM has no network interface.
 	// +optional
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="networkRef is immutable; delete and recreate the ImpVM to change it"
 	NetworkRef *NetworkReference `json:"networkRef,omitempty"`
 
 	// nodeSelector adds node label requirements. Nodes must always carry imp/enabled=true as
@@ -352,13 +338,11 @@ type ImpVMSpec struct {
 	// +optional
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('64Mi')) >= 0",message="diskSize must be at least 64Mi"
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('16Ti')) <= 0",message="diskSize must be at most 16Ti"
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="diskSize is immutable; delete and recreate the ImpVM to change it"
 	DiskSize *resource.Quantity `json:"diskSize,omitempty"`
 
 	// vmm asks for a VMM; the VM is then placed only on nodes that offer it. Without it (and
 	// without a class preference) a node's best VMM is used: firecracker, else qemu.
 	// +optional
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="vmm is immutable; delete and recreate the ImpVM to change it"
 	VMM VMMKind `json:"vmm,omitempty"`
 
 	// ports are the ports the VM's workload serves. A Service selecting the VM reaches these
@@ -395,7 +379,6 @@ type ImpVMSpec struct {
 	// clock). The VM takes the snapshot's vCPUs, memory and disk size and runs on its node.
 	// Later runs of the same placement boot from the VM's disk. See docs/snapshots.md.
 	// +optional
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="snapshotRef is immutable; delete and recreate the ImpVM to change it"
 	SnapshotRef *SnapshotReference `json:"snapshotRef,omitempty"`
 
 	// templateRef names an ImpVMTemplate of the VM's namespace: the VM is a copy of the
@@ -406,7 +389,6 @@ type ImpVMSpec struct {
 	// them here); its env, Secrets, ports, probes and network are its own. See
 	// docs/snapshots.md.
 	// +optional
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="templateRef is immutable; delete and recreate the ImpVM to change it"
 	TemplateRef *TemplateReference `json:"templateRef,omitempty"`
 
 	// nodeName places the VM on this node, as a Pod's nodeName does, instead of letting IMP
@@ -414,7 +396,6 @@ type ImpVMSpec struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=253
 	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="nodeName is immutable; delete and recreate the ImpVM to change it"
 	NodeName string `json:"nodeName,omitempty"`
 
 	// expireAfter deletes the VM once it has existed this long, such as 1h or 90m.
@@ -431,7 +412,6 @@ type ImpVMSpec struct {
 	// +listType=map
 	// +listMapKey=name
 	// +kubebuilder:validation:MaxItems=16
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumes are immutable; delete and recreate the ImpVM to change them"
 	Volumes []Volume `json:"volumes,omitempty"`
 
 	// volumeMounts mount volumes in the guest, as a container's: imp-init mounts them before
@@ -440,7 +420,6 @@ type ImpVMSpec struct {
 	// +listType=map
 	// +listMapKey=mountPath
 	// +kubebuilder:validation:MaxItems=32
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumeMounts are immutable; delete and recreate the ImpVM to change them"
 	VolumeMounts []VolumeMount `json:"volumeMounts,omitempty"`
 
 	// volumeDevices put disk volumes in the guest as raw block devices at a path, as a
@@ -449,7 +428,6 @@ type ImpVMSpec struct {
 	// +listType=map
 	// +listMapKey=devicePath
 	// +kubebuilder:validation:MaxItems=16
-	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumeDevices are immutable; delete and recreate the ImpVM to change them"
 	VolumeDevices []VolumeDevice `json:"volumeDevices,omitempty"`
 }
 
@@ -648,6 +626,17 @@ type ImpVMStatus struct {
 //
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
+// +kubebuilder:validation:XValidation:rule="has(self.spec.templateRef) == has(oldSelf.spec.templateRef) && (!has(self.spec.templateRef) || self.spec.templateRef == oldSelf.spec.templateRef)",message="templateRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.templateRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.nodeName) == has(oldSelf.spec.nodeName) && (!has(self.spec.nodeName) || self.spec.nodeName == oldSelf.spec.nodeName)",message="nodeName is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.nodeName"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.classRef) == has(oldSelf.spec.classRef) && (!has(self.spec.classRef) || self.spec.classRef == oldSelf.spec.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.classRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.resources) == has(oldSelf.spec.resources) && (!has(self.spec.resources) || self.spec.resources == oldSelf.spec.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.resources"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.diskSize) == has(oldSelf.spec.diskSize) && (!has(self.spec.diskSize) || self.spec.diskSize == oldSelf.spec.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.diskSize"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.networkRef) == has(oldSelf.spec.networkRef) && (!has(self.spec.networkRef) || self.spec.networkRef == oldSelf.spec.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.networkRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.vmm) == has(oldSelf.spec.vmm) && (!has(self.spec.vmm) || self.spec.vmm == oldSelf.spec.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.vmm"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.snapshotRef) == has(oldSelf.spec.snapshotRef) && (!has(self.spec.snapshotRef) || self.spec.snapshotRef == oldSelf.spec.snapshotRef)",message="snapshotRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.snapshotRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.volumes) == has(oldSelf.spec.volumes) && (!has(self.spec.volumes) || self.spec.volumes == oldSelf.spec.volumes)",message="volumes are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.volumes"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.volumeMounts) == has(oldSelf.spec.volumeMounts) && (!has(self.spec.volumeMounts) || self.spec.volumeMounts == oldSelf.spec.volumeMounts)",message="volumeMounts are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.volumeMounts"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.volumeDevices) == has(oldSelf.spec.volumeDevices) && (!has(self.spec.volumeDevices) || self.spec.volumeDevices == oldSelf.spec.volumeDevices)",message="volumeDevices are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.volumeDevices"
 // +kubebuilder:resource:shortName=impvm,categories=imp
 // +kubebuilder:selectablefield:JSONPath=`.status.nodeName`
 // +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`

@@ -49,8 +49,7 @@ type SnapshotWhen struct {
 type ImpVMTemplateSpec struct {
 	// vm is the VM of the template: its image, class or resources, workload, network and
 	// probes. IMP boots it on a node that needs the template's snapshot, snapshots it at the
-	// point snapshotWhen says, and deletes it. The fields that are immutable in an ImpVM are
-	// immutable here too; a change to the others (image, command, env, ...) is a new revision:
+	// point snapshotWhen says, and deletes it. Any change (image, class, env, ...) is a new revision:
 	// the template's snapshots are made again, and copies placed afterwards start from them.
 	// +required
 	VM ImpVMSpec `json:"vm"`

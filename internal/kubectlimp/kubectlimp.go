@@ -3,6 +3,7 @@
 package kubectlimp
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -48,6 +49,8 @@ type options struct {
 	all      bool
 	message  string
 	wait     bool
+	// timeout bounds a command (a minute when 0).
+	timeout time.Duration
 }
 
 // NewCommand is `kubectl imp` writing to out.
@@ -57,7 +60,8 @@ func NewCommand(in io.Reader, out, errOut io.Writer) *cobra.Command {
 		Use:   "kubectl-imp",
 		Short: "Act on IMP microVMs",
 		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, exec,
-port-forward, console, suspend, resume, snapshot, stop, start and restart. Suspending creates an
+port-forward, console, suspend, resume, snapshot, stop, start and restart; rollout status, history
+and undo follow and reverse the updates of ImpVMPools. Suspending creates an
 ImpVMSuspension of the VM's name (RBAC grants it apart from editing VMs; the audit log says who);
 resuming deletes it. logs, exec, port-forward and console are the VM's subresources in the API
 group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
@@ -100,6 +104,7 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 		&cobra.Command{Use: "start NAME", Short: "Start a stopped VM (its runStrategy before stop)", Args: cobra.ExactArgs(1), RunE: o.run(o.start)},
 		&cobra.Command{Use: "restart NAME", Short: "Restart a VM's workload (a new run on its node)", Args: cobra.ExactArgs(1), RunE: o.run(o.restart)},
 	)
+	root.AddCommand(o.rolloutCommand())
 	root.AddCommand(o.accessCommands(a)...)
 	return root
 }
@@ -124,7 +129,7 @@ func (o *options) run(v verb) func(*cobra.Command, []string) error {
 		if err != nil {
 			return err
 		}
-		ctx, cancel := context.WithTimeout(cmd.Context(), time.Minute)
+		ctx, cancel := context.WithTimeout(cmd.Context(), cmp.Or(o.timeout, time.Minute))
 		defer cancel()
 		return v(ctx, c, ns, args)
 	}

@@ -32,6 +32,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impnode"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/impvmpool"
 	"github.com/syscode-labs/imp/internal/controller/impvmsnapshot"
 	"github.com/syscode-labs/imp/internal/controller/impvmtemplate"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
@@ -139,6 +140,10 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := (&impvmtemplate.Reconciler{Client: mgr.GetClient(), Clock: o.Clock}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMTemplate reconciler: %w", err)
+	}
+	pools := &impvmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Clock: o.Clock}
+	if err := pools.SetupWithManager(mgr, o.Concurrency); err != nil {
+		return fmt.Errorf("setting up the ImpVMPool reconciler: %w", err)
 	}
 	if err := (&volumeholder.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Image: o.VolumeHolderImage}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the volume holders: %w", err)

@@ -1,0 +1,226 @@
+// Package impvmpool is the operator's ImpVMPool controller: it keeps a pool's replicas members
+// (ImpVMs named <pool>-<index>, owned by the pool), replaces those that finished, scales in in
+// a stated order, and rolls a template change through the members within maxSurge and
+// maxUnavailable, keeping each template as a ControllerRevision for `kubectl imp rollout undo`.
+package impvmpool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/utils/clock"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmpools,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmpools/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmpools/finalizers,verbs=update
+// +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch;create;delete
+// +kubebuilder:rbac:groups=apps,resources=controllerrevisions,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=imp.dev,resources=impquotas,verbs=get;list;watch
+
+// CreateRetry is how long a pool whose member was refused waits before it tries again (unless
+// a change to the pool, its members or the namespace's quotas wakes it first).
+const CreateRetry = 30 * time.Second
+
+// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
+type EventRecorder interface {
+	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
+}
+
+// Reconciler is the operator's ImpVMPool controller.
+type Reconciler struct {
+	Client client.Client
+	// APIReader lists a pool's members from the API server, not the cache: a count that lags
+	// the pool's own last deletions would delete again.
+	APIReader client.Reader
+	Recorder  EventRecorder
+	// Clock times minReadySeconds (the real clock when nil).
+	Clock clock.PassiveClock
+}
+
+func (r *Reconciler) clock() clock.PassiveClock {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
+}
+
+// Reconcile brings one pool's members toward its spec.
+func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	pool := &impv1.ImpVMPool{}
+	if err := r.Client.Get(ctx, req.NamespacedName, pool); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if !pool.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, nil // its members and revisions are its dependents: collected
+	}
+	orig := pool.DeepCopy()
+	now := r.clock().Now()
+	pool.Status.ObservedGeneration = pool.Generation
+
+	sel, err := metav1.LabelSelectorAsSelector(pool.Spec.Selector)
+	if err == nil && !sel.Matches(labels.Set(pool.Spec.Template.Metadata.Labels)) {
+		err = errors.New("it does not select template.metadata.labels")
+	}
+	if err != nil {
+		msg := fmt.Sprintf("the selector %s: %v; no member is made", metav1.FormatLabelSelector(pool.Spec.Selector), err)
+		meta.SetStatusCondition(&pool.Status.Conditions, metav1.Condition{Type: impv1.PoolReplicaFailureCondition,
+			Status: metav1.ConditionTrue, Reason: impv1.ReasonSelectorMismatch, Message: msg, ObservedGeneration: pool.Generation})
+		r.Recorder.Eventf(pool, nil, "Warning", impv1.ReasonSelectorMismatch, "Validate", msg)
+		return ctrl.Result{}, r.writeStatus(ctx, orig, pool)
+	}
+	pool.Status.Selector = sel.String()
+
+	rev, err := r.ensureRevision(ctx, pool)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	members, vms, err := r.members(ctx, pool, sel)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	b := boundsOf(pool)
+	p := planFor(b, rev, members, now)
+
+	for _, name := range p.delete {
+		vm := vms[name]
+		if err := r.Client.Delete(ctx, vm, client.Preconditions{UID: &vm.UID}); client.IgnoreNotFound(err) != nil {
+			return ctrl.Result{}, fmt.Errorf("deleting member %s of ImpVMPool %s: %w", name, pool.Name, err)
+		}
+		markDeleting(members, name)
+	}
+	failure := r.create(ctx, pool, rev, p.create)
+
+	// Status, from the members as they now are.
+	if err := r.pruneRevisions(ctx, pool, rev, members); err != nil {
+		return ctrl.Result{}, err
+	}
+	r.status(pool, b, rev, members, vms, failure, now)
+	if err := r.writeStatus(ctx, orig, pool); err != nil {
+		return ctrl.Result{}, err
+	}
+	requeue := p.requeue
+	if failure != nil && (requeue == 0 || CreateRetry < requeue) {
+		requeue = CreateRetry
+	}
+	return ctrl.Result{RequeueAfter: requeue}, nil
+}
+
+func markDeleting(members []member, name string) {
+	for i := range members {
+		if members[i].name == name {
+			members[i].deleting = true
+		}
+	}
+}
+
+// members lists the pool's VMs: those it controls that carry its label (another controller's
+// VM, or one the selector matches but the pool did not make, is not a member).
+func (r *Reconciler) members(ctx context.Context, pool *impv1.ImpVMPool, sel labels.Selector) ([]member, map[string]*impv1.ImpVM, error) {
+	var list impv1.ImpVMList
+	if err := r.APIReader.List(ctx, &list, client.InNamespace(pool.Namespace), client.MatchingLabels{impv1.PoolLabel: pool.Name}); err != nil {
+		return nil, nil, fmt.Errorf("listing the members of ImpVMPool %s: %w", pool.Name, err)
+	}
+	var out []member
+	vms := map[string]*impv1.ImpVM{}
+	for i := range list.Items {
+		vm := &list.Items[i]
+		idx, err := strconv.Atoi(vm.Labels[impv1.PoolIndexLabel])
+		if !metav1.IsControlledBy(vm, pool) || !sel.Matches(labels.Set(vm.Labels)) || err != nil || idx < 0 {
+			continue
+		}
+		m := member{name: vm.Name, index: idx, rev: vm.Labels[impv1.PoolRevisionLabel], created: vm.CreationTimestamp.Time,
+			deleting: !vm.DeletionTimestamp.IsZero(), placed: vm.Status.NodeName != "",
+			finished: vm.Status.Phase == impv1.VMFailed || vm.Status.Phase == impv1.VMSucceeded}
+		if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ReadyCondition); c != nil && c.Status == metav1.ConditionTrue {
+			m.ready, m.readySince = true, c.LastTransitionTime.Time
+		}
+		out = append(out, m)
+		vms[vm.Name] = vm
+	}
+	return out, vms, nil
+}
+
+// createFailure is why a member could not be made.
+type createFailure struct {
+	reason, message string
+}
+
+// create makes members of rev at indices, in batches that double (1, 2, 4, ...) as a
+// ReplicaSet's do, so that a refusal (a quota) costs one request rather than one per member.
+// A name already taken by a VM the pool does not control is reported, not retried with
+// another index (the member's name is its identity).
+func (r *Reconciler) create(ctx context.Context, pool *impv1.ImpVMPool, rev string, indices []int) *createFailure {
+	for batch := 1; len(indices) > 0; batch *= 2 {
+		n := min(batch, len(indices))
+		todo := indices[:n]
+		indices = indices[n:]
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i, idx := range todo {
+			wg.Go(func() { errs[i] = r.Client.Create(ctx, newMember(pool, rev, idx)) })
+		}
+		wg.Wait()
+		for i, err := range errs {
+			if err == nil {
+				continue
+			}
+			name := memberName(pool, todo[i])
+			f := &createFailure{reason: impv1.ReasonCreateFailed, message: fmt.Sprintf("creating member %s: %v", name, err)}
+			if apierrors.IsAlreadyExists(err) {
+				vm := &impv1.ImpVM{}
+				if err := r.Client.Get(ctx, client.ObjectKey{Namespace: pool.Namespace, Name: name}, vm); err != nil || metav1.IsControlledBy(vm, pool) {
+					continue // made by an earlier reconcile whose list this one's lagged
+				}
+				f.message = "the name " + name + " is taken by an ImpVM the pool does not control: rename or delete it"
+			} else if apierrors.IsForbidden(err) && isQuota(err) {
+				f.reason = impv1.ReasonQuotaExceeded
+			}
+			r.Recorder.Eventf(pool, nil, "Warning", f.reason, "Create", f.message)
+			return f
+		}
+	}
+	return nil
+}
+
+// SetupWithManager registers the controller: a pool is reconciled when it changes, when one of
+// its members changes (placed, Ready, finished, gone), and when its namespace's ImpQuotas
+// change (a member refused for quota may now be made).
+func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, concurrency int) error {
+	return ctrl.NewControllerManagedBy(mgr).
+		For(&impv1.ImpVMPool{}).
+		Named("impvmpool").
+		Owns(&impv1.ImpVM{}).
+		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.poolsOfNamespace)).
+		WithOptions(controller.Options{MaxConcurrentReconciles: max(concurrency, 1)}).
+		Complete(r)
+}
+
+func (r *Reconciler) poolsOfNamespace(ctx context.Context, o client.Object) []reconcile.Request {
+	var list impv1.ImpVMPoolList
+	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace())); err != nil {
+		ctrl.LoggerFrom(ctx).Error(err, "listing the pools of a namespace", "namespace", o.GetNamespace())
+		return nil
+	}
+	out := make([]reconcile.Request, 0, len(list.Items))
+	for i := range list.Items {
+		out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&list.Items[i])})
+	}
+	return out
+}

@@ -1,0 +1,425 @@
+package impvmpool_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv1 "k8s.io/api/autoscaling/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/impvmpool"
+	"github.com/syscode-labs/imp/internal/kubectlimp"
+	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+var shared *testcluster.Cluster
+
+func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared)) }
+
+// start runs the pool controller as the operator's identity until stop (or the test's end).
+func start(t *testing.T, c *testcluster.Cluster) (stop func()) {
+	t.Helper()
+	mgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), ctrl.Options{
+		Scheme: c.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
+		Controller: config.Controller{SkipNameValidation: ptr.To(true)}, Cache: operator.CacheOptions(operator.Options{}),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &impvmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("imp-operator")}
+	if err := r.SetupWithManager(mgr, 4); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = mgr.Start(ctx) }()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return stop
+}
+
+// agents stands in for the ImpVM controller and the nodes' agents: every VM of the namespace
+// is placed and Ready a moment after it appears, except those held back.
+type agents struct {
+	mu   sync.Mutex
+	hold map[string]bool
+}
+
+func (a *agents) holdBack(name string, held bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.hold[name] = held
+}
+
+func runAgents(t *testing.T, c *testcluster.Cluster, ns string) *agents {
+	a := &agents{hold: map[string]bool{}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			var vms impv1.ImpVMList
+			if err := c.Client.List(ctx, &vms, client.InNamespace(ns)); err == nil {
+				for i := range vms.Items {
+					vm := &vms.Items[i]
+					a.mu.Lock()
+					want := metav1.ConditionTrue
+					if a.hold[vm.Name] {
+						want = metav1.ConditionFalse
+					}
+					a.mu.Unlock()
+					if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ReadyCondition); c != nil && c.Status == want {
+						continue
+					}
+					orig := vm.DeepCopy()
+					vm.Status.NodeName, vm.Status.Phase = "node-a", impv1.VMRunning
+					meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: want, Reason: "Test"})
+					_ = c.Client.Status().Patch(ctx, vm, client.MergeFrom(orig))
+				}
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}()
+	return a
+}
+
+func pool(ns, name string, replicas int32) *impv1.ImpVMPool {
+	return &impv1.ImpVMPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: impv1.ImpVMPoolSpec{
+		Replicas: ptr.To(replicas),
+		Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": name}},
+		Template: impv1.ImpVMPoolTemplate{Metadata: impv1.PoolMemberMetadata{Labels: map[string]string{"app": name, "tier": "front"}},
+			Spec: impv1.ImpVMSpec{Image: "registry.test/app:1",
+				Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("128Mi"))}}},
+		UpdateStrategy: impv1.PoolUpdateStrategy{Type: impv1.PoolRollingUpdate, RollingUpdate: &impv1.PoolRollingUpdateStrategy{
+			MaxUnavailable: ptr.To(intstr.FromInt32(1)), MaxSurge: ptr.To(intstr.FromInt32(0))}},
+	}}
+}
+
+// members are the names of the namespace's VMs not being deleted, sorted, with their images.
+func members(c *testcluster.Cluster, ns string) (names []string, images map[string]string) {
+	var vms impv1.ImpVMList
+	_ = c.Client.List(context.Background(), &vms, client.InNamespace(ns))
+	images = map[string]string{}
+	for _, vm := range vms.Items {
+		if vm.DeletionTimestamp.IsZero() {
+			names = append(names, vm.Name)
+			images[vm.Name] = vm.Spec.Image
+		}
+	}
+	sort.Strings(names)
+	return names, images
+}
+
+// kubectlImp runs `kubectl imp ARGS...` against the cluster and returns what it printed.
+func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	cmd := kubectlimp.NewCommand(strings.NewReader(""), &out, &errOut)
+	cmd.SetArgs(append([]string{"--kubeconfig", kubeconfig, "-n", ns}, args...))
+	if err := cmd.Execute(); err != nil {
+		t.Fatalf("kubectl imp %v: %v\n%s%s", args, err, out.String(), errOut.String())
+	}
+	t.Logf("kubectl imp %v:\n%s", args, out.String())
+	return out.String()
+}
+
+func getPool(c *testcluster.Cluster, ns, name string) *impv1.ImpVMPool {
+	p := &impv1.ImpVMPool{}
+	_ = c.Client.Get(context.Background(), client.ObjectKey{Namespace: ns, Name: name}, p)
+	return p
+}
+
+func scale(t *testing.T, c *testcluster.Cluster, ns, name string, n int32) {
+	t.Helper()
+	p := getPool(c, ns, name)
+	s := &autoscalingv1.Scale{Spec: autoscalingv1.ScaleSpec{Replicas: n}}
+	if err := c.Client.SubResource("scale").Update(context.Background(), p, client.WithSubResourceBody(s)); err != nil {
+		t.Fatalf("scaling %s to %d: %v", name, n, err)
+	}
+}
+
+// TestScaleAndRoll: a pool makes its members <pool>-<index>, owned and labelled; the scale
+// subresource scales it (and reports its selector, for HPA); scale-in takes a member that is
+// not Ready first, then the newest; a new image rolls through with maxUnavailable 1, never
+// fewer than replicas-1 members Ready (checked every 20 ms); going back to the old template
+// (what `kubectl imp rollout undo` writes) renumbers its ControllerRevision instead of making
+// another, and rolls back.
+func TestScaleAndRoll(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	a := runAgents(t, c, ns)
+	start(t, c)
+	g := NewWithT(t)
+	if err := c.Client.Create(ctx, pool(ns, "web", 3)); err != nil {
+		t.Fatal(err)
+	}
+	ready := func(n int32) func(Gomega) {
+		return func(g Gomega) {
+			p := getPool(c, ns, "web")
+			g.Expect(p.Status.ObservedGeneration).To(Equal(p.Generation))
+			g.Expect([]int32{p.Status.Replicas, p.Status.ReadyReplicas, p.Status.AvailableReplicas, p.Status.UpdatedReplicas}).To(Equal([]int32{n, n, n, n}))
+			cond := meta.FindStatusCondition(p.Status.Conditions, impv1.PoolProgressingCondition)
+			g.Expect(cond).NotTo(BeNil())
+			g.Expect(cond.Reason).To(Equal(impv1.ReasonRolloutComplete))
+		}
+	}
+	g.Eventually(ready(3)).WithTimeout(30 * time.Second).Should(Succeed())
+	names, _ := members(c, ns)
+	g.Expect(names).To(Equal([]string{"web-0", "web-1", "web-2"}))
+	vm := &impv1.ImpVM{}
+	g.Expect(c.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: "web-1"}, vm)).To(Succeed())
+	g.Expect(vm.Labels).To(HaveKeyWithValue("tier", "front"))
+	g.Expect(vm.Labels).To(HaveKeyWithValue(impv1.PoolLabel, "web"))
+	g.Expect(metav1.GetControllerOf(vm)).NotTo(BeNil())
+	g.Expect(metav1.GetControllerOf(vm).Name).To(Equal("web"))
+
+	// The scale subresource: kubectl scale and HPA.
+	scale(t, c, ns, "web", 5)
+	g.Eventually(ready(5)).WithTimeout(30 * time.Second).Should(Succeed())
+	s := &autoscalingv1.Scale{}
+	g.Expect(c.Client.SubResource("scale").Get(ctx, getPool(c, ns, "web"), s)).To(Succeed())
+	g.Expect(s.Status.Replicas).To(Equal(int32(5)))
+	g.Expect(s.Status.Selector).To(Equal("app=web"))
+
+	// Scale-in: the member that is not Ready, then the newest (the highest index among equals).
+	a.holdBack("web-1", true)
+	g.Eventually(func() int32 { return getPool(c, ns, "web").Status.ReadyReplicas }).WithTimeout(10 * time.Second).Should(Equal(int32(4)))
+	scale(t, c, ns, "web", 3)
+	g.Eventually(func() []string { n, _ := members(c, ns); return n }).WithTimeout(30 * time.Second).Should(Equal([]string{"web-0", "web-2", "web-3"}))
+	g.Eventually(ready(3)).WithTimeout(30 * time.Second).Should(Succeed())
+	a.holdBack("web-1", false) // the name is free again: the next member takes it
+
+	// A new image rolls through, maxUnavailable 1: never fewer than 2 Ready.
+	var mu sync.Mutex
+	minReady, watching := 3, true
+	watchDone := make(chan struct{})
+	go func() {
+		defer close(watchDone)
+		for {
+			mu.Lock()
+			if !watching {
+				mu.Unlock()
+				return
+			}
+			mu.Unlock()
+			var vms impv1.ImpVMList
+			if err := c.Client.List(ctx, &vms, client.InNamespace(ns)); err == nil {
+				n := 0
+				for _, vm := range vms.Items {
+					if c := meta.FindStatusCondition(vm.Status.Conditions, impv1.ReadyCondition); vm.DeletionTimestamp.IsZero() && c != nil && c.Status == metav1.ConditionTrue {
+						n++
+					}
+				}
+				mu.Lock()
+				minReady = min(minReady, n)
+				mu.Unlock()
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	setImage := func(image string) {
+		p := getPool(c, ns, "web")
+		orig := p.DeepCopy()
+		p.Spec.Template.Spec.Image = image
+		g.Expect(c.Client.Patch(ctx, p, client.MergeFrom(orig))).To(Succeed())
+	}
+	rolledTo := func(image string) func(Gomega) {
+		return func(g Gomega) {
+			ready(3)(g)
+			_, images := members(c, ns)
+			g.Expect(images).To(HaveLen(3))
+			for n, i := range images {
+				g.Expect(i).To(Equal(image), n)
+			}
+		}
+	}
+	first := impvmpool.RevisionName("web", getPool(c, ns, "web").Status.UpdateRevision)
+	setImage("registry.test/app:2")
+	g.Eventually(rolledTo("registry.test/app:2")).WithTimeout(60 * time.Second).Should(Succeed())
+	mu.Lock()
+	watching = false
+	mu.Unlock()
+	<-watchDone
+	if minReady < 2 {
+		t.Errorf("during the rollout only %d members were Ready (maxUnavailable 1 of 3)", minReady)
+	}
+	revs := func() map[string]int64 {
+		var list appsv1.ControllerRevisionList
+		_ = c.Client.List(ctx, &list, client.InNamespace(ns))
+		out := map[string]int64{}
+		for _, cr := range list.Items {
+			out[cr.Name] = cr.Revision
+		}
+		return out
+	}
+	g.Expect(revs()).To(HaveLen(2))
+	g.Expect(revs()).To(HaveKeyWithValue(first, int64(1)))
+
+	// kubectl imp rollout undo: back to the first template, whose revision is renumbered 3;
+	// the members roll back.
+	kc := c.Kubeconfig(t)
+	g.Expect(kubectlImp(t, kc, ns, "rollout", "history", "impvmpool/web")).To(MatchRegexp(`1\s+` + first + `\s+registry.test/app:1\s*\n2\s+web-\w+\s+registry.test/app:2\s+\(current\)`))
+	g.Expect(kubectlImp(t, kc, ns, "rollout", "undo", "impvmpool/web")).To(ContainSubstring(`impvmpool "web" rolled back to revision 1`))
+	g.Expect(kubectlImp(t, kc, ns, "rollout", "status", "impvmpool/web", "--timeout", "60s")).To(ContainSubstring(`impvmpool "web" successfully rolled out`))
+	g.Eventually(rolledTo("registry.test/app:1")).WithTimeout(60 * time.Second).Should(Succeed())
+	g.Expect(revs()).To(HaveLen(2))
+	g.Expect(revs()).To(HaveKeyWithValue(first, int64(3)))
+	p := getPool(c, ns, "web")
+	g.Expect(p.Status.CurrentRevision).To(Equal(strings.TrimPrefix(first, "web-")))
+}
+
+// TestReplacesFinishedMembers: a member that Failed is deleted and a new one made in its place
+// (at the lowest index free when it is made: the failed one's, once that is gone).
+func TestReplacesFinishedMembers(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	runAgents(t, c, ns)
+	start(t, c)
+	g := NewWithT(t)
+	g.Expect(c.Client.Create(ctx, pool(ns, "db", 2))).To(Succeed())
+	g.Eventually(func() int32 { return getPool(c, ns, "db").Status.AvailableReplicas }).WithTimeout(30 * time.Second).Should(Equal(int32(2)))
+	vm := &impv1.ImpVM{}
+	g.Expect(c.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: "db-1"}, vm)).To(Succeed())
+	failed := vm.UID
+	orig := vm.DeepCopy()
+	vm.Status.Phase = impv1.VMFailed
+	g.Expect(c.Client.Status().Patch(ctx, vm, client.MergeFrom(orig))).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		var vms impv1.ImpVMList
+		g.Expect(c.Client.List(ctx, &vms, client.InNamespace(ns))).To(Succeed())
+		for _, vm := range vms.Items {
+			g.Expect(vm.UID).NotTo(Equal(failed))
+		}
+		g.Expect(vms.Items).To(HaveLen(2))
+		g.Expect(getPool(c, ns, "db").Status.AvailableReplicas).To(Equal(int32(2)))
+	}).WithTimeout(30 * time.Second).Should(Succeed())
+}
+
+// TestRestartDuringScaleUp: the controller stopped while it scales 0 to 50 and started again
+// ends with exactly 50 members, named db-0 … db-49 (a name is an index: a create repeated
+// after a restart fails AlreadyExists, it cannot make a 51st).
+func TestRestartDuringScaleUp(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	g := NewWithT(t)
+	stop := start(t, c)
+	p := pool(ns, "big", 0)
+	g.Expect(c.Client.Create(ctx, p)).To(Succeed())
+	scale(t, c, ns, "big", 50)
+	g.Eventually(func() int { n, _ := members(c, ns); return len(n) }).WithTimeout(30 * time.Second).Should(BeNumerically(">=", 5))
+	stop()
+	n, _ := members(c, ns)
+	t.Logf("stopped with %d members", len(n))
+	start(t, c)
+	want := make([]string, 50)
+	for i := range want {
+		want[i] = fmt.Sprint("big-", i)
+	}
+	slices.Sort(want)
+	g.Eventually(func() []string { n, _ := members(c, ns); return n }).WithTimeout(60 * time.Second).Should(Equal(want))
+	g.Consistently(func() int { n, _ := members(c, ns); return len(n) }).WithTimeout(3 * time.Second).Should(Equal(50))
+}
+
+// TestQuotaLeavesThePoolShort: members the namespace's ImpQuota refuses leave the pool short
+// with ReplicaFailure saying why, and the pool does not retry in a loop (its status stays
+// still); members that wait for quota to be placed are reported the same way.
+func TestQuotaLeavesThePoolShort(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	c.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	ns := c.Namespace(t)
+	g := NewWithT(t)
+	g.Expect(c.Client.Create(ctx, &impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "team"},
+		Spec: impv1.ImpQuotaSpec{PerVM: &impv1.PerVMBounds{VCPUs: ptr.To[int32](1)}}})).To(Succeed())
+	start(t, c)
+	p := pool(ns, "big", 3)
+	p.Spec.Template.Spec.Resources.VCPUs = ptr.To[int32](2)
+	// The policy may take a moment to see the quota: until it refuses, members are made.
+	g.Eventually(func() error {
+		_ = c.Client.Delete(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "probe"}})
+		vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "probe"}, Spec: p.Spec.Template.Spec}
+		if err := c.Client.Create(ctx, vm); err == nil {
+			return fmt.Errorf("not refused yet")
+		}
+		return nil
+	}).WithTimeout(30 * time.Second).Should(Succeed())
+	g.Expect(c.Client.Create(ctx, p)).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		cond := meta.FindStatusCondition(getPool(c, ns, "big").Status.Conditions, impv1.PoolReplicaFailureCondition)
+		g.Expect(cond).NotTo(BeNil())
+		g.Expect(cond.Status).To(Equal(metav1.ConditionTrue))
+		g.Expect(cond.Reason).To(Equal(impv1.ReasonQuotaExceeded))
+		g.Expect(cond.Message).To(ContainSubstring("ImpQuota team"))
+	}).WithTimeout(30 * time.Second).Should(Succeed())
+	rv := getPool(c, ns, "big").ResourceVersion
+	g.Consistently(func() string { return getPool(c, ns, "big").ResourceVersion }).WithTimeout(3 * time.Second).Should(Equal(rv))
+	n, _ := members(c, ns)
+	g.Expect(n).To(BeEmpty())
+
+	// Within the quota's per-VM bound, members are made; one that waits for quota to be
+	// placed (as the ImpVM controller reports it) is named in the condition.
+	orig := getPool(c, ns, "big")
+	fixed := orig.DeepCopy()
+	fixed.Spec.Template.Spec.Resources.VCPUs = ptr.To[int32](1)
+	g.Expect(c.Client.Patch(ctx, fixed, client.MergeFrom(orig))).To(Succeed())
+	g.Eventually(func() int { n, _ := members(c, ns); return len(n) }).WithTimeout(30 * time.Second).Should(Equal(3))
+	vm := &impv1.ImpVM{}
+	g.Expect(c.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: "big-2"}, vm)).To(Succeed())
+	before := vm.DeepCopy()
+	meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionFalse,
+		Reason: impv1.ReasonQuotaExceeded, Message: "ImpQuota team: 8 of 8 vCPUs are held"})
+	g.Expect(c.Client.Status().Patch(ctx, vm, client.MergeFrom(before))).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		cond := meta.FindStatusCondition(getPool(c, ns, "big").Status.Conditions, impv1.PoolReplicaFailureCondition)
+		g.Expect(cond).NotTo(BeNil())
+		g.Expect(cond.Reason).To(Equal(impv1.ReasonQuotaExceeded))
+		g.Expect(cond.Message).To(ContainSubstring("big-2: ImpQuota team: 8 of 8 vCPUs are held"))
+	}).WithTimeout(30 * time.Second).Should(Succeed())
+}
+
+// TestSelectorMustSelectTheTemplate: a selector that does not select the template's labels
+// makes no member and says so.
+func TestSelectorMustSelectTheTemplate(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	start(t, c)
+	g := NewWithT(t)
+	p := pool(ns, "odd", 2)
+	p.Spec.Selector = &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "app", Operator: metav1.LabelSelectorOpIn, Values: []string{"other"}}}}
+	g.Expect(c.Client.Create(ctx, p)).To(Succeed())
+	g.Eventually(func() string {
+		cond := meta.FindStatusCondition(getPool(c, ns, "odd").Status.Conditions, impv1.PoolReplicaFailureCondition)
+		if cond == nil {
+			return ""
+		}
+		return cond.Reason
+	}).WithTimeout(30 * time.Second).Should(Equal(impv1.ReasonSelectorMismatch))
+	n, _ := members(c, ns)
+	g.Expect(n).To(BeEmpty())
+}
