@@ -51,6 +51,10 @@ bench-controlplane: ## N VMs over M simulated nodes, RUNS runs: create→Schedul
 	go build -o bin/ ./cmd/imp-operator
 	go run ./test/bench/controlplane -n $(N) -m $(M) -runs $(RUNS)
 
+bench-pool: ## An ImpVMPool scaled 0 → 50 on simulated nodes: scale → guest ready P50/P99 per VM and in all, against 50 plain ImpVMs created at once.
+	go build -o bin/ ./cmd/imp-operator
+	go run ./test/bench/controlplane -n 50 -m 5 -runs 3 -creators 50 -pool 50 | grep -E '^  (run: create|pool|run: throughput)|^[a-z].*(pool|run: create)'
+
 bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 	go run ./test/bench/disk -mb 64 -runs 3
 

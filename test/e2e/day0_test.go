@@ -503,6 +503,11 @@ network:
 	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.
 	checkServices(t, sh, must, eventually, tmp, root, registry, ref.String(), realNode)
 
+	// ## Pools (docs/pools.md): scaled, rolled and undone behind a Service, real guests.
+	if vmmKind == "" || vmmKind == "qemu" {
+		checkPools(t, sh, must, eventually, tmp, realNode, ref.String(), testguest.Image(t, registry, "hello2").String())
+	}
+
 	// ## Runtime OnDelete: an upgrade that changes the agent image replaces no imp-runtime pod.
 	must(helmInstall+valueFiles+" --set agent.image.digest= --set agent.image.tag=0.9.0", "STATUS: deployed", "REVISION: 2")
 	newImage := registry + "/imp-agent:0.9.0"

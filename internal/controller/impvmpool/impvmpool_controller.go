@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -130,19 +131,30 @@ func markDeleting(members []member, name string) {
 	}
 }
 
-// members lists the pool's VMs: those it controls that carry its label (another controller's
-// VM, or one the selector matches but the pool did not make, is not a member).
+// members lists the pool's VMs: those it controls that carry its label and match its selector,
+// from the API server. Any other VM holding a member's name (<pool>-<index>) — another's VM, or
+// a member whose labels were changed out of the selector — is foreign: never counted, deleted
+// or adopted, only skipped when an index is chosen.
 func (r *Reconciler) members(ctx context.Context, pool *impv1.ImpVMPool, sel labels.Selector) ([]member, map[string]*impv1.ImpVM, error) {
 	var list impv1.ImpVMList
 	if err := r.APIReader.List(ctx, &list, client.InNamespace(pool.Namespace), client.MatchingLabels{impv1.PoolLabel: pool.Name}); err != nil {
 		return nil, nil, fmt.Errorf("listing the members of ImpVMPool %s: %w", pool.Name, err)
 	}
+	var all impv1.ImpVMList
+	if err := r.Client.List(ctx, &all, client.InNamespace(pool.Namespace)); err != nil {
+		return nil, nil, fmt.Errorf("listing the VMs of namespace %s: %w", pool.Namespace, err)
+	}
 	var out []member
 	vms := map[string]*impv1.ImpVM{}
+	seen := map[string]bool{}
 	for i := range list.Items {
 		vm := &list.Items[i]
+		seen[vm.Name] = true
 		idx, err := strconv.Atoi(vm.Labels[impv1.PoolIndexLabel])
-		if !metav1.IsControlledBy(vm, pool) || !sel.Matches(labels.Set(vm.Labels)) || err != nil || idx < 0 {
+		if !metav1.IsControlledBy(vm, pool) || !sel.Matches(labels.Set(vm.Labels)) || err != nil || vm.Name != memberName(pool, idx) {
+			if idx, ok := indexOf(pool, vm.Name); ok {
+				out = append(out, member{name: vm.Name, index: idx, foreign: true})
+			}
 			continue
 		}
 		m := member{name: vm.Name, index: idx, rev: vm.Labels[impv1.PoolRevisionLabel], created: vm.CreationTimestamp.Time,
@@ -154,7 +166,25 @@ func (r *Reconciler) members(ctx context.Context, pool *impv1.ImpVMPool, sel lab
 		out = append(out, m)
 		vms[vm.Name] = vm
 	}
+	for _, vm := range all.Items {
+		if idx, ok := indexOf(pool, vm.Name); ok && !seen[vm.Name] {
+			out = append(out, member{name: vm.Name, index: idx, foreign: true})
+		}
+	}
 	return out, vms, nil
+}
+
+// indexOf is the index of a member's name: <pool>-<digits>, without leading zeros.
+func indexOf(pool *impv1.ImpVMPool, name string) (int, bool) {
+	rest, ok := strings.CutPrefix(name, pool.Name+"-")
+	if !ok {
+		return 0, false
+	}
+	idx, err := strconv.Atoi(rest)
+	if err != nil || idx < 0 || strconv.Itoa(idx) != rest {
+		return 0, false
+	}
+	return idx, true
 }
 
 // createFailure is why a member could not be made.

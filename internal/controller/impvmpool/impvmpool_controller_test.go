@@ -423,3 +423,38 @@ func TestSelectorMustSelectTheTemplate(t *testing.T) {
 	n, _ := members(c, ns)
 	g.Expect(n).To(BeEmpty())
 }
+
+// TestForeignVMsAreLeftAlone (docs/security.md): VMs the pool does not control are not its
+// members, whatever their labels or names. One carrying the pool's labels (a tenant trying to
+// make the pool count it, or delete it on scale-in) and one squatting a member's name are
+// (web-3, labelled as the pool's member of index 3) and one squatting a member's name (web-1)
+// are neither counted nor adopted nor deleted: the pool makes its members at other indices and
+// scales to 0 without touching them.
+func TestForeignVMsAreLeftAlone(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	runAgents(t, c, ns)
+	g := NewWithT(t)
+	spec := pool(ns, "web", 0).Spec.Template.Spec
+	for name, labels := range map[string]map[string]string{
+		"web-3": {"app": "web", "tier": "front", impv1.PoolLabel: "web", impv1.PoolIndexLabel: "3", impv1.PoolRevisionLabel: "x"},
+		"web-1":    {"app": "web", "tier": "front"},
+	} {
+		g.Expect(c.Client.Create(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels}, Spec: spec})).To(Succeed())
+	}
+	start(t, c)
+	g.Expect(c.Client.Create(ctx, pool(ns, "web", 2))).To(Succeed())
+	g.Eventually(func() []string { n, _ := members(c, ns); return n }).WithTimeout(30 * time.Second).
+		Should(Equal([]string{"web-0", "web-1", "web-2", "web-3"}))
+	g.Eventually(func() int32 { return getPool(c, ns, "web").Status.AvailableReplicas }).WithTimeout(30 * time.Second).Should(Equal(int32(2)))
+	g.Expect(getPool(c, ns, "web").Status.Replicas).To(Equal(int32(2)))
+	scale(t, c, ns, "web", 0)
+	g.Eventually(func() []string { n, _ := members(c, ns); return n }).WithTimeout(30 * time.Second).Should(Equal([]string{"web-1", "web-3"}))
+	g.Consistently(func() []string { n, _ := members(c, ns); return n }).WithTimeout(2 * time.Second).Should(Equal([]string{"web-1", "web-3"}))
+	for _, name := range []string{"web-1", "web-3"} {
+		vm := &impv1.ImpVM{}
+		g.Expect(c.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, vm)).To(Succeed())
+		g.Expect(vm.OwnerReferences).To(BeEmpty(), name)
+	}
+}

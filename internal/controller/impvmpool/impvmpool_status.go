@@ -49,7 +49,7 @@ func (r *Reconciler) status(pool *impv1.ImpVMPool, b bounds, rev string, members
 	var waiting []string
 	old := 0
 	for _, m := range members {
-		if m.deleting {
+		if m.deleting || m.foreign {
 			continue
 		}
 		st.Replicas++

@@ -26,6 +26,9 @@ type member struct {
 	// finished: Failed or Succeeded, which a member (runStrategy Always) is only when it cannot
 	// run again: it is replaced.
 	finished bool
+	// foreign: not a member, but a VM holding a member's name (one the pool does not control,
+	// or whose labels left the selector): the pool leaves it alone and skips its index.
+	foreign bool
 }
 
 // plan is what one reconcile does: delete members, then create members of rev at indices.
@@ -101,7 +104,7 @@ func planFor(b bounds, rev string, members []member, now time.Time) plan {
 		m := &members[i]
 		taken[m.index] = true
 		switch {
-		case m.deleting:
+		case m.deleting, m.foreign:
 		case m.finished:
 			p.delete = append(p.delete, m.name)
 		default:

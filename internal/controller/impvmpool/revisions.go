@@ -107,7 +107,9 @@ func (r *Reconciler) pruneRevisions(ctx context.Context, pool *impv1.ImpVMPool, 
 	}
 	inUse := map[string]bool{RevisionName(pool.Name, rev): true}
 	for _, m := range members {
-		inUse[RevisionName(pool.Name, m.rev)] = true
+		if !m.foreign {
+			inUse[RevisionName(pool.Name, m.rev)] = true
+		}
 	}
 	var old []appsv1.ControllerRevision
 	for _, cr := range revs {

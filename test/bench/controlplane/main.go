@@ -9,7 +9,9 @@
 //     compared with;
 //   - placement: create → Scheduled, on nodes whose agents do not start these VMs;
 //   - run: create → Scheduled and create → Running with the guest ready;
-//   - delete: every VM deleted → gone (the agents' Gone handshake).
+//   - delete: every VM deleted → gone (the agents' Gone handshake);
+//   - pool (with -pool N): an ImpVMPool scaled from 0 to N → each member Running with its
+//     guest ready, against the run phase's VMs created at once.
 //
 // It prints latencies (P50, P99, max), VMs/s, API requests per VM by verb and resource split
 // operator / agents (from the API server's audit log), the operator's CPU seconds and memory,
@@ -61,7 +63,7 @@ import (
 
 type options struct {
 	n, m, creators, runs, concurrency int
-	nodeVCPUs, runN                   int
+	nodeVCPUs, runN, pool             int
 	start, boot, heartbeat, delay     time.Duration
 	idle                              time.Duration
 	fleet, bare, bareEvents, bareRun  bool
@@ -79,6 +81,7 @@ func main() {
 	flag.DurationVar(&o.start, "start", 50*time.Millisecond, "a simulated agent's placement seen → VMM started")
 	flag.DurationVar(&o.boot, "boot", 150*time.Millisecond, "a simulated guest's VMM started → ready")
 	flag.IntVar(&o.runN, "run-n", 0, "VMs of the run phase (0: n), for a scale run whose placement phase fills the cluster")
+	flag.IntVar(&o.pool, "pool", 0, "after the delete phase, scale an ImpVMPool from 0 to this many members: scale → Running, guest ready, against the run phase's VMs created at once (0: no pool phase)")
 	flag.IntVar(&o.nodeVCPUs, "node-vcpus", 64, "each node's allocatable vCPUs (each VM has 1): with 2N/M close to it, placement must spread and may not overbook")
 	flag.DurationVar(&o.delay, "report-delay", time.Second, "the agents' --starting-report-delay")
 	flag.DurationVar(&o.heartbeat, "heartbeat", 10*time.Second, "the agents' heartbeat interval (the real agent's default; they read their Node every third beat, as their 30 s report does)")
@@ -198,7 +201,7 @@ func run(o options) (figures, error) {
 			return f, err
 		}
 	}
-	for _, ns := range []string{"bare", "bare-run", "place", "run"} {
+	for _, ns := range []string{"bare", "bare-run", "place", "run", "pool"} {
 		if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
 			return f, err
 		}
@@ -333,6 +336,7 @@ func run(o options) (figures, error) {
 		fmt.Printf("  %-34s %.2f× the bare API server's\n", "run: guest ready P50", ratio)
 	}
 	f.set("run: throughput", "VMs/s", float64(o.runN)/elapsed.Seconds())
+	f.set("run: create→all ready", "s", elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f VMs/s ready\n", "run: throughput", float64(o.runN)/elapsed.Seconds())
 	for _, who := range []string{"operator", "agents"} {
 		writes, events := reqs.writes(who)
@@ -395,6 +399,11 @@ func run(o options) (figures, error) {
 	writes, _ = reqs.writes("operator")
 	awrites, _ := reqs.writes("agents")
 	fmt.Printf("  %-34s operator writes/VM %.2f (%s); agents %.2f\n", "delete", float64(writes)/float64(o.n+o.runN), reqs.describe("operator", o.n+o.runN), float64(awrites)/float64(o.n+o.runN))
+	if o.pool > 0 {
+		if err := poolRun(ctx, c, o, tr, &f, agentErr); err != nil {
+			return f, err
+		}
+	}
 	select {
 	case err := <-agentErr:
 		return f, err
@@ -403,6 +412,44 @@ func run(o options) (figures, error) {
 	cancel()
 	agents.Wait()
 	return f, nil
+}
+
+// poolRun scales an ImpVMPool of benchVM's template from 0 to o.pool members and measures,
+// for each member, scale → Running with the guest ready, and the whole scale; beside the run
+// phase's figures for VMs created by o.creators clients at once.
+func poolRun(ctx context.Context, c client.Client, o options, tr *tracker, f *figures, agentErr <-chan error) error {
+	tmpl := benchVM("pool", "x").Spec
+	p := &impv1.ImpVMPool{ObjectMeta: metav1.ObjectMeta{Namespace: "pool", Name: "bench"}, Spec: impv1.ImpVMPoolSpec{
+		Replicas: ptr.To[int32](0),
+		Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "bench"}},
+		Template: impv1.ImpVMPoolTemplate{Metadata: impv1.PoolMemberMetadata{Labels: map[string]string{"app": "bench"}}, Spec: tmpl},
+	}}
+	if err := c.Create(ctx, p); err != nil {
+		return fmt.Errorf("creating the pool: %w", err)
+	}
+	time.Sleep(time.Second) // its first reconcile (a revision, no member) done
+	orig := p.DeepCopy()
+	p.Spec.Replicas = ptr.To(int32(o.pool))
+	start := time.Now()
+	for i := range o.pool {
+		tr.mark("pool", fmt.Sprintf("bench-%d", i), "created", start)
+	}
+	if err := c.Patch(ctx, p, client.MergeFrom(orig)); err != nil {
+		return fmt.Errorf("scaling the pool: %w", err)
+	}
+	if err := tr.wait(ctx, "pool", "ready", o.pool, agentErr); err != nil {
+		return err
+	}
+	elapsed := time.Since(start)
+	fmt.Printf("  pool: scaled 0 → %d, all Running with their guests ready in %v\n", o.pool, elapsed.Round(time.Millisecond))
+	f.latencies("pool: scale→Running, guest ready", tr.latencies("pool", "created", "ready"))
+	f.set("pool: scale→all ready", "s", elapsed.Seconds())
+	if run, ok := f.values["run: create→Running, guest ready P50"]; ok && run > 0 {
+		ratio := f.values["pool: scale→Running, guest ready P50"] / run
+		f.set("pool: P50 over plain VMs'", "×", ratio)
+		fmt.Printf("  %-34s %.2f× the run phase's (%d VMs created by %d clients at once)\n", "pool: guest ready P50", ratio, o.runN, o.creators)
+	}
+	return nil
 }
 
 func nodeName(i int) string { return fmt.Sprintf("node-%04d", i) }
