@@ -2,6 +2,7 @@ package kubectlimp
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -22,10 +24,14 @@ import (
 // `kubectl rollout` is for Deployments.
 func (o *options) rolloutCommand() *cobra.Command {
 	var toRevision int64
+	var timeout time.Duration
 	rollout := &cobra.Command{Use: "rollout", Short: "Follow, list or undo the rollouts of an ImpVMPool (impvmpool/NAME or NAME)"}
 	status := &cobra.Command{Use: "status POOL", Short: "Wait until a pool's rollout is complete (every member of the current template, available)",
-		Args: cobra.ExactArgs(1), RunE: o.run(o.rolloutStatus)}
-	status.Flags().DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up after this long")
+		Args: cobra.ExactArgs(1), RunE: func(c *cobra.Command, args []string) error {
+			o.timeout = timeout // this command's bound alone
+			return o.run(o.rolloutStatus)(c, args)
+		}}
+	status.Flags().DurationVar(&timeout, "timeout", 10*time.Minute, "give up after this long")
 	history := &cobra.Command{Use: "history POOL", Short: "List a pool's revisions", Args: cobra.ExactArgs(1), RunE: o.run(o.rolloutHistory)}
 	undo := &cobra.Command{Use: "undo POOL [--to-revision N]", Short: "Roll a pool back to its previous revision (or revision N)",
 		Args: cobra.ExactArgs(1), RunE: o.run(func(ctx context.Context, c client.Client, ns string, args []string) error {
@@ -67,6 +73,9 @@ func (o *options) rolloutStatus(ctx context.Context, c client.Client, ns string,
 		p, err := o.pool(ctx, c, ns, args[0])
 		if err != nil {
 			return err
+		}
+		if p.Spec.UpdateStrategy.Type == impv1.PoolOnDelete {
+			return fmt.Errorf("impvmpool %q: rollout status is only available for the RollingUpdate strategy (OnDelete replaces members only when they are deleted)", p.Name)
 		}
 		want := int32(1)
 		if p.Spec.Replicas != nil {
@@ -124,7 +133,7 @@ func (o *options) rolloutHistory(ctx context.Context, c client.Client, ns string
 	if err != nil {
 		return err
 	}
-	current := impvmpool.RevisionName(p.Name, impvmpool.Revision(&p.Spec.Template))
+	current := currentRevision(p, revs)
 	tw := tabwriter.NewWriter(o.out, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "REVISION\tNAME\tIMAGE\t")
 	for _, cr := range revs {
@@ -152,7 +161,7 @@ func (o *options) rolloutUndo(ctx context.Context, c client.Client, ns, arg stri
 	if err != nil {
 		return err
 	}
-	current := impvmpool.RevisionName(p.Name, impvmpool.Revision(&p.Spec.Template))
+	current := currentRevision(p, revs)
 	var target *appsv1.ControllerRevision
 	for i := len(revs) - 1; i >= 0; i-- {
 		cr := &revs[i]
@@ -171,16 +180,30 @@ func (o *options) rolloutUndo(ctx context.Context, c client.Client, ns, arg stri
 		fmt.Fprintf(o.out, "impvmpool %q is at revision %d already: skipped rollback\n", p.Name, target.Revision)
 		return nil
 	}
-	t, err := impvmpool.TemplateOf(target)
-	if err != nil {
+	if _, err := impvmpool.TemplateOf(target); err != nil {
 		return err
 	}
-	p.Spec.Template = *t
-	// An update, with the pool's resourceVersion: a pool changed since it was read is not
-	// overwritten.
-	if err := c.Update(ctx, p); err != nil {
+	// The revision's template as the operator recorded it (not re-encoded by this plugin's
+	// types, which may lack a field of the operator's), guarded by the resourceVersion read:
+	// a pool changed since is not overwritten.
+	rv, _ := json.Marshal(p.ResourceVersion)
+	patch := fmt.Appendf(nil, `[{"op":"test","path":"/metadata/resourceVersion","value":%s},{"op":"replace","path":"/spec/template","value":%s}]`, rv, target.Data.Raw)
+	if err := c.Patch(ctx, p, client.RawPatch(types.JSONPatchType, patch)); err != nil {
 		return fmt.Errorf("rolling impvmpool %q back to revision %d: %w", p.Name, target.Revision, err)
 	}
 	fmt.Fprintf(o.out, "impvmpool %q rolled back to revision %d\n", p.Name, target.Revision)
 	return nil
+}
+
+// currentRevision is the name of the pool's current revision: the operator's word
+// (status.updateRevision) once it has seen the pool's spec, else the newest revision. Not a
+// hash computed here: this plugin's types may encode a template otherwise than the operator's.
+func currentRevision(p *impv1.ImpVMPool, revs []appsv1.ControllerRevision) string {
+	if p.Status.ObservedGeneration == p.Generation && p.Status.UpdateRevision != "" {
+		return impvmpool.RevisionName(p.Name, p.Status.UpdateRevision)
+	}
+	if len(revs) == 0 {
+		return ""
+	}
+	return revs[len(revs)-1].Name
 }

@@ -39,12 +39,18 @@ spec:
       resources: {vcpus: 1, memory: 160Mi}
       diskSize: 64Mi
       nodeSelector: {imp.test/node: %s}
+      networkRef: {name: pool}
       terminationGracePeriodSeconds: 2
       ports: [{name: http, port: 8080}]
       readinessProbe: {httpGet: {path: /healthz, port: http}, periodSeconds: 1, failureThreshold: 1}
 `, name, replicas, name, name, image, selector)
 	}
-	objs := pool("web", 2, image, node) + `---
+	objs := `apiVersion: imp.dev/v1alpha1
+kind: ImpNetwork
+metadata: {name: pool, namespace: pools}
+spec: {cidr: 10.102.0.0/24}
+---
+` + pool("web", 2, image, node) + `---
 apiVersion: v1
 kind: Service
 metadata: {name: web, namespace: pools}
@@ -56,7 +62,7 @@ spec:
 		t.Fatal(err)
 	}
 	must("kubectl create namespace pools")
-	must("kubectl apply -f pool.yaml", "impvmpool.imp.dev/web created", "service/web created")
+	must("kubectl apply -f pool.yaml", "impnetwork.imp.dev/pool created", "impvmpool.imp.dev/web created", "service/web created")
 
 	readyEndpoints := func() (int, error) {
 		out, err := sh(`kubectl -n pools get endpointslices -l kubernetes.io/service-name=web,endpointslice.kubernetes.io/managed-by=imp.dev ` +

@@ -20,9 +20,11 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/utils/clock"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -75,10 +77,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	now := r.clock().Now()
 	pool.Status.ObservedGeneration = pool.Generation
 
-	sel, err := metav1.LabelSelectorAsSelector(pool.Spec.Selector)
-	if err == nil && !sel.Matches(labels.Set(pool.Spec.Template.Metadata.Labels)) {
-		err = errors.New("it does not select template.metadata.labels")
-	}
+	sel, err := selectorOf(pool)
 	if err != nil {
 		msg := fmt.Sprintf("the selector %s: %v; no member is made", metav1.FormatLabelSelector(pool.Spec.Selector), err)
 		meta.SetStatusCondition(&pool.Status.Conditions, metav1.Condition{Type: impv1.PoolReplicaFailureCondition,
@@ -88,7 +87,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	}
 	pool.Status.Selector = sel.String()
 
-	rev, err := r.ensureRevision(ctx, pool)
+	rev, revs, err := r.ensureRevision(ctx, pool)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
@@ -106,10 +105,10 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		}
 		markDeleting(members, name)
 	}
-	failure := r.create(ctx, pool, rev, p.create)
+	failure := r.create(ctx, pool, sel, rev, p.create)
 
 	// Status, from the members as they now are.
-	if err := r.pruneRevisions(ctx, pool, rev, members); err != nil {
+	if err := r.pruneRevisions(ctx, pool, rev, revs, members); err != nil {
 		return ctrl.Result{}, err
 	}
 	r.status(pool, b, rev, members, vms, failure, now)
@@ -121,6 +120,27 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		requeue = CreateRetry
 	}
 	return ctrl.Result{RequeueAfter: requeue}, nil
+}
+
+// selectorOf is the pool's selector, which must select each member's labels: the template's
+// with those the pool sets (imp.dev/pool, -revision, -index). A selector on those keys is
+// refused: it would select some members and not others, and a pool whose members fall out of
+// its selector would make more for ever.
+func selectorOf(pool *impv1.ImpVMPool) (labels.Selector, error) {
+	sel, err := metav1.LabelSelectorAsSelector(pool.Spec.Selector)
+	if err != nil {
+		return nil, err
+	}
+	reqs, _ := sel.Requirements()
+	for _, r := range reqs {
+		if strings.HasPrefix(r.Key(), impv1.PoolLabel) {
+			return nil, fmt.Errorf("it selects on %s, a label the pool sets on its members itself", r.Key())
+		}
+	}
+	if !sel.Matches(labels.Set(newMember(pool, "", 0).Labels)) {
+		return nil, errors.New("it does not select template.metadata.labels")
+	}
+	return sel, nil
 }
 
 func markDeleting(members []member, name string) {
@@ -141,7 +161,7 @@ func (r *Reconciler) members(ctx context.Context, pool *impv1.ImpVMPool, sel lab
 		return nil, nil, fmt.Errorf("listing the members of ImpVMPool %s: %w", pool.Name, err)
 	}
 	var all impv1.ImpVMList
-	if err := r.Client.List(ctx, &all, client.InNamespace(pool.Namespace)); err != nil {
+	if err := r.Client.List(ctx, &all, client.InNamespace(pool.Namespace), client.UnsafeDisableDeepCopy); err != nil {
 		return nil, nil, fmt.Errorf("listing the VMs of namespace %s: %w", pool.Namespace, err)
 	}
 	var out []member
@@ -196,30 +216,41 @@ type createFailure struct {
 // ReplicaSet's do, so that a refusal (a quota) costs one request rather than one per member.
 // A name already taken by a VM the pool does not control is reported, not retried with
 // another index (the member's name is its identity).
-func (r *Reconciler) create(ctx context.Context, pool *impv1.ImpVMPool, rev string, indices []int) *createFailure {
+func (r *Reconciler) create(ctx context.Context, pool *impv1.ImpVMPool, sel labels.Selector, rev string, indices []int) *createFailure {
 	for batch := 1; len(indices) > 0; batch *= 2 {
 		n := min(batch, len(indices))
 		todo := indices[:n]
 		indices = indices[n:]
 		errs := make([]error, n)
+		made := make([]*impv1.ImpVM, n)
 		var wg sync.WaitGroup
 		for i, idx := range todo {
-			wg.Go(func() { errs[i] = r.Client.Create(ctx, newMember(pool, rev, idx)) })
+			made[i] = newMember(pool, rev, idx)
+			wg.Go(func() { errs[i] = r.Client.Create(ctx, made[i]) })
 		}
 		wg.Wait()
 		for i, err := range errs {
-			if err == nil {
-				continue
-			}
 			name := memberName(pool, todo[i])
 			f := &createFailure{reason: impv1.ReasonCreateFailed, message: fmt.Sprintf("creating member %s: %v", name, err)}
-			if apierrors.IsAlreadyExists(err) {
+			switch {
+			case err == nil && sel.Matches(labels.Set(made[i].Labels)):
+				continue
+			case err == nil:
+				// Admission (a mutating webhook or policy) moved it out of the selector: it
+				// would never count, and the pool would make more for ever. Undone, and stop.
+				vm := made[i]
+				if err := r.Client.Delete(ctx, vm, client.Preconditions{UID: &vm.UID}); client.IgnoreNotFound(err) != nil {
+					ctrl.LoggerFrom(ctx).Error(err, "deleting a member admission relabelled", "vm", name)
+				}
+				f.message = "admission changed the labels of member " + name + " so that the selector no longer selects it (a mutating webhook or policy?): the pool makes no more members until that stops"
+			case apierrors.IsAlreadyExists(err):
 				vm := &impv1.ImpVM{}
-				if err := r.Client.Get(ctx, client.ObjectKey{Namespace: pool.Namespace, Name: name}, vm); err != nil || metav1.IsControlledBy(vm, pool) {
-					continue // made by an earlier reconcile whose list this one's lagged
+				err := r.APIReader.Get(ctx, client.ObjectKey{Namespace: pool.Namespace, Name: name}, vm)
+				if apierrors.IsNotFound(err) || (err == nil && metav1.IsControlledBy(vm, pool)) {
+					continue // made by an earlier reconcile whose list this one's lagged, or gone since
 				}
 				f.message = "the name " + name + " is taken by an ImpVM the pool does not control: rename or delete it"
-			} else if apierrors.IsForbidden(err) && isQuota(err) {
+			case apierrors.IsForbidden(err) && isQuota(err):
 				f.reason = impv1.ReasonQuotaExceeded
 			}
 			r.Recorder.Eventf(pool, nil, "Warning", f.reason, "Create", f.message)
@@ -229,15 +260,18 @@ func (r *Reconciler) create(ctx context.Context, pool *impv1.ImpVMPool, rev stri
 	return nil
 }
 
-// SetupWithManager registers the controller: a pool is reconciled when it changes, when one of
-// its members changes (placed, Ready, finished, gone), and when its namespace's ImpQuotas
-// change (a member refused for quota may now be made).
+// SetupWithManager registers the controller: a pool is reconciled when its spec changes, when
+// one of its members changes (placed, Ready, finished, gone), and when an ImpQuota of its
+// namespace changes its limits (a member refused for quota may now be made).
 func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, concurrency int) error {
 	return ctrl.NewControllerManagedBy(mgr).
-		For(&impv1.ImpVMPool{}).
+		// Not its own status writes: a spec change (the scale subresource's included).
+		For(&impv1.ImpVMPool{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Named("impvmpool").
 		Owns(&impv1.ImpVM{}).
-		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.poolsOfNamespace)).
+		// A quota's limits changed, not its usage (which every VM of the namespace moves).
+		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.poolsOfNamespace),
+			builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		WithOptions(controller.Options{MaxConcurrentReconciles: max(concurrency, 1)}).
 		Complete(r)
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -420,8 +421,72 @@ func TestSelectorMustSelectTheTemplate(t *testing.T) {
 		}
 		return cond.Reason
 	}).WithTimeout(30 * time.Second).Should(Equal(impv1.ReasonSelectorMismatch))
+	// A selector on a label the pool sets itself (here its revision, which the template also
+	// carries): refused, or members of another revision would fall out of it.
+	p = pool(ns, "own", 2)
+	p.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{impv1.PoolRevisionLabel: "x"}}
+	p.Spec.Template.Metadata.Labels[impv1.PoolRevisionLabel] = "x"
+	g.Expect(c.Client.Create(ctx, p)).To(Succeed())
+	g.Eventually(func() string {
+		cond := meta.FindStatusCondition(getPool(c, ns, "own").Status.Conditions, impv1.PoolReplicaFailureCondition)
+		if cond == nil {
+			return ""
+		}
+		return cond.Reason + ": " + cond.Message
+	}).WithTimeout(30 * time.Second).Should(And(HavePrefix(impv1.ReasonSelectorMismatch), ContainSubstring("a label the pool sets")))
 	n, _ := members(c, ns)
 	g.Expect(n).To(BeEmpty())
+}
+
+// TestRelabelledMembersStopThePool (docs/security.md): an admission policy that moves every
+// new ImpVM of the namespace out of the pool's selector would make a pool create members for
+// ever (none ever counts). The pool deletes the relabelled member, says why, and makes no more.
+func TestRelabelledMembersStopThePool(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	g := NewWithT(t)
+	policy := &admissionregistrationv1.MutatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: "relabel-" + ns},
+		Spec: admissionregistrationv1.MutatingAdmissionPolicySpec{
+			FailurePolicy: ptr.To(admissionregistrationv1.Fail), ReinvocationPolicy: admissionregistrationv1.NeverReinvocationPolicy,
+			MatchConstraints: &admissionregistrationv1.MatchResources{
+				NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/metadata.name": ns}},
+				ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{RuleWithOperations: admissionregistrationv1.RuleWithOperations{
+					Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create},
+					Rule:       admissionregistrationv1.Rule{APIGroups: []string{"imp.dev"}, APIVersions: []string{"*"}, Resources: []string{"impvms"}}}}}},
+			Mutations: []admissionregistrationv1.Mutation{{PatchType: admissionregistrationv1.PatchTypeJSONPatch,
+				JSONPatch: &admissionregistrationv1.JSONPatch{Expression: `[JSONPatch{op: "replace", path: "/metadata/labels/app", value: "elsewhere"}]`}}},
+		}}
+	binding := &admissionregistrationv1.MutatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: "relabel-" + ns},
+		Spec: admissionregistrationv1.MutatingAdmissionPolicyBindingSpec{PolicyName: policy.Name}}
+	for _, o := range []client.Object{policy, binding} {
+		g.Expect(c.Client.Create(ctx, o)).To(Succeed())
+		t.Cleanup(func() { _ = c.Client.Delete(context.Background(), o) })
+	}
+	// The policy in force: a VM made now comes out relabelled.
+	g.Eventually(func() string {
+		vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, GenerateName: "probe-", Labels: map[string]string{"app": "web"}},
+			Spec: pool(ns, "web", 0).Spec.Template.Spec}
+		if err := c.Client.Create(ctx, vm); err != nil {
+			return err.Error()
+		}
+		_ = c.Client.Delete(ctx, vm)
+		return vm.Labels["app"]
+	}).WithTimeout(30 * time.Second).Should(Equal("elsewhere"))
+	start(t, c)
+	g.Expect(c.Client.Create(ctx, pool(ns, "web", 3))).To(Succeed())
+	g.Eventually(func() string {
+		cond := meta.FindStatusCondition(getPool(c, ns, "web").Status.Conditions, impv1.PoolReplicaFailureCondition)
+		if cond == nil {
+			return ""
+		}
+		return cond.Reason + ": " + cond.Message
+	}).WithTimeout(30 * time.Second).Should(And(HavePrefix(impv1.ReasonCreateFailed), ContainSubstring("admission changed the labels")))
+	g.Consistently(func() int {
+		var vms impv1.ImpVMList
+		_ = c.Client.List(ctx, &vms, client.InNamespace(ns), client.MatchingLabels{impv1.PoolLabel: "web"})
+		return len(vms.Items)
+	}).WithTimeout(3 * time.Second).Should(BeNumerically("<=", 1))
 }
 
 // TestForeignVMsAreLeftAlone (docs/security.md): VMs the pool does not control are not its
@@ -439,7 +504,7 @@ func TestForeignVMsAreLeftAlone(t *testing.T) {
 	spec := pool(ns, "web", 0).Spec.Template.Spec
 	for name, labels := range map[string]map[string]string{
 		"web-3": {"app": "web", "tier": "front", impv1.PoolLabel: "web", impv1.PoolIndexLabel: "3", impv1.PoolRevisionLabel: "x"},
-		"web-1":    {"app": "web", "tier": "front"},
+		"web-1": {"app": "web", "tier": "front"},
 	} {
 		g.Expect(c.Client.Create(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels}, Spec: spec})).To(Succeed())
 	}

@@ -40,11 +40,11 @@ func TemplateOf(cr *appsv1.ControllerRevision) (*impv1.ImpVMPoolTemplate, error)
 // ensureRevision makes sure the pool's template has a ControllerRevision, numbered after every
 // other of the pool's (a template that returns, as after `rollout undo`, is renumbered as a
 // StatefulSet's is), and returns its hash.
-func (r *Reconciler) ensureRevision(ctx context.Context, pool *impv1.ImpVMPool) (string, error) {
+func (r *Reconciler) ensureRevision(ctx context.Context, pool *impv1.ImpVMPool) (string, []appsv1.ControllerRevision, error) {
 	rev := Revision(&pool.Spec.Template)
 	revs, err := r.revisions(ctx, pool)
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	var top int64
 	var mine *appsv1.ControllerRevision
@@ -59,23 +59,26 @@ func (r *Reconciler) ensureRevision(ctx context.Context, pool *impv1.ImpVMPool) 
 			orig := mine.DeepCopy()
 			mine.Revision = top + 1
 			if err := r.Client.Patch(ctx, mine, client.MergeFrom(orig)); err != nil {
-				return "", fmt.Errorf("renumbering ControllerRevision %s: %w", mine.Name, err)
+				return "", nil, fmt.Errorf("renumbering ControllerRevision %s: %w", mine.Name, err)
 			}
 		}
-		return rev, nil
+		return rev, revs, nil
 	}
 	data, err := json.Marshal(&pool.Spec.Template)
 	if err != nil {
-		return "", fmt.Errorf("encoding the template of ImpVMPool %s: %w", pool.Name, err)
+		return "", nil, fmt.Errorf("encoding the template of ImpVMPool %s: %w", pool.Name, err)
 	}
 	cr := &appsv1.ControllerRevision{ObjectMeta: metav1.ObjectMeta{Namespace: pool.Namespace, Name: RevisionName(pool.Name, rev),
 		Labels:          map[string]string{impv1.PoolLabel: pool.Name, impv1.PoolRevisionLabel: rev},
 		OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(pool, impv1.GroupVersion.WithKind("ImpVMPool"))}},
 		Data: runtime.RawExtension{Raw: data}, Revision: top + 1}
-	if err := r.Client.Create(ctx, cr); err != nil && !apierrors.IsAlreadyExists(err) {
-		return "", fmt.Errorf("recording revision %s of ImpVMPool %s: %w", rev, pool.Name, err)
+	if err := r.Client.Create(ctx, cr); apierrors.IsAlreadyExists(err) {
+		// Not among the pool's: another's object of that name (ours would have been listed).
+		return "", nil, fmt.Errorf("recording revision %s of ImpVMPool %s: a ControllerRevision %s exists that the pool does not control", rev, pool.Name, cr.Name)
+	} else if err != nil {
+		return "", nil, fmt.Errorf("recording revision %s of ImpVMPool %s: %w", rev, pool.Name, err)
 	}
-	return rev, nil
+	return rev, append(revs, *cr), nil
 }
 
 // revisions are the pool's ControllerRevisions, from the API server (a revision made by the
@@ -96,14 +99,10 @@ func (r *Reconciler) revisions(ctx context.Context, pool *impv1.ImpVMPool) ([]ap
 
 // pruneRevisions deletes the oldest revisions beyond revisionHistoryLimit that neither the
 // template nor any member is of.
-func (r *Reconciler) pruneRevisions(ctx context.Context, pool *impv1.ImpVMPool, rev string, members []member) error {
+func (r *Reconciler) pruneRevisions(ctx context.Context, pool *impv1.ImpVMPool, rev string, revs []appsv1.ControllerRevision, members []member) error {
 	limit := 10
 	if pool.Spec.RevisionHistoryLimit != nil {
 		limit = int(*pool.Spec.RevisionHistoryLimit)
-	}
-	revs, err := r.revisions(ctx, pool)
-	if err != nil {
-		return err
 	}
 	inUse := map[string]bool{RevisionName(pool.Name, rev): true}
 	for _, m := range members {
