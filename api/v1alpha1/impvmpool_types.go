@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 )
@@ -118,6 +119,36 @@ type ImpVMPoolTemplate struct {
 	Spec ImpVMSpec `json:"spec"`
 }
 
+// PoolClaimTemplate is a PersistentVolumeClaim made for each member of a pool, as a
+// StatefulSet's volumeClaimTemplates are.
+type PoolClaimTemplate struct {
+	// name of the template. A volume of template.spec.volumes whose
+	// persistentVolumeClaim.claimName is this name is given, in each member, the member's own
+	// claim: <name>-<pool>-<index>.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`
+	Name string `json:"name"`
+	// labels of each claim (with imp.dev/pool and imp.dev/pool-index).
+	// +optional
+	Labels map[string]string `json:"labels,omitempty"`
+	// spec of each claim.
+	// +required
+	Spec corev1.PersistentVolumeClaimSpec `json:"spec"`
+}
+
+// PoolClaimRetention says what becomes of members' claims.
+type PoolClaimRetention struct {
+	// whenDeleted: Retain (default) keeps the claims when the pool is deleted; Delete makes
+	// them the pool's, deleted with it. Claims are always kept when a member goes: a member
+	// made again at that index takes them again.
+	// +optional
+	// +kubebuilder:default=Retain
+	// +kubebuilder:validation:Enum=Retain;Delete
+	WhenDeleted string `json:"whenDeleted,omitempty"`
+}
+
 // ImpVMPoolSpec is a set of identical VMs.
 // +kubebuilder:validation:XValidation:rule="!has(self.template.spec.runStrategy) || self.template.spec.runStrategy == 'Always'",message="a pool's members run until removed: runStrategy is Always",fieldPath=".template.spec.runStrategy"
 // +kubebuilder:validation:XValidation:rule="!has(self.template.spec.expireAfter)",message="a pool's members run until removed: no expireAfter",fieldPath=".template.spec.expireAfter"
@@ -154,6 +185,20 @@ type ImpVMPoolSpec struct {
 	// +optional
 	// +kubebuilder:default={type: RollingUpdate}
 	UpdateStrategy PoolUpdateStrategy `json:"updateStrategy,omitempty"`
+
+	// volumeClaimTemplates are claims made for each member (<name>-<pool>-<index>), kept
+	// when the member goes, so that the member made again at its index has its data. With
+	// them, members are replaced in place, index by index: maxSurge is not used. Immutable.
+	// +optional
+	// +listType=map
+	// +listMapKey=name
+	// +kubebuilder:validation:MaxItems=8
+	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="volumeClaimTemplates are immutable"
+	VolumeClaimTemplates []PoolClaimTemplate `json:"volumeClaimTemplates,omitempty"`
+
+	// claimRetention says whether members' claims go with the pool.
+	// +optional
+	ClaimRetention *PoolClaimRetention `json:"claimRetention,omitempty"`
 
 	// revisionHistoryLimit is how many old revisions (ControllerRevisions) are kept for
 	// `kubectl imp rollout undo`. Default 10.

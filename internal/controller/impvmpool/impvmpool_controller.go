@@ -226,7 +226,11 @@ func (r *Reconciler) create(ctx context.Context, pool *impv1.ImpVMPool, sel labe
 		var wg sync.WaitGroup
 		for i, idx := range todo {
 			made[i] = newMember(pool, rev, idx)
-			wg.Go(func() { errs[i] = r.Client.Create(ctx, made[i]) })
+			wg.Go(func() {
+				if errs[i] = r.ensureClaims(ctx, pool, idx); errs[i] == nil {
+					errs[i] = r.Client.Create(ctx, made[i])
+				}
+			})
 		}
 		wg.Wait()
 		for i, err := range errs {

@@ -16,6 +16,7 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -522,4 +523,101 @@ func TestForeignVMsAreLeftAlone(t *testing.T) {
 		g.Expect(c.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, vm)).To(Succeed())
 		g.Expect(vm.OwnerReferences).To(BeEmpty(), name)
 	}
+}
+
+// TestClaimsPerMember: volumeClaimTemplates give each member its own claim <t>-<pool>-<index>,
+// named in its spec; a rolling update replaces members in place (the same names, the same
+// claims: never two VMs of one index, never a surge); scale-in takes the highest index and
+// keeps its claim; claims are the pool's only with whenDeleted Delete.
+func TestClaimsPerMember(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	runAgents(t, c, ns)
+	start(t, c)
+	g := NewWithT(t)
+	p := pool(ns, "db", 3)
+	p.Spec.UpdateStrategy.RollingUpdate.MaxSurge = ptr.To(intstr.FromInt32(2)) // not used: in place
+	p.Spec.VolumeClaimTemplates = []impv1.PoolClaimTemplate{{Name: "data", Labels: map[string]string{"tier": "db"}, Spec: corev1.PersistentVolumeClaimSpec{
+		AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+		Resources:   corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}}}}}
+	p.Spec.Template.Spec.Volumes = []impv1.Volume{{Name: "data", PersistentVolumeClaim: &impv1.PersistentVolumeClaimVolumeSource{ClaimName: "data"}}}
+	p.Spec.Template.Spec.VolumeMounts = []impv1.VolumeMount{{Name: "data", MountPath: "/data"}}
+	g.Expect(c.Client.Create(ctx, p)).To(Succeed())
+	claimOf := func(name string) string {
+		vm := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, vm); err != nil || len(vm.Spec.Volumes) != 1 {
+			return ""
+		}
+		return vm.Spec.Volumes[0].PersistentVolumeClaim.ClaimName
+	}
+	claims := func() []string {
+		var l corev1.PersistentVolumeClaimList
+		_ = c.Client.List(ctx, &l, client.InNamespace(ns))
+		var out []string
+		for _, pvc := range l.Items {
+			g.Expect(pvc.Labels).To(HaveKeyWithValue("tier", "db"))
+			g.Expect(pvc.OwnerReferences).To(BeEmpty())
+			out = append(out, pvc.Name)
+		}
+		sort.Strings(out)
+		return out
+	}
+	g.Eventually(func() int32 { return getPool(c, ns, "db").Status.AvailableReplicas }).WithTimeout(30 * time.Second).Should(Equal(int32(3)))
+	g.Expect(claims()).To(Equal([]string{"data-db-0", "data-db-1", "data-db-2"}))
+	for i := range 3 {
+		g.Expect(claimOf(fmt.Sprint("db-", i))).To(Equal(fmt.Sprint("data-db-", i)))
+	}
+
+	// A new image: in place, index by index; at most 3 VMs at any time.
+	var mu sync.Mutex
+	most, watching := 0, true
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			mu.Lock()
+			if !watching {
+				mu.Unlock()
+				return
+			}
+			mu.Unlock()
+			var vms impv1.ImpVMList
+			if err := c.Client.List(ctx, &vms, client.InNamespace(ns)); err == nil {
+				mu.Lock()
+				most = max(most, len(vms.Items))
+				mu.Unlock()
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	orig := getPool(c, ns, "db")
+	next := orig.DeepCopy()
+	next.Spec.Template.Spec.Image = "registry.test/app:2"
+	g.Expect(c.Client.Patch(ctx, next, client.MergeFrom(orig))).To(Succeed())
+	g.Eventually(func(g Gomega) {
+		pl := getPool(c, ns, "db")
+		g.Expect([]int32{pl.Status.Replicas, pl.Status.UpdatedReplicas, pl.Status.AvailableReplicas}).To(Equal([]int32{3, 3, 3}))
+		names, images := members(c, ns)
+		g.Expect(names).To(Equal([]string{"db-0", "db-1", "db-2"}))
+		for _, i := range images {
+			g.Expect(i).To(Equal("registry.test/app:2"))
+		}
+	}).WithTimeout(60 * time.Second).Should(Succeed())
+	mu.Lock()
+	watching = false
+	mu.Unlock()
+	<-done
+	g.Expect(most).To(BeNumerically("<=", 3), "VMs at once during an in-place update")
+	for i := range 3 {
+		g.Expect(claimOf(fmt.Sprint("db-", i))).To(Equal(fmt.Sprint("data-db-", i)))
+	}
+
+	// Scale-in: the highest index goes, its claim stays; scale-up takes it again.
+	scale(t, c, ns, "db", 2)
+	g.Eventually(func() []string { n, _ := members(c, ns); return n }).WithTimeout(30 * time.Second).Should(Equal([]string{"db-0", "db-1"}))
+	g.Expect(claims()).To(Equal([]string{"data-db-0", "data-db-1", "data-db-2"}))
+	scale(t, c, ns, "db", 3)
+	g.Eventually(func() string { return claimOf("db-2") }).WithTimeout(30 * time.Second).Should(Equal("data-db-2"))
+	g.Expect(claims()).To(HaveLen(3))
 }

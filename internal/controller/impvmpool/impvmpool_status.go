@@ -31,6 +31,7 @@ func newMember(pool *impv1.ImpVMPool, rev string, idx int) *impv1.ImpVM {
 		vm.Annotations[k] = v
 	}
 	vm.Labels[impv1.PoolLabel], vm.Labels[impv1.PoolRevisionLabel], vm.Labels[impv1.PoolIndexLabel] = pool.Name, rev, strconv.Itoa(idx)
+	withClaims(pool, vm, idx)
 	vm.OwnerReferences = []metav1.OwnerReference{*metav1.NewControllerRef(pool, impv1.GroupVersion.WithKind("ImpVMPool"))}
 	return vm
 }

@@ -44,6 +44,10 @@ type bounds struct {
 	replicas, maxSurge, maxUnavailable int
 	minReady                           time.Duration
 	onDelete                           bool
+	// inPlace: members have claims of their own (volumeClaimTemplates), so a member is
+	// replaced at its own index, once the one it replaces is gone: a member being deleted
+	// still holds its place, and there is no surge.
+	inPlace bool
 }
 
 // boundsOf resolves a pool's strategy: a percentage of replicas, surge rounded up and
@@ -63,6 +67,9 @@ func boundsOf(p *impv1.ImpVMPool) bounds {
 	// The schema admits only counts and percentages: an error cannot happen, and 0 is safe.
 	s, _ := intstr.GetScaledValueFromIntOrPercent(&surge, b.replicas, true)
 	u, _ := intstr.GetScaledValueFromIntOrPercent(&unavailable, b.replicas, false)
+	if b.inPlace = len(p.Spec.VolumeClaimTemplates) > 0; b.inPlace {
+		s = 0
+	}
 	if s == 0 && u == 0 {
 		u = 1
 	}
@@ -100,13 +107,19 @@ func planFor(b bounds, rev string, members []member, now time.Time) plan {
 	var p plan
 	var active, current, old []*member
 	taken := map[int]bool{}
+	holding := 0 // members being deleted that still hold their place (inPlace)
 	for i := range members {
 		m := &members[i]
 		taken[m.index] = true
 		switch {
+		case m.deleting && b.inPlace && !m.foreign:
+			holding++
 		case m.deleting, m.foreign:
 		case m.finished:
 			p.delete = append(p.delete, m.name)
+			if b.inPlace {
+				holding++
+			}
 		default:
 			active = append(active, m)
 			if m.rev == rev {
@@ -139,7 +152,12 @@ func planFor(b bounds, rev string, members []member, now time.Time) plan {
 	// remove deletes n of ms in scale-in order and returns the others.
 	remove := func(ms []*member, n int) []*member {
 		ms = slices.Clone(ms)
-		slices.SortStableFunc(ms, func(a, c *member) int { return byScaleIn(a, c, rev, now, b.minReady) })
+		slices.SortStableFunc(ms, func(a, c *member) int {
+			if b.inPlace {
+				return c.index - a.index // the highest index first, so members keep indices 0…replicas-1
+			}
+			return byScaleIn(a, c, rev, now, b.minReady)
+		})
 		n = min(n, len(ms))
 		for _, m := range ms[:n] {
 			p.delete = append(p.delete, m.name)
@@ -150,8 +168,8 @@ func planFor(b bounds, rev string, members []member, now time.Time) plan {
 	if len(old) == 0 || b.onDelete {
 		avail(active)
 		switch n := len(active); {
-		case n < b.replicas:
-			create(b.replicas - n)
+		case n+holding < b.replicas:
+			create(b.replicas - n - holding)
 		case n > b.replicas:
 			remove(active, n-b.replicas)
 		}
@@ -163,7 +181,7 @@ func planFor(b bounds, rev string, members []member, now time.Time) plan {
 		current = remove(current, n-b.replicas) // scaled in during the update
 		active = append(slices.Clone(old), current...)
 	}
-	if n := min(b.replicas+b.maxSurge-len(active), b.replicas-len(current)); n > 0 {
+	if n := min(b.replicas+b.maxSurge-len(active)-holding, b.replicas-len(current)); n > 0 {
 		create(n)
 	}
 	newUnavailable := len(current) - avail(current)

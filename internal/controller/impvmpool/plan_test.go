@@ -12,6 +12,10 @@ import (
 type world struct {
 	members []member
 	now     time.Time
+	// linger: how many more steps a deleted member stays (being deleted, as a VM whose VMM
+	// stops), by name.
+	linger  map[string]int
+	lingers int
 }
 
 func (w *world) step(t *testing.T, b bounds, rev string) plan {
@@ -21,6 +25,10 @@ func (w *world) step(t *testing.T, b bounds, rev string) plan {
 	kept := w.members[:0]
 	for _, m := range w.members {
 		if m.deleting {
+			if w.linger[m.name] > 0 {
+				w.linger[m.name]--
+				kept = append(kept, m)
+			}
 			continue
 		}
 		if !m.ready {
@@ -31,8 +39,12 @@ func (w *world) step(t *testing.T, b bounds, rev string) plan {
 	w.members = kept
 	p := planFor(b, rev, slices.Clone(w.members), w.now)
 	for i := range w.members {
-		if slices.Contains(p.delete, w.members[i].name) {
+		if slices.Contains(p.delete, w.members[i].name) && !w.members[i].deleting {
 			w.members[i].deleting = true
+			if w.linger == nil {
+				w.linger = map[string]int{}
+			}
+			w.linger[w.members[i].name] = w.lingers
 		}
 	}
 	for _, idx := range p.create {
@@ -73,29 +85,31 @@ func TestRollingUpdateBounds(t *testing.T) {
 		{replicas: 3, maxSurge: 0, maxUnavailable: 3},
 		{replicas: 1, maxSurge: 1, maxUnavailable: 0},
 	} {
-		t.Run(fmt.Sprintf("%+v", b), func(t *testing.T) {
-			w := &world{now: time.Unix(1e9, 0)}
-			for w.step(t, b, "a"); ; {
-				if r, _, _ := w.count("a"); r == b.replicas {
-					break
+		for _, lingers := range []int{0, 2} {
+			t.Run(fmt.Sprintf("%+v lingering %d", b, lingers), func(t *testing.T) {
+				w := &world{now: time.Unix(1e9, 0), lingers: lingers}
+				for w.step(t, b, "a"); ; {
+					if r, _, _ := w.count("a"); r == b.replicas {
+						break
+					}
+					w.step(t, b, "a")
 				}
-				w.step(t, b, "a")
-			}
-			for i := 0; i < 50; i++ {
-				w.step(t, b, "b")
-				ready, all, ofRev := w.count("b")
-				if ready < b.replicas-b.maxUnavailable {
-					t.Fatalf("step %d: %d Ready, fewer than %d", i, ready, b.replicas-b.maxUnavailable)
+				for i := 0; i < 50; i++ {
+					w.step(t, b, "b")
+					ready, all, ofRev := w.count("b")
+					if ready < b.replicas-b.maxUnavailable {
+						t.Fatalf("step %d: %d Ready, fewer than %d", i, ready, b.replicas-b.maxUnavailable)
+					}
+					if all > b.replicas+b.maxSurge {
+						t.Fatalf("step %d: %d members, more than %d", i, all, b.replicas+b.maxSurge)
+					}
+					if ready == b.replicas && all == b.replicas && ofRev == b.replicas {
+						return
+					}
 				}
-				if all > b.replicas+b.maxSurge {
-					t.Fatalf("step %d: %d members, more than %d", i, all, b.replicas+b.maxSurge)
-				}
-				if ready == b.replicas && all == b.replicas && ofRev == b.replicas {
-					return
-				}
-			}
-			t.Fatalf("the update did not finish: %+v", w.members)
-		})
+				t.Fatalf("the update did not finish: %+v", w.members)
+			})
+		}
 	}
 }
 
@@ -141,4 +155,33 @@ func TestLowestFreeIndices(t *testing.T) {
 	if !slices.Equal(p.create, []int{1, 4}) || !slices.Equal(p.delete, []string{"p-3"}) {
 		t.Fatalf("create %v delete %v, want create [1 4] delete [p-3]", p.create, p.delete)
 	}
+}
+
+// TestInPlaceUpdate: with claims of their own (inPlace), members are replaced at their own
+// index once the old one is gone: never more VMs than replicas, deleting ones included; the
+// update ends with members 0…replicas-1 of the new revision.
+func TestInPlaceUpdate(t *testing.T) {
+	b := bounds{replicas: 3, maxUnavailable: 1, inPlace: true}
+	w := &world{now: time.Unix(1e9, 0), lingers: 2}
+	for range 5 {
+		w.step(t, b, "a")
+	}
+	for i := 0; i < 50; i++ {
+		w.step(t, b, "b")
+		if len(w.members) > b.replicas {
+			t.Fatalf("step %d: %d VMs (deleting included), more than %d", i, len(w.members), b.replicas)
+		}
+		if ready, all, ofRev := w.count("b"); ready == 3 && all == 3 && ofRev == 3 {
+			var idx []int
+			for _, m := range w.members {
+				idx = append(idx, m.index)
+			}
+			slices.Sort(idx)
+			if !slices.Equal(idx, []int{0, 1, 2}) {
+				t.Fatalf("indices %v after the update, want [0 1 2]", idx)
+			}
+			return
+		}
+	}
+	t.Fatalf("the update did not finish: %+v", w.members)
 }
