@@ -163,7 +163,13 @@ func mountOne(v *Volume, m Mount, timeout time.Duration) error {
 		if m.ReadOnly {
 			flags |= unix.MS_RDONLY
 		}
-		return unix.Mount(dev, target, "ext4", flags, "")
+		err = unix.Mount(dev, target, "ext4", flags, "")
+		if flags&unix.MS_RDONLY == 0 && (errors.Is(err, unix.EACCES) || errors.Is(err, unix.EROFS)) {
+			// A write-protected disk (the node holds the claim read-only): mounted read-only,
+			// as mount(8) does.
+			err = unix.Mount(dev, target, "ext4", flags|unix.MS_RDONLY, "")
+		}
+		return err
 	}
 	src := stageDir(v)
 	if m.SubPath != "" {

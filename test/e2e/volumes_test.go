@@ -188,6 +188,32 @@ spec:
 	ready("vol-b", 0)
 	data("vol-b", "written-by-vol-b")
 	must("kubectl -n demo delete impvm vol-b --timeout=2m", `impvm.imp.dev "vol-b" deleted`)
+
+	// A claim the VM takes read-only, mounted without readOnly: the disk is write-protected,
+	// imp-init mounts it read-only (as mount(8) does), the data reads, a write fails.
+	ro := fmt.Sprintf(`apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: vol-ro, namespace: demo}
+spec:
+  image: %s
+  command: [/bin/hello]
+  args: [serve]
+  resources: {vcpus: 1, memory: 192Mi}
+  nodeSelector: {imp.test/node: %s}
+  terminationGracePeriodSeconds: 2
+  volumes: [{name: fs, persistentVolumeClaim: {claimName: data-fs, readOnly: true}}]
+  volumeMounts: [{name: fs, mountPath: /data}]
+`, image, node)
+	if err := os.WriteFile(filepath.Join(dir, "vol-ro.yaml"), []byte(ro), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	must("kubectl apply -f vol-ro.yaml", "impvm.imp.dev/vol-ro created")
+	ready("vol-ro", 0)
+	must("kubectl imp -n demo exec vol-ro -- /bin/hello tool-read /data/f", "written-by-vol-b")
+	if out, err := sh("kubectl imp -n demo exec vol-ro -- /bin/hello tool-write /data/f overwritten"); err == nil {
+		t.Errorf("a write to a read-only claim succeeded: %s", out)
+	}
+	must("kubectl -n demo delete impvm vol-ro --timeout=2m", `impvm.imp.dev "vol-ro" deleted`)
 	must("kubectl delete -f volumes.yaml --timeout=2m", "deleted")
 
 	// ### Dynamic provisioning: rancher's local-path-provisioner (hack/real-node.sh), as kind and

@@ -33,10 +33,14 @@ func HolderReady(vm *impv1.ImpVM) bool {
 // first use: ext4 when mounted). Everything is reached beneath the root of the holder's
 // container (its mount namespace, where the kubelet put the claim), with no symbolic link
 // followed: what the tenant's claim holds cannot point the node at anything else.
-func (m Maker) claimDisk(h *impv1.VolumeHolderStatus, c impv1.HeldClaim, readOnly, mounted bool) (*os.File, error) {
+//
+// A claim the node holds read-only is opened read-only, and says so (ro), whatever the VM
+// asked: a device the kernel marks read-only (BLKROGET; a read-only PersistentVolume's, a
+// read-only loop device), or a file system the kubelet mounted read-only (EROFS).
+func (m Maker) claimDisk(h *impv1.VolumeHolderStatus, c impv1.HeldClaim, readOnly, mounted bool) (f *os.File, ro bool, err error) {
 	root, err := m.holderRoot(h.PodUID, h.ContainerID)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	defer root.Close()
 	flags := unix.O_RDWR
@@ -44,28 +48,53 @@ func (m Maker) claimDisk(h *impv1.VolumeHolderStatus, c impv1.HeldClaim, readOnl
 		flags = unix.O_RDONLY
 	}
 	if c.Block {
-		f, err := openKind(root, strings.TrimPrefix(impv1.HolderDeviceDir, "/")+"/"+c.Volume, flags, unix.S_IFBLK)
+		dev := strings.TrimPrefix(impv1.HolderDeviceDir, "/") + "/" + c.Volume
+		f, err := openKind(root, dev, flags, unix.S_IFBLK)
+		if !readOnly && (errors.Is(err, unix.EACCES) || errors.Is(err, unix.EROFS)) {
+			// A read-only device refuses a writer: opened read-only if that is why.
+			readOnly = true
+			f, err = openKind(root, dev, unix.O_RDONLY, unix.S_IFBLK)
+		}
 		if err != nil {
-			return nil, fmt.Errorf("opening the claim's device in the holder pod: %w", err)
+			return nil, false, fmt.Errorf("opening the claim's device in the holder pod: %w", err)
+		}
+		if !readOnly {
+			kro, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKROGET)
+			if err != nil {
+				f.Close()
+				return nil, false, fmt.Errorf("asking whether the claim's device is read-only: %w", err)
+			}
+			readOnly = kro != 0
+		} else if kro, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKROGET); err != nil || (kro == 0 && flags == unix.O_RDWR) {
+			f.Close()
+			return nil, false, fmt.Errorf("the claim's device refused a writer but is not read-only: %v", err)
 		}
 		if mounted && !readOnly {
 			if err := m.formatIfBlank(f); err != nil {
 				f.Close()
-				return nil, err
+				return nil, false, err
 			}
 		}
-		return f, nil
+		return f, readOnly, nil
 	}
 	dir := strings.TrimPrefix(impv1.HolderMountDir, "/") + "/" + c.Volume
 	name := dir + "/disk.img"
-	f, err := openKind(root, name, flags, unix.S_IFREG)
+	f, err = openKind(root, name, flags, unix.S_IFREG)
+	if !readOnly && errors.Is(err, unix.EROFS) {
+		readOnly = true
+		f, err = openKind(root, name, unix.O_RDONLY, unix.S_IFREG)
+		if errors.Is(err, unix.ENOENT) {
+			return nil, false, errors.New("the claim is mounted read-only and holds no disk.img to read")
+		}
+	}
 	if errors.Is(err, unix.ENOENT) && !readOnly {
-		return m.makeImage(root, dir, name, c.SizeBytes, mounted)
+		f, err = m.makeImage(root, dir, name, c.SizeBytes, mounted)
+		return f, false, err
 	}
 	if err != nil {
-		return nil, fmt.Errorf("opening disk.img on the claim: %w", err)
+		return nil, false, fmt.Errorf("opening disk.img on the claim: %w", err)
 	}
-	return f, nil
+	return f, readOnly, nil
 }
 
 // openKind opens name beneath root (openBeneath) only if it is a file of type kind

@@ -3,6 +3,7 @@ package volume
 import (
 	"bytes"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -67,7 +68,7 @@ func TestClaimDisk(t *testing.T) {
 	m := Maker{Proc: proc}
 	h := &impv1.VolumeHolderStatus{PodUID: "u-1", ContainerID: "containerd://cid200abcdef"}
 	c := impv1.HeldClaim{Volume: "data", SizeBytes: 64 << 20}
-	f, err := m.claimDisk(h, c, false, true)
+	f, _, err := m.claimDisk(h, c, false, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,7 +88,7 @@ func TestClaimDisk(t *testing.T) {
 	if err := os.WriteFile(img, []byte("kept"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	f, err = m.claimDisk(h, c, false, true)
+	f, _, err = m.claimDisk(h, c, false, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +121,7 @@ func TestClaimDisk(t *testing.T) {
 		_ = os.RemoveAll(filepath.Join(root, "imp/volumes/data"))
 		_ = os.MkdirAll(filepath.Join(root, "imp/volumes/data"), 0o755)
 		plant()
-		if f, err := m.claimDisk(h, c, false, false); err == nil {
+		if f, _, err := m.claimDisk(h, c, false, false); err == nil {
 			f.Close()
 			t.Errorf("%s: opened", name)
 		}
@@ -136,7 +137,7 @@ func TestClaimDisk(t *testing.T) {
 	}
 	done := make(chan error, 1)
 	go func() {
-		f, err := m.claimDisk(h, c, true, false)
+		f, _, err := m.claimDisk(h, c, true, false)
 		if err == nil {
 			f.Close()
 		}
@@ -154,17 +155,81 @@ func TestClaimDisk(t *testing.T) {
 	_ = os.MkdirAll(filepath.Join(root, "dev/imp"), 0o755)
 	blk := impv1.HeldClaim{Volume: "raw", Block: true}
 	_ = os.Symlink("/dev/null", filepath.Join(root, "dev/imp/raw"))
-	if f, err := m.claimDisk(h, blk, false, false); err == nil {
+	if f, _, err := m.claimDisk(h, blk, false, false); err == nil {
 		f.Close()
 		t.Error("a link at the device's place was opened")
 	}
 	_ = os.Remove(filepath.Join(root, "dev/imp/raw"))
 	_ = os.WriteFile(filepath.Join(root, "dev/imp/raw"), nil, 0o600)
-	if _, err := m.claimDisk(h, blk, false, false); err == nil || !strings.Contains(err.Error(), "not a block device") {
+	if _, _, err := m.claimDisk(h, blk, false, false); err == nil || !strings.Contains(err.Error(), "not a block device") {
 		t.Errorf("a regular file at the device's place: %v", err)
 	}
 	// Another pod's claims are not this one's.
-	if _, err := m.claimDisk(&impv1.VolumeHolderStatus{PodUID: "u-2", ContainerID: "containerd://cid200abcdef"}, c, false, false); err == nil || !strings.Contains(err.Error(), "no process of the holder pod u-2") {
+	if _, _, err := m.claimDisk(&impv1.VolumeHolderStatus{PodUID: "u-2", ContainerID: "containerd://cid200abcdef"}, c, false, false); err == nil || !strings.Contains(err.Error(), "no process of the holder pod u-2") {
 		t.Errorf("a pod with no process here: %v", err)
+	}
+}
+
+// TestReadOnlyClaims: a claim the node holds read-only is opened read-only and reported so,
+// whatever the VM asked: a Filesystem claim the kubelet mounted read-only (a read-only bind of
+// its directory), and a Block claim's device the kernel marks read-only (a read-only loop
+// device). A writable device is writable. Root: mounts and loop devices.
+func TestReadOnlyClaims(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a read-only bind mount and a loop device")
+	}
+	proc, root := fakeHolder(t, "u-1")
+	m := Maker{Proc: proc}
+	h := &impv1.VolumeHolderStatus{PodUID: "u-1", ContainerID: "containerd://cid200abcdef"}
+	dir := filepath.Join(root, "imp/volumes/data")
+	if err := os.WriteFile(filepath.Join(dir, "disk.img"), make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(dir, dir, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+	if err := unix.Mount("", dir, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY, ""); err != nil {
+		t.Fatal(err)
+	}
+	f, ro, err := m.claimDisk(h, impv1.HeldClaim{Volume: "data", SizeBytes: 1 << 20}, false, true)
+	if err != nil || !ro {
+		t.Fatalf("a read-only mounted claim: ro %v, %v", ro, err)
+	}
+	f.Close()
+
+	// A loop device, read-only and then read-write, at the holder's device path.
+	backing := filepath.Join(t.TempDir(), "blk.img")
+	if err := os.WriteFile(backing, make([]byte, 4<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(root, "dev/imp"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, kernelRO := range []bool{true, false} {
+		args := []string{"--find", "--show"}
+		if kernelRO {
+			args = append(args, "--read-only")
+		}
+		out, err := exec.Command("losetup", append(args, backing)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("losetup: %v: %s", err, out)
+		}
+		loop := strings.TrimSpace(string(out))
+		t.Cleanup(func() { _ = exec.Command("losetup", "-d", loop).Run() })
+		var st unix.Stat_t
+		if err := unix.Stat(loop, &st); err != nil {
+			t.Fatal(err)
+		}
+		node := filepath.Join(root, "dev/imp/raw")
+		_ = os.Remove(node)
+		if err := unix.Mknod(node, unix.S_IFBLK|0o600, int(st.Rdev)); err != nil {
+			t.Fatal(err)
+		}
+		f, ro, err := m.claimDisk(h, impv1.HeldClaim{Volume: "raw", Block: true}, false, false)
+		if err != nil || ro != kernelRO {
+			t.Fatalf("a loop device read-only=%v: ro %v, %v", kernelRO, ro, err)
+		}
+		f.Close()
 	}
 }

@@ -132,10 +132,11 @@ func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volu
 	if kind == impv1.VMMFirecracker && !c.Block {
 		return vmm.Drive{}, errors.New("a claim of volumeMode Filesystem is not supported under Firecracker yet (its disk image would have to be bound into the jail): use volumeMode Block, or QEMU")
 	}
-	f, err := m.claimDisk(h, *c, ro, mounted)
+	f, nodeRO, err := m.claimDisk(h, *c, ro, mounted)
 	if err != nil {
 		return vmm.Drive{}, err
 	}
+	ro = ro || nodeRO
 	r.Defer(func() { f.Close() })
 	d := vmm.Drive{ID: v.Name, File: f, ReadOnly: ro, Block: c.Block, Serial: guestinit.VolumeSerialPrefix + strconv.Itoa(i)}
 	if kind == impv1.VMMFirecracker {
