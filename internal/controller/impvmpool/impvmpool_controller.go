@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
@@ -272,13 +274,33 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, concurrency int) error {
 		// Not its own status writes: a spec change (the scale subresource's included).
 		For(&impv1.ImpVMPool{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Named("impvmpool").
-		Owns(&impv1.ImpVM{}).
+		Owns(&impv1.ImpVM{}, builder.WithPredicates(memberChanged)).
 		// A quota's limits changed, not its usage (which every VM of the namespace moves).
 		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.poolsOfNamespace),
 			builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		WithOptions(controller.Options{MaxConcurrentReconciles: max(concurrency, 1)}).
 		Complete(r)
 }
+
+// memberChanged passes a member's events that can change what its pool does or reports:
+// made, gone, being deleted, relabelled, placed, its phase, and its Ready and Scheduled
+// conditions; not the rest of its status (addresses, runtime reports, heartbeats).
+var memberChanged = predicate.Funcs{UpdateFunc: func(e event.UpdateEvent) bool {
+	a, okA := e.ObjectOld.(*impv1.ImpVM)
+	b, okB := e.ObjectNew.(*impv1.ImpVM)
+	if !okA || !okB {
+		return true
+	}
+	cond := func(vm *impv1.ImpVM, t string) metav1.Condition {
+		if c := meta.FindStatusCondition(vm.Status.Conditions, t); c != nil {
+			return metav1.Condition{Status: c.Status, Reason: c.Reason, Message: c.Message, LastTransitionTime: c.LastTransitionTime}
+		}
+		return metav1.Condition{}
+	}
+	return !a.DeletionTimestamp.Equal(b.DeletionTimestamp) || !maps.Equal(a.Labels, b.Labels) ||
+		a.Status.NodeName != b.Status.NodeName || a.Status.Phase != b.Status.Phase ||
+		cond(a, impv1.ReadyCondition) != cond(b, impv1.ReadyCondition) || cond(a, impv1.ScheduledCondition) != cond(b, impv1.ScheduledCondition)
+}}
 
 func (r *Reconciler) poolsOfNamespace(ctx context.Context, o client.Object) []reconcile.Request {
 	var list impv1.ImpVMPoolList
