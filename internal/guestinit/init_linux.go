@@ -38,6 +38,11 @@ func Run() {
 			fmt.Fprintln(os.Stderr, "imp-init: freezing the writable disk:", err)
 		}
 	}
+	for _, fd := range volumeDirs {
+		if err := unix.IoctlSetInt(fd, fiFreeze, 0); err != nil {
+			fmt.Fprintln(os.Stderr, "imp-init: freezing a disk volume:", err)
+		}
+	}
 	fmt.Fprintf(os.Stderr, "imp-init: workload exited with code %d; powering off\n", code)
 	if ch != nil && ch.vsock {
 		// Firecracker has no power-off: it exits on the reset of a reboot (reboot=k).

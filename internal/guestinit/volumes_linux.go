@@ -19,6 +19,11 @@ import (
 // sees the new ones.
 const volumesDir = "/run/imp/volumes"
 
+// volumeDirs are descriptors of the disk volumes mounted writable: at power-off each is frozen
+// (FIFREEZE checkpoints ext4's journal), so that a claim lies consistent for whoever mounts it
+// next, a reader of a write-protected disk included (which cannot replay a journal).
+var volumeDirs []int
+
 // mountVolumes mounts the run's volumes in the root (cfg.Mounts) and makes its disks' device
 // nodes (cfg.Devices), before the workload starts: volumes of files staged once each on a
 // tmpfs, then bound read-only at each mount; disks mounted from the block device of their
@@ -167,7 +172,20 @@ func mountOne(v *Volume, m Mount, timeout time.Duration) error {
 		if flags&unix.MS_RDONLY == 0 && (errors.Is(err, unix.EACCES) || errors.Is(err, unix.EROFS)) {
 			// A write-protected disk (the node holds the claim read-only): mounted read-only,
 			// as mount(8) does.
-			err = unix.Mount(dev, target, "ext4", flags|unix.MS_RDONLY, "")
+			flags |= unix.MS_RDONLY
+			err = unix.Mount(dev, target, "ext4", flags, "")
+		}
+		if flags&unix.MS_RDONLY != 0 && errors.Is(err, unix.EROFS) {
+			// Read-only, and its journal wants replaying (its last writer stopped without
+			// unmounting it), which a write-protected disk cannot: read as it is, without
+			// the journal's last transactions.
+			err = unix.Mount(dev, target, "ext4", flags, "noload")
+		}
+		if err == nil && flags&unix.MS_RDONLY == 0 {
+			// Kept, to freeze it at power-off, as the writable disk is (Run).
+			if fd, err := unix.Open(target, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err == nil {
+				volumeDirs = append(volumeDirs, fd)
+			}
 		}
 		return err
 	}
