@@ -247,32 +247,21 @@ build_distribution() {
   rmdir "$tmp"
 }
 
-build_coredns() {
-  if have coredns; then log "coredns: present, skipping"; return; fi
-  local dir="$CP_BUILD_DIR/coredns-$COREDNS_VERSION"
+# build_main BINARY MODULE VERSION: a module whose root is a main package, built in a throwaway
+# module that requires it (go mod tidy resolves its dependencies there), as DEST/BINARY.
+build_main() {
+  local bin=$1 mod=$2 version=$3
+  if have "$bin"; then log "$bin: present, skipping"; return; fi
+  local dir="$CP_BUILD_DIR/$bin-$version"
   mkdir -p "$dir"
   if [[ ! -f "$dir/go.sum" ]]; then
-    printf 'module cpbuild/coredns\n\ngo 1.26.0\n\nrequire github.com/coredns/coredns %s\n' "$COREDNS_VERSION" >"$dir/go.mod"
-    printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/coredns/coredns"\n' >"$dir/tools.go"
-    log "resolving coredns $COREDNS_VERSION dependencies (go mod tidy)"
+    printf 'module cpbuild/%s\n\ngo 1.26.0\n\nrequire %s %s\n' "$bin" "$mod" "$version" >"$dir/go.mod"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$mod" >"$dir/tools.go"
+    log "resolving $bin $version dependencies (go mod tidy)"
     (cd "$dir" && timed go mod tidy)
   fi
-  log "building coredns $COREDNS_VERSION"
-  (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/coredns" github.com/coredns/coredns)
-}
-
-build_localpath() {
-  if have local-path-provisioner; then log "local-path-provisioner: present, skipping"; return; fi
-  local dir="$CP_BUILD_DIR/local-path-$LOCAL_PATH_VERSION"
-  mkdir -p "$dir"
-  if [[ ! -f "$dir/go.sum" ]]; then
-    printf 'module cpbuild/localpath\n\ngo 1.26.0\n\nrequire github.com/rancher/local-path-provisioner %s\n' "$LOCAL_PATH_VERSION" >"$dir/go.mod"
-    printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/rancher/local-path-provisioner"\n' >"$dir/tools.go"
-    log "resolving local-path-provisioner $LOCAL_PATH_VERSION dependencies (go mod tidy)"
-    (cd "$dir" && timed go mod tidy)
-  fi
-  log "building local-path-provisioner $LOCAL_PATH_VERSION"
-  (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/local-path-provisioner" github.com/rancher/local-path-provisioner)
+  log "building $bin $version"
+  (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/$bin" "$mod")
 }
 
 t_start=$SECONDS
@@ -282,7 +271,7 @@ want kwok && build_kwok
 want helm && build_helm
 want registry && build_registry
 want distribution && build_distribution
-want coredns && build_coredns
-want localpath && build_localpath
+want coredns && build_main coredns github.com/coredns/coredns "$COREDNS_VERSION"
+want localpath && build_main local-path-provisioner github.com/rancher/local-path-provisioner "$LOCAL_PATH_VERSION"
 log "all done in $((SECONDS - t_start))s; contents of $DEST:"
 ls -l "$DEST"

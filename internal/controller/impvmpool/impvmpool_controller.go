@@ -113,7 +113,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.pruneRevisions(ctx, pool, rev, revs, members); err != nil {
 		return ctrl.Result{}, err
 	}
-	r.status(pool, b, rev, members, vms, failure, now)
+	computeStatus(pool, b, rev, members, vms, failure, now)
 	if err := r.writeStatus(ctx, orig, pool); err != nil {
 		return ctrl.Result{}, err
 	}

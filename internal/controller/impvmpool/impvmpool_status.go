@@ -42,8 +42,8 @@ func isQuota(err error) bool {
 	return strings.Contains(err.Error(), "ImpQuota ")
 }
 
-// status recomputes the pool's status from its members (after this reconcile's deletions).
-func (r *Reconciler) status(pool *impv1.ImpVMPool, b bounds, rev string, members []member, vms map[string]*impv1.ImpVM,
+// computeStatus recomputes the pool's status from its members (after this reconcile's deletions).
+func computeStatus(pool *impv1.ImpVMPool, b bounds, rev string, members []member, vms map[string]*impv1.ImpVM,
 	failure *createFailure, now time.Time) {
 	st := &pool.Status
 	st.Replicas, st.ReadyReplicas, st.AvailableReplicas, st.UpdatedReplicas = 0, 0, 0, 0
