@@ -25,6 +25,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
@@ -36,6 +37,7 @@ import (
 )
 
 func main() {
+	guestmem.Init() // the child that fills a restored VM's memory is this binary again
 	if err := run(); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-agent:", err)
 		os.Exit(1)

@@ -37,6 +37,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
@@ -55,6 +56,7 @@ var shared *testcluster.Cluster
 
 // TestMain starts the control plane with a front proxy, as the access benchmark needs.
 func TestMain(m *testing.M) {
+	guestmem.Init() // restores fill the guest's memory in a child: this binary again
 	dir, err := os.MkdirTemp("", "imp-agent-test-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

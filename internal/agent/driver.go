@@ -12,9 +12,11 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -102,23 +104,51 @@ func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) 
 	}
 	if l.restore != "" {
 		spec.Incoming = filepath.Join(l.restore, snapshot.StateFile) // opened by the agent, passed as a descriptor
+		if mem := filepath.Join(l.restore, snapshot.MemoryFile); regularFile(mem) {
+			spec.MemoryImage = mem // the stream holds the devices only
+		}
 	}
 	return qemu.Start(spec, l.m.Digest)
 }
 
-func (qemuDriver) snapshot(_ context.Context, _ *impv1.ImpVM, dir string, _ *meta, running bool, into string) (time.Duration, error) {
+func (d qemuDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, _ *meta, running bool, into string) (time.Duration, error) {
 	disk := func() error {
 		return snapshot.CopyDisk(filepath.Join(dir, vmrun.WritableDisk), filepath.Join(into, snapshot.DiskFile))
 	}
+	var pause time.Duration
 	if !running {
-		return 0, errors.Join(snapshot.CopyDisk(filepath.Join(dir, qemu.StateFile), filepath.Join(into, snapshot.StateFile)), disk())
+		if err := errors.Join(snapshot.CopyDisk(filepath.Join(dir, qemu.StateFile), filepath.Join(into, snapshot.StateFile)), disk()); err != nil {
+			return 0, err
+		}
+	} else {
+		state, err := os.OpenFile(filepath.Join(into, snapshot.StateFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return 0, fmt.Errorf("creating the snapshot's state file: %w", err)
+		}
+		pause, err = qemu.Snapshot(dir, state, disk, 5*time.Minute)
+		state.Close()
+		if err != nil {
+			return pause, err
+		}
 	}
-	state, err := os.OpenFile(filepath.Join(into, snapshot.StateFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	d.splitMemory(ctx, vm, into)
+	return pause, nil
+}
+
+// splitMemory makes the guest's memory in the snapshot in into a file of its own beside the
+// devices' stream (guestmem.Split), once the guest runs on: a restore then fills its memory
+// from the file rather than having QEMU stream it. A stream it cannot split stays as it is,
+// and restores as it is.
+func (qemuDriver) splitMemory(ctx context.Context, vm *impv1.ImpVM, into string) {
+	state, devices := filepath.Join(into, snapshot.StateFile), filepath.Join(into, snapshot.StateFile+".devices")
+	err := guestmem.Split(state, devices, filepath.Join(into, snapshot.MemoryFile), qemu.RAMID, vm.Status.Resources.Memory.Value())
+	if err == nil {
+		err = os.Rename(devices, state)
+	}
 	if err != nil {
-		return 0, fmt.Errorf("creating the snapshot's state file: %w", err)
+		_ = os.Remove(filepath.Join(into, snapshot.MemoryFile))
+		ctrl.LoggerFrom(ctx).Info("the snapshot keeps its memory in its stream", "vm", vm.Name, "reason", err.Error())
 	}
-	defer state.Close()
-	return qemu.Snapshot(dir, state, disk, 5*time.Minute)
 }
 
 func (qemuDriver) saved(_ *impv1.ImpVM, dir string, _ *meta) bool {
@@ -127,7 +157,7 @@ func (qemuDriver) saved(_ *impv1.ImpVM, dir string, _ *meta) bool {
 }
 
 func (qemuDriver) resumed(_ context.Context, dir string, rec *vmm.Record) error {
-	if err := qemu.ResumeIncoming(dir, 5*time.Minute); err != nil {
+	if err := qemu.ResumeIncoming(dir, rec, 5*time.Minute); err != nil {
 		if rec.Alive() {
 			_ = qemu.Quit(dir)
 		}
@@ -273,4 +303,10 @@ func (d firecrackerDriver) capLogs(dir string, max int64) error {
 
 func (d firecrackerDriver) logTail(dir string) string {
 	return vmm.Tail(d.a.jailRoot(types.UID(filepath.Base(dir))), firecracker.LogFile, 300)
+}
+
+// regularFile says whether path is a regular file (not followed if a link).
+func regularFile(path string) bool {
+	fi, err := os.Lstat(path)
+	return err == nil && fi.Mode().IsRegular()
 }

@@ -134,7 +134,7 @@ func TestSnapshotRestore(t *testing.T) {
 	}
 	// The files are the agent's alone, outside every jail.
 	dir := filepath.Join(stateDir, "snapshots", string(snap.UID))
-	for _, f := range []string{snapshot.StateFile, snapshot.DiskFile, snapshot.ManifestFile} {
+	for _, f := range []string{snapshot.StateFile, snapshot.MemoryFile, snapshot.DiskFile, snapshot.ManifestFile} {
 		fi, err := os.Stat(filepath.Join(dir, f))
 		if err != nil || fi.Mode().Perm() != 0o600 || fi.Sys().(*syscall.Stat_t).Uid != 0 {
 			t.Errorf("snapshot file %s: %v %v", f, fi, err)
@@ -506,7 +506,7 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 	}
 	// Node b's copy of the snapshot is the agent's alone, as node a's.
 	pulled := filepath.Join(tmp, "b", "snapshots", string(snap.UID))
-	for _, f := range []string{snapshot.StateFile, snapshot.DiskFile, snapshot.ManifestFile} {
+	for _, f := range []string{snapshot.StateFile, snapshot.MemoryFile, snapshot.DiskFile, snapshot.ManifestFile} {
 		fi, err := os.Stat(filepath.Join(pulled, f))
 		if err != nil || fi.Mode().Perm() != 0o600 {
 			t.Errorf("node b's %s: %v %v", f, fi, err)

@@ -154,6 +154,7 @@ func (a *Agent) pullSnapshot(snap *impv1.ImpVMSnapshot) error {
 		limits[firecracker.SnapshotStateFile], limits[firecracker.SnapshotMemFile] = 16<<20, mem
 	} else {
 		limits[snapshot.StateFile] = mem + 64<<20 // the devices' state beside the memory
+		limits[snapshot.MemoryFile] = mem
 	}
 	if err := a.snapshots.Pull(ctx, snap.UID, snap.Namespace, snap.Name, ref, key, limits, opts...); err != nil {
 		return fmt.Errorf("pulling ImpVMSnapshot %s from %s: %w", snap.Name, ref, err)

@@ -88,6 +88,29 @@ func copyRange(in, out *os.File, off, n int64) error {
 		c, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(min(n, 1<<30)), 0)
 		if err != nil {
 			if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EINVAL) {
+				return sendRange(in, out, off, n)
+			}
+			return err
+		}
+		if c == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		off += int64(c)
+		n -= int64(c)
+	}
+	return nil
+}
+
+// sendRange copies n bytes at off of in to the same offset of out where copy_file_range cannot
+// (two file systems: a memfd and a disk): sendfile, still in the kernel, else read and write.
+func sendRange(in, out *os.File, off, n int64) error {
+	if _, err := out.Seek(off, io.SeekStart); err != nil {
+		return err
+	}
+	for n > 0 {
+		c, err := unix.Sendfile(int(out.Fd()), int(in.Fd()), &off, int(min(n, 1<<30)))
+		if err != nil {
+			if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOSYS) {
 				_, err := io.Copy(io.NewOffsetWriter(out, off), io.NewSectionReader(in, off, n))
 				return err
 			}
@@ -96,7 +119,6 @@ func copyRange(in, out *os.File, off, n int64) error {
 		if c == 0 {
 			return io.ErrUnexpectedEOF
 		}
-		off += int64(c)
 		n -= int64(c)
 	}
 	return nil

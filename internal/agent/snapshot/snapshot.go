@@ -30,8 +30,12 @@ import (
 const (
 	// ManifestFile describes the snapshot (Manifest).
 	ManifestFile = "manifest.json"
-	// StateFile is QEMU's memory and device state (its migration stream).
+	// StateFile is QEMU's memory and device state (its migration stream), or its device state
+	// alone where MemoryFile is beside it.
 	StateFile = "state"
+	// MemoryFile is the guest's memory, page for page (sparse), of a QEMU VM whose memory was
+	// a memfd (guestmem): a restore fills a new one with it instead of streaming it.
+	MemoryFile = "memory"
 	// DiskFile is the VM's writable disk as it was when the VM was paused.
 	DiskFile = "rw.ext4"
 	// BaseFile is the image's disk the VM ran on (read-only, 0444): the guest's memory holds

@@ -29,6 +29,9 @@ type Record struct {
 	StartTime uint64 `json:"startTime"` // clock ticks after boot, /proc/<pid>/stat field 22
 	// ConfigHash identifies the configuration the VMM was started with.
 	ConfigHash string `json:"configHash"`
+	// IncomingFD, when not 0, is the VMM's descriptor of the device state it waits to load on
+	// its memory, filled already (qemu.ResumeIncoming starts that load).
+	IncomingFD int `json:"incomingFD,omitempty"`
 }
 
 // WriteRecord writes r into dir atomically.

@@ -56,7 +56,7 @@ func run(b *testing.B, rounds int, mem int64) error {
 		if rec, err = qemu.Start(spec, "bench"); err != nil {
 			return err
 		}
-		if err := qemu.ResumeIncoming(dir, time.Minute); err != nil {
+		if err := qemu.ResumeIncoming(dir, rec, time.Minute); err != nil {
 			return err
 		}
 		res = append(res, time.Since(t0))

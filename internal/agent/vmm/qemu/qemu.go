@@ -4,6 +4,7 @@
 package qemu
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/failpoint"
@@ -49,6 +51,10 @@ type Spec struct {
 	CgroupRoot string
 	// Incoming, when set, starts the VM from the state a Suspend saved in this file.
 	Incoming string
+	// MemoryImage, when set with Incoming, is the guest's memory as a snapshot holds it
+	// (guestmem.Split): Start fills the VM's memory, a memfd, with it, and Incoming holds the
+	// devices only, which ResumeIncoming has QEMU load (x-ignore-shared).
+	MemoryImage string
 	// UID and GID, when not 0, are the VM's own uid and gid (the jail range), which QEMU runs
 	// as. QEMU then reaches nothing by path: the agent opens its files and sockets and passes
 	// them as descriptors; those it writes (the writable disk, the console) belong to UID.
@@ -86,9 +92,15 @@ func (s Spec) Args() []string {
 		cmdline = append(cmdline, s.Net.Params()...)
 	}
 	dir := s.Dir
+	machine := "microvm"
+	if s.MemoryImage != "" {
+		// The guest's memory: the memfd the agent filled with the snapshot's (guestmem), shared,
+		// so that QEMU leaves it as it is when it loads the devices (x-ignore-shared).
+		machine += ",memory-backend=" + RAMID
+	}
 	args := []string{
 		"-name", filepath.Base(dir),
-		"-M", "microvm", "-accel", accel(s.Accel), "-cpu", cpu,
+		"-M", machine, "-accel", accel(s.Accel), "-cpu", cpu,
 		"-smp", strconv.Itoa(s.VCPUs), "-m", fmt.Sprintf("%dM", s.MemoryMiB),
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
 		"-kernel", fdPath(kernelFD), "-initrd", fdPath(initrdFD), "-append", strings.Join(cmdline, " "),
@@ -130,7 +142,12 @@ func (s Spec) Args() []string {
 			"-drive", fmt.Sprintf("id=vol-%s,file.driver=%s,file.filename=/dev/fdset/%d,format=raw,if=none%s", d.ID, protocol(d), set, ro),
 			"-device", fmt.Sprintf("virtio-blk-device,drive=vol-%s,serial=%s", d.ID, d.Serial))
 	}
-	if s.Incoming != "" {
+	switch {
+	case s.Incoming != "" && s.MemoryImage != "":
+		args = append(args,
+			"-object", fmt.Sprintf("memory-backend-file,id=%s,size=%dM,mem-path=%s,share=on", RAMID, s.MemoryMiB, fdPath(memFD)),
+			"-incoming", "defer") // ResumeIncoming starts it, x-ignore-shared set
+	case s.Incoming != "":
 		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
 	}
 	if s.Tap != nil && s.Net != nil {
@@ -156,9 +173,16 @@ func (s Spec) Limits() cgroup.Limits {
 
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
-func (s Spec) files() ([]*os.File, error) {
-	files := make([]*os.File, consoleSockFD-tapFD+1+2*len(s.Drives))
+func (s Spec) files(mem *os.File) ([]*os.File, error) {
+	files := make([]*os.File, memFD-tapFD+1+2*len(s.Drives))
 	files[tapFD-3] = s.Tap
+	if mem != nil {
+		m, err := dupFile(mem) // Start closes what files returns, and keeps mem for the fill
+		if err != nil {
+			return files, err
+		}
+		files[memFD-3] = m
+	}
 	open := func(fd int, path string, flag int) error {
 		f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW, 0o600)
 		if err != nil {
@@ -281,11 +305,16 @@ const (
 	consoleFD
 	sessionFD // runs that have none keep the numbers above
 	consoleSockFD
+	memFD   // a restored guest's memory (guestmem)
 	driveFD // the first of the disk volumes', two each (read-write, read-only)
 )
 
 // volumeFDSet is the fd set of the first disk volume, one each.
 const volumeFDSet = 10
+
+// RAMID is the guest's RAM block: the name QEMU gives microvm's default RAM, which a restore's
+// memfd takes too, so that the streams of VMs of either kind load into the other.
+const RAMID = "microvm.ram"
 
 func fdPath(fd int) string { return fmt.Sprintf("/proc/self/fd/%d", fd) }
 
@@ -314,7 +343,14 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 		return nil, fmt.Errorf("opening the VMM log: %w", err)
 	}
 	defer logf.Close()
-	files, err := s.files()
+	var mem *os.File
+	if s.MemoryImage != "" {
+		if mem, err = guestmem.Create(filepath.Base(s.Dir), s.MemoryMiB<<20); err != nil {
+			return nil, err
+		}
+		defer mem.Close()
+	}
+	files, err := s.files(mem)
 	defer func() {
 		for _, f := range files {
 			if f != nil && f != s.Tap {
@@ -382,11 +418,36 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 		return nil, err
 	}
 	rec := &vmm.Record{Kind: "qemu", Pid: cmd.Process.Pid, StartTime: st, ConfigHash: configHash}
+	if mem != nil {
+		// The memory filled while QEMU starts, and recorded only once it is whole: an agent
+		// that finds the record may have QEMU load the devices on it.
+		if err := s.fill(mem, cgroups); err != nil {
+			_ = cmd.Process.Kill()
+			return nil, err
+		}
+		rec.IncomingFD = incomingFD
+	}
 	if err := vmm.WriteRecord(s.Dir, rec); err != nil {
 		_ = cmd.Process.Kill()
 		return nil, err
 	}
 	return rec, nil
+}
+
+// fill fills the guest's memory mem with s.MemoryImage, in a child in the VM's cgroups.
+func (s Spec) fill(mem *os.File, cgroups *cgroup.Set) error {
+	img, err := os.OpenFile(s.MemoryImage, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return fmt.Errorf("opening the memory image: %w", err)
+	}
+	defer img.Close()
+	return guestmem.Fill(context.Background(), mem, img, s.UID, s.GID, func(pid int) error {
+		if cgroups == nil {
+			return nil
+		}
+		_, err := cgroups.Join(pid, false)
+		return err
+	})
 }
 
 // DialChannel connects to the guest channel of the VM in dir.

@@ -17,6 +17,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/guestinit"
 	"github.com/syscode-labs/imp/internal/testguest"
@@ -61,14 +62,26 @@ func TestArgs(t *testing.T) {
 	s.Drives = []vmm.Drive{{ID: "scratch", Path: "/v1", Serial: "imp-vol0"}, {ID: "ro", Path: "/v2", Serial: "imp-vol1", ReadOnly: true, Block: true}}
 	args = strings.Join(s.Args(), " ")
 	for _, want := range []string{
-		"-add-fd fd=15,set=10,opaque=vol-scratch -add-fd fd=16,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file.driver=file,file.filename=/dev/fdset/10,format=raw,if=none -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
-		"-add-fd fd=17,set=11,opaque=vol-ro -add-fd fd=18,set=11,opaque=vol-ro-ro -drive id=vol-ro,file.driver=host_device,file.filename=/dev/fdset/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
+		"-add-fd fd=16,set=10,opaque=vol-scratch -add-fd fd=17,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file.driver=file,file.filename=/dev/fdset/10,format=raw,if=none -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
+		"-add-fd fd=18,set=11,opaque=vol-ro -add-fd fd=19,set=11,opaque=vol-ro-ro -drive id=vol-ro,file.driver=host_device,file.filename=/dev/fdset/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)
 		}
 	}
 	s.Drives = nil
+	// A resume loads memory and devices from its descriptor; a restore whose memory the agent
+	// filled waits for ResumeIncoming to load the devices.
+	s.Incoming = "/state"
+	if args := strings.Join(s.Args(), " "); !strings.Contains(args, "-incoming fd:4") {
+		t.Errorf("a resume's args lack -incoming fd:4:\n%s", args)
+	}
+	s.MemoryImage = "/memory"
+	if args := strings.Join(s.Args(), " "); !strings.Contains(args, "-M microvm,memory-backend=microvm.ram") ||
+		!strings.Contains(args, "-object memory-backend-file,id=microvm.ram,size=256M,mem-path=/proc/self/fd/15,share=on -incoming defer") {
+		t.Errorf("a restore's args lack its memfd and -incoming defer:\n%s", args)
+	}
+	s.Incoming, s.MemoryImage = "", ""
 	s.Accel, s.Tap, s.Net = "kvm", nil, nil
 	args = strings.Join(s.Args(), " ")
 	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {
@@ -300,7 +313,7 @@ func TestSuspendResume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ResumeIncoming(vmDir, time.Minute); err != nil {
+	if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("resume: %v", time.Since(start).Round(time.Millisecond))
@@ -311,6 +324,75 @@ func TestSuspendResume(t *testing.T) {
 		t.Errorf("the workload started again instead of continuing:\n%s", after)
 	}
 	t.Logf("after resume:\n%s", after)
+
+	// A snapshot, its memory split out of the stream into a file of its own (guestmem), and a
+	// restore that fills a new memfd with it: the count goes on from the snapshot's, the
+	// workload not started again.
+	snapDir := t.TempDir()
+	stream, devices, memFile := filepath.Join(snapDir, "stream"), filepath.Join(snapDir, "state"), filepath.Join(snapDir, "memory")
+	state, err := os.Create(stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pause, err := Snapshot(vmDir, state, nil, time.Minute)
+	state.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := guestmem.Split(stream, devices, memFile, RAMID, spec.MemoryMiB<<20); err != nil {
+		t.Fatal(err)
+	}
+	fi, _ := os.Stat(devices)
+	t.Logf("snapshot: paused %v, devices %d bytes", pause.Round(time.Millisecond), fi.Size())
+	if fi.Size() > 4<<20 {
+		t.Errorf("the devices' state is %d bytes: the memory is in the stream", fi.Size())
+	}
+	atSnapshot := strings.Count(console(), "hello: tick ")
+	if err := Quit(vmDir); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the VMM runs after quit", 10*time.Second, func() bool { return !rec.Alive() })
+	before = console()
+	spec.Incoming, spec.MemoryImage = devices, memFile
+	start = time.Now()
+	if rec, err = Start(spec, "h"); err != nil {
+		t.Fatal(err)
+	}
+	if rec.IncomingFD == 0 {
+		t.Error("the restore's record has no IncomingFD")
+	}
+	if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restore with the memory mapped back: %v", time.Since(start).Round(time.Millisecond))
+	waitFor("no tick after restore", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > atSnapshot+1 })
+	if after := console()[len(before):]; strings.Contains(after, "hello from imp") || hasLine(after, "hello: tick 0") {
+		t.Errorf("the workload started again instead of continuing:\n%s", after)
+	}
+
+	// The restored VM suspends with its memory in the stream again (x-ignore-shared off).
+	if err := Suspend(vmDir, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the VMM runs after suspend", 10*time.Second, func() bool { return !rec.Alive() })
+	if fi, err := os.Stat(filepath.Join(vmDir, StateFile)); err != nil || fi.Size() < 16<<20 {
+		t.Fatalf("the restored VM's suspend saved %v bytes (%v): not its memory", fi, err)
+	}
+	last = strings.Count(console(), "hello: tick ")
+	spec.Incoming, spec.MemoryImage = filepath.Join(vmDir, StateFile), ""
+	if rec, err = Start(spec, "h"); err != nil {
+		t.Fatal(err)
+	}
+	if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("no tick after the second resume", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > last+1 })
+}
+
+// TestMain: a restore fills the guest's memory in a child that is this binary again.
+func TestMain(m *testing.M) {
+	guestmem.Init()
+	os.Exit(m.Run())
 }
 
 // hasLine says whether text has line (the serial console ends lines with \r\n).

@@ -162,6 +162,9 @@ func Suspend(dir string, timeout time.Duration) error {
 		return q.resumeAfter(fmt.Errorf("creating the state file: %w", err))
 	}
 	defer out.Close()
+	if err := q.ignoreShared(false); err != nil { // the memory is saved with the devices
+		return q.resumeAfter(err)
+	}
 	if err := q.save(out); err != nil {
 		return q.resumeAfter(err)
 	}
@@ -184,6 +187,9 @@ func Snapshot(dir string, state *os.File, whilePaused func() error, timeout time
 	if _, err := q.Execute("migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}); err != nil {
 		return 0, err
 	}
+	if err := q.ignoreShared(false); err != nil { // the memory is saved with the devices
+		return 0, err
+	}
 	paused := time.Now()
 	if _, err := q.Execute("stop", nil); err != nil {
 		return 0, err
@@ -201,6 +207,18 @@ func Snapshot(dir string, state *os.File, whilePaused func() error, timeout time
 		}
 	}
 	return time.Since(paused), err
+}
+
+// ignoreShared sets QEMU's x-ignore-shared: migrations leave out the guest's memory where it is
+// a shared memfd (a restore's, guestmem). A restore sets it to load the devices alone, and
+// unsets it; a suspend or snapshot unsets it again, in case an agent stopped in between.
+func (q *QMP) ignoreShared(on bool) error {
+	_, err := q.Execute("migrate-set-capabilities", map[string]any{
+		"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": on}}})
+	if err != nil {
+		return fmt.Errorf("setting x-ignore-shared: %w", err)
+	}
+	return nil
 }
 
 // save writes the stopped guest's memory and device state to out.
@@ -242,8 +260,9 @@ func (q *QMP) resumeAfter(err error) error {
 }
 
 // ResumeIncoming waits for a VMM started with Spec.Incoming to load its state, then runs the
-// guest again.
-func ResumeIncoming(dir string, timeout time.Duration) error {
+// guest again. A VMM whose record has an IncomingFD (Spec.MemoryImage) waits for the agent:
+// ResumeIncoming has it load the devices from that descriptor on the memory it has.
+func ResumeIncoming(dir string, rec *vmm.Record, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	var q *QMP
 	var err error
@@ -257,6 +276,13 @@ func ResumeIncoming(dir string, timeout time.Duration) error {
 	}
 	defer q.Close()
 	_ = q.conn.SetDeadline(deadline)
+	poll := 20 * time.Millisecond
+	if rec != nil && rec.IncomingFD != 0 {
+		if err := q.loadDevices(rec.IncomingFD); err != nil {
+			return err
+		}
+		poll = 2 * time.Millisecond // a few hundred kilobytes
+	}
 	for {
 		status, err := q.status()
 		if err != nil {
@@ -264,14 +290,45 @@ func ResumeIncoming(dir string, timeout time.Duration) error {
 		}
 		switch status {
 		case "inmigrate":
-			time.Sleep(20 * time.Millisecond)
+			time.Sleep(poll)
 			continue
-		case "running":
+		}
+		if rec != nil && rec.IncomingFD != 0 {
+			// Its suspends and snapshots save the memory unless they say otherwise.
+			if err := q.ignoreShared(false); err != nil {
+				return err
+			}
+		}
+		if status == "running" {
 			return nil
 		}
 		_, err = q.Execute("cont", nil)
 		return err
 	}
+}
+
+// loadDevices has a VMM started with -incoming defer load the device state at its descriptor
+// fd, leaving the memory as it is (x-ignore-shared), unless a load has begun already (an agent
+// before this one's restart began it).
+func (q *QMP) loadDevices(fd int) error {
+	raw, err := q.Execute("query-migrate", nil)
+	if err != nil {
+		return err
+	}
+	var st struct {
+		Status string `json:"status"`
+	}
+	_ = json.Unmarshal(raw, &st)
+	if st.Status != "" && st.Status != "none" {
+		return nil
+	}
+	if err := q.ignoreShared(true); err != nil {
+		return err
+	}
+	if _, err := q.Execute("migrate-incoming", map[string]any{"uri": fmt.Sprintf("fd:%d", fd)}); err != nil {
+		return fmt.Errorf("loading the snapshot's devices: %w", err)
+	}
+	return nil
 }
 
 // Continue runs the guest of the VM in dir on if it is paused (a snapshot's pause that an agent

@@ -1,0 +1,140 @@
+// Package guestmem makes a QEMU snapshot's memory a file of its own and puts it back into a
+// restored VM: Split turns the migration stream a snapshot saved (memory and devices, taken by
+// QEMU in one consistent step while the guest is paused) into the guest's memory, page for page,
+// and the devices' stream as QEMU's x-ignore-shared saves it; a restore then fills a new memfd
+// with the memory (Fill), which QEMU maps shared, and QEMU loads only the devices, instead of
+// streaming every page through QEMU, which under TCG costs hundreds of milliseconds.
+//
+// The memfd is the restored VM's alone: made per run, sealed against resizing, given to its VMM
+// as a descriptor and closed by the agent. Fill copies into it in a child process that runs as the
+// VM's uid in the VM's cgroups, so that its pages are charged to the VM as if the VMM had faulted
+// them, never to the agent.
+package guestmem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
+)
+
+// Create makes a VM's memory: a memfd of size bytes, sealed against growing and shrinking (a
+// VMM has no reason to, and a memory that shrank under the fill would fault it).
+func Create(name string, size int64) (*os.File, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, fmt.Errorf("creating the guest's memory: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "memfd:"+name)
+	if err := f.Truncate(size); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("sizing the guest's memory: %w", err)
+	}
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_GROW|unix.F_SEAL_SHRINK|unix.F_SEAL_SEAL); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("sealing the guest's memory: %w", err)
+	}
+	return f, nil
+}
+
+// fillEnv marks the child process of Fill: Init sees it and fills instead of running the
+// program.
+const fillEnv = "IMP_GUESTMEM_FILL"
+
+// Fill copies the memory image img into mem (both the size of the guest's memory) in a child
+// process: this program again (Init), as uid and gid (unless 0), moved by join into the VM's
+// cgroups before it writes a page. It waits for the child and returns its error.
+func Fill(ctx context.Context, mem, img *os.File, uid, gid int, join func(pid int) error) error {
+	mi, err := mem.Stat()
+	if err != nil {
+		return err
+	}
+	ii, err := img.Stat()
+	if err != nil {
+		return err
+	}
+	if !ii.Mode().IsRegular() || ii.Size() != mi.Size() {
+		return fmt.Errorf("the memory image is %d bytes, not the guest's %d", ii.Size(), mi.Size())
+	}
+	gate, release, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer gate.Close()
+	defer release.Close()
+	var out limitedBuffer
+	cmd := exec.CommandContext(ctx, "/proc/self/exe")
+	cmd.Env = []string{fillEnv + "=1"}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = gate, io.Discard, &out
+	cmd.ExtraFiles = []*os.File{img, mem}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
+	if uid != 0 {
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("starting the memory fill: %w", err)
+	}
+	gate.Close()
+	if err := join(cmd.Process.Pid); err != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return fmt.Errorf("moving the memory fill into the VM's cgroups: %w", err)
+	}
+	if _, err := release.Write([]byte{1}); err != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return fmt.Errorf("starting the memory fill: %w", err)
+	}
+	release.Close()
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("filling the guest's memory: %w: %s", err, out.String())
+	}
+	return nil
+}
+
+// Init runs the child of Fill and exits when this process is one; otherwise it returns at
+// once. Programs that may restore a VM (the agent, and tests of it) call it first in main or
+// TestMain.
+func Init() {
+	if os.Getenv(fillEnv) != "1" {
+		return
+	}
+	if err := fill(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// fill is the child: it waits until it is in the VM's cgroups (a byte on standard input), then
+// copies descriptor 3 (the image) into descriptor 4 (the memory).
+func fill() error {
+	var b [1]byte
+	if n, err := os.Stdin.Read(b[:]); n != 1 {
+		return fmt.Errorf("not released: %w", err)
+	}
+	img, mem := os.NewFile(3, "image"), os.NewFile(4, "memory")
+	if img == nil || mem == nil {
+		return errors.New("no image or memory descriptor")
+	}
+	return snapshot.Copy(img, mem)
+}
+
+// limitedBuffer keeps the first 4 KiB written to it: the child's error.
+type limitedBuffer struct{ b []byte }
+
+func (l *limitedBuffer) Write(p []byte) (int, error) {
+	if room := 4096 - len(l.b); room > 0 {
+		l.b = append(l.b, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}
+
+func (l *limitedBuffer) String() string { return string(l.b) }
