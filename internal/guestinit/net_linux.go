@@ -38,7 +38,10 @@ func configureNet(n *Net, timeout time.Duration) error {
 				link = l
 			}
 		}
-		if link == nil && time.Now().After(deadline) {
+		if link != nil {
+			break
+		}
+		if time.Now().After(deadline) {
 			return fmt.Errorf("no network interface with MAC %s", mac)
 		}
 		time.Sleep(20 * time.Millisecond)
