@@ -97,8 +97,8 @@ func good() []byte {
 	s.page(ram, 12288, true, []byte{0}) // never written: a hole
 	s.page(ram, 16384, true, page(3))
 	s.endOfSection(0x03)
-	s.page(ram, 20480, true, page(4))    // continuing the block of the section before
-	s.page(ram, 4096, false, []byte{0})  // saved again, zero now
+	s.page(ram, 20480, true, page(4))   // continuing the block of the section before
+	s.page(ram, 4096, false, []byte{0}) // saved again, zero now
 	s.page(bios, 8192, false, page(0xc))
 	s.endOfSection(0)
 	s.b = append(s.b, devicesTail...)
