@@ -141,11 +141,13 @@ func (d qemuDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, _
 // and restores as it is.
 func (qemuDriver) splitMemory(ctx context.Context, vm *impv1.ImpVM, into string) {
 	state, devices := filepath.Join(into, snapshot.StateFile), filepath.Join(into, snapshot.StateFile+".devices")
-	err := guestmem.Split(state, devices, filepath.Join(into, snapshot.MemoryFile), qemu.RAMID, vm.Status.Resources.Memory.Value())
+	mib := vm.Status.Resources.Memory.Value() >> 20 // as QEMU runs it (start)
+	err := guestmem.Split(state, devices, filepath.Join(into, snapshot.MemoryFile), qemu.RAMID, mib<<20)
 	if err == nil {
 		err = os.Rename(devices, state)
 	}
 	if err != nil {
+		_ = os.Remove(devices)
 		_ = os.Remove(filepath.Join(into, snapshot.MemoryFile))
 		ctrl.LoggerFrom(ctx).Info("the snapshot keeps its memory in its stream", "vm", vm.Name, "reason", err.Error())
 	}

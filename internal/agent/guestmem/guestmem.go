@@ -18,7 +18,9 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -49,9 +51,11 @@ func Create(name string, size int64) (*os.File, error) {
 const fillEnv = "IMP_GUESTMEM_FILL"
 
 // Fill copies the memory image img into mem (both the size of the guest's memory) in a child
-// process: this program again (Init), as uid and gid (unless 0), moved by join into the VM's
-// cgroups before it writes a page. It waits for the child and returns its error.
-func Fill(ctx context.Context, mem, img *os.File, uid, gid int, join func(pid int) error) error {
+// process: this program again (Init), moved by join into the VM's cgroups before it writes a
+// page, so that the pages are charged there. The child stays the agent's uid: a cgroup, not a
+// uid, is what is charged, and a child of the VM's uid could be traced by the VM's own QEMU. It
+// waits for the child (within ctx) and returns its error.
+func Fill(ctx context.Context, mem, img *os.File, join func(pid int) error) error {
 	mi, err := mem.Stat()
 	if err != nil {
 		return err
@@ -74,10 +78,12 @@ func Fill(ctx context.Context, mem, img *os.File, uid, gid int, join func(pid in
 	cmd.Env = []string{fillEnv + "=1"}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = gate, io.Discard, &out
 	cmd.ExtraFiles = []*os.File{img, mem}
+	cmd.WaitDelay = time.Second // the child's output closes with it
+	// Pdeathsig is of the thread that forks, which must live until the child is done: a
+	// thread the agent lets die (a network namespace's) would kill the fill.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
-	if uid != 0 {
-		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
-	}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting the memory fill: %w", err)
 	}

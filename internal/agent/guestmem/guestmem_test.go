@@ -46,8 +46,8 @@ func image(t *testing.T) string {
 	return path
 }
 
-// TestFillChargesTheVM: a restore's memory is filled by a child in the VM's cgroup, as the
-// VM's uid, its pages charged there (not to the agent), and holds the image.
+// TestFillChargesTheVM: a restore's memory is filled by a child in the VM's cgroup, its pages
+// charged there (not to the agent), and holds the image.
 func TestFillChargesTheVM(t *testing.T) {
 	path := image(t)
 	set, err := cgroup.Prepare(cgroup.Root, "test-guestmem-fill", cgroup.Limits{MemoryBytes: 256 << 20, Pids: 64})
@@ -67,7 +67,7 @@ func TestFillChargesTheVM(t *testing.T) {
 	defer img.Close()
 	var dirs []string
 	var child int
-	err = guestmem.Fill(context.Background(), mem, img, 65534, 65534, func(pid int) error {
+	err = guestmem.Fill(context.Background(), mem, img, func(pid int) error {
 		child = pid
 		var jerr error
 		dirs, jerr = set.Join(pid, false)
@@ -112,7 +112,7 @@ func TestFillRefusesAnImageOfAnotherSize(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer img.Close()
-	err = guestmem.Fill(context.Background(), mem, img, 0, 0, func(int) error { t.Error("a child started"); return nil })
+	err = guestmem.Fill(context.Background(), mem, img, func(int) error { t.Error("a child started"); return nil })
 	if err == nil || !strings.Contains(err.Error(), "not the guest's") {
 		t.Errorf("Fill = %v, want a size mismatch", err)
 	}

@@ -37,6 +37,9 @@ const (
 	pageSize = 4096
 	// maxBlocks bounds the RAM blocks of a stream: microvm has five.
 	maxBlocks = 64
+	// maxDevices bounds the devices' stream Split writes: a guest's has about 70 KiB, and
+	// microvm's ROMs and firmware a few hundred more.
+	maxDevices = 64 << 20
 )
 
 // ignoreSharedCaps is the configuration's capabilities subsection of a stream saved with
@@ -61,11 +64,18 @@ var ignoreSharedCaps = func() []byte {
 // kinds a paused guest's save has are taken; anything else is an error, and the caller keeps
 // the stream as it is. Split writes both outputs new (0600) and removes them on error.
 func Split(stream, devices, memory, ramID string, memBytes int64) (err error) {
+	if memBytes <= 0 || memBytes%pageSize != 0 {
+		return fmt.Errorf("a guest memory of %d bytes", memBytes)
+	}
 	in, err := os.OpenFile(stream, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return err
 	}
 	defer in.Close()
+	fi, err := in.Stat()
+	if err != nil {
+		return err
+	}
 	var outs []*os.File
 	defer func() {
 		for _, f := range outs {
@@ -92,8 +102,10 @@ func Split(stream, devices, memory, ramID string, memBytes int64) (err error) {
 	if err != nil {
 		return err
 	}
-	w := bufio.NewWriterSize(devOut, 256<<10)
-	s := &splitter{r: bufio.NewReaderSize(in, 1<<20), w: w, ram: ramID, memBytes: memBytes,
+	// The stream as it is now: its VMM may still hold a descriptor of it to write more.
+	r := bufio.NewReaderSize(io.LimitReader(in, fi.Size()), 1<<20)
+	w := bufio.NewWriterSize(&limitWriter{w: devOut, n: maxDevices}, 256<<10)
+	s := &splitter{r: r, w: w, ram: ramID, memBytes: memBytes,
 		mem: &pageWriter{f: memOut, written: make([]uint64, (memBytes/pageSize+63)/64)}}
 	if err := s.run(); err != nil {
 		return fmt.Errorf("splitting the guest's memory out of its saved state: %w", err)
@@ -120,9 +132,9 @@ type splitter struct {
 	blocks  map[string]uint64
 	ramSeen bool
 	section uint32 // the RAM section's id
-	// cur is the block of the input's record before, which a record that continues it is of:
-	// QEMU continues blocks across sections.
-	cur string
+	// cur is the block of the input's record before, which a record that continues it is of,
+	// and out the output's: QEMU continues blocks across sections.
+	cur, out string
 }
 
 func (s *splitter) run() error {
@@ -293,7 +305,6 @@ func (s *splitter) memSize() error {
 // pages reads a RAM section's records up to its end: pages of the guest's RAM block go into
 // the memory file, others stay in the stream.
 func (s *splitter) pages() error {
-	var out string // the record before's block in the output, from this section on
 	for {
 		word, err := s.u64()
 		if err != nil {
@@ -338,15 +349,15 @@ func (s *splitter) pages() error {
 			}
 		} else {
 			f := flags &^ ramContinue
-			if out == cur {
+			if s.out == cur {
 				f |= ramContinue
 			}
 			s.put64(off | f)
-			if out != cur {
+			if s.out != cur {
 				s.putStr(cur)
 			}
 			s.w.Write(page)
-			out = cur
+			s.out = cur
 		}
 		if _, err := s.r.Discard(len(page)); err != nil {
 			return err
@@ -404,6 +415,20 @@ func (s *splitter) put64(v uint64) { s.w.Write(binary.BigEndian.AppendUint64(nil
 func (s *splitter) putStr(v string) {
 	s.w.WriteByte(byte(len(v)))
 	s.w.WriteString(v)
+}
+
+// limitWriter fails a write past its n bytes.
+type limitWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (l *limitWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > l.n {
+		return 0, fmt.Errorf("the devices' stream is over %d bytes", maxDevices)
+	}
+	l.n -= int64(len(p))
+	return l.w.Write(p)
 }
 
 // pageWriter writes the guest's pages into the memory file: runs of consecutive pages in one

@@ -163,7 +163,7 @@ func TestSplit(t *testing.T) {
 	s.page(bios, 0, false, page(0xb))
 	s.page(bios, 4096, true, []byte{0})
 	s.endOfSection(0x03)
-	s.page(bios, 8192, false, page(0xc))
+	s.page(bios, 8192, true, page(0xc)) // the block the output's record before was of
 	s.endOfSection(0)
 	s.b = append(s.b, devicesTail...)
 	if !bytes.Equal(devices, s.b) {
@@ -243,6 +243,12 @@ func TestSplitRefusesWhatAPausedGuestsSaveHasNot(t *testing.T) {
 		}),
 		"capabilities already set": build(func(s *stream) {
 			s.b = append(s.b, 0x05)
+		}),
+		"devices past their bound": build(func(s *stream) {
+			s.start(blocks, order)
+			s.endOfSection(0)
+			s.b = append(s.b, 0x04)
+			s.b = append(s.b, make([]byte, 65<<20)...)
 		}),
 	}
 	for name, in := range cases {

@@ -13,6 +13,9 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/guestmem"
@@ -265,13 +268,13 @@ func protocol(d vmm.Drive) string {
 	return "file"
 }
 
-// dupFile is a new descriptor of f's open file.
+// dupFile is a new descriptor of f's open file, close-on-exec from its first instant: a VMM
+// the agent starts meanwhile for another VM must not inherit it.
 func dupFile(f *os.File) (*os.File, error) {
-	fd, err := syscall.Dup(int(f.Fd()))
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
 	}
-	syscall.CloseOnExec(fd)
 	return os.NewFile(uintptr(fd), f.Name()), nil
 }
 
@@ -434,6 +437,9 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	return rec, nil
 }
 
+// fillTimeout bounds the fill of a restored guest's memory: a copy of at most its memory.
+const fillTimeout = 2 * time.Minute
+
 // fill fills the guest's memory mem with s.MemoryImage, in a child in the VM's cgroups.
 func (s Spec) fill(mem *os.File, cgroups *cgroup.Set) error {
 	img, err := os.OpenFile(s.MemoryImage, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
@@ -441,7 +447,9 @@ func (s Spec) fill(mem *os.File, cgroups *cgroup.Set) error {
 		return fmt.Errorf("opening the memory image: %w", err)
 	}
 	defer img.Close()
-	return guestmem.Fill(context.Background(), mem, img, s.UID, s.GID, func(pid int) error {
+	ctx, cancel := context.WithTimeout(context.Background(), fillTimeout)
+	defer cancel()
+	return guestmem.Fill(ctx, mem, img, func(pid int) error {
 		if cgroups == nil {
 			return nil
 		}

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/guestmem"
@@ -387,6 +389,26 @@ func TestSuspendResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor("no tick after the second resume", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > last+1 })
+}
+
+// TestDupFileIsCloseOnExec: the descriptors the agent duplicates for a VMM (a restored guest's
+// memory, a volume) are close-on-exec from the start, so that another VMM started at that
+// instant does not inherit them.
+func TestDupFileIsCloseOnExec(t *testing.T) {
+	f, err := os.Open("/dev/null")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	d, err := dupFile(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	flags, err := unix.FcntlInt(d.Fd(), unix.F_GETFD, 0)
+	if err != nil || flags&unix.FD_CLOEXEC == 0 {
+		t.Errorf("the duplicate's flags %#x (%v): not close-on-exec", flags, err)
+	}
 }
 
 // TestMain: a restore fills the guest's memory in a child that is this binary again.
