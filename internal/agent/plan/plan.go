@@ -2,7 +2,7 @@
 // core/plans: each step measures what is there (ShouldDo) before it acts (Do), so that a plan run
 // again after a crash at any point does what is left and nothing twice. The runner, not the
 // steps, does what every step needs: timing, failpoints, and the reason a failure is reported
-// with.
+// with, and a log line for a step that runs long (a step that hangs says which it is).
 package plan
 
 import (
@@ -10,6 +10,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/go-logr/logr"
 
 	"github.com/syscode-labs/imp/internal/failpoint"
 )
@@ -78,7 +80,13 @@ type Plan[S any] struct {
 	Steps  []Step[S]
 	// Observe, when set, is given the time each step that acted took.
 	Observe func(step string, took time.Duration)
+	// Slow is how long a step runs before the runner logs it (ctx's logger), and again each
+	// time as long: 0 for SlowStep.
+	Slow time.Duration
 }
+
+// SlowStep is how long a step runs before it is logged as slow.
+const SlowStep = 30 * time.Second
 
 // Run runs the steps in order: each that ShouldDo does, is timed, and may crash the process at
 // its failpoint once done (tests show a crash there loses nothing). It stops at the first
@@ -113,7 +121,10 @@ func (p Plan[S]) step(ctx context.Context, st Step[S], s S) error {
 		return nil
 	}
 	began := time.Now()
-	if err := st.Do(ctx, s); err != nil {
+	stop := p.watch(ctx, st.Name(), began)
+	err = st.Do(ctx, s)
+	stop()
+	if err != nil {
 		return err
 	}
 	if p.Observe != nil {
@@ -121,4 +132,29 @@ func (p Plan[S]) step(ctx context.Context, st Step[S], s S) error {
 	}
 	failpoint.Crash(p.Name + "/" + st.Name())
 	return nil
+}
+
+// watch logs the step name while it runs past p.Slow, each p.Slow, until the returned stop,
+// which returns once nothing more is logged.
+func (p Plan[S]) watch(ctx context.Context, name string, began time.Time) (stop func()) {
+	every := p.Slow
+	if every <= 0 {
+		every = SlowStep
+	}
+	done, exited := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(exited)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				logr.FromContextOrDiscard(ctx).Info("a step is still running", "plan", p.Name, "step", name,
+					"for", time.Since(began).Round(time.Second).String())
+			}
+		}
+	}()
+	return func() { close(done); <-exited }
 }

@@ -4,8 +4,13 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 )
 
 type state struct{ did []string }
@@ -82,5 +87,51 @@ func TestWaitFor(t *testing.T) {
 	}
 	if WaitTime(ErrWait) != 0 || WaitTime(nil) != 0 {
 		t.Error("a wait without a time has one")
+	}
+}
+
+// slow is a step that runs for d.
+type slow struct{ d time.Duration }
+
+func (slow) Name() string                                   { return "slow" }
+func (slow) ShouldDo(context.Context, *state) (bool, error) { return true, nil }
+func (s slow) Do(context.Context, *state) error {
+	time.Sleep(s.d)
+	return nil
+}
+
+// TestSlowStepsAreLogged: a step that runs past the plan's Slow is logged with its plan and
+// name while it runs, so that a step that hangs says which it is; a quick one is not.
+func TestSlowStepsAreLogged(t *testing.T) {
+	var mu sync.Mutex
+	var lines []string
+	log := funcr.New(func(prefix, args string) {
+		mu.Lock()
+		defer mu.Unlock()
+		lines = append(lines, args)
+	}, funcr.Options{})
+	ctx := logr.NewContext(context.Background(), log)
+	p := Plan[*state]{Name: "start", Slow: 20 * time.Millisecond, Steps: []Step[*state]{fake{name: "quick", do: true}, slow{d: 70 * time.Millisecond}}}
+	began := time.Now()
+	if err := p.Run(ctx, &state{}); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(began)
+	mu.Lock()
+	atEnd := len(lines)
+	mu.Unlock()
+	time.Sleep(50 * time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(lines) != atEnd {
+		t.Errorf("%d log lines after the step was done", len(lines)-atEnd)
+	}
+	if max := int(took/(20*time.Millisecond)) + 1; len(lines) < 2 || len(lines) > max {
+		t.Fatalf("%d log lines for a step of %v logged each 20 ms: %q", len(lines), took, lines)
+	}
+	for _, l := range lines {
+		if !strings.Contains(l, `"plan"="start"`) || !strings.Contains(l, `"step"="slow"`) {
+			t.Errorf("log line %s: not of the slow step", l)
+		}
 	}
 }
