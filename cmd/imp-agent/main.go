@@ -106,6 +106,7 @@ func run() error {
 	fs.IntVar(&reserveVCPUs, "reserve-vcpus", 1, "vCPUs kept for the host, not offered to VMs")
 	fs.StringVar(&reserveMemory, "reserve-memory", "1Gi", "memory kept for the host, not offered to VMs")
 	fs.StringVar(&reserveDisk, "reserve-disk", "20Gi", "space of the state directory's file system kept for base images, logs and the host, not offered to VMs' writable disks")
+	bytesFlag(fs, &opts.SnapshotMemoryCache, "snapshot-memory-cache", "1Gi", "memory kept, out of what the node offers VMs, for the memory of snapshots restored here, which their restores map instead of copying (0: none)")
 	fs.Int64Var(&opts.ConsoleLogBytes, "console-log-bytes", 1<<20, "cap of each file a VM writes on the node: its console, its VMM's log (and Firecracker's metrics and jailer output); past it a file keeps its newest half")
 	fs.Int64Var(&opts.MaxImageEntries, "max-image-entries", 500_000, "most entries (files, directories, links) one image may hold on the node")
 	bytesFlag(fs, &opts.MaxImageBytes, "max-image-bytes", "16Gi", "most bytes of files one image may hold on the node")

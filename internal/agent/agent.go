@@ -45,6 +45,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/plan"
@@ -165,6 +166,11 @@ type Options struct {
 	KVMDevice, Firecracker, Jailer string
 	// VMMs, when set, are the VMMs the node offers, best first, instead of what probing finds.
 	VMMs []impv1.VMMKind
+	// SnapshotMemoryCache is how many bytes of snapshots' memory the node keeps for restores
+	// to share (guestmem.Cache), in a cgroup of its own under CgroupRoot, out of what it offers
+	// VMs: every restore of a snapshot after its first maps that memory instead of copying it.
+	// 0, or no CgroupRoot, keeps none: each restore copies the memory into its own.
+	SnapshotMemoryCache int64
 	// JailUIDBase is the first of the 65536 uids VMMs run as, one per VM (default 300000).
 	JailUIDBase int
 }
@@ -190,6 +196,7 @@ type Agent struct {
 	hashes    snapshot.Hashes         // of the guest kernel and initramfs, which snapshots record
 	pulls     snapshotPulls           // snapshots being pulled for restores (transfer.go)
 	taking    sync.Map                // VM UID → a snapshot of it is being taken: a suspension waits
+	memories  *guestmem.Cache         // snapshots' memory, shared by their restores (driver.go)
 
 	// The per-VM work under way that the reconcile workers, monitors and deferred reports
 	// share. One lock, mu, guards the four maps below and the allocation of jail uids (which
@@ -264,6 +271,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		done: a.fetched, byVM: map[types.UID]*fetch{}}
 	a.reportNow = make(chan struct{}, 1)
 	a.snapshots = &snapshot.Store{Dir: filepath.Join(a.Opts.StateDir, "snapshots")}
+	a.memories = a.memoryCache()
 	for _, d := range []string{"vms", "net", "snapshots"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
 			return fmt.Errorf("creating the state directory: %w", err)

@@ -198,6 +198,9 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 	if opts.VCPUOvercommit == 0 {
 		opts.VCPUOvercommit = 4
 	}
+	if opts.SnapshotMemoryCache == 0 {
+		opts.SnapshotMemoryCache = 1 << 30 // the chart's default
+	}
 	opts.LocalRegistries = append(opts.LocalRegistries, "127.0.0.1") // the tests' registries
 	if opts.NetNSDir == "" {
 		opts.NetNSDir = testnetns.PinDir(t) // each simulated node its own, never the machine's

@@ -93,7 +93,7 @@ func recKind(rec *vmm.Record) string {
 
 type qemuDriver struct{ a *Agent }
 
-func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) {
+func (d qemuDriver) start(ctx context.Context, l launchSpec) (*vmm.Record, error) {
 	a, res := d.a, l.vm.Status.Resources
 	spec := qemu.Spec{Dir: l.dir, Kernel: a.Opts.Kernel, Initramfs: a.Opts.Initramfs, BaseDisk: l.baseDisk,
 		WritableDisk: filepath.Join(l.dir, "rw.ext4"), ConfigDisk: filepath.Join(l.dir, configDisk),
@@ -105,7 +105,18 @@ func (d qemuDriver) start(_ context.Context, l launchSpec) (*vmm.Record, error) 
 	if l.restore != "" {
 		spec.Incoming = filepath.Join(l.restore, snapshot.StateFile) // opened by the agent, passed as a descriptor
 		if mem := filepath.Join(l.restore, snapshot.MemoryFile); regularFile(mem) {
-			spec.MemoryImage = mem // the stream holds the devices only
+			// The stream holds the devices only. The memory: the snapshot's, shared with its
+			// other restores, or else a copy of the run's own.
+			shared, err := a.memories.Get(ctx, mem, spec.MemoryMiB<<20)
+			switch {
+			case err == nil:
+				defer shared.Close()
+				spec.Memory = shared
+			case errors.Is(err, guestmem.ErrNotCached):
+				spec.MemoryImage = mem
+			default:
+				return nil, err
+			}
 		}
 	}
 	return qemu.Start(spec, l.m.Digest)

@@ -129,7 +129,7 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	node.Status.Capacity = &impv1.NodeResources{VCPUs: cpus, Memory: *resource.NewQuantity(mem, resource.BinarySI)}
 	node.Status.Allocatable = &impv1.NodeResources{
 		VCPUs:  int32(float64(max(cpus-a.Opts.ReserveVCPUs, 0)) * max(a.Opts.VCPUOvercommit, 1)),
-		Memory: *resource.NewQuantity(max(mem-a.Opts.ReserveMemory, 0), resource.BinarySI),
+		Memory: *resource.NewQuantity(max(mem-a.Opts.ReserveMemory-a.memoryCacheBytes(), 0), resource.BinarySI),
 	}
 	// Disk: the file system of the state directory, where the VMs' writable disks and
 	// suspended memory live. Placement sums the VMs' diskSize (and suspended memory) against

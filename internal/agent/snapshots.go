@@ -60,7 +60,7 @@ func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		if snap.Status.FilesRemoved {
 			return ctrl.Result{}, nil
 		}
-		if err := a.snapshots.Remove(snap.UID); err != nil {
+		if err := a.removeSnapshot(snap.UID); err != nil {
 			return ctrl.Result{}, fmt.Errorf("removing the files of ImpVMSnapshot %s: %w", snap.Name, err)
 		}
 		return ctrl.Result{}, s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) { st.FilesRemoved = true })
@@ -124,7 +124,7 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp)
 	a.taking.Delete(vm.UID)
 	if err != nil {
-		_ = a.snapshots.Remove(snap.UID)
+		_ = a.removeSnapshot(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
 	image, err := a.imageByDigest(vm.Workload().Image, m.Digest)
@@ -132,7 +132,7 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 		err = a.keepBase(vm, m, tmp)
 	}
 	if err != nil {
-		_ = a.snapshots.Remove(snap.UID)
+		_ = a.removeSnapshot(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
 	res := vm.Status.Resources
@@ -140,7 +140,7 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 		Image: image, VCPUs: res.VCPUs, MemoryMiB: res.Memory.Value() >> 20, DiskBytes: res.DiskSize.Value(),
 		Network: vm.Spec.NetworkRef != nil, Session: m.Session, Token: m.Token, Taken: taken, Pause: pause}
 	if err := a.snapshots.Commit(tmp, man); err != nil {
-		_ = a.snapshots.Remove(snap.UID)
+		_ = a.removeSnapshot(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
 	if running {

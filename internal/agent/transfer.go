@@ -180,7 +180,7 @@ func (a *Agent) sweepSnapshots(ctx context.Context) error {
 	}
 	for _, uid := range uids {
 		if !exists[uid] {
-			if err := a.snapshots.Remove(uid); err != nil {
+			if err := a.removeSnapshot(uid); err != nil {
 				return err
 			}
 		}

@@ -144,6 +144,21 @@ func (s *Set) Join(pid int, born bool) ([]string, error) {
 	return used, nil
 }
 
+// MemoryUsage is the memory charged to the set's cgroup now, in bytes: memory.current of the
+// unified hierarchy, or memory.usage_in_bytes of v1's memory controller.
+func (s *Set) MemoryUsage() (int64, error) {
+	for _, dir := range s.dirs {
+		for _, f := range []string{"memory.current", "memory.usage_in_bytes"} {
+			b, err := os.ReadFile(filepath.Join(dir, f))
+			if err != nil {
+				continue
+			}
+			return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		}
+	}
+	return 0, errors.New("no memory controller in the cgroups")
+}
+
 // inheritCpuset gives each of dirs, parents first, its parent's CPUs and memory nodes when it
 // is a cgroup v1 cpuset without them: no process may join a cpuset until it has both.
 func inheritCpuset(dirs ...string) error {

@@ -50,12 +50,21 @@ func Create(name string, size int64) (*os.File, error) {
 // program.
 const fillEnv = "IMP_GUESTMEM_FILL"
 
+// fillWhole is fillEnv's value for a fill that allocates every page first.
+const fillWhole = "whole"
+
 // Fill copies the memory image img into mem (both the size of the guest's memory) in a child
 // process: this program again (Init), moved by join into the VM's cgroups before it writes a
 // page, so that the pages are charged there. The child stays the agent's uid: a cgroup, not a
 // uid, is what is charged, and a child of the VM's uid could be traced by the VM's own QEMU. It
 // waits for the child (within ctx) and returns its error.
 func Fill(ctx context.Context, mem, img *os.File, join func(pid int) error) error {
+	return fillIn(ctx, mem, img, false, join)
+}
+
+// fillIn is Fill; whole: the child allocates every page of mem before it copies (a cache's
+// memory has no holes).
+func fillIn(ctx context.Context, mem, img *os.File, whole bool, join func(pid int) error) error {
 	mi, err := mem.Stat()
 	if err != nil {
 		return err
@@ -76,6 +85,9 @@ func Fill(ctx context.Context, mem, img *os.File, join func(pid int) error) erro
 	var out limitedBuffer
 	cmd := exec.CommandContext(ctx, "/proc/self/exe")
 	cmd.Env = []string{fillEnv + "=1"}
+	if whole {
+		cmd.Env = []string{fillEnv + "=" + fillWhole}
+	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = gate, io.Discard, &out
 	cmd.ExtraFiles = []*os.File{img, mem}
 	cmd.WaitDelay = time.Second // the child's output closes with it
@@ -109,10 +121,11 @@ func Fill(ctx context.Context, mem, img *os.File, join func(pid int) error) erro
 // once. Programs that may restore a VM (the agent, and tests of it) call it first in main or
 // TestMain.
 func Init() {
-	if os.Getenv(fillEnv) != "1" {
+	mode := os.Getenv(fillEnv)
+	if mode != "1" && mode != fillWhole {
 		return
 	}
-	if err := fill(); err != nil {
+	if err := fill(mode == fillWhole); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
@@ -120,8 +133,9 @@ func Init() {
 }
 
 // fill is the child: it waits until it is in the VM's cgroups (a byte on standard input), then
-// copies descriptor 3 (the image) into descriptor 4 (the memory).
-func fill() error {
+// copies descriptor 3 (the image) into descriptor 4 (the memory), allocating all of the memory
+// first if whole.
+func fill(whole bool) error {
 	var b [1]byte
 	if n, err := os.Stdin.Read(b[:]); n != 1 {
 		return fmt.Errorf("not released: %w", err)
@@ -129,6 +143,15 @@ func fill() error {
 	img, mem := os.NewFile(3, "image"), os.NewFile(4, "memory")
 	if img == nil || mem == nil {
 		return errors.New("no image or memory descriptor")
+	}
+	if whole {
+		fi, err := mem.Stat()
+		if err != nil {
+			return err
+		}
+		if err := unix.Fallocate(int(mem.Fd()), 0, 0, fi.Size()); err != nil {
+			return fmt.Errorf("allocating the memory: %w", err)
+		}
 	}
 	return snapshot.Copy(img, mem)
 }

@@ -58,6 +58,11 @@ type Spec struct {
 	// (guestmem.Split): Start fills the VM's memory, a memfd, with it, and Incoming holds the
 	// devices only, which ResumeIncoming has QEMU load (x-ignore-shared).
 	MemoryImage string
+	// Memory, when set with Incoming instead of MemoryImage, is the guest's memory as a
+	// snapshot holds it, filled and sealed by the agent (guestmem.Cache) and shared by every
+	// restore of that snapshot: QEMU maps it privately, so that what the guest writes is its
+	// own copy, and loads the devices only, as for MemoryImage. Start does not close it.
+	Memory *os.File
 	// UID and GID, when not 0, are the VM's own uid and gid (the jail range), which QEMU runs
 	// as. QEMU then reaches nothing by path: the agent opens its files and sockets and passes
 	// them as descriptors; those it writes (the writable disk, the console) belong to UID.
@@ -96,9 +101,9 @@ func (s Spec) Args() []string {
 	}
 	dir := s.Dir
 	machine := "microvm"
-	if s.MemoryImage != "" {
-		// The guest's memory: the memfd the agent filled with the snapshot's (guestmem), shared,
-		// so that QEMU leaves it as it is when it loads the devices (x-ignore-shared).
+	if s.restoresMemory() {
+		// The guest's memory: a memfd the agent filled with the snapshot's (guestmem), which
+		// QEMU leaves as it is when it loads the devices.
 		machine += ",memory-backend=" + RAMID
 	}
 	args := []string{
@@ -146,9 +151,16 @@ func (s Spec) Args() []string {
 			"-device", fmt.Sprintf("virtio-blk-device,drive=vol-%s,serial=%s", d.ID, d.Serial))
 	}
 	switch {
-	case s.Incoming != "" && s.MemoryImage != "":
+	case s.Incoming != "" && s.restoresMemory():
+		// The run's own memfd is mapped shared, and x-ignore-shared leaves it alone; the
+		// snapshot's shared memory is mapped privately (copy-on-write), and the devices' stream
+		// holds no page of it to load.
+		share := "on"
+		if s.Memory != nil {
+			share = "off"
+		}
 		args = append(args,
-			"-object", fmt.Sprintf("memory-backend-file,id=%s,size=%dM,mem-path=%s,share=on", RAMID, s.MemoryMiB, fdPath(memFD)),
+			"-object", fmt.Sprintf("memory-backend-file,id=%s,size=%dM,mem-path=%s,share=%s", RAMID, s.MemoryMiB, fdPath(memFD), share),
 			"-incoming", "defer") // ResumeIncoming starts it, x-ignore-shared set
 	case s.Incoming != "":
 		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
@@ -346,8 +358,8 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 		return nil, fmt.Errorf("opening the VMM log: %w", err)
 	}
 	defer logf.Close()
-	var mem *os.File
-	if s.MemoryImage != "" {
+	mem := s.Memory
+	if mem == nil && s.MemoryImage != "" {
 		if mem, err = guestmem.Create(filepath.Base(s.Dir), s.MemoryMiB<<20); err != nil {
 			return nil, err
 		}
@@ -422,11 +434,13 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	}
 	rec := &vmm.Record{Kind: "qemu", Pid: cmd.Process.Pid, StartTime: st, ConfigHash: configHash}
 	if mem != nil {
-		// The memory filled while QEMU starts, and recorded only once it is whole: an agent
-		// that finds the record may have QEMU load the devices on it.
-		if err := s.fill(mem, cgroups); err != nil {
-			_ = cmd.Process.Kill()
-			return nil, err
+		// The run's own memory filled while QEMU starts, and recorded only once it is whole:
+		// an agent that finds the record may have QEMU load the devices on it.
+		if s.Memory == nil {
+			if err := s.fill(mem, cgroups); err != nil {
+				_ = cmd.Process.Kill()
+				return nil, err
+			}
 		}
 		rec.IncomingFD = incomingFD
 	}
@@ -436,6 +450,9 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	}
 	return rec, nil
 }
+
+// restoresMemory: the guest's memory is a snapshot's, given to QEMU as a memfd.
+func (s Spec) restoresMemory() bool { return s.Memory != nil || s.MemoryImage != "" }
 
 // fillTimeout bounds the fill of a restored guest's memory: a copy of at most its memory.
 const fillTimeout = 2 * time.Minute

@@ -2,6 +2,7 @@ package qemu
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -83,7 +84,13 @@ func TestArgs(t *testing.T) {
 		!strings.Contains(args, "-object memory-backend-file,id=microvm.ram,size=256M,mem-path=/proc/self/fd/15,share=on -incoming defer") {
 		t.Errorf("a restore's args lack its memfd and -incoming defer:\n%s", args)
 	}
-	s.Incoming, s.MemoryImage = "", ""
+	// A snapshot's memory that restores share is mapped privately (copy-on-write).
+	s.MemoryImage, s.Memory = "", os.Stdin
+	if args := strings.Join(s.Args(), " "); !strings.Contains(args, "-M microvm,memory-backend=microvm.ram") ||
+		!strings.Contains(args, "-object memory-backend-file,id=microvm.ram,size=256M,mem-path=/proc/self/fd/15,share=off -incoming defer") {
+		t.Errorf("a restore's args lack its shared memory, mapped privately, and -incoming defer:\n%s", args)
+	}
+	s.Incoming, s.Memory = "", nil
 	s.Accel, s.Tap, s.Net = "kvm", nil, nil
 	args = strings.Join(s.Args(), " ")
 	if !strings.Contains(args, "-accel kvm -cpu host") || strings.Contains(args, "tsc_early_khz") || strings.Contains(args, "netdev") {
@@ -372,6 +379,47 @@ func TestSuspendResume(t *testing.T) {
 		t.Errorf("the workload started again instead of continuing:\n%s", after)
 	}
 
+	// Restored again, from the snapshot's memory as the node's cache keeps it for every
+	// restore (guestmem.Cache): mapped privately, the count goes on, and what the guest wrote
+	// is its own (the cached memory is the snapshot's still).
+	atSnapshot = strings.Count(console(), "hello: tick ")
+	if err := Quit(vmDir); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the VMM runs after quit", 10*time.Second, func() bool { return !rec.Alive() })
+	set, err := cgroup.Prepare(cgroup.Root, "test-qemu-memories", cgroup.Limits{MemoryBytes: 1 << 30, Pids: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cgroup.Remove(cgroup.Root, "test-qemu-memories") })
+	cache := guestmem.NewCache(1<<30, memCharge{set})
+	defer cache.Close()
+	shared, err := cache.Get(context.Background(), memFile, spec.MemoryMiB<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shared.Close()
+	before = console()
+	spec.Incoming, spec.MemoryImage, spec.Memory = devices, "", shared
+	start = time.Now()
+	if rec, err = Start(spec, "h"); err != nil {
+		t.Fatal(err)
+	}
+	if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restore with the memory shared: %v", time.Since(start).Round(time.Millisecond))
+	waitFor("no tick after the restore on shared memory", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > atSnapshot+1 })
+	if after := console()[len(before):]; strings.Contains(after, "hello from imp") || hasLine(after, "hello: tick 0") {
+		t.Errorf("the workload started again instead of continuing:\n%s", after)
+	}
+	want, _ := os.ReadFile(memFile)
+	got := make([]byte, len(want))
+	if _, err := shared.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+		t.Errorf("the shared memory is not the snapshot's once a guest ran on it (%v)", err)
+	}
+	spec.Memory = nil
+
 	// The restored VM suspends with its memory in the stream again (x-ignore-shared off).
 	if err := Suspend(vmDir, time.Minute); err != nil {
 		t.Fatal(err)
@@ -410,6 +458,16 @@ func TestDupFileIsCloseOnExec(t *testing.T) {
 		t.Errorf("the duplicate's flags %#x (%v): not close-on-exec", flags, err)
 	}
 }
+
+// memCharge is a cgroup of the test's, as the agent's cache of snapshots' memory has one.
+type memCharge struct{ set *cgroup.Set }
+
+func (c memCharge) Join(pid int) error {
+	_, err := c.set.Join(pid, false)
+	return err
+}
+
+func (c memCharge) Usage() (int64, error) { return c.set.MemoryUsage() }
 
 // TestMain: a restore fills the guest's memory in a child that is this binary again.
 func TestMain(m *testing.M) {

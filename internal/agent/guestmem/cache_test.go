@@ -1,0 +1,211 @@
+package guestmem_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
+)
+
+// charge is a cgroup of the test's, as the agent's cache has one.
+type charge struct{ set *cgroup.Set }
+
+func (c charge) Join(pid int) error {
+	_, err := c.set.Join(pid, false)
+	return err
+}
+
+func (c charge) Usage() (int64, error) { return c.set.MemoryUsage() }
+
+func testCharge(t *testing.T, name string) charge {
+	t.Helper()
+	set, err := cgroup.Prepare(cgroup.Root, name, cgroup.Limits{MemoryBytes: 1 << 30, Pids: 16})
+	if err != nil {
+		t.Skipf("no cgroups here: %v", err)
+	}
+	t.Cleanup(func() { cgroup.Remove(cgroup.Root, name) })
+	if _, err := set.MemoryUsage(); err != nil {
+		t.Skipf("no memory controller here: %v", err)
+	}
+	return charge{set}
+}
+
+// TestCacheSharesOneMemory: restores of one snapshot get one memory, filled once, whole (no
+// holes: every page allocated, charged to the cache's cgroup), holding the image; what does not
+// fit the budget after the idle memories go is not cached; a forgotten snapshot's memory goes.
+func TestCacheSharesOneMemory(t *testing.T) {
+	ch := testCharge(t, "test-guestmem-cache")
+	c := guestmem.NewCache(3*size, ch)
+	defer c.Close()
+	img := image(t)
+	ctx := context.Background()
+	a, err := c.Get(ctx, img, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := c.Get(ctx, img, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sa, sb unix.Stat_t
+	_ = unix.Fstat(int(a.Fd()), &sa)
+	_ = unix.Fstat(int(b.Fd()), &sb)
+	if sa.Ino != sb.Ino {
+		t.Error("two restores of one snapshot got two memories")
+	}
+	if sa.Blocks*512 < size {
+		t.Errorf("the cached memory holds %d bytes, not all its %d: a hole would be filled by whichever VM touched it", sa.Blocks*512, size)
+	}
+	want, _ := os.ReadFile(img)
+	if !bytes.Equal(readAll(t, a), want) {
+		t.Error("the cached memory is not the image")
+	}
+	if used, _ := ch.Usage(); used < size {
+		t.Errorf("the cache's cgroup is charged %d bytes, not the memory's %d", used, size)
+	}
+	if fd, err := unix.FcntlInt(a.Fd(), unix.F_GETFD, 0); err != nil || fd&unix.FD_CLOEXEC == 0 {
+		t.Error("a cached memory's descriptor is not close-on-exec")
+	}
+
+	// Another image of the same size fits beside it; a third does not while the first two are
+	// held, and takes the place of the least recently used one that is idle.
+	img2, img3 := image(t), image(t)
+	m2, err := c.Get(ctx, img2, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m2.Close()
+	if _, err := c.Get(ctx, img, size*4); err == nil {
+		t.Error("a memory bigger than the budget was served")
+	}
+	m3, err := c.Get(ctx, img3, size) // img2's memory, idle, goes
+	if err != nil {
+		t.Fatalf("a memory that fits once an idle one goes: %v", err)
+	}
+	m3.Close()
+	// img's memory, held by a and b (as a VM maps it), counts though the cache let it go: a
+	// fourth fits only if img3's goes.
+	img4 := image(t)
+	if m4, err := c.Get(ctx, img4, size); err == nil {
+		m4.Close()
+	}
+	if used, _ := ch.Usage(); used > 3*size {
+		t.Errorf("the cache's cgroup holds %d bytes, over its budget of %d", used, 3*size)
+	}
+	// Snapshots removed: their memories go, but the one a VM maps.
+	c.Forget(filepath.Dir(img3))
+	c.Forget(filepath.Dir(img4))
+	if used, _ := ch.Usage(); used > size+size/4 {
+		t.Errorf("with the idle memories forgotten, the cache's cgroup holds %d bytes, want the %d still mapped", used, size)
+	}
+	a.Close()
+	b.Close()
+	c.Forget(filepath.Dir(img))
+	if used, _ := ch.Usage(); used > size/4 {
+		t.Errorf("with every memory forgotten and unmapped, the cache's cgroup holds %d bytes", used)
+	}
+	// The image changed under its path (pulled again): a new memory.
+	if err := os.WriteFile(img2, bytes.Repeat([]byte{1}, size), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n, err := c.Get(ctx, img2, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	if got := readAll(t, n); got[0] != 1 || got[size-1] != 1 {
+		t.Error("the memory of an image replaced under its path is the old one")
+	}
+	if _, err := c.Get(ctx, img3, size/2); err == nil {
+		t.Error("an image of another size than the guest's memory was served")
+	}
+}
+
+// TestCacheOffWithoutBudgetOrCgroup: a cache that cannot bound what it holds serves nothing.
+func TestCacheOffWithoutBudgetOrCgroup(t *testing.T) {
+	img := image(t)
+	for _, c := range []*guestmem.Cache{nil, guestmem.NewCache(0, charge{}), guestmem.NewCache(1<<30, nil)} {
+		if _, err := c.Get(context.Background(), img, size); !errors.Is(err, guestmem.ErrNotCached) {
+			t.Errorf("Get = %v, want ErrNotCached", err)
+		}
+	}
+}
+
+// TestCachedMemoryCannotBeChanged is the attack of a hostile VMM on a snapshot's memory that
+// other VMs map: with the descriptor it is given, and the file reopened read-write through
+// /proc as QEMU does, it writes, maps it shared and writable, truncates, grows, punches a hole
+// and removes the seals; each is refused, and what it writes to its private mapping is its
+// own: a second mapping, and the next restore, see the snapshot unchanged.
+func TestCachedMemoryCannotBeChanged(t *testing.T) {
+	ch := testCharge(t, "test-guestmem-attack")
+	c := guestmem.NewCache(2*size, ch)
+	defer c.Close()
+	img := image(t)
+	want, _ := os.ReadFile(img)
+	mem, err := c.Get(context.Background(), img, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	re, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", mem.Fd()), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatalf("reopening the memory read-write, as QEMU does: %v", err)
+	}
+	defer re.Close()
+	for _, f := range []*os.File{mem, re} {
+		fd := int(f.Fd())
+		if _, err := unix.Pwrite(fd, []byte("owned"), 0); err == nil {
+			t.Error("a write to the shared memory succeeded")
+		}
+		if b, err := unix.Mmap(fd, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err == nil {
+			b[0] ^= 0xff
+			_ = unix.Munmap(b)
+			t.Error("the shared memory was mapped shared and writable")
+		}
+		if err := unix.Ftruncate(fd, size/2); err == nil {
+			t.Error("the shared memory was shrunk")
+		}
+		if err := unix.Ftruncate(fd, size*2); err == nil {
+			t.Error("the shared memory was grown")
+		}
+		if err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, size); err == nil {
+			t.Error("a hole was punched in the shared memory")
+		}
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_FUTURE_WRITE); err == nil {
+			t.Error("the shared memory's seals were changed")
+		}
+	}
+	// What the VMM can do: map it privately, as QEMU does, and write there.
+	priv, err := unix.Mmap(int(re.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatalf("a private mapping, as QEMU makes: %v", err)
+	}
+	for i := range priv {
+		priv[i] = 0x5a
+	}
+	other, err := unix.Mmap(int(mem.Fd()), 0, size, unix.PROT_READ, unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(other, want) {
+		t.Error("another mapping sees what a VM wrote to its own")
+	}
+	_ = unix.Munmap(other)
+	_ = unix.Munmap(priv)
+	next, err := c.Get(context.Background(), img, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer next.Close()
+	if !bytes.Equal(readAll(t, next), want) {
+		t.Error("the next restore's memory is not the snapshot's")
+	}
+}
