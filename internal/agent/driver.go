@@ -106,20 +106,38 @@ func (d qemuDriver) start(ctx context.Context, l launchSpec) (*vmm.Record, error
 		spec.Incoming = filepath.Join(l.restore, snapshot.StateFile) // opened by the agent, passed as a descriptor
 		if mem := filepath.Join(l.restore, snapshot.MemoryFile); regularFile(mem) {
 			// The stream holds the devices only. The memory: the snapshot's, shared with its
-			// other restores, or else a copy of the run's own.
-			shared, err := a.memories.Get(ctx, mem, spec.MemoryMiB<<20)
+			// other restores, or else a copy of the run's own, and the cache fills the shared
+			// one for the next restore once this one's VMM runs.
+			shared, err := a.memories.Get(mem, spec.MemoryMiB<<20)
 			switch {
 			case err == nil:
 				defer shared.Close()
 				spec.Memory = shared
 			case errors.Is(err, guestmem.ErrNotCached):
 				spec.MemoryImage = mem
+				defer d.warm(ctx, l.vm, mem, spec.MemoryMiB<<20)
 			default:
 				return nil, err
 			}
 		}
 	}
 	return qemu.Start(spec, l.m.Digest)
+}
+
+// warm has the node's cache fill the shared memory of the snapshot memory image img, in the
+// background, for the restores after this one, and logs what came of it.
+func (d qemuDriver) warm(ctx context.Context, vm *impv1.ImpVM, img string, size int64) {
+	began, log := time.Now(), ctrl.LoggerFrom(ctx).WithValues("vm", vm.Name, "memoryImage", img)
+	done := d.a.memories.Warm(img, size)
+	go func() {
+		switch err := <-done; {
+		case err == nil:
+			log.Info("the snapshot's memory is cached: its next restores share it", "took", time.Since(began).Round(time.Millisecond))
+		case errors.Is(err, guestmem.ErrNotCached):
+		default:
+			log.Error(err, "caching the snapshot's memory for its restores")
+		}
+	}()
 }
 
 func (d qemuDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, _ *meta, running bool, into string) (time.Duration, error) {

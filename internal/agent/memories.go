@@ -19,7 +19,7 @@ func (a *Agent) memoryCache() *guestmem.Cache {
 	if a.memoryCacheBytes() == 0 {
 		return nil
 	}
-	set, err := cgroup.Prepare(a.Opts.CgroupRoot, a.memoryCgroup(), cgroup.Limits{MemoryBytes: a.Opts.SnapshotMemoryCache, Pids: 16})
+	set, err := cgroup.Prepare(a.Opts.CgroupRoot, a.memoryCgroup(), cgroup.Limits{MemoryBytes: a.Opts.SnapshotMemoryCache, Pids: 128})
 	if err != nil {
 		return nil
 	}

@@ -135,6 +135,10 @@ type Restore struct {
 	// Entropy is fresh randomness from the host, mixed into the kernel's pool, which is then
 	// reseeded: copies of one snapshot share its random state until then.
 	Entropy []byte `json:"entropy"`
+	// Config is the VM's own configuration, as its configuration disk holds it: the guest
+	// takes it from here rather than reading the disk again (a guest of an older agent, without
+	// it, reads the disk).
+	Config *Config `json:"config,omitempty"`
 }
 
 // RestoredEvent is the guest's answer to a "restore" request, with the new token; an "error"

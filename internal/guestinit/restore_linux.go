@@ -87,7 +87,7 @@ func applyRestore(r *Restore) error {
 	if err := reseed(r.Entropy); err != nil {
 		return err
 	}
-	cfg, err := rereadConfig()
+	cfg, err := restoredConfig(r)
 	if err != nil {
 		return err
 	}
@@ -146,6 +146,18 @@ func reseed(entropy []byte) error {
 		return fmt.Errorf("reseeding the kernel's generator: %w", errno)
 	}
 	return nil
+}
+
+// restoredConfig is the restored VM's configuration: the one the request carries, or else
+// (an agent that sends none) its configuration disk's.
+func restoredConfig(r *Restore) (Config, error) {
+	if r.Config == nil {
+		return rereadConfig()
+	}
+	if len(r.Config.Argv) == 0 {
+		return Config{}, errors.New("bad workload configuration: no command")
+	}
+	return *r.Config, nil
 }
 
 // rereadConfig reads the configuration disk anew: the restored VM's own, which the agent

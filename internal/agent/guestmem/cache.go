@@ -23,16 +23,17 @@ type Charge interface {
 	Usage() (int64, error)
 }
 
-// Cache keeps the memory of each snapshot restored on this node as one memfd, filled once and
-// sealed against every change (F_SEAL_WRITE, GROW, SHRINK, SEAL), which every restore of that
-// snapshot maps privately: a copy's VMM reads the snapshot's pages where they are, and only
-// the pages its guest writes become its own (copy-on-write, charged to the VM). No restore
-// after the first copies the memory.
+// Cache keeps the memory of snapshots restored on this node, one memfd each, filled once and
+// sealed against every change (F_SEAL_WRITE, GROW, SHRINK, SEAL), which every later restore of
+// that snapshot maps privately: a copy's VMM reads the snapshot's pages where they are, and only
+// the pages its guest writes become its own (copy-on-write, charged to the VM). The first
+// restore of a snapshot fills a memory of its own, as fast as before, and has the cache fill
+// the shared one beside it (Warm); the restores after it copy nothing.
 //
 // The memfds are filled whole (no holes: a private mapping of a hole would add a page to the
 // shared memfd, charged to whichever VM touched it) by a child in the Charge, and their total
 // there, those a VM still maps included, never exceeds the budget: a memory that does not fit
-// after the idle ones are let go is not cached, and its restore fills a memory of its own.
+// after the idle ones are let go is not cached.
 type Cache struct {
 	budget int64
 	charge Charge
@@ -43,12 +44,10 @@ type Cache struct {
 }
 
 type entry struct {
-	key   fileKey
-	size  int64
-	ready chan struct{} // closed once f or err is set
-	f     *os.File
-	err   error
-	used  uint64 // the cache's tick of its last use
+	key  fileKey
+	size int64
+	f    *os.File // nil while it is filled
+	used uint64   // the cache's tick of its last use
 }
 
 // fileKey is which file an image path named when its memory was filled: a snapshot pulled
@@ -65,15 +64,19 @@ func NewCache(budget int64, charge Charge) *Cache {
 	return &Cache{budget: budget, charge: charge, entries: map[string]*entry{}}
 }
 
-// ErrNotCached is Get's answer for a memory that does not fit the cache (or a cache that is
-// off): the restore fills a memory of its own (Create, Fill).
+// ErrNotCached is Get's answer for a memory the cache does not hold (yet): the restore fills a
+// memory of its own (Create, Fill), and may Warm the cache for the next.
 var ErrNotCached = errors.New("the snapshot's memory is not cached")
 
-// Get returns a descriptor of the memory of the image at img (size bytes: the guest's), for a
-// VMM to map privately, filling it first if it is not cached; the caller closes it. Restores
-// of one snapshot at once wait for one fill.
-func (c *Cache) Get(ctx context.Context, img string, size int64) (*os.File, error) {
-	if c == nil || c.charge == nil || c.budget <= 0 || size > c.budget {
+func (c *Cache) on(size int64) bool {
+	return c != nil && c.charge != nil && c.budget > 0 && size <= c.budget
+}
+
+// Get returns a descriptor of the cached memory of the image at img (size bytes: the guest's),
+// for a VMM to map privately; the caller closes it. ErrNotCached: the cache does not hold the
+// memory of that file, or is filling it.
+func (c *Cache) Get(img string, size int64) (*os.File, error) {
+	if !c.on(size) {
 		return nil, ErrNotCached
 	}
 	key, err := keyOf(img)
@@ -84,53 +87,68 @@ func (c *Cache) Get(ctx context.Context, img string, size int64) (*os.File, erro
 		return nil, fmt.Errorf("the memory image is %d bytes, not the guest's %d", key.size, size)
 	}
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	e := c.entries[img]
-	if e != nil && e.key != key {
-		c.dropLocked(img) // another file under the path
-		e = nil
-	}
-	filling := e == nil
-	if filling {
-		if err := c.makeRoomLocked(size); err != nil {
-			c.mu.Unlock()
-			return nil, err
-		}
-		e = &entry{key: key, size: size, ready: make(chan struct{})}
-		c.entries[img] = e
+	if e == nil || e.key != key || e.f == nil {
+		return nil, ErrNotCached
 	}
 	c.tick++
 	e.used = c.tick
-	c.mu.Unlock()
-
-	if filling {
-		e.f, e.err = c.fill(ctx, img, key, size)
-		close(e.ready)
-		if e.err != nil {
-			c.mu.Lock()
-			if c.entries[img] == e {
-				delete(c.entries, img)
-			}
-			c.mu.Unlock()
-		}
-	}
-	select {
-	case <-e.ready:
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-	if e.err != nil {
-		return nil, e.err
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.entries[img] != e || e.f == nil {
-		return nil, ErrNotCached // forgotten while it was filled
-	}
 	fd, err := unix.FcntlInt(e.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("duplicating the cached memory: %w", err)
 	}
 	return os.NewFile(uintptr(fd), e.f.Name()), nil
+}
+
+// Warm fills the cache's memory of the image at img in the background, unless it holds it or
+// is filling it. The channel gets the fill's outcome: nil once the memory is cached,
+// ErrNotCached if there was nothing to do (cached, being filled, or no room), or why the fill
+// failed.
+func (c *Cache) Warm(img string, size int64) <-chan error {
+	done := make(chan error, 1)
+	if !c.on(size) {
+		done <- ErrNotCached
+		return done
+	}
+	key, err := keyOf(img)
+	if err != nil || key.size != size {
+		done <- ErrNotCached
+		return done
+	}
+	c.mu.Lock()
+	if e := c.entries[img]; e != nil && e.key == key {
+		c.mu.Unlock()
+		done <- ErrNotCached
+		return done
+	}
+	c.dropLocked(img) // another file under the path, if any
+	if err := c.makeRoomLocked(size); err != nil {
+		c.mu.Unlock()
+		done <- err
+		return done
+	}
+	e := &entry{key: key, size: size}
+	c.tick++
+	e.used = c.tick
+	c.entries[img] = e
+	c.mu.Unlock()
+	go func() {
+		f, err := c.fill(img, key, size)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		switch {
+		case c.entries[img] != e: // forgotten meanwhile
+			closeIf(f)
+			err = ErrNotCached
+		case err != nil:
+			delete(c.entries, img)
+		default:
+			e.f = f
+		}
+		done <- err
+	}()
+	return done
 }
 
 // makeRoomLocked lets go of the least recently used idle memories until size more bytes fit
@@ -143,7 +161,7 @@ func (c *Cache) makeRoomLocked(size int64) error {
 			return fmt.Errorf("reading the snapshot memory cache's usage: %w", err)
 		}
 		for _, e := range c.entries {
-			if e.f == nil && e.err == nil {
+			if e.f == nil {
 				used += e.size // filling: charged in part
 			}
 		}
@@ -172,7 +190,7 @@ func (c *Cache) dropLocked(img string) {
 }
 
 // Forget lets go of the memories of the images under dir: a snapshot removed from the node.
-// VMs restored from them keep what they map.
+// VMs restored from them keep what they map; a fill under way ends unused.
 func (c *Cache) Forget(dir string) {
 	if c == nil {
 		return
@@ -180,12 +198,9 @@ func (c *Cache) Forget(dir string) {
 	dir = filepath.Clean(dir) + string(filepath.Separator)
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for p, e := range c.entries {
-		if strings.HasPrefix(p, dir) && (e.f != nil || e.err != nil) {
+	for p := range c.entries {
+		if strings.HasPrefix(p, dir) {
 			c.dropLocked(p)
-		} else if strings.HasPrefix(p, dir) {
-			delete(c.entries, p) // filling: its Get finds it gone and closes nothing it returns
-			go func() { <-e.ready; closeIf(e.f) }()
 		}
 	}
 }
@@ -210,7 +225,7 @@ func closeIf(f *os.File) {
 
 // fill makes the memory of img: a memfd of size bytes, filled whole in a child charged to the
 // cache, then sealed against every change.
-func (c *Cache) fill(ctx context.Context, img string, key fileKey, size int64) (*os.File, error) {
+func (c *Cache) fill(img string, key fileKey, size int64) (*os.File, error) {
 	in, err := os.OpenFile(img, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return nil, fmt.Errorf("opening the memory image: %w", err)
@@ -236,7 +251,7 @@ func (c *Cache) fill(ctx context.Context, img string, key fileKey, size int64) (
 	if _, err := unix.FcntlInt(mem.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_GROW|unix.F_SEAL_SHRINK); err != nil {
 		return nil, fmt.Errorf("sealing the snapshot's memory: %w", err)
 	}
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), fillTimeout)
+	fctx, cancel := context.WithTimeout(context.Background(), fillTimeout)
 	defer cancel()
 	if err := fillIn(fctx, mem, in, true, c.charge.Join); err != nil {
 		return nil, err

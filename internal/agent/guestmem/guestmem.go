@@ -1,14 +1,16 @@
 // Package guestmem makes a QEMU snapshot's memory a file of its own and puts it back into a
 // restored VM: Split turns the migration stream a snapshot saved (memory and devices, taken by
 // QEMU in one consistent step while the guest is paused) into the guest's memory, page for page,
-// and the devices' stream as QEMU's x-ignore-shared saves it; a restore then fills a new memfd
-// with the memory (Fill), which QEMU maps shared, and QEMU loads only the devices, instead of
-// streaming every page through QEMU, which under TCG costs hundreds of milliseconds.
+// and the devices' stream as QEMU's x-ignore-shared saves it; a restore then gives QEMU the
+// memory as a memfd, and QEMU loads only the devices, instead of streaming every page through
+// QEMU, which under TCG costs hundreds of milliseconds.
 //
-// The memfd is the restored VM's alone: made per run, sealed against resizing, given to its VMM
-// as a descriptor and closed by the agent. Fill copies into it in a child process that runs as the
-// VM's uid in the VM's cgroups, so that its pages are charged to the VM as if the VMM had faulted
-// them, never to the agent.
+// The memfd is one of two. Cache keeps one per snapshot on the node, filled once and sealed
+// against every change, which the restores of that snapshot map privately (copy-on-write): they
+// copy nothing. The first restore of a snapshot, or one the cache does not hold, gets a memfd of
+// its own, made per run (Create), sealed against resizing and filled (Fill) in a child process
+// that runs in the VM's cgroups, so that its pages are charged to the VM as if the VMM had
+// faulted them, never to the agent.
 package guestmem
 
 import (

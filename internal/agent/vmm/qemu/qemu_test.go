@@ -394,7 +394,8 @@ func TestSuspendResume(t *testing.T) {
 	t.Cleanup(func() { cgroup.Remove(cgroup.Root, "test-qemu-memories") })
 	cache := guestmem.NewCache(1<<30, memCharge{set})
 	defer cache.Close()
-	shared, err := cache.Get(context.Background(), memFile, spec.MemoryMiB<<20)
+	<-cache.Warm(memFile, spec.MemoryMiB<<20)
+	shared, err := cache.Get(memFile, spec.MemoryMiB<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
