@@ -271,7 +271,10 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		done: a.fetched, byVM: map[types.UID]*fetch{}}
 	a.reportNow = make(chan struct{}, 1)
 	a.snapshots = &snapshot.Store{Dir: filepath.Join(a.Opts.StateDir, "snapshots")}
-	a.memories = a.memoryCache()
+	var cacheErr error
+	if a.memories, cacheErr = a.memoryCache(); cacheErr != nil {
+		mgr.GetLogger().Error(cacheErr, "restores copy the snapshots' memory: the cache is off")
+	}
 	for _, d := range []string{"vms", "net", "snapshots"} {
 		if err := os.MkdirAll(filepath.Join(a.Opts.StateDir, d), 0o700); err != nil {
 			return fmt.Errorf("creating the state directory: %w", err)

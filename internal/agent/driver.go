@@ -108,7 +108,7 @@ func (d qemuDriver) start(ctx context.Context, l launchSpec) (*vmm.Record, error
 			// The stream holds the devices only. The memory: the snapshot's, shared with its
 			// other restores, or else a copy of the run's own, and the cache fills the shared
 			// one for the next restore once this one's VMM runs.
-			shared, err := a.memories.Get(mem, spec.MemoryMiB<<20)
+			shared, err := a.memories.Get(mem, spec.MemoryMiB<<20, string(l.vm.UID))
 			switch {
 			case err == nil:
 				defer shared.Close()

@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"fmt"
+
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
@@ -13,28 +15,34 @@ import (
 func (a *Agent) memoryCgroup() string { return "snapshot-memory." + a.Opts.NodeName }
 
 // memoryCache is the node's cache of snapshots' memory (Options.SnapshotMemoryCache), bounded
-// by its cgroup too; nil (no cache: each restore copies) without a budget or cgroups, or if the
-// cgroup cannot be made or has no memory controller to tell what it holds.
-func (a *Agent) memoryCache() *guestmem.Cache {
-	if a.memoryCacheBytes() == 0 {
-		return nil
+// by its cgroup too; nil (no cache: each restore copies) without a budget or cgroups, or, with
+// the error, if the cgroup cannot be made or has no memory controller to tell what it holds.
+func (a *Agent) memoryCache() (*guestmem.Cache, error) {
+	if a.Opts.CgroupRoot == "" || a.Opts.SnapshotMemoryCache <= 0 {
+		return nil, nil
 	}
-	set, err := cgroup.Prepare(a.Opts.CgroupRoot, a.memoryCgroup(), cgroup.Limits{MemoryBytes: a.Opts.SnapshotMemoryCache, Pids: 128})
+	// Beyond the budget, room for what a fill's child holds while it copies (its runtime, the
+	// image's page cache, which the kernel reclaims first): the budget is the cache's shared
+	// memory alone.
+	set, err := cgroup.Prepare(a.Opts.CgroupRoot, a.memoryCgroup(), cgroup.Limits{MemoryBytes: a.Opts.SnapshotMemoryCache + fillHeadroom, Pids: 128})
 	if err != nil {
-		return nil
+		return nil, fmt.Errorf("the snapshot memory cache's cgroup: %w", err)
 	}
-	if _, err := set.MemoryUsage(); err != nil {
-		return nil
+	if _, err := set.MemoryStat("shmem"); err != nil {
+		return nil, fmt.Errorf("the snapshot memory cache's cgroup: %w", err)
 	}
-	return guestmem.NewCache(a.Opts.SnapshotMemoryCache, memoryCharge{set})
+	return guestmem.NewCache(a.Opts.SnapshotMemoryCache, memoryCharge{set}), nil
 }
+
+// fillHeadroom is what a fill of the cache's may hold beyond the memory it fills.
+const fillHeadroom = 64 << 20
 
 // memoryCacheBytes is the memory the cache may hold, which the node does not offer VMs.
 func (a *Agent) memoryCacheBytes() int64 {
-	if a.Opts.CgroupRoot == "" {
+	if a.memories == nil {
 		return 0
 	}
-	return max(a.Opts.SnapshotMemoryCache, 0)
+	return a.Opts.SnapshotMemoryCache
 }
 
 // memoryCharge is the cache's cgroup.
@@ -45,7 +53,7 @@ func (m memoryCharge) Join(pid int) error {
 	return err
 }
 
-func (m memoryCharge) Usage() (int64, error) { return m.set.MemoryUsage() }
+func (m memoryCharge) Shmem() (int64, error) { return m.set.MemoryStat("shmem") }
 
 // removeSnapshot removes the node's files of snapshot uid and lets go of its cached memory
 // (restored VMs keep what they map).

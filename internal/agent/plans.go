@@ -109,9 +109,10 @@ func (a *Agent) teardownPlan() plan.Plan[*vmrun.Teardown] {
 // teardowns is what the teardown plan needs of the agent.
 type teardowns struct{ a *Agent }
 
-// Forget drops the VM's fetch, monitor and stop.
+// Forget drops the VM's fetch, monitor and stop, and its claim on a snapshot's shared memory.
 func (t teardowns) Forget(uid types.UID) {
 	t.a.fetches.Drop(uid)
+	t.a.memories.Release(string(uid)) // its VMM is gone
 	t.a.stopMonitor(uid)
 	t.a.mu.Lock()
 	delete(t.a.stops, uid)

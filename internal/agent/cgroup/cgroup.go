@@ -5,6 +5,7 @@
 package cgroup
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"os"
@@ -144,17 +145,22 @@ func (s *Set) Join(pid int, born bool) ([]string, error) {
 	return used, nil
 }
 
-// MemoryUsage is the memory charged to the set's cgroup now, in bytes: memory.current of the
-// unified hierarchy, or memory.usage_in_bytes of v1's memory controller.
-func (s *Set) MemoryUsage() (int64, error) {
+// MemoryStat is the value of key in the memory controller's memory.stat of the set's cgroup
+// (in bytes for sizes: "shmem" is the shared memory, memfds included, charged there).
+func (s *Set) MemoryStat(key string) (int64, error) {
 	for _, dir := range s.dirs {
-		for _, f := range []string{"memory.current", "memory.usage_in_bytes"} {
-			b, err := os.ReadFile(filepath.Join(dir, f))
-			if err != nil {
-				continue
-			}
-			return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		f, err := os.Open(filepath.Join(dir, "memory.stat"))
+		if err != nil {
+			continue
 		}
+		defer f.Close()
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			if k, v, ok := strings.Cut(sc.Text(), " "); ok && k == key {
+				return strconv.ParseInt(v, 10, 64)
+			}
+		}
+		return 0, fmt.Errorf("no %s in %s", key, filepath.Join(dir, "memory.stat"))
 	}
 	return 0, errors.New("no memory controller in the cgroups")
 }

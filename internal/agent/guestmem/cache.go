@@ -1,11 +1,13 @@
 package guestmem
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -15,12 +17,13 @@ import (
 )
 
 // Charge is where a Cache's memories are charged and bounded: a cgroup of their own, whose
-// usage is the truth of what they hold (a memory the cache let go stays while a VM maps it).
+// shared memory is the truth of what they hold (a memory the cache let go stays while a VM
+// maps it, and an agent that restarted finds the memories its VMs map there).
 type Charge interface {
 	// Join moves process pid into it.
 	Join(pid int) error
-	// Usage is the memory charged there now, in bytes.
-	Usage() (int64, error)
+	// Shmem is the shared memory (memfd pages) charged there now, in bytes.
+	Shmem() (int64, error)
 }
 
 // Cache keeps the memory of snapshots restored on this node, one memfd each, filled once and
@@ -31,9 +34,10 @@ type Charge interface {
 // the shared one beside it (Warm); the restores after it copy nothing.
 //
 // The memfds are filled whole (no holes: a private mapping of a hole would add a page to the
-// shared memfd, charged to whichever VM touched it) by a child in the Charge, and their total
-// there, those a VM still maps included, never exceeds the budget: a memory that does not fit
-// after the idle ones are let go is not cached.
+// shared memfd, charged to whichever VM touched it) by a child in the Charge, and the shared
+// memory there, that of memories VMs still map included, never exceeds the budget: to make
+// room, memories no running VM was given go, least recently used first, and only if that makes
+// enough room; else the memory is not cached.
 type Cache struct {
 	budget int64
 	charge Charge
@@ -44,10 +48,12 @@ type Cache struct {
 }
 
 type entry struct {
-	key  fileKey
-	size int64
-	f    *os.File // nil while it is filled
-	used uint64   // the cache's tick of its last use
+	key    fileKey
+	size   int64
+	f      *os.File           // nil while it is filled
+	cancel context.CancelFunc // ends the fill
+	users  map[string]bool    // the VMs (their UIDs) given it, until Release
+	used   uint64             // the cache's tick of its last use
 }
 
 // fileKey is which file an image path named when its memory was filled: a snapshot pulled
@@ -73,9 +79,10 @@ func (c *Cache) on(size int64) bool {
 }
 
 // Get returns a descriptor of the cached memory of the image at img (size bytes: the guest's),
-// for a VMM to map privately; the caller closes it. ErrNotCached: the cache does not hold the
-// memory of that file, or is filling it.
-func (c *Cache) Get(img string, size int64) (*os.File, error) {
+// for the VMM of VM user to map privately; the caller closes it, and Releases user once that VMM
+// is gone (until then the memory is not let go to make room). ErrNotCached: the cache does not
+// hold the memory of that file, or is filling it.
+func (c *Cache) Get(img string, size int64, user string) (*os.File, error) {
 	if !c.on(size) {
 		return nil, ErrNotCached
 	}
@@ -92,13 +99,26 @@ func (c *Cache) Get(img string, size int64) (*os.File, error) {
 	if e == nil || e.key != key || e.f == nil {
 		return nil, ErrNotCached
 	}
-	c.tick++
-	e.used = c.tick
 	fd, err := unix.FcntlInt(e.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("duplicating the cached memory: %w", err)
 	}
+	c.tick++
+	e.used = c.tick
+	e.users[user] = true
 	return os.NewFile(uintptr(fd), e.f.Name()), nil
+}
+
+// Release says the VMM of VM user, given memories by Get, is gone.
+func (c *Cache) Release(user string) {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, e := range c.entries {
+		delete(e.users, user)
+	}
 }
 
 // Warm fills the cache's memory of the image at img in the background, unless it holds it or
@@ -128,17 +148,19 @@ func (c *Cache) Warm(img string, size int64) <-chan error {
 		done <- err
 		return done
 	}
-	e := &entry{key: key, size: size}
+	ctx, cancel := context.WithTimeout(context.Background(), fillTimeout)
+	e := &entry{key: key, size: size, cancel: cancel, users: map[string]bool{}}
 	c.tick++
 	e.used = c.tick
 	c.entries[img] = e
 	c.mu.Unlock()
 	go func() {
-		f, err := c.fill(img, key, size)
+		defer cancel()
+		f, err := c.fill(ctx, img, key, size)
 		c.mu.Lock()
 		defer c.mu.Unlock()
 		switch {
-		case c.entries[img] != e: // forgotten meanwhile
+		case c.entries[img] != e: // let go of meanwhile
 			closeIf(f)
 			err = ErrNotCached
 		case err != nil:
@@ -151,46 +173,59 @@ func (c *Cache) Warm(img string, size int64) <-chan error {
 	return done
 }
 
-// makeRoomLocked lets go of the least recently used idle memories until size more bytes fit
-// the budget, by what the Charge says it holds (memories still filling counted whole), or
-// returns ErrNotCached.
+// makeRoomLocked makes size bytes of room within the budget, by what the Charge holds (fills
+// under way counted whole): it lets go of memories no VM was given, least recently used first,
+// only if they make enough room, and returns ErrNotCached if they would not.
 func (c *Cache) makeRoomLocked(size int64) error {
-	for {
-		used, err := c.charge.Usage()
-		if err != nil {
-			return fmt.Errorf("reading the snapshot memory cache's usage: %w", err)
-		}
-		for _, e := range c.entries {
-			if e.f == nil {
-				used += e.size // filling: charged in part
-			}
-		}
-		if used+size <= c.budget {
-			return nil
-		}
-		var oldest string
-		for p, e := range c.entries {
-			if e.f != nil && (oldest == "" || e.used < c.entries[oldest].used) {
-				oldest = p
-			}
-		}
-		if oldest == "" {
-			return ErrNotCached
-		}
-		c.dropLocked(oldest)
+	held, err := c.charge.Shmem()
+	if err != nil {
+		return fmt.Errorf("reading the snapshot memory cache's usage: %w", err)
 	}
+	var idle []string
+	var freeable int64
+	for p, e := range c.entries {
+		switch {
+		case e.f == nil:
+			held += e.size // filling: charged in part
+		case len(e.users) == 0:
+			idle = append(idle, p)
+			freeable += e.size
+		}
+	}
+	if held+size <= c.budget {
+		return nil
+	}
+	if held-freeable+size > c.budget {
+		return ErrNotCached // what VMs map leaves no room: nothing is let go for nothing
+	}
+	slices.SortFunc(idle, func(a, b string) int { return cmp.Compare(c.entries[a].used, c.entries[b].used) })
+	for _, p := range idle {
+		held -= c.entries[p].size
+		c.dropLocked(p)
+		if held+size <= c.budget {
+			break
+		}
+	}
+	return nil
 }
 
+// dropLocked lets go of the memory of img: its pages go once no VM maps them; a fill under way
+// is ended.
 func (c *Cache) dropLocked(img string) {
 	e := c.entries[img]
 	delete(c.entries, img)
-	if e != nil && e.f != nil {
-		e.f.Close() // its pages go once no VM maps them
+	if e == nil {
+		return
+	}
+	if e.f != nil {
+		e.f.Close()
+	} else if e.cancel != nil {
+		e.cancel()
 	}
 }
 
 // Forget lets go of the memories of the images under dir: a snapshot removed from the node.
-// VMs restored from them keep what they map; a fill under way ends unused.
+// VMs restored from them keep what they map; a fill under way is ended.
 func (c *Cache) Forget(dir string) {
 	if c == nil {
 		return
@@ -225,7 +260,7 @@ func closeIf(f *os.File) {
 
 // fill makes the memory of img: a memfd of size bytes, filled whole in a child charged to the
 // cache, then sealed against every change.
-func (c *Cache) fill(img string, key fileKey, size int64) (*os.File, error) {
+func (c *Cache) fill(ctx context.Context, img string, key fileKey, size int64) (*os.File, error) {
 	in, err := os.OpenFile(img, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return nil, fmt.Errorf("opening the memory image: %w", err)
@@ -251,9 +286,7 @@ func (c *Cache) fill(img string, key fileKey, size int64) (*os.File, error) {
 	if _, err := unix.FcntlInt(mem.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_GROW|unix.F_SEAL_SHRINK); err != nil {
 		return nil, fmt.Errorf("sealing the snapshot's memory: %w", err)
 	}
-	fctx, cancel := context.WithTimeout(context.Background(), fillTimeout)
-	defer cancel()
-	if err := fillIn(fctx, mem, in, true, c.charge.Join); err != nil {
+	if err := fillIn(ctx, mem, in, true, c.charge.Join); err != nil {
 		return nil, err
 	}
 	// Written by the child alone, through write(2): no mapping of it is writable, so the seal

@@ -22,12 +22,12 @@ func (c charge) Join(pid int) error {
 	return err
 }
 
-func (c charge) Usage() (int64, error) { return c.set.MemoryUsage() }
+func (c charge) Shmem() (int64, error) { return c.set.MemoryStat("shmem") }
 
-// get is a restore's: the memory of img once the cache has filled it (Warm).
-func get(c *guestmem.Cache, img string, size int64) (*os.File, error) {
+// get is a restore's, by VM user: the memory of img once the cache has filled it (Warm).
+func get(c *guestmem.Cache, img string, size int64, user string) (*os.File, error) {
 	<-c.Warm(img, size)
-	return c.Get(img, size)
+	return c.Get(img, size, user)
 }
 
 func testCharge(t *testing.T, name string) charge {
@@ -37,29 +37,43 @@ func testCharge(t *testing.T, name string) charge {
 		t.Skipf("no cgroups here: %v", err)
 	}
 	t.Cleanup(func() { cgroup.Remove(cgroup.Root, name) })
-	if _, err := set.MemoryUsage(); err != nil {
+	if _, err := set.MemoryStat("shmem"); err != nil {
 		t.Skipf("no memory controller here: %v", err)
 	}
 	return charge{set}
 }
 
+// cached says whether the cache holds img's memory (a restore of it would get it).
+func cached(t *testing.T, c *guestmem.Cache, img string) bool {
+	t.Helper()
+	f, err := c.Get(img, size, "probe")
+	if err != nil {
+		return false
+	}
+	f.Close()
+	c.Release("probe")
+	return true
+}
+
 // TestCacheSharesOneMemory: the first restore of a snapshot is told to fill its own (the cache
-// fills beside it); the restores after it get one memory, filled once, whole (no
-// holes: every page allocated, charged to the cache's cgroup), holding the image; what does not
-// fit the budget after the idle memories go is not cached; a forgotten snapshot's memory goes.
+// fills beside it); the restores after it get one memory, filled once, whole (no holes: every
+// page allocated, charged to the cache's cgroup), holding the image. To make room, only
+// memories no running VM was given go, least recently used first, and only if that makes enough
+// room; a forgotten snapshot's memory goes once nothing maps it; a file replaced under its path
+// is filled anew.
 func TestCacheSharesOneMemory(t *testing.T) {
 	ch := testCharge(t, "test-guestmem-cache")
 	c := guestmem.NewCache(3*size, ch)
 	defer c.Close()
 	img := image(t)
-	if _, err := c.Get(img, size); !errors.Is(err, guestmem.ErrNotCached) {
+	if _, err := c.Get(img, size, "vm-a"); !errors.Is(err, guestmem.ErrNotCached) {
 		t.Fatalf("the first restore of a snapshot got %v, not ErrNotCached: it fills its own", err)
 	}
-	a, err := get(c, img, size)
+	a, err := get(c, img, size, "vm-a")
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := get(c, img, size)
+	b, err := get(c, img, size, "vm-b")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,55 +90,75 @@ func TestCacheSharesOneMemory(t *testing.T) {
 	if !bytes.Equal(readAll(t, a), want) {
 		t.Error("the cached memory is not the image")
 	}
-	if used, _ := ch.Usage(); used < size {
-		t.Errorf("the cache's cgroup is charged %d bytes, not the memory's %d", used, size)
+	if held, _ := ch.Shmem(); held < size {
+		t.Errorf("the cache's cgroup is charged %d bytes of shared memory, not the memory's %d", held, size)
 	}
 	if fd, err := unix.FcntlInt(a.Fd(), unix.F_GETFD, 0); err != nil || fd&unix.FD_CLOEXEC == 0 {
 		t.Error("a cached memory's descriptor is not close-on-exec")
 	}
-
-	// Another image of the same size fits beside it; a third does not while the first two are
-	// held, and takes the place of the least recently used one that is idle.
-	img2, img3 := image(t), image(t)
-	m2, err := get(c, img2, size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m2.Close()
-	if _, err := get(c, img, size*4); err == nil {
+	if _, err := get(c, img, size*4, "vm-x"); err == nil {
 		t.Error("a memory bigger than the budget was served")
 	}
-	m3, err := get(c, img3, size) // img2's memory, idle, goes
+
+	// Two more fit beside img's, whose VMs run: img2's VM is gone, then img3's.
+	img2, img3, img4, img5 := image(t), image(t), image(t), image(t)
+	for i, p := range []string{img2, img3} {
+		m, err := get(c, p, size, fmt.Sprint("vm-", i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.Close()
+		c.Release(fmt.Sprint("vm-", i))
+	}
+	// A fourth takes the place of the least recently used one no VM runs on (img2's), and
+	// of no other.
+	m4, err := get(c, img4, size, "vm-4")
 	if err != nil {
 		t.Fatalf("a memory that fits once an idle one goes: %v", err)
 	}
-	m3.Close()
-	// img's memory, held by a and b (as a VM maps it), counts though the cache let it go: a
-	// fourth fits only if img3's goes.
-	img4 := image(t)
-	if m4, err := get(c, img4, size); err == nil {
-		m4.Close()
+	defer m4.Close()
+	if cached(t, c, img2) || !cached(t, c, img3) || !cached(t, c, img) {
+		t.Errorf("making room let go of img2 %v, img3 %v, img %v; want img2's alone", !cached(t, c, img2), !cached(t, c, img3), !cached(t, c, img))
 	}
-	if used, _ := ch.Usage(); used > 3*size {
-		t.Errorf("the cache's cgroup holds %d bytes, over its budget of %d", used, 3*size)
+	m3, err := c.Get(img3, size, "vm-3")
+	if err != nil {
+		t.Fatal(err)
 	}
-	// Snapshots removed: their memories go, but the one a VM maps.
+	// Every memory has a VM: a fifth does not fit, and none is let go for it.
+	if m5, err := get(c, img5, size, "vm-5"); err == nil {
+		m5.Close()
+		t.Error("a memory was cached with every memory in the budget mapped by a VM")
+	}
+	if !cached(t, c, img3) || !cached(t, c, img4) || !cached(t, c, img) {
+		t.Error("a memory a VM runs on was let go for one that did not fit")
+	}
+	if held, _ := ch.Shmem(); held > 3*size {
+		t.Errorf("the cache's cgroup holds %d bytes of shared memory, over its budget of %d", held, 3*size)
+	}
+
+	// Snapshots removed: their memories leave the cache; those VMs map stay until unmapped.
 	c.Forget(filepath.Dir(img3))
 	c.Forget(filepath.Dir(img4))
-	if used, _ := ch.Usage(); used > size+size/4 {
-		t.Errorf("with the idle memories forgotten, the cache's cgroup holds %d bytes, want the %d still mapped", used, size)
+	if cached(t, c, img3) || cached(t, c, img4) {
+		t.Error("a forgotten memory is still served")
 	}
+	if held, _ := ch.Shmem(); held < 3*size {
+		t.Errorf("memories VMs still map were freed: the cgroup holds %d bytes", held)
+	}
+	m3.Close()
+	m4.Close()
 	a.Close()
 	b.Close()
 	c.Forget(filepath.Dir(img))
-	if used, _ := ch.Usage(); used > size/4 {
-		t.Errorf("with every memory forgotten and unmapped, the cache's cgroup holds %d bytes", used)
+	if held, _ := ch.Shmem(); held > size/4 {
+		t.Errorf("with every memory forgotten and unmapped, the cache's cgroup holds %d bytes", held)
 	}
-	// The image changed under its path (pulled again): a new memory.
+
+	// The image replaced under its path (pulled again): a new memory.
 	if err := os.WriteFile(img2, bytes.Repeat([]byte{1}, size), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	n, err := get(c, img2, size)
+	n, err := get(c, img2, size, "vm-n")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +166,7 @@ func TestCacheSharesOneMemory(t *testing.T) {
 	if got := readAll(t, n); got[0] != 1 || got[size-1] != 1 {
 		t.Error("the memory of an image replaced under its path is the old one")
 	}
-	if _, err := get(c, img3, size/2); err == nil {
+	if _, err := get(c, img3, size/2, "vm-y"); err == nil {
 		t.Error("an image of another size than the guest's memory was served")
 	}
 }
@@ -141,7 +175,7 @@ func TestCacheSharesOneMemory(t *testing.T) {
 func TestCacheOffWithoutBudgetOrCgroup(t *testing.T) {
 	img := image(t)
 	for _, c := range []*guestmem.Cache{nil, guestmem.NewCache(0, charge{}), guestmem.NewCache(1<<30, nil)} {
-		if _, err := get(c, img, size); !errors.Is(err, guestmem.ErrNotCached) {
+		if _, err := get(c, img, size, "vm"); !errors.Is(err, guestmem.ErrNotCached) {
 			t.Errorf("Get = %v, want ErrNotCached", err)
 		}
 	}
@@ -149,16 +183,18 @@ func TestCacheOffWithoutBudgetOrCgroup(t *testing.T) {
 
 // TestCachedMemoryCannotBeChanged is the attack of a hostile VMM on a snapshot's memory that
 // other VMs map: with the descriptor it is given, and the file reopened read-write through
-// /proc as QEMU does, it writes, maps it shared and writable, truncates, grows, punches a hole
-// and removes the seals; each is refused, and what it writes to its private mapping is its
-// own: a second mapping, and the next restore, see the snapshot unchanged.
+// /proc as QEMU does, it writes, maps it shared and writable (or read-only, then makes the
+// mapping writable), truncates, grows, punches a hole, discards pages (MADV_REMOVE), copies
+// into it (copy_file_range) and adds a seal; each is refused, and what it writes to its private mapping is its
+// own: a second mapping, and the next restore, see the snapshot unchanged. (Seals do not depend
+// on the uid: the test runs as root, QEMU as the VM's.)
 func TestCachedMemoryCannotBeChanged(t *testing.T) {
 	ch := testCharge(t, "test-guestmem-attack")
 	c := guestmem.NewCache(2*size, ch)
 	defer c.Close()
 	img := image(t)
 	want, _ := os.ReadFile(img)
-	mem, err := get(c, img, size)
+	mem, err := get(c, img, size, "vm-a")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,6 +213,22 @@ func TestCachedMemoryCannotBeChanged(t *testing.T) {
 			b[0] ^= 0xff
 			_ = unix.Munmap(b)
 			t.Error("the shared memory was mapped shared and writable")
+		}
+		if b, err := unix.Mmap(fd, 0, 4096, unix.PROT_READ, unix.MAP_SHARED); err == nil {
+			if unix.Mprotect(b, unix.PROT_READ|unix.PROT_WRITE) == nil {
+				t.Error("a read-only shared mapping of the shared memory was made writable")
+			}
+			if unix.Madvise(b, unix.MADV_REMOVE) == nil {
+				t.Error("pages of the shared memory were discarded")
+			}
+			_ = unix.Munmap(b)
+		}
+		if src, err := os.Open(img); err == nil {
+			off := int64(0)
+			if n, err := unix.CopyFileRange(int(src.Fd()), nil, fd, &off, 4096, 0); err == nil && n > 0 {
+				t.Error("the shared memory was copied into")
+			}
+			src.Close()
 		}
 		if err := unix.Ftruncate(fd, size/2); err == nil {
 			t.Error("the shared memory was shrunk")
@@ -208,7 +260,7 @@ func TestCachedMemoryCannotBeChanged(t *testing.T) {
 	}
 	_ = unix.Munmap(other)
 	_ = unix.Munmap(priv)
-	next, err := get(c, img, size)
+	next, err := get(c, img, size, "vm-b")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -389,13 +389,13 @@ func TestSuspendResume(t *testing.T) {
 	waitFor("the VMM runs after quit", 10*time.Second, func() bool { return !rec.Alive() })
 	set, err := cgroup.Prepare(cgroup.Root, "test-qemu-memories", cgroup.Limits{MemoryBytes: 1 << 30, Pids: 16})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("no cgroups here (the restore of a VM needs them too): %v", err)
 	}
 	t.Cleanup(func() { cgroup.Remove(cgroup.Root, "test-qemu-memories") })
 	cache := guestmem.NewCache(1<<30, memCharge{set})
 	defer cache.Close()
 	<-cache.Warm(memFile, spec.MemoryMiB<<20)
-	shared, err := cache.Get(memFile, spec.MemoryMiB<<20)
+	shared, err := cache.Get(memFile, spec.MemoryMiB<<20, "vm")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -468,7 +468,7 @@ func (c memCharge) Join(pid int) error {
 	return err
 }
 
-func (c memCharge) Usage() (int64, error) { return c.set.MemoryUsage() }
+func (c memCharge) Shmem() (int64, error) { return c.set.MemoryStat("shmem") }
 
 // TestMain: a restore fills the guest's memory in a child that is this binary again.
 func TestMain(m *testing.M) {
