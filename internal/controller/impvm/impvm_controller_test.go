@@ -444,12 +444,16 @@ func TestRunStrategies(t *testing.T) {
 	if c := condition(e.get("halt"), impv1.ReadyCondition); c.Reason != impv1.ReasonHalted {
 		t.Errorf("halted VM's Ready reason %q", c.Reason)
 	}
-	ev := e.events()
-	for _, r := range []string{"Scheduled", "Started", "Restarting", "Succeeded", "Failed", "Stopped"} {
-		if ev[r] == 0 {
-			t.Errorf("no %s Event; events: %v", r, ev)
+	// Events are recorded apart from the status (the recorder's queue): they arrive after it.
+	eventually(t, func() error {
+		ev := e.events()
+		for _, r := range []string{"Scheduled", "Started", "Restarting", "Succeeded", "Failed", "Stopped"} {
+			if ev[r] == 0 {
+				return fmt.Errorf("no %s Event; events: %v", r, ev)
+			}
 		}
-	}
+		return nil
+	}).Should(Succeed())
 }
 
 // TestBackoffGrows: restart delays double and show in status.

@@ -9,8 +9,11 @@ import (
 	. "github.com/onsi/gomega"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -110,6 +113,23 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 	eventually(t, func() string { return reason("first") }).Should(HavePrefix(string(impv1.VMRunning)))
 	if h := e.get("first").Status.VolumeHolder; len(h.Claims) != 1 || h.Claims[0].Block || h.Claims[0].SizeBytes != 1<<30 {
 		t.Errorf("the held claims: %+v", h.Claims)
+	}
+	// A node drain cannot evict the holder from under the running VM (the kubelet would detach
+	// the claim under its VMM): the VM's disruption budget lets no eviction of it pass.
+	pdb := &policyv1.PodDisruptionBudget{}
+	eventually(t, func() error {
+		return e.c.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: volumeholder.BudgetName(first.UID)}, pdb)
+	}).Should(Succeed())
+	if sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector); err != nil || !sel.Matches(labels.Set(pod.Labels)) ||
+		pdb.Spec.MaxUnavailable == nil || pdb.Spec.MaxUnavailable.IntValue() != 0 || !metav1.IsControlledBy(pdb, first) {
+		t.Errorf("the holder's disruption budget: %+v", pdb)
+	}
+	err := e.c.SubResource("eviction").Create(ctx, pod, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: pod.Name}})
+	if !apierrors.IsTooManyRequests(err) {
+		t.Errorf("evicting the running VM's holder pod: %v, want it refused by the disruption budget", err)
+	}
+	if err := e.c.Get(ctx, client.ObjectKeyFromObject(pod), &corev1.Pod{}); err != nil {
+		t.Errorf("the holder pod after an eviction: %v", err)
 	}
 
 	// The claim is ReadWriteOnce: a second VM waits for it; a missing claim is named.

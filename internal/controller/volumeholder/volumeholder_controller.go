@@ -15,11 +15,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
@@ -34,6 +36,7 @@ import (
 
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch;create;delete
 // +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get;list;watch
+// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=create;delete
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;patch
 
@@ -97,6 +100,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		}
 	}
 	if want == "" {
+		if vm.Status.VolumeHolder != nil {
+			if err := r.unguard(ctx, vm); err != nil {
+				return reconcile.Result{}, err
+			}
+		}
 		return reconcile.Result{}, r.report(ctx, vm, nil)
 	}
 	status := &impv1.VolumeHolderStatus{PodName: want, NodeName: vm.Status.NodeName}
@@ -133,9 +141,46 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		status.Message = "made; waiting for its node to run it"
 		return reconcile.Result{}, r.report(ctx, vm, status)
 	}
+	if err := r.guard(ctx, vm); err != nil {
+		return reconcile.Result{}, err
+	}
 	status.PodUID = string(cur.UID)
 	status.ContainerID, status.Ready, status.Message = podReady(cur)
 	return reconcile.Result{}, r.report(ctx, vm, status)
+}
+
+// BudgetName is the PodDisruptionBudget that guards the holder pods of VM uid.
+func BudgetName(uid types.UID) string { return "imp-vol-" + string(uid) }
+
+// guard makes the VM's PodDisruptionBudget, which no eviction of its holder pod may pass (a
+// node drain, say): the kubelet would detach the claims under the running VMM. The VM owns it.
+// Deleting the pod is not an eviction; the VM's placement ending removes it.
+func (r *Reconciler) guard(ctx context.Context, vm *impv1.ImpVM) error {
+	pdb := &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: BudgetName(vm.UID), Labels: map[string]string{
+			VMLabel: vm.Name, "app.kubernetes.io/managed-by": "imp",
+		}},
+		Spec: policyv1.PodDisruptionBudgetSpec{
+			MaxUnavailable: ptr.To(intstr.FromInt32(0)),
+			Selector:       &metav1.LabelSelector{MatchLabels: map[string]string{HolderLabel: "true", VMLabel: vm.Name}},
+		},
+	}
+	if err := controllerutil.SetControllerReference(vm, pdb, r.Client.Scheme()); err != nil {
+		return err
+	}
+	if err := r.Client.Create(ctx, pdb); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("guarding the holder pod of %s against eviction: %w", vm.Name, err)
+	}
+	return nil
+}
+
+// unguard removes the VM's PodDisruptionBudget once it has no holder.
+func (r *Reconciler) unguard(ctx context.Context, vm *impv1.ImpVM) error {
+	pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: BudgetName(vm.UID)}}
+	if err := r.Client.Delete(ctx, pdb); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("removing the disruption budget of %s's holder: %w", vm.Name, err)
+	}
+	return nil
 }
 
 // claimWait is how often a holder waiting for a claim looks again: claims are not watched.
