@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"syscall"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -168,28 +167,12 @@ func (g guests) Reidentify(ctx context.Context, r *vmrun.Run) error {
 	if r.Net != nil {
 		req.Net = r.Net.Params()
 	}
-	// The run's configuration, as its configuration disk holds it: the guest need not read the
-	// disk (block I/O of cold code under TCG).
-	cfg, err := readConfigDisk(r.Path(vmrun.ConfigDisk))
-	if err != nil {
-		return err
-	}
-	req.Config = &cfg
+	// The run's configuration as the config_disk step made it: the guest need not read its
+	// disk (block I/O of cold code under TCG). A restore finished after an agent restart has
+	// none, and the guest reads the disk: the agent never reads back that file, which a
+	// Firecracker VMM, whose jail holds it, may write.
+	req.Config = r.Config
 	return guestchan.Restore(conn, r.Meta.Restore.Token, req, restoreTimeout)
-}
-
-// readConfigDisk reads the configuration of the run's configuration disk at path.
-func readConfigDisk(path string) (guestinit.Config, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return guestinit.Config{}, fmt.Errorf("reading the run's configuration: %w", err)
-	}
-	defer f.Close()
-	cfg, err := guestinit.DecodeConfigDisk(f)
-	if err != nil {
-		return cfg, fmt.Errorf("reading the run's configuration: %w", err)
-	}
-	return cfg, nil
 }
 
 var (

@@ -310,7 +310,7 @@ func keyOf(path string) (fileKey, error) {
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return fileKey{}, fmt.Errorf("the memory image %s is not a regular file", path)
 	}
-	return fileKey{dev: st.Dev, ino: st.Ino, size: st.Size, mtime: st.Mtim.Nano()}, nil
+	return keyOfStat(&st), nil
 }
 
 func keyOfFile(f *os.File) (fileKey, error) {
@@ -318,5 +318,9 @@ func keyOfFile(f *os.File) (fileKey, error) {
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return fileKey{}, err
 	}
-	return fileKey{dev: st.Dev, ino: st.Ino, size: st.Size, mtime: st.Mtim.Nano()}, nil
+	return keyOfStat(&st), nil
+}
+
+func keyOfStat(st *unix.Stat_t) fileKey {
+	return fileKey{dev: st.Dev, ino: st.Ino, size: st.Size, mtime: st.Mtim.Nano()}
 }

@@ -86,10 +86,11 @@ func fillIn(ctx context.Context, mem, img *os.File, whole bool, join func(pid in
 	defer release.Close()
 	var out limitedBuffer
 	cmd := exec.CommandContext(ctx, "/proc/self/exe")
-	cmd.Env = []string{fillEnv + "=1"}
+	mode := "1"
 	if whole {
-		cmd.Env = []string{fillEnv + "=" + fillWhole}
+		mode = fillWhole
 	}
+	cmd.Env = []string{fillEnv + "=" + mode}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = gate, io.Discard, &out
 	cmd.ExtraFiles = []*os.File{img, mem}
 	cmd.WaitDelay = time.Second // the child's output closes with it

@@ -24,5 +24,9 @@ func (ConfigDisk) Do(_ context.Context, r *vmrun.Run) error {
 	if v := r.Volumes; v != nil {
 		cfg.Volumes, cfg.Mounts, cfg.Devices = v.Guest.Volumes, v.Guest.Mounts, v.Guest.Devices
 	}
-	return disk.WriteConfig(r.Path(vmrun.ConfigDisk), cfg)
+	if err := disk.WriteConfig(r.Path(vmrun.ConfigDisk), cfg); err != nil {
+		return err
+	}
+	r.Config = &cfg
+	return nil
 }

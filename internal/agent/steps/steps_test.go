@@ -218,6 +218,16 @@ func TestConfigDisk(t *testing.T) {
 	if fi, err := os.Stat(r.Path(vmrun.ConfigDisk)); err != nil || fi.Size() == 0 {
 		t.Errorf("the config disk: %v, %v", fi, err)
 	}
+	// The run keeps what it wrote, for a restore's reidentify to send the guest.
+	f, err := os.Open(r.Path(vmrun.ConfigDisk))
+	if err != nil {
+		t.Fatal(err)
+	}
+	onDisk, err := guestinit.DecodeConfigDisk(f)
+	f.Close()
+	if err != nil || r.Config == nil || !reflect.DeepEqual(*r.Config, onDisk) {
+		t.Errorf("the run's config %+v, the disk's %+v (%v)", r.Config, onDisk, err)
+	}
 	r.Image.Config = &v1.Config{}
 	if _, err := do(t, ConfigDisk{}, r); err == nil {
 		t.Error("a workload with nothing to run was written")

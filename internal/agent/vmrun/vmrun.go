@@ -138,8 +138,12 @@ type Run struct {
 	Snapshot *Snapshot
 
 	// Made by the steps, in order.
-	Image      *Image
-	Volumes    *Volumes
+	Image   *Image
+	Volumes *Volumes
+	// Config is the workload configuration the config_disk step wrote on the run's
+	// configuration disk (nil when this plan did not write it: a restore finished after an
+	// agent restart).
+	Config     *guestinit.Config
 	Meta       *Meta
 	Attachment hostnet.Attachment
 	Net        *guestinit.Net

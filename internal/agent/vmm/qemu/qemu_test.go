@@ -361,23 +361,29 @@ func TestSuspendResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor("the VMM runs after quit", 10*time.Second, func() bool { return !rec.Alive() })
-	before = console()
+	// restore starts the VM on the snapshot's devices and spec's memory, and waits for the
+	// count to go on from the snapshot's, the workload not started again.
+	restore := func(how string) {
+		t.Helper()
+		before := console()
+		start := time.Now()
+		if rec, err = Start(spec, "h"); err != nil {
+			t.Fatal(err)
+		}
+		if rec.IncomingFD == 0 {
+			t.Errorf("the record of a restore %s has no IncomingFD", how)
+		}
+		if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("restore %s: %v", how, time.Since(start).Round(time.Millisecond))
+		waitFor("no tick after the restore "+how, 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > atSnapshot+1 })
+		if after := console()[len(before):]; strings.Contains(after, "hello from imp") || hasLine(after, "hello: tick 0") {
+			t.Errorf("the workload started again instead of continuing after the restore %s:\n%s", how, after)
+		}
+	}
 	spec.Incoming, spec.MemoryImage = devices, memFile
-	start = time.Now()
-	if rec, err = Start(spec, "h"); err != nil {
-		t.Fatal(err)
-	}
-	if rec.IncomingFD == 0 {
-		t.Error("the restore's record has no IncomingFD")
-	}
-	if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("restore with the memory mapped back: %v", time.Since(start).Round(time.Millisecond))
-	waitFor("no tick after restore", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > atSnapshot+1 })
-	if after := console()[len(before):]; strings.Contains(after, "hello from imp") || hasLine(after, "hello: tick 0") {
-		t.Errorf("the workload started again instead of continuing:\n%s", after)
-	}
+	restore("with the memory mapped back")
 
 	// Restored again, from the snapshot's memory as the node's cache keeps it for every
 	// restore (guestmem.Cache): mapped privately, the count goes on, and what the guest wrote
@@ -400,20 +406,8 @@ func TestSuspendResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer shared.Close()
-	before = console()
 	spec.Incoming, spec.MemoryImage, spec.Memory = devices, "", shared
-	start = time.Now()
-	if rec, err = Start(spec, "h"); err != nil {
-		t.Fatal(err)
-	}
-	if err := ResumeIncoming(vmDir, rec, time.Minute); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("restore with the memory shared: %v", time.Since(start).Round(time.Millisecond))
-	waitFor("no tick after the restore on shared memory", 30*time.Second, func() bool { return strings.Count(console(), "hello: tick ") > atSnapshot+1 })
-	if after := console()[len(before):]; strings.Contains(after, "hello from imp") || hasLine(after, "hello: tick 0") {
-		t.Errorf("the workload started again instead of continuing:\n%s", after)
-	}
+	restore("on the shared memory")
 	want, _ := os.ReadFile(memFile)
 	got := make([]byte, len(want))
 	if _, err := shared.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
