@@ -24,7 +24,11 @@ import (
 )
 
 // The API group of the ImpVM subresources (internal/subresources).
-const subresourcesPath = "/apis/subresources.imp.dev/v1alpha1"
+const (
+	subresourcesPath = "/apis/subresources.imp.dev/v1alpha1"
+	// accessAPIService is the APIService by which the API server serves subresourcesPath.
+	accessAPIService = "v1alpha1.subresources.imp.dev"
+)
 
 // ExitError is a command's exit code in a VM, which kubectl imp exec exits with.
 type ExitError struct{ Code int }
@@ -264,6 +268,11 @@ func refusal(code int, body []byte) string {
 	if code == http.StatusNotFound {
 		return "the API server does not serve " + strings.TrimPrefix(subresourcesPath, "/apis/") +
 			" (IMP's access: the chart's access.enabled, and its APIService available; docs/access.md)"
+	}
+	if code == http.StatusServiceUnavailable {
+		return fmt.Sprintf("%d %s: the API server has not seen IMP's access served yet "+
+			"(the operator starting or moved; kubectl get apiservice %s; docs/access.md)",
+			code, strings.TrimSpace(string(body)), accessAPIService)
 	}
 	return fmt.Sprintf("%d %s", code, strings.TrimSpace(string(body)))
 }

@@ -48,3 +48,28 @@ func TestDetachable(t *testing.T) {
 		})
 	}
 }
+
+// A refusal says why: a Status's message; for what the API server's aggregation answers itself
+// (no such group, or IMP's access not available yet) where to look.
+func TestRefusal(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		code int
+		body string
+		want []string
+	}{
+		{"a Status", 503, `{"kind":"Status","message":"reaching the VM's node agent: refused"}`, []string{"503 reaching the VM's node agent: refused"}},
+		{"no such group", 404, "404 page not found", []string{"does not serve subresources.imp.dev/v1alpha1", "access.enabled"}},
+		{"the APIService not available", 503, "service unavailable\n", []string{"503 service unavailable", "kubectl get apiservice v1alpha1.subresources.imp.dev"}},
+		{"anything else", 500, "boom", []string{"500 boom"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := refusal(tc.code, []byte(tc.body))
+			for _, w := range tc.want {
+				if !strings.Contains(got, w) {
+					t.Errorf("refusal(%d, %q) = %q, want it to say %q", tc.code, tc.body, got, w)
+				}
+			}
+		})
+	}
+}

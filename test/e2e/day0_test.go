@@ -322,6 +322,12 @@ network:
 		if l := strings.Split(strings.TrimSpace(out), "\n"); len(l) != 2 || l[0] != want || l[1] != want {
 			return fmt.Errorf("operator pods %q, want twice %q", out, want)
 		}
+		// The API server proxies IMP's access (exec, console, logs) only once its availability
+		// check has seen the operator's Service answer again: until then it says 503.
+		out, err = sh(`kubectl get apiservice v1alpha1.subresources.imp.dev -o jsonpath='{.status.conditions[?(@.type=="Available")].status}'`)
+		if err != nil || out != "True" {
+			return fmt.Errorf("APIService v1alpha1.subresources.imp.dev Available %q %v", out, err)
+		}
 		return nil
 	}
 	eventually("operator pods Running and Ready", 3*time.Minute, operatorPods)
