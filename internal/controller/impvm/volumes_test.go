@@ -10,10 +10,12 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -217,4 +219,44 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 		}
 		return e.c.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(v.UID, v.Status.Instance)}, &corev1.Pod{})
 	}).Should(Succeed())
+
+	// Its tenant, whose role may delete the namespace's pods, cannot delete the holder from
+	// under the VM (the kubelet would detach the claim); deleting the VM removes it, by the
+	// operator, through the same policy.
+	fourth := e.get("fourth")
+	fourthHolder := client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(fourth.UID, fourth.Status.Instance)}
+	e.create(&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "pod-admin"},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "delete"}}}},
+		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tenant-pod-admin"},
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pod-admin"},
+			Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "tenant"}}})
+	cfg := rest.CopyConfig(e.cl.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: "tenant", Groups: []string{"system:authenticated"}}
+	tenant, err := client.New(cfg, client.Options{Scheme: e.cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	holderPod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: fourthHolder.Name}}
+	eventually(t, func() error { return tenant.Delete(ctx, holderPod, client.DryRunAll) }).
+		Should(MatchError(ContainSubstring("holds the volumes of ImpVM fourth")))
+	if err := tenant.Delete(ctx, holderPod, client.GracePeriodSeconds(0)); !apierrors.IsForbidden(err) {
+		t.Errorf("the tenant deleting its running VM's holder pod: %v, want it forbidden", err)
+	}
+	if err := e.c.Get(ctx, fourthHolder, &corev1.Pod{}); err != nil {
+		t.Errorf("the holder pod after the tenant's delete: %v", err)
+	}
+	// Another pod of the namespace is the tenant's to delete.
+	plain := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "plain"}, Spec: *genuine.Spec.DeepCopy()}
+	plain.Spec.NodeName, plain.Spec.Volumes, plain.Spec.Containers[0].VolumeMounts = "", nil, nil
+	e.create(plain)
+	if err := tenant.Delete(ctx, plain, client.GracePeriodSeconds(0)); err != nil {
+		t.Errorf("the tenant deleting a pod of its own: %v", err)
+	}
+	if err := e.c.Delete(ctx, fourth); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() bool {
+		p := &corev1.Pod{}
+		return apierrors.IsNotFound(e.c.Get(ctx, fourthHolder, p)) || !p.DeletionTimestamp.IsZero()
+	}).Should(BeTrue(), "the deleted VM's holder removed by the operator")
 }

@@ -322,8 +322,8 @@ func (r *Reconciler) report(ctx context.Context, vm *impv1.ImpVM, st *impv1.Volu
 	}
 	orig := vm.DeepCopy()
 	vm.Status.VolumeHolder = st
-	if err := r.Client.Status().Patch(ctx, vm, client.MergeFrom(orig)); err != nil {
-		return fmt.Errorf("reporting the volume holder of %s: %w", vm.Name, client.IgnoreNotFound(err))
+	if err := r.Client.Status().Patch(ctx, vm, client.MergeFrom(orig)); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("reporting the volume holder of %s: %w", vm.Name, err)
 	}
 	return nil
 }
