@@ -14,4 +14,9 @@ type Drive struct {
 	ReadOnly bool     `json:"readOnly,omitempty"`
 	// Block: a block device (a Block claim's), not a file.
 	Block bool `json:"block,omitempty"`
+	// Direct: the VMM's I/O to it bypasses the node's page cache (O_DIRECT), as a VM's
+	// volumes do under KubeVirt (cache=none): the guest caches, the node does not cache twice,
+	// and a write the guest flushed is on the device. Set by the driver where the file or
+	// device takes O_DIRECT.
+	Direct bool `json:"direct,omitempty"`
 }

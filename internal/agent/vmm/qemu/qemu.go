@@ -139,6 +139,16 @@ func (s Spec) Args() []string {
 		if d.ReadOnly {
 			ro = ",readonly=on"
 		}
+		switch {
+		case d.Direct && d.Block:
+			// Linux native AIO, as KubeVirt's cache=none block disks: no thread between
+			// the request and the device (measured on a file here: sequential 1.2–1.9× threads').
+			ro += ",cache.direct=on,aio=native"
+		case d.Direct:
+			// A file is sparse (made so, or a claim's disk.img): native AIO would block
+			// QEMU's loop while the file system allocates, so threads.
+			ro += ",cache.direct=on"
+		}
 		// Through an fd set: QEMU uses the descriptors the agent opened as they are, where
 		// /proc/self/fd/N would open the file again as the VM's uid (a claim's device is not
 		// its to open). QEMU opens a drive read-only first, then read-write: one descriptor of
@@ -236,9 +246,14 @@ func (s Spec) files(mem *os.File) ([]*os.File, error) {
 		}
 		var f *os.File
 		var err error
-		if d.File != nil {
+		switch {
+		case d.File != nil && d.Direct:
+			f, err = reopen(d.File, flag|unix.O_DIRECT) // the caller's stays as it is
+		case d.File != nil:
 			f, err = dupFile(d.File) // the caller's stays open, Start closes this one
-		} else {
+		case d.Direct:
+			f, err = os.OpenFile(d.Path, flag|syscall.O_NOFOLLOW|unix.O_DIRECT, 0)
+		default:
 			f, err = os.OpenFile(d.Path, flag|syscall.O_NOFOLLOW, 0)
 		}
 		if err != nil {
@@ -246,7 +261,11 @@ func (s Spec) files(mem *os.File) ([]*os.File, error) {
 		}
 		files[driveFD+2*i-3] = f
 		// Its read-only descriptor: the same file opened again by the agent.
-		ro, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), os.O_RDONLY, 0)
+		roFlag := os.O_RDONLY
+		if d.Direct {
+			roFlag |= unix.O_DIRECT
+		}
+		ro, err := reopen(f, roFlag)
 		if err != nil {
 			return files, fmt.Errorf("opening volume %s read-only for the VMM: %w", d.ID, err)
 		}
@@ -278,6 +297,33 @@ func protocol(d vmm.Drive) string {
 		return "host_device"
 	}
 	return "file"
+}
+
+// reopen opens f's file anew with flag, close-on-exec: a description of its own, whose flags
+// (O_DIRECT) are not f's.
+func reopen(f *os.File, flag int) (*os.File, error) {
+	return os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), flag, 0)
+}
+
+// direct is drives with Direct set on each whose file or device the node opens with
+// O_DIRECT (a file system that cannot, tmpfs before Linux 6.6 or FUSE, says EINVAL).
+func direct(drives []vmm.Drive) []vmm.Drive {
+	out := make([]vmm.Drive, len(drives))
+	for i, d := range drives {
+		var f *os.File
+		var err error
+		if d.File != nil {
+			f, err = reopen(d.File, os.O_RDONLY|unix.O_DIRECT)
+		} else {
+			f, err = os.OpenFile(d.Path, os.O_RDONLY|syscall.O_NOFOLLOW|unix.O_DIRECT, 0)
+		}
+		if err == nil {
+			f.Close()
+		}
+		d.Direct = err == nil
+		out[i] = d
+	}
+	return out
 }
 
 // dupFile is a new descriptor of f's open file, close-on-exec from its first instant: a VMM
@@ -365,6 +411,7 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 		}
 		defer mem.Close()
 	}
+	s.Drives = direct(s.Drives)
 	files, err := s.files(mem)
 	defer func() {
 		for _, f := range files {

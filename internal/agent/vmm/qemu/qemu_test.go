@@ -62,11 +62,14 @@ func TestArgs(t *testing.T) {
 		t.Errorf("args lack the session channel:\n%s", args)
 	}
 	// Disk volumes by descriptor too, after every fixed one, each with its serial.
-	s.Drives = []vmm.Drive{{ID: "scratch", Path: "/v1", Serial: "imp-vol0"}, {ID: "ro", Path: "/v2", Serial: "imp-vol1", ReadOnly: true, Block: true}}
+	// Those that take O_DIRECT bypass the node's page cache.
+	s.Drives = []vmm.Drive{{ID: "scratch", Path: "/v1", Serial: "imp-vol0", Direct: true}, {ID: "ro", Path: "/v2", Serial: "imp-vol1", ReadOnly: true, Block: true},
+		{ID: "dev", Path: "/v3", Serial: "imp-vol2", Block: true, Direct: true}}
 	args = strings.Join(s.Args(), " ")
 	for _, want := range []string{
-		"-add-fd fd=16,set=10,opaque=vol-scratch -add-fd fd=17,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file.driver=file,file.filename=/dev/fdset/10,format=raw,if=none -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
+		"-add-fd fd=16,set=10,opaque=vol-scratch -add-fd fd=17,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file.driver=file,file.filename=/dev/fdset/10,format=raw,if=none,cache.direct=on -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
 		"-add-fd fd=18,set=11,opaque=vol-ro -add-fd fd=19,set=11,opaque=vol-ro-ro -drive id=vol-ro,file.driver=host_device,file.filename=/dev/fdset/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
+		"-drive id=vol-dev,file.driver=host_device,file.filename=/dev/fdset/12,format=raw,if=none,cache.direct=on,aio=native -device",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)
