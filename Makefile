@@ -80,7 +80,7 @@ bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 
 bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs restored from a snapshot (1 VM, 10 at once); snapshot pause and size.
 	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore|start steps)|^(ok|FAIL|---)'
 
-bench-volumes: ## A QEMU/TCG guest's raw disk volume: sequential MB/s and 4 KiB random IOPS in the guest against the same file on the node.
+bench-volumes: ## A QEMU/TCG guest's raw disk volume: sequential MB/s and 4 KiB random IOPS in the guest against the same file on the node, through the page cache and direct.
 	IMP_BENCH=volumes go test -count=1 -v -timeout 30m -run '^TestBenchVolumes$$' ./internal/agent/ | grep -E '^volume |^(ok|FAIL|---)'
 
 images: ## Build imp-operator and imp-agent without Docker, push to REGISTRY (host:port), print digests.
