@@ -320,6 +320,7 @@ func runWorkload(cfg Config, gnet *Net) (int, error) {
 		}
 	}
 	live.configure(cfg, gnet)
+	prepareRestore()
 	serveSessions()
 	// Signals to PID 1 go to the workload.
 	sigs := make(chan os.Signal, 8)
