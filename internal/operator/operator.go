@@ -17,6 +17,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/utils/clock"
@@ -78,6 +79,8 @@ func CacheOptions(o Options) cache.Options {
 		&discoveryv1.EndpointSlice{}: {Label: labels.SelectorFromSet(labels.Set{discoveryv1.LabelManagedBy: endpoints.ManagedBy})},
 		// Only the pods holding VMs' claims.
 		&corev1.Pod{}: {Label: labels.SelectorFromSet(labels.Set{volumeholder.HolderLabel: "true"})},
+		// Only the budgets guarding them.
+		&policyv1.PodDisruptionBudget{}: {Label: labels.SelectorFromSet(labels.Set{volumeholder.ManagedByLabel: volumeholder.ManagedBy})},
 	}}
 }
 

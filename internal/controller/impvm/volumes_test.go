@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -226,7 +227,8 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 	fourth := e.get("fourth")
 	fourthHolder := client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(fourth.UID, fourth.Status.Instance)}
 	e.create(&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "pod-admin"},
-		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "delete"}}}},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "delete"}},
+			{APIGroups: []string{"policy"}, Resources: []string{"poddisruptionbudgets"}, Verbs: []string{"get", "list", "create", "update", "patch", "delete"}}}},
 		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tenant-pod-admin"},
 			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pod-admin"},
 			Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "tenant"}}})
@@ -252,6 +254,43 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 	if err := tenant.Delete(ctx, plain, client.GracePeriodSeconds(0)); err != nil {
 		t.Errorf("the tenant deleting a pod of its own: %v", err)
 	}
+	// Nor can the tenant loosen or remove the budget that refuses the holder's evictions (then
+	// evict it), or make one of its name; changed or removed anyway (system:masters), the
+	// operator puts it back.
+	budgetKey := client.ObjectKey{Namespace: e.ns, Name: volumeholder.BudgetName(fourth.UID)}
+	loosen := func(cl client.Client) error {
+		pdb := &policyv1.PodDisruptionBudget{}
+		if err := e.c.Get(ctx, budgetKey, pdb); err != nil {
+			return err
+		}
+		pdb.Spec.MaxUnavailable = ptr.To(intstr.FromInt32(1))
+		return cl.Update(ctx, pdb)
+	}
+	eventually(t, func() error { return loosen(tenant) }).Should(MatchError(ContainSubstring("only IMP makes, changes or removes it")))
+	if err := tenant.Delete(ctx, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: budgetKey.Name}}); !apierrors.IsForbidden(err) {
+		t.Errorf("the tenant deleting its VM's disruption budget: %v, want it forbidden", err)
+	}
+	squat := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "imp-vol-squat"},
+		Spec: policyv1.PodDisruptionBudgetSpec{MaxUnavailable: ptr.To(intstr.FromString("100%"))}}
+	if err := tenant.Create(ctx, squat, client.DryRunAll); !apierrors.IsForbidden(err) {
+		t.Errorf("the tenant making a budget named imp-vol-*: %v, want it forbidden", err)
+	}
+	maxUnavailable := func() string {
+		pdb := &policyv1.PodDisruptionBudget{}
+		if err := e.c.Get(ctx, budgetKey, pdb); err != nil {
+			return err.Error()
+		}
+		return pdb.Spec.MaxUnavailable.String()
+	}
+	if err := loosen(e.c); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, maxUnavailable).Should(Equal("0"), "the loosened budget put back")
+	if err := e.c.Delete(ctx, &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: budgetKey.Name}}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, maxUnavailable).Should(Equal("0"), "the removed budget made again")
+
 	if err := e.c.Delete(ctx, fourth); err != nil {
 		t.Fatal(err)
 	}

@@ -20,6 +20,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
@@ -36,7 +37,7 @@ import (
 
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch;create;delete
 // +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get;list;watch
-// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=create;delete
+// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;delete
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;patch
 
@@ -46,6 +47,10 @@ const (
 	HolderLabel = "imp.dev/volume-holder"
 	// VMLabel is the name of the VM whose claims the pod holds.
 	VMLabel = "imp.dev/vm"
+	// ManagedByLabel is ManagedBy on the holder pods and their disruption budgets (the
+	// operator caches no other budget).
+	ManagedByLabel = "app.kubernetes.io/managed-by"
+	ManagedBy      = "imp"
 )
 
 // HoldArg is the holder container's argument to its image's entrypoint (imp-operator hold):
@@ -154,24 +159,53 @@ func BudgetName(uid types.UID) string { return "imp-vol-" + string(uid) }
 
 // guard makes the VM's PodDisruptionBudget, which no eviction of its holder pod may pass (a
 // node drain, say): the kubelet would detach the claims under the running VMM. The VM owns it.
-// Deleting the pod is not an eviction; the VM's placement ending removes it.
+// Deleting the pod is not an eviction; the VM's placement ending removes it. A budget of its
+// name that is not the VM's is removed and made again; the VM's, changed, is put back.
 func (r *Reconciler) guard(ctx context.Context, vm *impv1.ImpVM) error {
-	pdb := &policyv1.PodDisruptionBudget{
+	want := budget(vm)
+	if err := controllerutil.SetControllerReference(vm, want, r.Client.Scheme()); err != nil {
+		return err
+	}
+	cur := &policyv1.PodDisruptionBudget{}
+	switch err := r.Client.Get(ctx, client.ObjectKeyFromObject(want), cur); {
+	case apierrors.IsNotFound(err):
+		if err := r.Client.Create(ctx, want); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("guarding the holder pod of %s against eviction: %w", vm.Name, err)
+		}
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading the disruption budget of %s's holder: %w", vm.Name, err)
+	case !metav1.IsControlledBy(cur, vm):
+		if err := r.Client.Delete(ctx, cur); client.IgnoreNotFound(err) != nil {
+			return fmt.Errorf("removing disruption budget %s, which is not %s's: %w", cur.Name, vm.Name, err)
+		}
+		log.FromContext(ctx).Info("removed a disruption budget of the holder's name that IMP did not make", "budget", cur.Name)
+		return nil // made again at the deletion's event
+	case equality.Semantic.DeepEqual(cur.Spec, want.Spec) && labels.SelectorFromSet(want.Labels).Matches(labels.Set(cur.Labels)):
+		return nil
+	}
+	cur.Spec = want.Spec
+	for k, v := range want.Labels {
+		metav1.SetMetaDataLabel(&cur.ObjectMeta, k, v)
+	}
+	if err := r.Client.Update(ctx, cur); err != nil {
+		return fmt.Errorf("putting back the disruption budget of %s's holder: %w", vm.Name, err)
+	}
+	log.FromContext(ctx).Info("put back a changed disruption budget", "budget", cur.Name)
+	return nil
+}
+
+// budget is the PodDisruptionBudget guarding vm's holder pods: none may be evicted.
+func budget(vm *impv1.ImpVM) *policyv1.PodDisruptionBudget {
+	return &policyv1.PodDisruptionBudget{
 		ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: BudgetName(vm.UID), Labels: map[string]string{
-			VMLabel: vm.Name, "app.kubernetes.io/managed-by": "imp",
+			VMLabel: vm.Name, ManagedByLabel: ManagedBy,
 		}},
 		Spec: policyv1.PodDisruptionBudgetSpec{
 			MaxUnavailable: ptr.To(intstr.FromInt32(0)),
 			Selector:       &metav1.LabelSelector{MatchLabels: map[string]string{HolderLabel: "true", VMLabel: vm.Name}},
 		},
 	}
-	if err := controllerutil.SetControllerReference(vm, pdb, r.Client.Scheme()); err != nil {
-		return err
-	}
-	if err := r.Client.Create(ctx, pdb); err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("guarding the holder pod of %s against eviction: %w", vm.Name, err)
-	}
-	return nil
 }
 
 // unguard removes the VM's PodDisruptionBudget once it has no holder.
@@ -207,7 +241,7 @@ func wanted(vm *impv1.ImpVM) bool {
 func (r *Reconciler) pod(ctx context.Context, vm *impv1.ImpVM, name string) (*corev1.Pod, []impv1.HeldClaim, string, error) {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: name, Labels: map[string]string{
-			HolderLabel: "true", VMLabel: vm.Name, "app.kubernetes.io/managed-by": "imp",
+			HolderLabel: "true", VMLabel: vm.Name, ManagedByLabel: ManagedBy,
 		}},
 		Spec: corev1.PodSpec{
 			// Pinned to the VM's node, through the scheduler: it binds WaitForFirstConsumer
@@ -328,8 +362,9 @@ func (r *Reconciler) report(ctx context.Context, vm *impv1.ImpVM, st *impv1.Volu
 	return nil
 }
 
-// SetupWithManager watches ImpVMs and the holder pods they own. The manager's cache must hold
-// holder pods alone (CacheOptions: label HolderLabel).
+// SetupWithManager watches ImpVMs and the holder pods and disruption budgets they own. The
+// manager's cache must hold holder pods alone (CacheOptions: label HolderLabel), and IMP's
+// budgets alone (label app.kubernetes.io/managed-by=imp).
 func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 	hasClaims := predicate.NewPredicateFuncs(func(o client.Object) bool {
 		vm, ok := o.(*impv1.ImpVM)
@@ -338,5 +373,6 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).Named("imp-volume-holders").
 		For(&impv1.ImpVM{}, builder.WithPredicates(hasClaims)).
 		Owns(&corev1.Pod{}).
+		Owns(&policyv1.PodDisruptionBudget{}).
 		Complete(r)
 }

@@ -69,7 +69,7 @@ func TestArgs(t *testing.T) {
 	for _, want := range []string{
 		"-add-fd fd=16,set=10,opaque=vol-scratch -add-fd fd=17,set=10,opaque=vol-scratch-ro -drive id=vol-scratch,file.driver=file,file.filename=/dev/fdset/10,format=raw,if=none,cache.direct=on -device virtio-blk-device,drive=vol-scratch,serial=imp-vol0",
 		"-add-fd fd=18,set=11,opaque=vol-ro -add-fd fd=19,set=11,opaque=vol-ro-ro -drive id=vol-ro,file.driver=host_device,file.filename=/dev/fdset/11,format=raw,if=none,readonly=on -device virtio-blk-device,drive=vol-ro,serial=imp-vol1",
-		"-drive id=vol-dev,file.driver=host_device,file.filename=/dev/fdset/12,format=raw,if=none,cache.direct=on,aio=native -device",
+		"-drive id=vol-dev,file.driver=host_device,file.filename=/dev/fdset/12,format=raw,if=none,cache.direct=on -device",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)
@@ -550,5 +550,37 @@ func confined(t *testing.T, pid int, name string, lim cgroup.Limits) {
 	}
 	if got := read(filepath.Join("pids", cgroup.Parent, name, "pids.max"), filepath.Join(cgroup.Parent, name, "pids.max")); got != fmt.Sprint(lim.Pids) {
 		t.Errorf("pids limit %q, want %d", got, lim.Pids)
+	}
+}
+
+// A volume goes direct where its file takes O_DIRECT, opened as the drive would be (never
+// through a link), or its open descriptor does, reopened without changing the caller's.
+func TestDirect(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "vol.img")
+	if err := os.WriteFile(file, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := os.OpenFile(file, os.O_RDONLY|unix.O_DIRECT, 0); err != nil {
+		t.Skipf("this file system takes no O_DIRECT: %v", err)
+	} else {
+		f.Close()
+	}
+	if err := os.Symlink(file, filepath.Join(dir, "link")); err != nil {
+		t.Fatal(err)
+	}
+	open, err := os.Open(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer open.Close()
+	got := direct([]vmm.Drive{{ID: "path", Path: file}, {ID: "link", Path: filepath.Join(dir, "link")}, {ID: "fd", File: open}, {ID: "missing", Path: filepath.Join(dir, "none")}})
+	for i, want := range []bool{true, false, true, false} {
+		if got[i].Direct != want {
+			t.Errorf("drive %s: Direct %v, want %v", got[i].ID, got[i].Direct, want)
+		}
+	}
+	if fl, err := unix.FcntlInt(open.Fd(), unix.F_GETFL, 0); err != nil || fl&unix.O_DIRECT != 0 {
+		t.Errorf("the caller's descriptor's flags %#x (%v): O_DIRECT set on it", fl, err)
 	}
 }
