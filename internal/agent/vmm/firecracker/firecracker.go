@@ -552,7 +552,9 @@ func Configure(ctx context.Context, c *Client, s Spec) error {
 // Stop asks the guest to stop (Ctrl-Alt-Del: imp-init sends the workload SIGTERM), waits
 // grace, then kills the VMM.
 func Stop(ctx context.Context, c *Client, rec *vmm.Record, grace time.Duration) error {
-	if err := c.Do(ctx, "PUT", "/actions", Action{ActionType: "SendCtrlAltDel"}, nil); err != nil && rec.Alive() {
+	if err := c.Do(ctx, "PUT", "/actions", Action{ActionType: "SendCtrlAltDel"}, nil); err != nil && !exits(rec, min(grace, time.Second)) {
+		// Not a VMM that hung up as it went (the guest stopped at once): one that cannot
+		// be asked.
 		err = fmt.Errorf("asking the guest to stop: %w", err)
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 		return err
@@ -567,6 +569,14 @@ func Stop(ctx context.Context, c *Client, rec *vmm.Record, grace time.Duration) 
 		}
 	}
 	return nil
+}
+
+// exits reports whether rec's VMM is gone within d.
+func exits(rec *vmm.Record, d time.Duration) bool {
+	for deadline := time.Now().Add(d); rec.Alive() && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	return !rec.Alive()
 }
 
 // Pause pauses the VM's vCPUs.

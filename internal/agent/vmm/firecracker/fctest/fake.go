@@ -51,6 +51,7 @@ func FakeFirecracker(args []string) int {
 			go echoConsole(os.Stdin, p)
 		}
 	}
+	srv.ExitOnCtrlAltDel = os.Getenv("IMP_FAKE_JAILER_CAD_EXIT") != ""
 	if os.Getenv("IMP_FAKE_JAILER_IGNORE_CAD") == "" {
 		srv.OnCtrlAltDel = func() {
 			guest.send(map[string]any{"event": "exit", "code": 0})

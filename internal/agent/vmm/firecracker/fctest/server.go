@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 )
 
 // Config is the VM configuration the double has accepted: what a real Firecracker would run.
@@ -35,6 +36,10 @@ type Server struct {
 	// CtrlAltDel counts SendCtrlAltDel actions; OnCtrlAltDel runs on each (a fake VMM exits).
 	CtrlAltDel   int
 	OnCtrlAltDel func()
+	// ExitOnCtrlAltDel makes the process hang up on SendCtrlAltDel without answering, then
+	// exit a moment later: a VMM whose guest stopped at once, caught between its hang-up and
+	// its end.
+	ExitOnCtrlAltDel bool
 	// OnStart runs when the VM starts (InstanceStart or a resuming snapshot load), with its
 	// configuration, before the request is answered: what it sets up (the guest's vsock
 	// socket) is there once the start is, as Firecracker's is. It must not block.
@@ -248,6 +253,10 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 				return nil, err
 			}
 			s.CtrlAltDel++
+			if s.ExitOnCtrlAltDel {
+				go func() { time.Sleep(300 * time.Millisecond); os.Exit(0) }()
+				panic(http.ErrAbortHandler) // the connection closed, unanswered
+			}
 			if s.OnCtrlAltDel != nil {
 				go s.OnCtrlAltDel()
 			}
