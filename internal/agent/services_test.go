@@ -54,7 +54,13 @@ func TestServicesReachVMs(t *testing.T) {
 	for ns, name := range vms {
 		g.Eventually(func() []string { return endpoints(ns) }).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(
 			ConsistOf(MatchRegexp(`^100\.72\.\d+\.\d+:8080 `+name+` true$`)), func() string {
-				return fmt.Sprintf("VM %s: %+v", name, sw.world(ns).get(name).Status)
+				w := sw.world(ns)
+				v := w.get(name)
+				con := w.console(v)
+				if len(con) > 3000 {
+					con = con[len(con)-3000:]
+				}
+				return fmt.Sprintf("VM %s: %+v\nconsole (end):\n%s", name, v.Status, con)
 			})
 		addr[ns] = strings.Fields(endpoints(ns)[0])[0]
 	}
