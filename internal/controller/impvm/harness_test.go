@@ -14,10 +14,12 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -153,6 +155,22 @@ func (e *env) vm(name string, vcpus int32, mem string) *impv1.ImpVM {
 			NodeSelector: map[string]string{"imp.test/pool": e.pool},
 		},
 	}
+}
+
+// tenant binds the user "tenant" to role (a ClusterRole, or a Role of the test's namespace)
+// there and returns a client acting as that user.
+func (e *env) tenant(kind, role string) client.Client {
+	e.t.Helper()
+	e.create(&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tenant-" + role},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: kind, Name: role},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "tenant"}}})
+	cfg := rest.CopyConfig(e.cl.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: "tenant", Groups: []string{"system:authenticated"}}
+	c, err := client.New(cfg, client.Options{Scheme: e.cl.Scheme})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return c
 }
 
 func (e *env) create(objs ...client.Object) {

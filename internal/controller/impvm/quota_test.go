@@ -12,12 +12,10 @@ import (
 
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -326,15 +324,7 @@ func TestOnlyTheOperatorClaimsPressure(t *testing.T) {
 	e.cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 	ctx := context.Background()
 	_ = e.cl.As(t, testcluster.Operator) // the chart's roles, imp-edit included
-	e.create(&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tenant-edit"},
-		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "imp-edit"},
-		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "tenant"}}})
-	cfg := rest.CopyConfig(e.cl.Config)
-	cfg.Impersonate = rest.ImpersonationConfig{UserName: "tenant", Groups: []string{"system:authenticated"}}
-	tenant, err := client.New(cfg, client.Options{Scheme: e.cl.Scheme})
-	if err != nil {
-		t.Fatal(err)
-	}
+	tenant := e.tenant("ClusterRole", "imp-edit")
 	operator, err := client.New(e.cl.As(t, testcluster.Operator), client.Options{Scheme: e.cl.Scheme})
 	if err != nil {
 		t.Fatal(err)

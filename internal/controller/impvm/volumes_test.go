@@ -16,7 +16,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -228,16 +227,8 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 	fourthHolder := client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(fourth.UID, fourth.Status.Instance)}
 	e.create(&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "pod-admin"},
 		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "delete"}},
-			{APIGroups: []string{"policy"}, Resources: []string{"poddisruptionbudgets"}, Verbs: []string{"get", "list", "create", "update", "patch", "delete"}}}},
-		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "tenant-pod-admin"},
-			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pod-admin"},
-			Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "tenant"}}})
-	cfg := rest.CopyConfig(e.cl.Config)
-	cfg.Impersonate = rest.ImpersonationConfig{UserName: "tenant", Groups: []string{"system:authenticated"}}
-	tenant, err := client.New(cfg, client.Options{Scheme: e.cl.Scheme})
-	if err != nil {
-		t.Fatal(err)
-	}
+			{APIGroups: []string{"policy"}, Resources: []string{"poddisruptionbudgets"}, Verbs: []string{"get", "list", "create", "update", "patch", "delete"}}}})
+	tenant := e.tenant("Role", "pod-admin")
 	holderPod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: fourthHolder.Name}}
 	eventually(t, func() error { return tenant.Delete(ctx, holderPod, client.DryRunAll) }).
 		Should(MatchError(ContainSubstring("holds the volumes of ImpVM fourth")))
