@@ -98,6 +98,9 @@ const (
 	// ReasonLivenessProbeFailed (of status.runtime): the liveness or startup probe failed
 	// failureThreshold times, so the guest killed the workload; the runStrategy decides.
 	ReasonLivenessProbeFailed = "LivenessProbeFailed"
+	// ReasonBootTimeout (of status.runtime): the guest was not ready within the agent's boot
+	// timeout, so its VMM was ended; the runStrategy decides.
+	ReasonBootTimeout = "BootTimeout"
 	// ReasonExited: the workload exited (see the condition's message for the code).
 	ReasonExited = "Exited"
 	// ReasonBackoff: the VM exited and waits before its runStrategy restarts it.

@@ -122,6 +122,8 @@ func run() error {
 		"the operator assigns endpoint blocks (its --endpoint-cidr is set): a VM with ports waits for this node's block before it starts")
 	fs.DurationVar(&opts.EndpointDrain, "endpoint-drain", 2*time.Second,
 		"how long a VM that serves Services waits, its endpoint terminating, before its guest is asked to stop (counts against its grace period)")
+	fs.DurationVar(&opts.BootTimeout, "boot-timeout", agent.DefaultBootTimeout,
+		"how long a guest may take from its VMM's start to be ready; one that is not is stuck, and its VMM is ended for the VM's runStrategy to start it again (negative: no bound)")
 	fs.DurationVar(&opts.StartingReportDelay, "starting-report-delay", time.Second,
 		"how long the reports that a VM is starting and that its guest boots wait; one a later report overtakes is never written (negative: at once)")
 	fs.Float64Var(&opts.VCPUOvercommit, "vcpu-overcommit", 1, "vCPUs offered to VMs per host CPU left after the reserve (memory is never overcommitted)")

@@ -132,6 +132,11 @@ type Options struct {
 	// to stop, so that the cluster's proxies stop sending it connections first; it counts
 	// against the grace period.
 	EndpointDrain time.Duration
+	// BootTimeout bounds how long a run's guest may take, from its VMM's start, to be ready
+	// (its workload started); a guest that is not is stuck, and its VMM is ended (reason
+	// BootTimeout) for the runStrategy to start it again. A run already reported ready is
+	// never ended for it. 0 means DefaultBootTimeout; negative, no bound.
+	BootTimeout time.Duration
 	// StartingReportDelay is how long the reports that a run is starting, and that its guest
 	// boots, wait before they are written: one that a later report overtakes meanwhile (the
 	// guest ready, the start failed, the VM deleted) is never written, so a VM that boots
@@ -212,6 +217,10 @@ type Agent struct {
 	deferred map[types.NamespacedName]deferredReport
 }
 
+// DefaultBootTimeout is Options.BootTimeout's default: a guest boots in well under a second
+// under KVM, and in seconds to a minute under emulation on a busy node.
+const DefaultBootTimeout = 3 * time.Minute
+
 // deferredReport is a report waiting for Options.StartingReportDelay: number seq of its VM's.
 type deferredReport struct {
 	seq uint64
@@ -248,6 +257,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	}
 	if a.Opts.StartingReportDelay == 0 {
 		a.Opts.StartingReportDelay = time.Second
+	}
+	if a.Opts.BootTimeout == 0 {
+		a.Opts.BootTimeout = DefaultBootTimeout
 	}
 	a.reports = map[types.NamespacedName]uint64{}
 	a.deferred = map[types.NamespacedName]deferredReport{}

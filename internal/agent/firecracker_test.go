@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,14 +15,17 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	eventsv1 "k8s.io/api/events/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
 	"github.com/syscode-labs/imp/internal/agent/volume"
 )
 
@@ -31,18 +35,7 @@ import (
 // limits, configures the VM over the API (the strict double), follows the guest channel over
 // vsock to Ready, and on deletion stops the VMM and removes the jail.
 func TestFirecrackerVM(t *testing.T) {
-	// One static binary is both the fake jailer and the fake Firecracker it copies into the
-	// jail and execs there (fctest.FakeJailer).
-	tmp := t.TempDir()
-	jailer, firecrackerBin := filepath.Join(tmp, "jailer"), filepath.Join(tmp, "firecracker")
-	build := exec.Command("go", "build", "-o", jailer, "github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest/fakejailer")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building the fake jailer: %v\n%s", err, out)
-	}
-	if err := os.Link(jailer, firecrackerBin); err != nil {
-		t.Fatal(err)
-	}
+	jailer, firecrackerBin := fakeJailer(t)
 	w := newWorld(t, func(o *agent.Options) {
 		o.VMMs = []impv1.VMMKind{impv1.VMMFirecracker, impv1.VMMQEMU}
 		o.Firecracker, o.Jailer = firecrackerBin, jailer
@@ -311,4 +304,74 @@ func TestFirecrackerVM(t *testing.T) {
 	if _, err := os.Stat(jail); !os.IsNotExist(err) {
 		t.Errorf("the jail remains: %v", err)
 	}
+}
+
+// fakeJailer builds one static binary that is both the fake jailer and the fake Firecracker it
+// copies into the jail and execs there (fctest.FakeJailer), under both names.
+func fakeJailer(t *testing.T) (jailer, firecracker string) {
+	t.Helper()
+	tmp := t.TempDir()
+	jailer, firecracker = filepath.Join(tmp, "jailer"), filepath.Join(tmp, "firecracker")
+	build := exec.Command("go", "build", "-o", jailer, "github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest/fakejailer")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building the fake jailer: %v\n%s", err, out)
+	}
+	if err := os.Link(jailer, firecracker); err != nil {
+		t.Fatal(err)
+	}
+	return jailer, firecracker
+}
+
+// TestAStuckBootIsRestarted: a guest that never becomes ready (the fake's says nothing, as one
+// whose kernel stalls) has its VMM ended once the agent's boot timeout passes, with a Warning
+// Event, and the VM's runStrategy starts a new run in a new VMM.
+func TestAStuckBootIsRestarted(t *testing.T) {
+	jailer, firecrackerBin := fakeJailer(t)
+	t.Setenv(fctest.StuckGuestEnv, "1")
+	w := newWorld(t, func(o *agent.Options) {
+		o.VMMs = []impv1.VMMKind{impv1.VMMFirecracker}
+		o.Firecracker, o.Jailer = firecrackerBin, jailer
+		o.BootTimeout = 3 * time.Second
+	})
+	ctx := context.Background()
+	g := NewWithT(t)
+	vm := w.vm("stuck", "serve")
+	vm.Spec.VMM = impv1.VMMFirecracker
+	if err := w.c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	var first *vmm.Record
+	g.Eventually(func() error {
+		v := w.get("stuck")
+		if v == nil || v.UID == "" {
+			return errors.New("not yet")
+		}
+		rec, err := vmm.ReadRecord(filepath.Join(w.stateDir, "vms", string(v.UID)))
+		first = rec
+		return err
+	}).WithTimeout(3 * time.Minute).Should(Succeed())
+	g.Eventually(func() string {
+		v := w.get("stuck")
+		var evs eventsv1.EventList
+		_ = w.c.Client.List(ctx, &evs, client.InNamespace(w.ns))
+		notes := ""
+		for _, e := range evs.Items {
+			if e.Regarding.UID == v.UID && (e.Reason == impv1.ReasonBootTimeout || e.Reason == "Restarting") {
+				notes += e.Type + " " + e.Reason + ": " + e.Note + "\n"
+			}
+		}
+		return fmt.Sprintf("restarts %d\n%s", v.Status.RestartCount, notes)
+	}).WithTimeout(3 * time.Minute).Should(And(
+		Not(HavePrefix("restarts 0\n")),
+		ContainSubstring("Warning BootTimeout: The guest was not ready 3s after its VMM started; its VMM is ended"),
+		ContainSubstring("Normal Restarting: Restarting (restart 1) after the workload exited: the guest was not ready 3s after its VMM started")))
+	if first.Alive() {
+		t.Error("the stuck run's VMM runs on")
+	}
+	g.Eventually(func() bool {
+		v := w.get("stuck")
+		rec, err := vmm.ReadRecord(filepath.Join(w.stateDir, "vms", string(v.UID)))
+		return err == nil && rec.Pid != first.Pid && rec.Alive()
+	}).WithTimeout(3*time.Minute).Should(BeTrue(), "a new VMM for the next run")
 }

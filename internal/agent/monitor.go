@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -109,10 +110,21 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 				log.Error(err, "reporting the VM's state")
 			}
 		},
-		capLogs: func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
-		ended:   func() { a.endRun(meta.UID) },
-		tail:    func() string { return drv.logTail(dir) },
-		ready:   reportedReady(vm, meta),
+		capLogs:     func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
+		ended:       func() { a.endRun(meta.UID) },
+		tail:        func() string { return drv.logTail(dir) },
+		ready:       reportedReady(vm, meta),
+		booted:      reportedBooted(vm, meta),
+		bootTimeout: a.Opts.BootTimeout,
+		kill: func() {
+			vm := &impv1.ImpVM{}
+			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID
+			a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonBootTimeout, "Kill",
+				"The guest was not ready %v after its VMM started; its VMM is ended (its console: kubectl imp logs)", a.Opts.BootTimeout)
+			if rec.Alive() {
+				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+			}
+		},
 		unhealthy: func(ev guestchan.Event) {
 			vm := &impv1.ImpVM{}
 			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID
@@ -132,10 +144,16 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 
 // reportedReady is the readiness verdict vm's status holds for the run of meta, if any.
 func reportedReady(vm *impv1.ImpVM, meta *meta) *bool {
-	if rt := vm.Status.Runtime; rt != nil && rt.Instance == meta.Instance && rt.Run == meta.Run && rt.GuestReady {
-		return rt.Ready
+	if reportedBooted(vm, meta) {
+		return vm.Status.Runtime.Ready
 	}
 	return nil
+}
+
+// reportedBooted says whether vm's status has the run of meta's guest ready.
+func reportedBooted(vm *impv1.ImpVM, meta *meta) bool {
+	rt := vm.Status.Runtime
+	return rt != nil && rt.Instance == meta.Instance && rt.Run == meta.Run && rt.GuestReady
 }
 
 // ErrNotRunning: the VM has no run this agent follows.
@@ -178,6 +196,12 @@ type watch struct {
 	unhealthy func(guestchan.Event)
 	// ready is the run's readiness verdict as last reported, when it is followed again.
 	ready *bool
+	// booted: the run's guest was reported ready before (it is followed again).
+	booted bool
+	// bootTimeout bounds how long a guest not yet ready may take to say so (0: no bound);
+	// kill ends a VMM whose guest does not.
+	bootTimeout time.Duration
+	kill        func()
 }
 
 // probeReportInterval bounds how often a run's readiness reaches the API server, whatever
@@ -265,10 +289,28 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 		pending, lastReport = nil, time.Now()
 		w.report(context.WithoutCancel(ctx), *running)
 	}
+	// A guest that is not ready within the boot timeout will not be: its kernel or imp-init
+	// hangs (a stalled boot prints nothing and reports nothing). Its VMM is ended, and the run
+	// with it, for the VM's runStrategy to decide about the next.
+	var bootDeadline <-chan time.Time
+	var bootTimedOut bool
+	if !w.booted && w.bootTimeout > 0 {
+		t := time.NewTimer(w.bootTimeout)
+		defer t.Stop()
+		bootDeadline = t.C
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-bootDeadline:
+			bootDeadline = nil
+			if running != nil {
+				continue
+			}
+			bootTimedOut = true
+			log.Info("the guest did not become ready in time; ending its VMM", "bootTimeout", w.bootTimeout)
+			w.kill()
 		case <-pending:
 			reportRunning()
 		case ev, ok := <-events:
@@ -278,6 +320,7 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			}
 			switch ev.Kind {
 			case guestchan.Ready:
+				bootDeadline = nil
 				rt := base
 				boot := time.Since(meta.Started).Milliseconds()
 				rt.State, rt.GuestReady, rt.BootMilliseconds, rt.Message = impv1.RuntimeRunning, true, &boot, "the guest is ready"
@@ -356,6 +399,9 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				rt.ExitCode, rt.Reason, rt.Message = &code, "WorkloadExited", "the workload exited"
 			case end != nil:
 				rt.Reason, rt.Message = "GuestError", end.Message
+			case bootTimedOut:
+				rt.Reason = impv1.ReasonBootTimeout
+				rt.Message = fmt.Sprintf("the guest was not ready %v after its VMM started (its console: kubectl imp logs); the VMM was ended", w.bootTimeout)
 			default:
 				rt.Reason, rt.Message = "VMMExited", "the VMM exited without the guest reporting an exit"
 				if tail := w.tail(); tail != "" {

@@ -296,3 +296,71 @@ func TestAFollowedRunKeepsItsReadiness(t *testing.T) {
 		t.Errorf("another run's verdict was taken: %v", *got)
 	}
 }
+
+// TestAStuckBootIsEnded: a guest that is not ready within the boot timeout (here it says hello
+// and nothing more, as one whose boot stalls in imp-init would; one stalled in its kernel says
+// nothing at all) has its VMM ended and its run reported Exited for BootTimeout, without an exit
+// code; a guest ready in time, and a run followed again whose guest was ready before (the
+// agent restarted; its guest says nothing yet), are never ended for it.
+func TestAStuckBootIsEnded(t *testing.T) {
+	const token, timeout = "the-token", 300 * time.Millisecond
+	for _, tc := range []struct {
+		name  string
+		lines []string
+		// booted: the VM's status has this run's guest ready.
+		booted bool
+		ended  bool
+	}{
+		{name: "stuck after hello", lines: []string{`{"event":"hello","token":"` + token + `"}`}, ended: true},
+		{name: "silent", ended: true},
+		{name: "ready in time", lines: []string{`{"event":"hello","token":"` + token + `"}`, `{"event":"ready"}`}},
+		{name: "ready before the agent restarted", booted: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var alive atomic.Bool
+			alive.Store(true)
+			var kills atomic.Int32
+			reports := make(chan impv1.RuntimeStatus, 16)
+			m := &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
+			vm := &impv1.ImpVM{}
+			if tc.booted {
+				vm.Status.Runtime = &impv1.RuntimeStatus{Instance: 1, Run: 1, GuestReady: true}
+			}
+			w := watch{
+				alive:       alive.Load,
+				report:      func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
+				booted:      reportedBooted(vm, m),
+				bootTimeout: timeout,
+				kill:        func() { kills.Add(1); alive.Store(false) },
+			}
+			guest, done := followChannel(t, w, m)
+			for _, l := range tc.lines {
+				if _, err := guest.Write([]byte(l + "\n")); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !tc.ended {
+				time.Sleep(4 * timeout)
+				if n := kills.Load(); n != 0 {
+					t.Fatalf("the VMM was ended %d times", n)
+				}
+				alive.Store(false)
+				<-done
+				return
+			}
+			select {
+			case <-done:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the monitor did not end the stuck run")
+			}
+			var last impv1.RuntimeStatus
+			for len(reports) > 0 {
+				last = <-reports
+			}
+			if kills.Load() != 1 || last.State != impv1.RuntimeExited || last.Reason != impv1.ReasonBootTimeout || last.ExitCode != nil ||
+				!strings.Contains(last.Message, "not ready 300ms after its VMM started") {
+				t.Fatalf("kills %d, last report %+v; want one kill and Exited for BootTimeout without a code", kills.Load(), last)
+			}
+		})
+	}
+}

@@ -714,7 +714,7 @@ func exitText(rt *impv1.RuntimeStatus) string {
 	switch {
 	case rt.Reason == impv1.ReasonLivenessProbeFailed && rt.ExitCode != nil:
 		return fmt.Sprintf("%s (exit code %d)", rt.Message, *rt.ExitCode)
-	case rt.Reason == impv1.ReasonLivenessProbeFailed:
+	case rt.Reason == impv1.ReasonLivenessProbeFailed, rt.Reason == impv1.ReasonBootTimeout:
 		return rt.Message
 	case rt.ExitCode != nil:
 		return fmt.Sprintf("exit code %d", *rt.ExitCode)

@@ -44,7 +44,7 @@ func FakeFirecracker(args []string) int {
 	guest := &fakeGuest{}
 	srv.OnStart = func(cfg Config) {
 		findVolumes(cfg)
-		if p, _ := cfg.Vsock["uds_path"].(string); p != "" {
+		if p, _ := cfg.Vsock["uds_path"].(string); p != "" && os.Getenv(StuckGuestEnv) == "" {
 			guest.start(p, cfg)
 		}
 		if p, _ := cfg.Serial["serial_out_path"].(string); p != "" {

@@ -22,6 +22,9 @@ import (
 // hierarchies: a test that must not touch the host's cgroups points it at a tree of its own.
 const MountsEnv = "IMP_FAKE_JAILER_MOUNTS"
 
+// StuckGuestEnv, set, makes the fake's guest say nothing at all, as one whose boot stalls.
+const StuckGuestEnv = "IMP_FAKE_GUEST_STUCK"
+
 // jailerDevice is a device node the jailer makes in every jail (jailer.md, "Jailer
 // Operation"; /dev/urandom and /dev/userfaultfd as v1.16's jailer makes them too).
 type jailerDevice struct {
