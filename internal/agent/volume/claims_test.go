@@ -2,6 +2,7 @@ package volume
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,8 +11,10 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -231,5 +234,89 @@ func TestReadOnlyClaims(t *testing.T) {
 			t.Fatalf("a loop device read-only=%v: ro %v, %v", kernelRO, ro, err)
 		}
 		f.Close()
+	}
+}
+
+// TestFilesystemClaimUnderFirecracker: Firecracker opens its drives by path in its jail, where
+// the claim's file system is not. The drive of a Filesystem claim is a node, in the VM's state
+// directory, of a loop device bound to the claim's disk.img: a write through it lands in the
+// image. The binding outlives the start while the VMM holds the device, and ends when it
+// closes it; a start the VMM never opened it in leaves nothing bound.
+func TestFilesystemClaimUnderFirecracker(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: loop devices")
+	}
+	proc, root := fakeHolder(t, "u-1")
+	m := Maker{Proc: proc, ChooseVMM: func(*impv1.ImpVM) (impv1.VMMKind, error) { return impv1.VMMFirecracker, nil }}
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "db", UID: "u1"}}
+	vm.Spec.Volumes = []impv1.Volume{{Name: "data", PersistentVolumeClaim: &impv1.PersistentVolumeClaimVolumeSource{ClaimName: "data"}}}
+	vm.Spec.VolumeMounts = []impv1.VolumeMount{{Name: "data", MountPath: "/data"}}
+	vm.Status.NodeName = "n1"
+	vm.Status.VolumeHolder = &impv1.VolumeHolderStatus{PodUID: "u-1", ContainerID: "containerd://cid200abcdef", Ready: true, NodeName: "n1",
+		Claims: []impv1.HeldClaim{{Volume: "data", SizeBytes: 16 << 20}}}
+	dir := t.TempDir()
+	bound := func(path string) string {
+		t.Helper()
+		var st unix.Stat_t
+		if err := unix.Stat(path, &st); err != nil {
+			t.Fatal(err)
+		}
+		b, _ := os.ReadFile(fmt.Sprintf("/sys/dev/block/%d:%d/loop/backing_file", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+		return strings.TrimSpace(string(b))
+	}
+	unbound := func(path string) bool {
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			if bound(path) == "" {
+				return true
+			}
+		}
+		return false
+	}
+	img := filepath.Join(root, "imp/volumes/data/disk.img")
+
+	r := &vmrun.Run{VM: vm, Dir: dir, Image: &vmrun.Image{}}
+	v, err := m.Make(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := v.Drives[0]
+	if d.File != nil || d.Path != filepath.Join(dir, DiskFile("data")) || d.Serial == "" || v.Guest.Volumes[0].Serial != d.Serial {
+		t.Fatalf("drive %+v, guest volume %+v", d, v.Guest.Volumes[0])
+	}
+	if got := bound(d.Path); got != img {
+		t.Fatalf("the drive's device is bound to %q; want %s", got, img)
+	}
+	vmm, err := os.OpenFile(d.Path, os.O_RDWR, 0) // as Firecracker does when its drives are configured
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Done()
+	if _, err := vmm.WriteAt([]byte("from the VMM"), 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := vmm.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 12)
+	if g, err := os.Open(img); err == nil {
+		_, _ = g.ReadAt(b, 8<<20)
+		g.Close()
+	}
+	if string(b) != "from the VMM" {
+		t.Errorf("the write through the device is not in disk.img: %q", b)
+	}
+	vmm.Close()
+	if !unbound(d.Path) {
+		t.Error("still bound after the VMM closed it")
+	}
+
+	// A start that fails before the VMM opened it.
+	r = &vmrun.Run{VM: vm, Dir: dir, Image: &vmrun.Image{}}
+	if _, err := m.Make(r); err != nil {
+		t.Fatal(err)
+	}
+	r.Done()
+	if !unbound(filepath.Join(dir, DiskFile("data"))) {
+		t.Error("still bound after a start that never reached the VMM")
 	}
 }

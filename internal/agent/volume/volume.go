@@ -19,6 +19,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/agent/volume/loop"
 	"github.com/syscode-labs/imp/internal/guestinit"
 	"golang.org/x/sys/unix"
 )
@@ -31,6 +32,8 @@ type Maker struct {
 	ChooseVMM func(*impv1.ImpVM) (impv1.VMMKind, error)
 	// Proc is where the node's processes are (default /proc): the holder pods' among them.
 	Proc string
+	// Loops bind Filesystem claims' disk images to loop devices for Firecracker.
+	Loops loop.Devices
 }
 
 // DiskFile is the file, in a VM's state directory, of its emptyDisk volume name.
@@ -129,9 +132,6 @@ func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volu
 		return vmm.Drive{}, fmt.Errorf("its holder pod %s does not hold it", h.PodName)
 	}
 	ro := v.PersistentVolumeClaim.ReadOnly || c.ReadOnly
-	if kind == impv1.VMMFirecracker && !c.Block {
-		return vmm.Drive{}, errors.New("a claim of volumeMode Filesystem is not supported under Firecracker yet (its disk image would have to be bound into the jail): use volumeMode Block, or QEMU")
-	}
 	f, nodeRO, err := m.claimDisk(h, *c, ro, mounted)
 	if err != nil {
 		return vmm.Drive{}, err
@@ -141,9 +141,21 @@ func (m Maker) claimDrive(r *vmrun.Run, kind impv1.VMMKind, i int, v *impv1.Volu
 	d := vmm.Drive{ID: v.Name, File: f, ReadOnly: ro, Block: c.Block, Serial: guestinit.VolumeSerialPrefix + strconv.Itoa(i)}
 	if kind == impv1.VMMFirecracker {
 		// Firecracker opens its drives by path, in its jail: a node of the claim's device in
-		// the VM's state directory, linked into the jail as the other disks are.
+		// the VM's state directory, linked into the jail as the other disks are. A disk image
+		// on the claim's file system, which the jail cannot reach, is bound to a loop device
+		// first; Firecracker opens it as the start configures its drives, and the binding
+		// ends with the last of them to close it (the VMM exits, or the agent, before).
 		path := r.Path(DiskFile(v.Name))
-		if err := deviceNode(path, f); err != nil {
+		dev := f
+		if !c.Block {
+			l, err := m.Loops.Attach(path, f, ro)
+			if err != nil {
+				return vmm.Drive{}, err
+			}
+			r.Defer(func() { l.Close() })
+			dev = l
+		}
+		if err := deviceNode(path, dev); err != nil {
 			return vmm.Drive{}, err
 		}
 		if d.Serial, err = firecracker.DriveSerial(path); err != nil {

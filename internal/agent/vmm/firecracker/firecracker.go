@@ -448,10 +448,34 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 	if err := configure(NewJailClient(s.ChrootDir())); err != nil {
 		return fail(err)
 	}
+	if err := dropDeviceDrives(s); err != nil {
+		return fail(err)
+	}
 	if err := vmm.WriteRecord(s.Dir, rec); err != nil {
 		return fail(err)
 	}
 	return rec, nil
+}
+
+// dropDeviceDrives removes from the jail the nodes of the drives that are devices (claims':
+// their devices, or the loop devices their disk images are bound to) once Firecracker has them
+// open, as it does when their drives are configured or its snapshot loaded. A VMM that closed
+// one could otherwise open it again once the node gave the device's number to another VM's or
+// pod's volume, which a freed loop device soon is.
+func dropDeviceDrives(s Spec) error {
+	for _, d := range s.Drives {
+		fi, err := os.Lstat(d.Path)
+		if err != nil {
+			return err
+		}
+		if fi.Mode()&os.ModeDevice == 0 {
+			continue
+		}
+		if err := removeInJail(s.ChrootDir(), jailDrive(d)); err != nil {
+			return fmt.Errorf("removing the node of drive %s from the jail: %w", d.ID, err)
+		}
+	}
+	return nil
 }
 
 // ConsoleInput is the FIFO in a VM's directory that is its Firecracker's stdin, the serial

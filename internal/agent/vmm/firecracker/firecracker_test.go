@@ -16,9 +16,12 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
+	"github.com/syscode-labs/imp/internal/agent/volume/loop"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -50,6 +53,17 @@ var fakeFirecracker string
 
 // fakeCgroups points the fake jailer at a cgroup v2 tree of the test's own, with the cpu and
 // memory controllers, so that it creates the VM's cgroup there and not on the host.
+// fakeJailer makes this test binary, run again, the jailer (TestMain) and returns its path.
+func fakeJailer(t *testing.T) string {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("IMP_FAKE_JAILER", "1")
+	return self
+}
+
 func fakeCgroups(t *testing.T) string {
 	t.Helper()
 	root := t.TempDir()
@@ -324,11 +338,7 @@ func TestStartStopReattach(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the jail is chowned to the VM's uid")
 	}
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Setenv("IMP_FAKE_JAILER", "1")
+	self := fakeJailer(t)
 	ctx := context.Background()
 	for _, tc := range []struct {
 		name              string
@@ -500,11 +510,7 @@ func TestRestartsAndResumesInAKeptJail(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatal("the fake jailer chroots, mknods and drops privileges: run as root")
 	}
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Setenv("IMP_FAKE_JAILER", "1")
+	self := fakeJailer(t)
 	cg := fakeCgroups(t)
 	ctx := context.Background()
 	s := spec(t)
@@ -635,5 +641,70 @@ func TestJailResetStaysInTheJail(t *testing.T) {
 	}
 	if fi, err := os.Lstat(filepath.Join(root, "run")); err != nil || !fi.IsDir() {
 		t.Errorf("the jail's run/ is not a directory of its own again: %v, %v", fi, err)
+	}
+}
+
+// TestClaimNodesLeaveTheJail: the node of a drive that is a device (a claim's, here a loop
+// device bound to a disk image) is in the jail while Firecracker configures its drives and
+// gone once it has it open: a VMM that closed it could otherwise open it again after the node
+// reused the device for another volume. A drive that is a file (an emptyDisk) stays. Without
+// anyone holding it, the loop device is free again once the VMM is gone.
+func TestClaimNodesLeaveTheJail(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the jail is chowned to the VM's uid; loop devices")
+	}
+	self := fakeJailer(t)
+	s := spec(t)
+	s.Jailer, s.Firecracker = self, fakeFirecracker
+	fakeCgroups(t)
+	img := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(img, make([]byte, 4<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	backing, err := os.OpenFile(img, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer backing.Close()
+	node := filepath.Join(s.Dir, "vol-data.img")
+	dev, err := loop.Devices{}.Attach(node, backing, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(dev.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	scratch := filepath.Join(s.Dir, "vol-scratch.img")
+	if err := os.WriteFile(scratch, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s.Drives = []vmm.Drive{{ID: "data", Path: node}, {ID: "scratch", Path: scratch}}
+	rec, err := firecracker.Start(context.Background(), s, "cfg1")
+	if err != nil {
+		log, _ := os.ReadFile(filepath.Join(s.Dir, "jailer.log"))
+		t.Fatalf("%v\n%s", err, log)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(rec.Pid, syscall.SIGKILL) })
+	dev.Close() // the start is done: the agent lets go of it
+	if _, err := os.Lstat(filepath.Join(s.ChrootDir(), "disks/vol-data.img")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the claim's node is still in the jail: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(s.ChrootDir(), "disks/vol-scratch.img")); err != nil {
+		t.Errorf("the emptyDisk left the jail: %v", err)
+	}
+	bound := func() bool {
+		_, err := os.Stat(fmt.Sprintf("/sys/dev/block/%d:%d/loop/backing_file", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+		return err == nil
+	}
+	if !bound() {
+		t.Fatal("the loop device was freed while the VMM runs: the VMM did not hold it open")
+	}
+	_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+	rec.WaitGone(10 * time.Second)
+	for deadline := time.Now().Add(10 * time.Second); bound(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the loop device is still bound after the VMM went")
+		}
 	}
 }

@@ -49,6 +49,33 @@ type Server struct {
 	// Refused records each refused request and why.
 	Refused []string
 	ln      net.Listener
+	// drives are the drives' backing files, open: Firecracker opens one as its drive is
+	// configured (or its snapshot loaded) and holds it while it runs. Only with a Root.
+	drives map[string]*os.File
+}
+
+// openDrive opens drive id's backing file at p (under Root) as Firecracker does, read-only
+// or not, holding it in place of the drive's earlier one.
+func (s *Server) openDrive(id, p string, readOnly bool) error {
+	if s.Root == "" {
+		return nil
+	}
+	flag := os.O_RDWR
+	if readOnly {
+		flag = os.O_RDONLY
+	}
+	f, err := os.OpenFile(filepath.Join(s.Root, p), flag, 0)
+	if err != nil {
+		return badRequest("Unable to create the virtio block device: cannot open the backing file %s: %v", p, err)
+	}
+	if s.drives == nil {
+		s.drives = map[string]*os.File{}
+	}
+	if old := s.drives[id]; old != nil {
+		old.Close()
+	}
+	s.drives[id] = f
+	return nil
 }
 
 // Serve starts a double listening on the unix socket path (a long path is bound relative to
@@ -186,6 +213,11 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		if obj["drive_id"] != id {
 			return nil, badRequest("The id from the path [%s] does not match the id from the body [%v]!", id, obj["drive_id"])
 		}
+		p, _ := obj["path_on_host"].(string)
+		ro, _ := obj["is_read_only"].(bool)
+		if err := s.openDrive(id, p, ro); err != nil {
+			return nil, err
+		}
 		if c.Drives == nil {
 			c.Drives = map[string]map[string]any{}
 		}
@@ -197,6 +229,12 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		d, ok := c.Drives[id]
 		if !ok {
 			return nil, badRequest("Drive %s not found", id)
+		}
+		if p, ok := obj["path_on_host"].(string); ok {
+			ro, _ := d["is_read_only"].(bool)
+			if err := s.openDrive(id, p, ro); err != nil {
+				return nil, err
+			}
 		}
 		for k, v := range obj {
 			d[k] = v
@@ -302,8 +340,12 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		// opens them at load ("accessible at the same relative paths", snapshot-support.md).
 		for id, d := range c.Drives {
 			p, _ := d["path_on_host"].(string)
+			ro, _ := d["is_read_only"].(bool)
 			if _, err := os.Stat(filepath.Join(s.Root, p)); s.Root != "" && err != nil {
 				return nil, badRequest("Cannot restore drive %s: its backing file %s: %v", id, p, err)
+			}
+			if err := s.openDrive(id, p, ro); err != nil {
+				return nil, err
 			}
 		}
 		// network_overrides: an interface moved to another tap; one the snapshot lacks is an error.
