@@ -33,7 +33,17 @@ func checkVolumes(t *testing.T, sh func(string) (string, error), must func(strin
 		t.Fatalf("losetup: %v: %s", err, out)
 	}
 	loop := strings.TrimSpace(string(out))
-	t.Cleanup(func() { _ = exec.Command("losetup", "-d", loop).Run() })
+	t.Cleanup(func() {
+		// The kubelet binds a loop device of its own over a block volume's device while a pod
+		// maps it, and one killed with the test never lets go: those first, or the device stays.
+		out, _ := exec.Command("losetup", "-j", loop).Output()
+		for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+			if dev, _, ok := strings.Cut(l, ":"); ok {
+				_ = exec.Command("losetup", "-d", dev).Run()
+			}
+		}
+		_ = exec.Command("losetup", "-d", loop).Run()
+	})
 
 	objects := fmt.Sprintf(`apiVersion: storage.k8s.io/v1
 kind: StorageClass
