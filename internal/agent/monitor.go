@@ -45,6 +45,8 @@ type monitor struct {
 	session  *guestsession.Client
 	// console is the serial console's input.
 	console *console
+	// stopping: the run is being stopped (its guest asked to); a boot timeout no longer ends it.
+	stopping bool
 }
 
 // requestStop asks the guest to stop its workload; it says whether the request went out (the
@@ -52,6 +54,7 @@ type monitor struct {
 func (m *monitor) requestStop() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.stopping = true
 	if m.conn == nil {
 		return false
 	}
@@ -305,8 +308,11 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			return
 		case <-bootDeadline:
 			bootDeadline = nil
-			if running != nil {
-				continue
+			m.mu.Lock()
+			stopping := m.stopping
+			m.mu.Unlock()
+			if running != nil || stopping {
+				continue // ready, or its stop ends it
 			}
 			bootTimedOut = true
 			log.Info("the guest did not become ready in time; ending its VMM", "bootTimeout", w.bootTimeout)

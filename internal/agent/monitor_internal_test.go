@@ -135,6 +135,12 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 // it returns, with a channel closed when the monitor ends. What w leaves unset does nothing.
 func followChannel(t *testing.T, w watch, m *meta) (net.Conn, <-chan struct{}) {
 	t.Helper()
+	return followChannelOn(t, &monitor{token: m.Token}, w, m)
+}
+
+// followChannelOn is followChannel with the monitor mon.
+func followChannelOn(t *testing.T, mon *monitor, w watch, m *meta) (net.Conn, <-chan struct{}) {
+	t.Helper()
 	sock := filepath.Join(t.TempDir(), "channel.sock")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
@@ -157,7 +163,7 @@ func followChannel(t *testing.T, w watch, m *meta) (net.Conn, <-chan struct{}) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		(&monitor{token: m.Token}).follow(context.Background(), w, m, logr.Discard())
+		mon.follow(context.Background(), w, m, logr.Discard())
 	}()
 	guest, err := l.Accept()
 	if err != nil {
@@ -300,8 +306,8 @@ func TestAFollowedRunKeepsItsReadiness(t *testing.T) {
 // TestAStuckBootIsEnded: a guest that is not ready within the boot timeout (here it says hello
 // and nothing more, as one whose boot stalls in imp-init would; one stalled in its kernel says
 // nothing at all) has its VMM ended and its run reported Exited for BootTimeout, without an exit
-// code; a guest ready in time, and a run followed again whose guest was ready before (the
-// agent restarted; its guest says nothing yet), are never ended for it.
+// code; a guest ready in time, a run followed again whose guest was ready before (the agent
+// restarted; its guest says nothing yet), and a run being stopped are never ended for it.
 func TestAStuckBootIsEnded(t *testing.T) {
 	const token, timeout = "the-token", 300 * time.Millisecond
 	for _, tc := range []struct {
@@ -309,12 +315,15 @@ func TestAStuckBootIsEnded(t *testing.T) {
 		lines []string
 		// booted: the VM's status has this run's guest ready.
 		booted bool
-		ended  bool
+		// stopping: the run's stop began (its guest asked to stop) before the timeout.
+		stopping bool
+		ended    bool
 	}{
 		{name: "stuck after hello", lines: []string{`{"event":"hello","token":"` + token + `"}`}, ended: true},
 		{name: "silent", ended: true},
 		{name: "ready in time", lines: []string{`{"event":"hello","token":"` + token + `"}`, `{"event":"ready"}`}},
 		{name: "ready before the agent restarted", booted: true},
+		{name: "being stopped", stopping: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var alive atomic.Bool
@@ -333,7 +342,11 @@ func TestAStuckBootIsEnded(t *testing.T) {
 				bootTimeout: timeout,
 				kill:        func() { kills.Add(1); alive.Store(false) },
 			}
-			guest, done := followChannel(t, w, m)
+			mon := &monitor{token: m.Token}
+			if tc.stopping {
+				mon.requestStop()
+			}
+			guest, done := followChannelOn(t, mon, w, m)
 			for _, l := range tc.lines {
 				if _, err := guest.Write([]byte(l + "\n")); err != nil {
 					t.Fatal(err)

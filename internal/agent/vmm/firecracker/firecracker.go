@@ -364,7 +364,8 @@ func RemoveConfig(chroot string) error {
 // it. It writes and returns the VM's record. The serial console's input is Firecracker's
 // stdin, the FIFO ConsoleInput in the VM's directory.
 func Start(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) {
-	return launch(ctx, s, configHash, func(c *Client) error { return Configure(ctx, c, s) })
+	return launch(ctx, s, configHash, func(c *Client) error { return configure(ctx, c, s) },
+		func(c *Client) error { return instanceStart(ctx, c) })
 }
 
 // Suspend pauses the VM, writes its snapshot (state and memory) into the jail and kills the
@@ -398,7 +399,8 @@ func Snapshotted(s Spec) bool {
 // ResumeSnapshot starts a fresh VMM in the VM's jail and loads its snapshot, resuming the VM
 // where it stopped; the snapshot files are removed once loaded.
 func ResumeSnapshot(ctx context.Context, s Spec, configHash string) (*vmm.Record, error) {
-	rec, err := launch(ctx, s, configHash, func(c *Client) error { return LoadSnapshot(ctx, c, jailSnapshotState, jailSnapshotMem, true) })
+	rec, err := launch(ctx, s, configHash, func(c *Client) error { return LoadSnapshot(ctx, c, jailSnapshotState, jailSnapshotMem, false) },
+		func(c *Client) error { return Resume(ctx, c) })
 	if err == nil {
 		for _, f := range []string{jailSnapshotState, jailSnapshotMem} {
 			_ = removeInJail(s.ChrootDir(), f)
@@ -407,7 +409,10 @@ func ResumeSnapshot(ctx context.Context, s Spec, configHash string) (*vmm.Record
 	return rec, err
 }
 
-func launch(ctx context.Context, s Spec, configHash string, configure func(*Client) error) (*vmm.Record, error) {
+// launch starts the jailer for s and has configure make the VM (its drives opened by the VMM),
+// then, the claims' nodes gone from the jail (dropDeviceDrives), run start it: the guest never
+// runs while a node of a claim's device is in its jail, whatever the agent lives to do next.
+func launch(ctx context.Context, s Spec, configHash string, configure, run func(*Client) error) (*vmm.Record, error) {
 	if err := PrepareChroot(s); err != nil {
 		return nil, err
 	}
@@ -445,10 +450,14 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 	if err := waitForSocket(ctx, s.ChrootDir(), rec, 10*time.Second); err != nil {
 		return fail(err)
 	}
-	if err := configure(NewJailClient(s.ChrootDir())); err != nil {
+	c := NewJailClient(s.ChrootDir())
+	if err := configure(c); err != nil {
 		return fail(err)
 	}
 	if err := dropDeviceDrives(s); err != nil {
+		return fail(err)
+	}
+	if err := run(c); err != nil {
 		return fail(err)
 	}
 	if err := vmm.WriteRecord(s.Dir, rec); err != nil {
@@ -459,7 +468,8 @@ func launch(ctx context.Context, s Spec, configHash string, configure func(*Clie
 
 // dropDeviceDrives removes from the jail the nodes of the drives that are devices (claims':
 // their devices, or the loop devices their disk images are bound to) once Firecracker has them
-// open, as it does when their drives are configured or its snapshot loaded. A VMM that closed
+// open, as it does when their drives are configured or its snapshot loaded, and before its
+// guest runs. A VMM that closed
 // one could otherwise open it again once the node gave the device's number to another VM's or
 // pod's volume, which a freed loop device soon is.
 func dropDeviceDrives(s Spec) error {
@@ -530,6 +540,19 @@ func waitForSocket(ctx context.Context, root string, rec *vmm.Record, timeout ti
 // Configure configures a fresh Firecracker for s and starts the VM: logger and metrics,
 // machine, boot source, drives, network interface, vsock, InstanceStart.
 func Configure(ctx context.Context, c *Client, s Spec) error {
+	if err := configure(ctx, c, s); err != nil {
+		return err
+	}
+	return instanceStart(ctx, c)
+}
+
+// instanceStart boots the configured VM.
+func instanceStart(ctx context.Context, c *Client) error {
+	return c.Do(ctx, "PUT", "/actions", Action{ActionType: "InstanceStart"}, nil)
+}
+
+// configure configures a fresh Firecracker for s, without starting it.
+func configure(ctx context.Context, c *Client, s Spec) error {
 	steps := []struct {
 		method, path string
 		body         any
@@ -560,10 +583,6 @@ func Configure(ctx context.Context, c *Client, s Spec) error {
 			method, path string
 			body         any
 		}{"PUT", "/vsock", Vsock{GuestCID: GuestCID, UDSPath: jailVsock}},
-		struct {
-			method, path string
-			body         any
-		}{"PUT", "/actions", Action{ActionType: "InstanceStart"}},
 	)
 	for _, st := range steps {
 		if err := c.Do(ctx, st.method, st.path, st.body, nil); err != nil {

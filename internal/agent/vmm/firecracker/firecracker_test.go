@@ -646,9 +646,10 @@ func TestJailResetStaysInTheJail(t *testing.T) {
 
 // TestClaimNodesLeaveTheJail: the node of a drive that is a device (a claim's, here a loop
 // device bound to a disk image) is in the jail while Firecracker configures its drives and
-// gone once it has it open: a VMM that closed it could otherwise open it again after the node
+// gone once it has it open, before its guest runs: a VMM that closed it could otherwise open it again after the node
 // reused the device for another volume. A drive that is a file (an emptyDisk) stays. Without
-// anyone holding it, the loop device is free again once the VMM is gone.
+// anyone holding it, the loop device is free again once the VMM is gone; a resume from a
+// suspension loads the node again, and drops it before the guest runs on.
 func TestClaimNodesLeaveTheJail(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the jail is chowned to the VM's uid; loop devices")
@@ -693,6 +694,10 @@ func TestClaimNodesLeaveTheJail(t *testing.T) {
 	if _, err := os.Lstat(filepath.Join(s.ChrootDir(), "disks/vol-scratch.img")); err != nil {
 		t.Errorf("the emptyDisk left the jail: %v", err)
 	}
+	// Gone before the guest ran: an agent that dies after the start leaves none behind.
+	if b, err := os.ReadFile(filepath.Join(s.ChrootDir(), fctest.GuestDisksFile)); err != nil || strings.Contains(string(b), "vol-data.img") || !strings.Contains(string(b), "vol-scratch.img") {
+		t.Errorf("the jail's /disks as the guest started: %q, %v; want the emptyDisk and not the claim's node", b, err)
+	}
 	bound := func() bool {
 		_, err := os.Stat(fmt.Sprintf("/sys/dev/block/%d:%d/loop/backing_file", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
 		return err == nil
@@ -700,11 +705,39 @@ func TestClaimNodesLeaveTheJail(t *testing.T) {
 	if !bound() {
 		t.Fatal("the loop device was freed while the VMM runs: the VMM did not hold it open")
 	}
-	_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
-	rec.WaitGone(10 * time.Second)
-	for deadline := time.Now().Add(10 * time.Second); bound(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the loop device is still bound after the VMM went")
+	gone := func(what string) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); bound(); time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the loop device is still bound after %s", what)
+			}
 		}
 	}
+	// Suspended (the VMM goes, and the binding with it), then resumed: bound anew as the
+	// agent's start does, the node back in the jail for the load, gone before the guest runs.
+	if err := firecracker.Suspend(context.Background(), s, rec); err != nil {
+		t.Fatal(err)
+	}
+	gone("the suspend")
+	_ = os.Remove(filepath.Join(s.ChrootDir(), fctest.GuestDisksFile))
+	if dev, err = (loop.Devices{}).Attach(node, backing, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Fstat(int(dev.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	if rec, err = firecracker.ResumeSnapshot(context.Background(), s, "cfg1"); err != nil {
+		log, _ := os.ReadFile(filepath.Join(s.Dir, "jailer.log"))
+		t.Fatalf("resuming: %v\n%s", err, log)
+	}
+	dev.Close()
+	if b, err := os.ReadFile(filepath.Join(s.ChrootDir(), fctest.GuestDisksFile)); err != nil || strings.Contains(string(b), "vol-data.img") || !strings.Contains(string(b), "vol-scratch.img") {
+		t.Errorf("the jail's /disks as the resumed guest ran: %q, %v; want the emptyDisk and not the claim's node", b, err)
+	}
+	if !bound() {
+		t.Fatal("the resumed VMM does not hold the loop device")
+	}
+	_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+	rec.WaitGone(10 * time.Second)
+	gone("the VMM went")
 }

@@ -123,7 +123,7 @@ func copyOut(root, rel, dst string, max int64) error {
 // node's store). Each is placed in the jail as the VM's uid's own file (a reflink where the file
 // system shares blocks, so the memory file, which Firecracker maps rather than reads, costs no
 // copy; a sparse copy otherwise); the network interface is moved to the VM's tap
-// (network_overrides) and the VM resumed. The placed files go once loaded.
+// (network_overrides), and the VM resumed once loaded (launch). The placed files go then.
 func RestoreSnapshot(ctx context.Context, s Spec, state, mem, configHash string) (*vmm.Record, error) {
 	if err := PrepareChroot(s); err != nil {
 		return nil, err
@@ -139,11 +139,12 @@ func RestoreSnapshot(ctx context.Context, s Spec, state, mem, configHash string)
 			return nil, err
 		}
 	}
-	load := SnapshotLoad{SnapshotPath: jailLoadState, MemBackend: &MemoryBackend{BackendType: "File", BackendPath: jailLoadMem}, ResumeVM: true}
+	load := SnapshotLoad{SnapshotPath: jailLoadState, MemBackend: &MemoryBackend{BackendType: "File", BackendPath: jailLoadMem}}
 	if s.Tap != "" {
 		load.NetworkOverrides = []NetworkOverride{{IfaceID: ifaceID, HostDevName: s.Tap}}
 	}
-	return launch(ctx, s, configHash, func(c *Client) error { return c.Do(ctx, "PUT", "/snapshot/load", load, nil) })
+	return launch(ctx, s, configHash, func(c *Client) error { return c.Do(ctx, "PUT", "/snapshot/load", load, nil) },
+		func(c *Client) error { return Resume(ctx, c) })
 }
 
 // placeOwned puts a copy of src at rel in the jail at root, owned by uid and gid, replacing

@@ -3,7 +3,8 @@
 // which lives on the claim's file system. The device detaches itself once its last user
 // closes it (LO_FLAGS_AUTOCLEAR): nothing is left bound when a VMM or the agent ends, however
 // they end. It is bound without partition scanning (the node's kernel never parses a partition
-// table the guest wrote) and with direct I/O to the file where the file's system allows it (no
+// table the guest wrote; a node whose loop module scans every device's is refused) and with
+// direct I/O to the file where the file's system allows it (no
 // second copy of the disk in the node's page cache).
 package loop
 
@@ -37,6 +38,9 @@ const attempts = 16
 // no link. It returns the device, open; the caller closes it once the VMM has opened path (or
 // on failure): the binding ends when the last of them closes it.
 func (d Devices) Attach(path string, backing *os.File, readOnly bool) (*os.File, error) {
+	if err := d.noPartitions(); err != nil {
+		return nil, err
+	}
 	ctl, err := d.control(path)
 	if err != nil {
 		return nil, fmt.Errorf("opening the loop control device: %w", err)
@@ -71,6 +75,12 @@ func (d Devices) Attach(path string, backing *os.File, readOnly bool) (*os.File,
 		}
 		err = unix.IoctlLoopConfigure(int(f.Fd()), &cfg)
 		if err == nil {
+			if st, err := unix.IoctlLoopGetStatus64(int(f.Fd())); err != nil || st.Flags&unix.LO_FLAGS_PARTSCAN != 0 {
+				// Scanning partitions whatever it was asked: unbound, refused.
+				_ = unix.IoctlSetInt(int(f.Fd()), unix.LOOP_CLR_FD, 0)
+				f.Close()
+				return nil, fmt.Errorf("loop device %d scans the image's partitions (%v): refusing to bind a tenant's disk image to it", n, err)
+			}
 			return f, nil
 		}
 		f.Close()
@@ -109,13 +119,29 @@ const (
 	loopControlMinor = 237
 )
 
+// noPartitions refuses a node whose loop module scans every device's partitions (its max_part
+// parameter set): the node's kernel would parse the partition table a guest wrote.
+func (d Devices) noPartitions() error {
+	b, err := os.ReadFile(filepath.Join(d.sys(), "module", "loop", "parameters", "max_part"))
+	if err != nil {
+		return nil // built without the parameter, or not loaded yet (loaded with its default, 0)
+	}
+	if v := strings.TrimSpace(string(b)); v != "0" {
+		return fmt.Errorf("the node's loop module scans partitions (max_part=%s): a disk image the guest writes would have its partition table parsed by the node's kernel; load it with max_part=0 to run Firecracker VMs with Filesystem claims", v)
+	}
+	return nil
+}
+
+func (d Devices) sys() string {
+	if d.Sys == "" {
+		return "/sys"
+	}
+	return d.Sys
+}
+
 // number is the device number of loop device n, as sysfs has it ("7:n" without partitions).
 func (d Devices) number(n int) (uint64, error) {
-	sys := d.Sys
-	if sys == "" {
-		sys = "/sys"
-	}
-	b, err := os.ReadFile(filepath.Join(sys, "block", "loop"+strconv.Itoa(n), "dev"))
+	b, err := os.ReadFile(filepath.Join(d.sys(), "block", "loop"+strconv.Itoa(n), "dev"))
 	if err != nil {
 		return 0, fmt.Errorf("reading loop device %d's number: %w", n, err)
 	}

@@ -152,3 +152,33 @@ func TestAttach(t *testing.T) {
 		}
 	}
 }
+
+// TestPartitionScanningNodesAreRefused: a node whose loop module scans every device's
+// partitions (max_part set) would have its kernel parse the partition table a guest wrote:
+// nothing is bound there.
+func TestPartitionScanningNodesAreRefused(t *testing.T) {
+	sys := t.TempDir()
+	params := filepath.Join(sys, "module", "loop", "parameters")
+	if err := os.MkdirAll(params, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(params, "max_part"), []byte("8\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	f, err := os.Create(filepath.Join(dir, "disk.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	node := filepath.Join(dir, "vol.img")
+	if dev, err := (Devices{Sys: sys}).Attach(node, f, false); err == nil || !strings.Contains(err.Error(), "max_part=8") {
+		if dev != nil {
+			dev.Close()
+		}
+		t.Fatalf("bound on a node scanning partitions: %v", err)
+	}
+	if _, err := os.Lstat(node); !os.IsNotExist(err) {
+		t.Errorf("a node was made: %v", err)
+	}
+}

@@ -43,7 +43,16 @@ func FakeFirecracker(args []string) int {
 	done := make(chan struct{})
 	guest := &fakeGuest{}
 	srv.OnStart = func(cfg Config) {
-		findVolumes(cfg)
+		findVolumes(cfg, srv.drives)
+		// What the jail's /disks holds as the guest starts, for tests of what a guest's
+		// VMM can reach.
+		if es, err := os.ReadDir("/disks"); err == nil {
+			var names []string
+			for _, e := range es {
+				names = append(names, e.Name())
+			}
+			_ = os.WriteFile("/"+GuestDisksFile, []byte(strings.Join(names, "\n")), 0o600)
+		}
 		if p, _ := cfg.Vsock["uds_path"].(string); p != "" && os.Getenv(StuckGuestEnv) == "" {
 			guest.start(p, cfg)
 		}
@@ -71,7 +80,7 @@ func FakeFirecracker(args []string) int {
 // configuration disk names by serial, reading each drive's serial as Firecracker answers
 // VIRTIO_BLK_T_GET_ID (the file's st_dev, st_rdev and st_ino in decimal, cut to 20 bytes), and
 // writes what it found in /guest-volumes.json: volume name → drive id ("" when none).
-func findVolumes(cfg Config) {
+func findVolumes(cfg Config, open map[string]*os.File) {
 	serials := map[string]string{} // serial → drive id
 	var config string
 	for id, d := range cfg.Drives {
@@ -79,8 +88,11 @@ func findVolumes(cfg Config) {
 		if id == "config" {
 			config = p
 		}
+		// Of the file the drive has open, as Firecracker's build_device_id: its path may be
+		// gone from the jail by now.
 		var st syscall.Stat_t
-		if syscall.Stat(p, &st) != nil {
+		f := open[id]
+		if f == nil || syscall.Fstat(int(f.Fd()), &st) != nil {
 			continue
 		}
 		serial := fmt.Sprintf("%d%d%d", st.Dev, st.Rdev, st.Ino)

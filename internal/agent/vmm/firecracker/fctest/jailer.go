@@ -22,6 +22,10 @@ import (
 // hierarchies: a test that must not touch the host's cgroups points it at a tree of its own.
 const MountsEnv = "IMP_FAKE_JAILER_MOUNTS"
 
+// GuestDisksFile is the file, at the jail's root, where the fake lists what /disks held as its
+// guest started.
+const GuestDisksFile = "guest-disks.txt"
+
 // StuckGuestEnv, set, makes the fake's guest say nothing at all, as one whose boot stalls.
 const StuckGuestEnv = "IMP_FAKE_GUEST_STUCK"
 

@@ -49,6 +49,8 @@ type Server struct {
 	// Refused records each refused request and why.
 	Refused []string
 	ln      net.Listener
+	// ran: the guest has run (OnStart was called).
+	ran bool
 	// drives are the drives' backing files, open: Firecracker opens one as its drive is
 	// configured (or its snapshot loaded) and holds it while it runs. Only with a Root.
 	drives map[string]*os.File
@@ -284,6 +286,7 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			}
 			s.Started = true
 			if s.OnStart != nil {
+				s.ran = true
 				s.OnStart(s.Config)
 			}
 		case "SendCtrlAltDel":
@@ -304,6 +307,11 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 			return nil, err
 		}
 		s.Paused = obj["state"] == "Paused"
+		if !s.Paused && !s.ran && s.OnStart != nil {
+			// A snapshot loaded without resume_vm runs its guest from here.
+			s.ran = true
+			s.OnStart(s.Config)
+		}
 	case "PUT /snapshot/create":
 		if err := postBoot(); err != nil {
 			return nil, err
@@ -366,6 +374,7 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		s.Started = true
 		s.Paused = obj["resume_vm"] != true
 		if s.OnStart != nil && !s.Paused {
+			s.ran = true
 			s.OnStart(s.Config)
 		}
 	default:
