@@ -741,3 +741,75 @@ func TestClaimNodesLeaveTheJail(t *testing.T) {
 	rec.WaitGone(10 * time.Second)
 	gone("the VMM went")
 }
+
+// TestRestoreAnotherVMsSnapshot: a running VM's snapshot, taken into a directory of the node's,
+// restored as another VM in a jail of its own: loaded paused, its claim's node gone from the
+// jail, then resumed; its guest answers on its channel.
+func TestRestoreAnotherVMsSnapshot(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the jail is chowned to the VM's uid; loop devices")
+	}
+	self := fakeJailer(t)
+	fakeCgroups(t)
+	ctx := context.Background()
+	claim := func(s *firecracker.Spec) *os.File {
+		t.Helper()
+		img := filepath.Join(t.TempDir(), "disk.img")
+		if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.OpenFile(img, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		node := filepath.Join(s.Dir, "vol-data.img")
+		dev, err := loop.Devices{}.Attach(node, f, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Drives = []vmm.Drive{{ID: "data", Path: node}}
+		return dev
+	}
+	src := spec(t)
+	src.Jailer, src.Firecracker = self, fakeFirecracker
+	dev := claim(&src)
+	rec, err := firecracker.Start(ctx, src, "cfg1")
+	dev.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(rec.Pid, syscall.SIGKILL) })
+	into := t.TempDir()
+	if _, err := firecracker.TakeSnapshot(ctx, src, into, nil); err != nil {
+		t.Fatal(err)
+	}
+
+	copyOf := spec(t)
+	copyOf.ID, copyOf.Token = "0b6f3d0e-3c1a-4a8e-9d2b-7f1e2c3d4e5f", "copy"
+	copyOf.Jailer, copyOf.Firecracker = self, fakeFirecracker
+	copyOf.ChrootBase = src.ChrootBase
+	dev = claim(&copyOf)
+	rec2, err := firecracker.RestoreSnapshot(ctx, copyOf, filepath.Join(into, firecracker.SnapshotStateFile), filepath.Join(into, firecracker.SnapshotMemFile), "cfg2")
+	dev.Close()
+	if err != nil {
+		log, _ := os.ReadFile(filepath.Join(copyOf.Dir, "jailer.log"))
+		t.Fatalf("%v\n%s", err, log)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(rec2.Pid, syscall.SIGKILL) })
+	if info, err := firecracker.Info(ctx, firecracker.NewClient(copyOf.APISocket())); err != nil || info.State != "Running" {
+		t.Fatalf("the restored VM: %+v, %v; want Running", info, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(copyOf.ChrootDir(), fctest.GuestDisksFile)); err != nil || strings.Contains(string(b), "vol-data.img") {
+		t.Errorf("the jail's /disks as the restored guest ran: %q, %v; want no claim's node", b, err)
+	}
+	conn, err := firecracker.DialChannel(copyOf.ChrootDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	var hello guestinit.Message
+	if err := json.NewDecoder(conn).Decode(&hello); err != nil || hello.Event != "hello" {
+		t.Fatalf("the restored guest's channel: %+v, %v", hello, err)
+	}
+}
