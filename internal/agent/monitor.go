@@ -12,8 +12,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 
@@ -107,10 +109,12 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 		dial:  func() (net.Conn, error) { return drv.dial(dir) },
 		alive: rec.Alive,
 		report: func(ctx context.Context, rt impv1.RuntimeStatus) {
-			vm := &impv1.ImpVM{}
-			vm.Namespace, vm.Name = key.Namespace, key.Name
-			if err := a.report(ctx, vm, rt); err != nil {
-				log.Error(err, "reporting the VM's state")
+			if err := retryReport(ctx, reportBackoff, func(ctx context.Context) error {
+				vm := &impv1.ImpVM{}
+				vm.Namespace, vm.Name = key.Namespace, key.Name
+				return a.report(ctx, vm, rt)
+			}); err != nil {
+				log.Error(err, "reporting the VM's state", "state", rt.State)
 			}
 		},
 		capLogs:     func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
@@ -151,6 +155,30 @@ func reportedReady(vm *impv1.ImpVM, meta *meta) *bool {
 		return vm.Status.Runtime.Ready
 	}
 	return nil
+}
+
+// reportBackoff spaces the attempts of a run's report: under a minute in all. A report lost to
+// an API server that did not answer (a guest's ready, its end) is written by nothing else.
+var reportBackoff = wait.Backoff{Duration: 100 * time.Millisecond, Factor: 2, Cap: 5 * time.Second, Steps: 16}
+
+// retryReport tries report until it succeeds, fails for good (a refusal: the write is not the
+// agent's to make, as of a VM placed elsewhere), or b's steps are spent; it returns the last
+// error.
+func retryReport(ctx context.Context, b wait.Backoff, report func(context.Context) error) error {
+	var last error
+	err := wait.ExponentialBackoffWithContext(ctx, b, func(ctx context.Context) (bool, error) {
+		last = report(ctx)
+		return last == nil || refused(last), nil
+	})
+	if last != nil {
+		return last
+	}
+	return err
+}
+
+// refused: the API server answered, and no: trying again gets the same answer.
+func refused(err error) bool {
+	return apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) || apierrors.IsInvalid(err) || apierrors.IsBadRequest(err) || apierrors.IsNotFound(err)
 }
 
 // reportedBooted says whether vm's status has the run of meta's guest ready.

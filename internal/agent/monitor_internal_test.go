@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -15,6 +16,9 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/utils/ptr"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -375,5 +379,37 @@ func TestAStuckBootIsEnded(t *testing.T) {
 				t.Fatalf("kills %d, last report %+v; want one kill and Exited for BootTimeout without a code", kills.Load(), last)
 			}
 		})
+	}
+}
+
+// TestReportsAreRetried: a run's report that the API server refuses is tried again, spaced,
+// until it is written; one never written ends with its last error once the attempts are spent;
+// a refusal is not tried again.
+func TestReportsAreRetried(t *testing.T) {
+	b := wait.Backoff{Duration: time.Millisecond, Factor: 2, Cap: 10 * time.Millisecond, Steps: 5}
+	calls := 0
+	err := retryReport(context.Background(), b, func(context.Context) error {
+		calls++
+		if calls < 3 {
+			return errors.New("the API server did not answer")
+		}
+		return nil
+	})
+	if err != nil || calls != 3 {
+		t.Fatalf("%d attempts, %v; want written at the third", calls, err)
+	}
+	calls = 0
+	err = retryReport(context.Background(), b, func(context.Context) error {
+		calls++
+		return errors.New("refused")
+	})
+	if err == nil || err.Error() != "refused" || calls < 3 || calls > 5 {
+		t.Fatalf("%d attempts, %v; want the last error after the backoff's steps", calls, err)
+	}
+	// A refusal (the agent policy: the VM is another node's now) is final.
+	calls = 0
+	forbidden := apierrors.NewForbidden(schema.GroupResource{Group: "imp.dev", Resource: "impvms"}, "vm", errors.New("not this node's"))
+	if err := retryReport(context.Background(), b, func(context.Context) error { calls++; return forbidden }); !apierrors.IsForbidden(err) || calls != 1 {
+		t.Fatalf("%d attempts, %v; want one, forbidden", calls, err)
 	}
 }
