@@ -658,20 +658,8 @@ func TestClaimNodesLeaveTheJail(t *testing.T) {
 	s := spec(t)
 	s.Jailer, s.Firecracker = self, fakeFirecracker
 	fakeCgroups(t)
-	img := filepath.Join(t.TempDir(), "disk.img")
-	if err := os.WriteFile(img, make([]byte, 4<<20), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	backing, err := os.OpenFile(img, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer backing.Close()
-	node := filepath.Join(s.Dir, "vol-data.img")
-	dev, err := loop.Devices{}.Attach(node, backing, false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	bind := loopClaim(t, &s)
+	dev := bind()
 	var st syscall.Stat_t
 	if err := syscall.Fstat(int(dev.Fd()), &st); err != nil {
 		t.Fatal(err)
@@ -680,7 +668,7 @@ func TestClaimNodesLeaveTheJail(t *testing.T) {
 	if err := os.WriteFile(scratch, make([]byte, 1<<20), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	s.Drives = []vmm.Drive{{ID: "data", Path: node}, {ID: "scratch", Path: scratch}}
+	s.Drives = append(s.Drives, vmm.Drive{ID: "scratch", Path: scratch})
 	rec, err := firecracker.Start(context.Background(), s, "cfg1")
 	if err != nil {
 		log, _ := os.ReadFile(filepath.Join(s.Dir, "jailer.log"))
@@ -720,9 +708,7 @@ func TestClaimNodesLeaveTheJail(t *testing.T) {
 	}
 	gone("the suspend")
 	_ = os.Remove(filepath.Join(s.ChrootDir(), fctest.GuestDisksFile))
-	if dev, err = (loop.Devices{}).Attach(node, backing, false); err != nil {
-		t.Fatal(err)
-	}
+	dev = bind()
 	if err := syscall.Fstat(int(dev.Fd()), &st); err != nil {
 		t.Fatal(err)
 	}
@@ -752,28 +738,9 @@ func TestRestoreAnotherVMsSnapshot(t *testing.T) {
 	self := fakeJailer(t)
 	fakeCgroups(t)
 	ctx := context.Background()
-	claim := func(s *firecracker.Spec) *os.File {
-		t.Helper()
-		img := filepath.Join(t.TempDir(), "disk.img")
-		if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		f, err := os.OpenFile(img, os.O_RDWR, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Close() })
-		node := filepath.Join(s.Dir, "vol-data.img")
-		dev, err := loop.Devices{}.Attach(node, f, false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s.Drives = []vmm.Drive{{ID: "data", Path: node}}
-		return dev
-	}
 	src := spec(t)
 	src.Jailer, src.Firecracker = self, fakeFirecracker
-	dev := claim(&src)
+	dev := loopClaim(t, &src)()
 	rec, err := firecracker.Start(ctx, src, "cfg1")
 	dev.Close()
 	if err != nil {
@@ -789,7 +756,7 @@ func TestRestoreAnotherVMsSnapshot(t *testing.T) {
 	copyOf.ID, copyOf.Token = "0b6f3d0e-3c1a-4a8e-9d2b-7f1e2c3d4e5f", "copy"
 	copyOf.Jailer, copyOf.Firecracker = self, fakeFirecracker
 	copyOf.ChrootBase = src.ChrootBase
-	dev = claim(&copyOf)
+	dev = loopClaim(t, &copyOf)()
 	rec2, err := firecracker.RestoreSnapshot(ctx, copyOf, filepath.Join(into, firecracker.SnapshotStateFile), filepath.Join(into, firecracker.SnapshotMemFile), "cfg2")
 	dev.Close()
 	if err != nil {
@@ -811,5 +778,32 @@ func TestRestoreAnotherVMsSnapshot(t *testing.T) {
 	var hello guestinit.Message
 	if err := json.NewDecoder(conn).Decode(&hello); err != nil || hello.Event != "hello" {
 		t.Fatalf("the restored guest's channel: %+v, %v", hello, err)
+	}
+}
+
+// loopClaim gives s the drive "data" of a Filesystem claim as the agent makes it for
+// Firecracker: a node in the VM's directory of a loop device bound to a 1 MiB image. It returns
+// how to bind it, as each start (and resume) does; the caller closes what that returns once
+// the VMM has it.
+func loopClaim(t *testing.T, s *firecracker.Spec) (bind func() *os.File) {
+	t.Helper()
+	img := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	backing, err := os.OpenFile(img, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { backing.Close() })
+	node := filepath.Join(s.Dir, "vol-data.img")
+	s.Drives = append(s.Drives, vmm.Drive{ID: "data", Path: node})
+	return func() *os.File {
+		t.Helper()
+		dev, err := loop.Devices{}.Attach(node, backing, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return dev
 	}
 }

@@ -349,11 +349,8 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		for id, d := range c.Drives {
 			p, _ := d["path_on_host"].(string)
 			ro, _ := d["is_read_only"].(bool)
-			if _, err := os.Stat(filepath.Join(s.Root, p)); s.Root != "" && err != nil {
-				return nil, badRequest("Cannot restore drive %s: its backing file %s: %v", id, p, err)
-			}
 			if err := s.openDrive(id, p, ro); err != nil {
-				return nil, err
+				return nil, badRequest("Cannot restore drive %s: %v", id, err)
 			}
 		}
 		// network_overrides: an interface moved to another tap; one the snapshot lacks is an error.
