@@ -7,6 +7,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
@@ -132,14 +134,32 @@ func phaseOf(vm *impv1.ImpVM, now time.Time) (impv1.VMPhase, metav1.ConditionSta
 	return impv1.VMStarting, f, impv1.ReasonStartFailed, rt.Message
 }
 
+// toldWait is the reason of the last Unschedulable Event the operator emitted for a VM.
+type toldWait struct {
+	uid    types.UID
+	reason string
+}
+
+// alreadyTold says whether the last Unschedulable Event emitted for the VM gave this reason.
+// The cache's copy of a VM can lag the operator's own status patch by a reconcile (its
+// finalizer's patch wakes the next reconcile at once): one that read the older copy, without
+// the condition just written, would tell the same wait twice (seen once in CI).
+func (r *Reconciler) alreadyTold(vm *impv1.ImpVM, reason string) bool {
+	last, ok := r.told.Load(client.ObjectKeyFromObject(vm))
+	return ok && last.(toldWait) == toldWait{uid: vm.UID, reason: reason}
+}
+
 // recordTransition emits the Events and metrics of what this reconcile changed.
 func (r *Reconciler) recordTransition(s *scope) {
 	vm := s.vm
 	if s.schedReason != "" {
 		placementFailures.WithLabelValues(s.schedReason).Inc()
-		if s.schedReason != s.oldSchedReason {
+		if s.schedReason != s.oldSchedReason && !r.alreadyTold(vm, s.schedReason) {
 			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
 		}
+		r.told.Store(client.ObjectKeyFromObject(vm), toldWait{uid: vm.UID, reason: s.schedReason})
+	} else {
+		r.told.Delete(client.ObjectKeyFromObject(vm))
 	}
 	if s.suspendRefused != "" && s.oldSuspReason != impv1.ReasonQuotaExceeded {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonQuotaExceeded, "Suspend", "Not suspending the VM: %s", s.suspendRefused)
