@@ -431,7 +431,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			}
 			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
 		}
-		a.ensureMonitor(vm, dir, m, rec) // re-attach after an agent restart
+		a.ensureMonitor(vm, dir, m, rec, nil) // re-attach after an agent restart
 		a.mu.Lock()
 		delete(a.stops, vm.UID) // a stop given up (the VM runs again): the next one starts afresh
 		a.mu.Unlock()
@@ -544,7 +544,7 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *met
 	if err := a.reportLater(ctx, vm, started); err != nil {
 		return err
 	}
-	a.ensureMonitor(vm, dir, r.Meta, r.Record)
+	a.ensureMonitor(vm, dir, r.Meta, r.Record, r.TakeChannel())
 	return nil
 }
 

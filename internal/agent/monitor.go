@@ -79,12 +79,17 @@ func (a *Agent) stopMonitor(uid types.UID) {
 }
 
 // ensureMonitor starts following the VM's current run unless it is followed already. The
-// monitor of an earlier run (which ended by itself: its workload exited) is replaced.
-func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.Record) {
+// monitor of an earlier run (which ended by itself: its workload exited) is replaced. conn,
+// when not nil, is a connection to the run's guest channel to follow first (the monitor's to
+// close); else the monitor connects.
+func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.Record, conn net.Conn) {
 	a.mu.Lock()
 	if old, ok := a.monitors[vm.UID]; ok {
 		if old.instance == meta.Instance && old.run == meta.Run {
 			a.mu.Unlock()
+			if conn != nil {
+				conn.Close()
+			}
 			return
 		}
 		a.mu.Unlock()
@@ -93,6 +98,9 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	}
 	defer a.mu.Unlock()
 	if _, ok := a.monitors[vm.UID]; ok {
+		if conn != nil {
+			conn.Close()
+		}
 		return // another caller started it meanwhile
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -107,6 +115,7 @@ func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.
 	m.console = &console{open: func() (consoleWriter, error) { return drv.openConsole(dir) }}
 	w := watch{
 		dial:  func() (net.Conn, error) { return drv.dial(dir) },
+		conn:  conn,
 		alive: rec.Alive,
 		report: func(ctx context.Context, rt impv1.RuntimeStatus) {
 			if err := retryReport(ctx, reportBackoff, func(ctx context.Context) error {
@@ -217,7 +226,9 @@ func (a *Agent) Session(key types.NamespacedName, uid types.UID) (*guestsession.
 // watch is what a monitor follows of a run: how to reach its guest channel, whether its VMM
 // lives, and what to do with what it learns.
 type watch struct {
-	dial    func() (net.Conn, error)
+	dial func() (net.Conn, error)
+	// conn, when not nil, is a connection to the guest channel to follow before dialing.
+	conn    net.Conn
 	alive   func() bool
 	report  func(context.Context, impv1.RuntimeStatus)
 	capLogs func() error
@@ -268,8 +279,19 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 	go func() {
 		defer close(events)
 		sess := guestchan.NewSession(meta.Token)
+		first := w.conn
+		defer func() {
+			if first != nil {
+				first.Close()
+			}
+		}()
 		for ctx.Err() == nil && w.alive() {
-			conn, err := w.dial()
+			conn, err := first, error(nil)
+			if first != nil {
+				first = nil
+			} else {
+				conn, err = w.dial()
+			}
 			if err != nil {
 				time.Sleep(100 * time.Millisecond)
 				continue

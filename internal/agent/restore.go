@@ -157,9 +157,15 @@ func (g guests) Reidentify(ctx context.Context, r *vmrun.Run) error {
 	if err != nil {
 		return fmt.Errorf("connecting to the restored guest's channel: %w", err)
 	}
-	defer conn.Close()
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()
+	// Kept open, once the guest answered on it, for the run's monitor (vmrun.Run.Channel).
+	kept := false
+	defer func() {
+		if !kept {
+			conn.Close()
+		}
+	}()
 	req := guestinit.Restore{Token: r.Meta.Token, UnixNano: time.Now().UnixNano(), Entropy: make([]byte, 64)}
 	if _, err := rand.Read(req.Entropy); err != nil {
 		return err
@@ -172,7 +178,13 @@ func (g guests) Reidentify(ctx context.Context, r *vmrun.Run) error {
 	// none, and the guest reads the disk: the agent never reads back that file, which a
 	// Firecracker VMM, whose jail holds it, may write.
 	req.Config = r.Config
-	return guestchan.Restore(conn, r.Meta.Restore.Token, req, restoreTimeout)
+	if err := guestchan.Restore(conn, r.Meta.Restore.Token, req, restoreTimeout); err != nil {
+		return err
+	}
+	if stop() && conn.SetDeadline(time.Time{}) == nil {
+		r.Channel, kept = conn, true
+	}
+	return nil
 }
 
 var (

@@ -92,7 +92,7 @@ func (a *Agent) suspendFailure(ctx context.Context, vm *impv1.ImpVM, dir string,
 		return rerr
 	}
 	if rec.Alive() {
-		a.ensureMonitor(vm, dir, m, rec)
+		a.ensureMonitor(vm, dir, m, rec, nil)
 	}
 	return nil
 }
@@ -139,6 +139,6 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta
 		return err
 	}
 	a.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Resumed", "Resume", "The VM runs again on node %s (resumed in %v)", a.Opts.NodeName, took.Round(time.Millisecond))
-	a.ensureMonitor(vm, dir, m, rec)
+	a.ensureMonitor(vm, dir, m, rec, nil)
 	return nil
 }

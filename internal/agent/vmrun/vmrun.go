@@ -4,6 +4,7 @@ package vmrun
 
 import (
 	"encoding/json"
+	"net"
 	"os"
 	"path/filepath"
 	"time"
@@ -148,6 +149,11 @@ type Run struct {
 	Attachment hostnet.Attachment
 	Net        *guestinit.Net
 	Record     *vmm.Record
+	// Channel is a connection to the guest's channel a step left open (a restore's, once the
+	// guest took on its identity on it), for the run's monitor to follow the guest on rather
+	// than connect anew (under TCG, the guest's noticing a new connection is cold code); Done
+	// closes it unless it was taken.
+	Channel net.Conn
 
 	cleanups []func()
 }
@@ -164,6 +170,18 @@ func (r *Run) Done() {
 		r.cleanups[i]()
 	}
 	r.cleanups = nil
+	if r.Channel != nil {
+		_ = r.Channel.Close()
+		r.Channel = nil
+	}
+}
+
+// TakeChannel returns the run's open channel connection (nil: none), which is then the
+// caller's to close.
+func (r *Run) TakeChannel() net.Conn {
+	c := r.Channel
+	r.Channel = nil
+	return c
 }
 
 // Teardown is a VM being removed from the node: deleted, placed elsewhere, or its state

@@ -271,7 +271,9 @@ func ResumeIncoming(dir string, rec *vmm.Record, timeout time.Duration) error {
 			if time.Now().After(deadline) {
 				return err
 			}
-			time.Sleep(20 * time.Millisecond)
+			// Tried often: QEMU listens some 20–40 ms after its exec, and the guest of a
+			// restore waits for this.
+			time.Sleep(2 * time.Millisecond)
 		}
 	}
 	defer q.Close()
