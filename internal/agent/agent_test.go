@@ -677,6 +677,75 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 	}
 }
 
+// TestAgentCrashMidRestore crashes the imp-agent process once a restore's VMM runs the
+// snapshot's guest (the resumed step), before the guest took on its own identity; the agent
+// started again finishes the restore: the guest takes on the copy's identity (its monitor, which
+// follows the guest on the connection the identity was given on, accepts only the copy's
+// token) and the copy is Ready, restored from the snapshot, with exactly one VMM.
+func TestAgentCrashMidRestore(t *testing.T) {
+	pw := newProcessWorld(t, "imp-crash-restore-")
+	c, ctx, get := pw.c, context.Background(), pw.get
+	g := NewWithT(t)
+	ready := func(name string) func() bool {
+		return func() bool {
+			v := get(name)
+			return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+		}
+	}
+	first := pw.startAgent()
+	if err := c.Client.Create(ctx, pw.vm("src")); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(ready("src")).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "src Ready")
+	snap := &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: pw.ns, Name: "snap"}, Spec: impv1.ImpVMSnapshotSpec{VMName: "src"}}
+	if err := c.Client.Create(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.SnapshotPhase {
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(snap), snap)
+		return snap.Status.Phase
+	}).WithTimeout(5 * time.Minute).Should(Equal(impv1.SnapshotReady))
+	_ = first.Process.Kill()
+	_ = first.Wait()
+
+	crashing := pw.startAgent(failpoint.EnvVar + "=start/resumed")
+	cp := pw.vm("copy")
+	cp.Spec.SnapshotRef = &impv1.SnapshotReference{Name: "snap"}
+	if err := c.Client.Create(ctx, cp); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- crashing.Wait() }()
+	select {
+	case err := <-exited:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != failpoint.ExitCode {
+			t.Fatalf("the agent ended with %v, not at its failpoint", err)
+		}
+	case <-time.After(5 * time.Minute):
+		t.Fatal("the agent never reached its failpoint")
+	}
+	uid := string(get("copy").UID)
+	if n := len(vmm.Marked(uid)); n != 1 {
+		t.Fatalf("after the crash, VMMs of the copy: %v; want its one", vmm.Marked(uid))
+	}
+	again := pw.startAgent()
+	defer func() { _ = again.Process.Kill(); _ = again.Wait() }()
+	g.Eventually(ready("copy")).WithTimeout(5*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+		return fmt.Sprintf("copy: %+v", get("copy").Status)
+	})
+	if rt := get("copy").Status.Runtime; rt == nil || rt.RestoredFrom != "snap" {
+		t.Errorf("the copy's run: %+v; want restored from snap", rt)
+	}
+	rec, err := vmm.ReadRecord(filepath.Join(pw.stateDir, "vms", uid))
+	if err != nil || !rec.Alive() {
+		t.Fatalf("record %+v, %v", rec, err)
+	}
+	if pids := vmm.Marked(uid); len(pids) != 1 || pids[0] != rec.Pid {
+		t.Errorf("VMMs of the copy: %v; want only the recorded %d", pids, rec.Pid)
+	}
+}
+
 // TestUnreadableStateIsRecovered: state directories whose meta cannot be read are decided by
 // their UID against the API when the agent starts: a VM of the node is recovered (its VMM
 // stopped, an Event, a new run that finds its writable disk), an unknown one is removed.

@@ -1,10 +1,12 @@
 package agent
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -24,6 +26,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
 // TestMonitorUnderAHostileGuest plays a guest that does everything wrong on its channel: a hello
@@ -412,4 +415,78 @@ func TestReportsAreRetried(t *testing.T) {
 	if err := retryReport(context.Background(), b, func(context.Context) error { calls++; return forbidden }); !apierrors.IsForbidden(err) || calls != 1 {
 		t.Fatalf("%d attempts, %v; want one, forbidden", calls, err)
 	}
+}
+
+// TestAHandedConnectionIsFollowedFirst: a monitor given a connection to the guest channel (a
+// restore's, left open once the guest took on its identity) asks the guest for its history on
+// it and reports the guest ready from it, without connecting anew; once the guest closes it,
+// the monitor connects as usual. A connection handed to a monitor that never follows (its VMM
+// gone) is closed.
+func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
+	const token = "the-new-token"
+	var alive atomic.Bool
+	alive.Store(true)
+	var dials atomic.Int32
+	reports := make(chan impv1.RuntimeStatus, 16)
+	agentEnd, guest := net.Pipe()
+	defer guest.Close()
+	w := watch{
+		dial:      func() (net.Conn, error) { dials.Add(1); return nil, errors.New("no new connection in this test") },
+		conn:      agentEnd,
+		alive:     alive.Load,
+		report:    func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
+		capLogs:   func() error { return nil },
+		ended:     func() {},
+		tail:      func() string { return "" },
+		unhealthy: func(guestchan.Event) {},
+	}
+	m := &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: token}).follow(context.Background(), w, m, logr.Discard())
+	}()
+	// The guest reads the monitor's request for its history, then tells it.
+	_ = guest.SetDeadline(time.Now().Add(30 * time.Second))
+	line, err := bufio.NewReader(guest).ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	var req guestinit.Request
+	if err := json.Unmarshal([]byte(line), &req); err != nil || req.Op != "replay" || req.Token != token {
+		t.Fatalf("the monitor's first words on the handed connection: %q (%v); want a replay request with the run's token", line, err)
+	}
+	if _, err := guest.Write([]byte(`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case rt := <-reports:
+		if rt.State != impv1.RuntimeRunning || !rt.GuestReady {
+			t.Fatalf("report %+v; want Running with the guest ready", rt)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no report of the guest ready from the handed connection")
+	}
+	if n := dials.Load(); n != 0 {
+		t.Fatalf("the monitor connected anew %d times while the handed connection was open", n)
+	}
+	guest.Close()
+	waitFor(t, "the monitor to connect anew once the handed connection closed", func() bool { return dials.Load() > 0 })
+	alive.Store(false)
+	<-done
+
+	// Never followed: closed.
+	agentEnd, guest = net.Pipe()
+	defer guest.Close()
+	w.conn = agentEnd
+	done = make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: token}).follow(context.Background(), w, m, logr.Discard())
+	}()
+	_ = guest.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if _, err := guest.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("the handed connection of a monitor whose VMM is gone: read %v; want it closed", err)
+	}
+	<-done
 }

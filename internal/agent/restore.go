@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"time"
 
@@ -192,8 +193,10 @@ var (
 	_ steps.Guests    = guests{}
 )
 
-// finishRestore runs finishRestorePlan on the run's live VMM; a failure ends the run.
-func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error {
+// finishRestore runs finishRestorePlan on the run's live VMM; a failure ends the run. It
+// returns the guest channel connection the identity was given on, for the run's monitor (nil
+// on failure), which is then the caller's to close.
+func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) (net.Conn, error) {
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, Record: rec}
 	defer r.Done()
 	err := a.finishRestorePlan(vm).Run(ctx, r)
@@ -202,7 +205,10 @@ func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, 
 		if rec.Alive() {
 			_ = a.driver(string(m.VMM)).quit(ctx, vm.UID)
 		}
-		return a.startFailed(ctx, vm, failed.Reason, failed.Err)
+		return nil, a.startFailed(ctx, vm, failed.Reason, failed.Err)
 	}
-	return err
+	if err != nil {
+		return nil, err
+	}
+	return r.TakeChannel(), nil
 }

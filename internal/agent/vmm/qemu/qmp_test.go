@@ -2,11 +2,14 @@ package qemu
 
 import (
 	"net"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 )
 
 // TestQMPOfAVMMThatStreamsForever: a compromised QEMU answers the agent's QMP connection
@@ -53,5 +56,24 @@ func TestQMPOfAVMMThatStreamsForever(t *testing.T) {
 				t.Errorf("the agent read %d bytes of one line, bound %d", got, MaxQMPLine)
 			}
 		})
+	}
+}
+
+// TestResumeOfAQEMUThatExitedBeforeListening: a resume whose QEMU is gone before it listened
+// on QMP ends at once, saying so, rather than trying its socket until the timeout.
+func TestResumeOfAQEMUThatExitedBeforeListening(t *testing.T) {
+	cmd := exec.Command("true")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	st, err := vmm.StartTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	err = ResumeIncoming(t.TempDir(), &vmm.Record{Kind: "qemu", Pid: pid, StartTime: st}, 2*time.Second)
+	if err == nil || !strings.Contains(err.Error(), "QEMU exited before it listened") {
+		t.Fatalf("ResumeIncoming: %v; want it to say QEMU exited", err)
 	}
 }
