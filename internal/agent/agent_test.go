@@ -616,6 +616,22 @@ func (pw *processWorld) get(name string) *impv1.ImpVM {
 	return v
 }
 
+// waitCrashed waits up to d for the agent process to end at its failpoint.
+func waitCrashed(t *testing.T, agent *exec.Cmd, d time.Duration) {
+	t.Helper()
+	exited := make(chan error, 1)
+	go func() { exited <- agent.Wait() }()
+	select {
+	case err := <-exited:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != failpoint.ExitCode {
+			t.Fatalf("the agent ended with %v, not at its failpoint", err)
+		}
+	case <-time.After(d):
+		t.Fatal("the agent never reached its failpoint")
+	}
+}
+
 // TestAgentCrashAtEachStartStep crashes the imp-agent process after each step of a VM's start
 // plan (the runner's failpoints, "start/<step>") and inside the last one (the VMM started, not
 // yet recorded), and starts it again: whatever the step, the VM ends up Running with exactly one
@@ -638,17 +654,7 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 			if err := c.Client.Create(ctx, pw.vm(step)); err != nil {
 				t.Fatal(err)
 			}
-			exited := make(chan error, 1)
-			go func() { exited <- crashing.Wait() }()
-			select {
-			case err := <-exited:
-				var ee *exec.ExitError
-				if !errors.As(err, &ee) || ee.ExitCode() != failpoint.ExitCode {
-					t.Fatalf("the agent ended with %v, not at its failpoint", err)
-				}
-			case <-time.After(3 * time.Minute):
-				t.Fatal("the agent never reached its failpoint")
-			}
+			waitCrashed(t, crashing, 3*time.Minute)
 			uid := string(get(step).UID)
 			left := 0 // a VMM exists once the exec step began
 			if point == "vmm-started" || point == "start/exec" {
@@ -714,17 +720,7 @@ func TestAgentCrashMidRestore(t *testing.T) {
 	if err := c.Client.Create(ctx, cp); err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- crashing.Wait() }()
-	select {
-	case err := <-exited:
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.ExitCode() != failpoint.ExitCode {
-			t.Fatalf("the agent ended with %v, not at its failpoint", err)
-		}
-	case <-time.After(5 * time.Minute):
-		t.Fatal("the agent never reached its failpoint")
-	}
+	waitCrashed(t, crashing, 5*time.Minute)
 	uid := string(get("copy").UID)
 	if n := len(vmm.Marked(uid)); n != 1 {
 		t.Fatalf("after the crash, VMMs of the copy: %v; want its one", vmm.Marked(uid))
