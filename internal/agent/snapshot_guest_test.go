@@ -256,7 +256,7 @@ func TestSnapshotRestore(t *testing.T) {
 				return fmt.Sprintf("restarts %d", v.Status.RestartCount)
 			}
 			return ready("copy-a")()
-		}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal("ready"), func() string {
+		}).WithTimeout(7*time.Minute).WithPolling(100*time.Millisecond).Should(Equal("ready"), func() string { // room for a boot timeout (3 min), its back-off and a boot
 			_, text := copyEvents()
 			return fmt.Sprintf("restart %d (count %d); copy-a's Events:%s", i, w.get("copy-a").Status.RestartCount, text)
 		})
