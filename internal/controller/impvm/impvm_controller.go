@@ -107,8 +107,8 @@ type Reconciler struct {
 
 	ledgerOnce  sync.Mutex
 	ledgerReady bool
-	holders     sync.Map // types.NamespacedName → types.UID of the VM holding there
-	told        sync.Map // types.NamespacedName → toldWait: the last Unschedulable Event's reason
+	holders     sync.Map  // types.NamespacedName → types.UID of the VM holding there
+	announced   announced // what each VM's last reconcile computed, for its Events
 	beats       heartbeats
 	fleet       fleet // placement's view of the nodes, kept by the watches
 
@@ -150,7 +150,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 				r.Ledger.Release(uid.(types.UID))
 				r.signalFreed()
 			}
-			r.told.Delete(req.NamespacedName)
+			r.announced.forget(req.NamespacedName)
 		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}

@@ -2,6 +2,7 @@ package impvm
 
 import (
 	"fmt"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -134,40 +135,74 @@ func phaseOf(vm *impv1.ImpVM, now time.Time) (impv1.VMPhase, metav1.ConditionSta
 	return impv1.VMStarting, f, impv1.ReasonStartFailed, rt.Message
 }
 
-// toldWait is the reason of the last Unschedulable Event the operator emitted for a VM.
-type toldWait struct {
-	uid    types.UID
-	reason string
+// announced remembers, per VM and kind of transition, the value the operator's last reconcile
+// of the VM computed (a wait's reason, the phase). The cache's copy of a VM can lag the
+// operator's own status patch by a reconcile (its finalizer's patch wakes the next reconcile at
+// once): one that read the older copy, without what was just written, would announce the same
+// transition twice (seen once in CI: two Unschedulable Events for one wait). An operator that
+// restarted remembers nothing and goes by the status alone, as before.
+type announced struct{ m sync.Map } // announcedKey → announcedValue
+
+type announcedKey struct {
+	vm   types.NamespacedName
+	kind string
 }
 
-// alreadyTold says whether the last Unschedulable Event emitted for the VM gave this reason.
-// The cache's copy of a VM can lag the operator's own status patch by a reconcile (its
-// finalizer's patch wakes the next reconcile at once): one that read the older copy, without
-// the condition just written, would tell the same wait twice (seen once in CI).
-func (r *Reconciler) alreadyTold(vm *impv1.ImpVM, reason string) bool {
-	last, ok := r.told.Load(client.ObjectKeyFromObject(vm))
-	return ok && last.(toldWait) == toldWait{uid: vm.UID, reason: reason}
+type announcedValue struct {
+	uid   types.UID
+	value string
 }
 
-// recordTransition emits the Events and metrics of what this reconcile changed.
+// The kinds of transition recordTransition announces.
+const (
+	announceWait        = "wait"
+	announceSuspend     = "suspend"
+	announceUnreachable = "unreachable"
+	announcePhase       = "phase"
+)
+
+// changed records value as the VM's kind of transition now and says whether the last
+// reconcile of this VM (of its UID) computed another.
+func (a *announced) changed(vm *impv1.ImpVM, kind, value string) bool {
+	v := announcedValue{uid: vm.UID, value: value}
+	old, loaded := a.m.Swap(announcedKey{vm: client.ObjectKeyFromObject(vm), kind: kind}, v)
+	return !loaded || old.(announcedValue) != v
+}
+
+// forget drops what is remembered of the VM of that name (it is gone).
+func (a *announced) forget(name types.NamespacedName) {
+	for _, kind := range []string{announceWait, announceSuspend, announceUnreachable, announcePhase} {
+		a.m.Delete(announcedKey{vm: name, kind: kind})
+	}
+}
+
+// ifSet is reason when cond holds, else "".
+func ifSet(cond bool, reason string) string {
+	if cond {
+		return reason
+	}
+	return ""
+}
+
+// recordTransition emits the Events and metrics of what this reconcile changed: what differs
+// from the status it read and from what the last reconcile computed.
 func (r *Reconciler) recordTransition(s *scope) {
 	vm := s.vm
 	if s.schedReason != "" {
 		placementFailures.WithLabelValues(s.schedReason).Inc()
-		if s.schedReason != s.oldSchedReason && !r.alreadyTold(vm, s.schedReason) {
-			r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
-		}
-		r.told.Store(client.ObjectKeyFromObject(vm), toldWait{uid: vm.UID, reason: s.schedReason})
-	} else {
-		r.told.Delete(client.ObjectKeyFromObject(vm))
 	}
-	if s.suspendRefused != "" && s.oldSuspReason != impv1.ReasonQuotaExceeded {
+	if r.announced.changed(vm, announceWait, s.schedReason) && s.schedReason != "" && s.schedReason != s.oldSchedReason {
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
+	}
+	if r.announced.changed(vm, announceSuspend, ifSet(s.suspendRefused != "", impv1.ReasonQuotaExceeded)) &&
+		s.suspendRefused != "" && s.oldSuspReason != impv1.ReasonQuotaExceeded {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonQuotaExceeded, "Suspend", "Not suspending the VM: %s", s.suspendRefused)
 	}
-	if s.unreachable != "" && s.oldReadyReason != impv1.ReasonNodeUnreachable {
+	if r.announced.changed(vm, announceUnreachable, ifSet(s.unreachable != "", impv1.ReasonNodeUnreachable)) &&
+		s.unreachable != "" && s.oldReadyReason != impv1.ReasonNodeUnreachable {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonNodeUnreachable, "Wait", "%s", s.unreachable)
 	}
-	if s.oldPhase == vm.Status.Phase {
+	if !r.announced.changed(vm, announcePhase, string(vm.Status.Phase)) || s.oldPhase == vm.Status.Phase {
 		return
 	}
 	switch vm.Status.Phase {
