@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -410,20 +409,12 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, a.report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
-		var conn net.Conn // the guest channel, when finishing a restore left it open
 		if rs := m.Restore; rs != nil && !rs.Done {
 			// Restored by an agent that stopped before the guest took on its identity.
-			var err error
-			if conn, err = a.finishRestore(ctx, vm, dir, m, rec); err != nil || !rs.Done {
+			if err := a.finishRestore(ctx, vm, dir, m, rec); err != nil || !rs.Done {
 				return ctrl.Result{}, err // failed: the run is reported ended, its VMM asked to quit
 			}
 		}
-		handed := false
-		defer func() {
-			if conn != nil && !handed {
-				conn.Close()
-			}
-		}()
 		if rt := st.Runtime; (rt == nil || rt.Instance != st.Instance || rt.Run != st.RestartCount || rt.State == impv1.RuntimeStarting) && !a.reportedSince(vm) {
 			// Started by an agent that stopped before its deferred report: the run is
 			// reported now, before anything else is done with it.
@@ -440,8 +431,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			}
 			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
 		}
-		handed = true
-		a.ensureMonitor(vm, dir, m, rec, conn) // re-attach after an agent restart
+		a.ensureMonitor(vm, dir, m, rec, nil) // re-attach after an agent restart
 		a.mu.Lock()
 		delete(a.stops, vm.UID) // a stop given up (the VM runs again): the next one starts afresh
 		a.mu.Unlock()

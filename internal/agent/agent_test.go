@@ -685,9 +685,9 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 
 // TestAgentCrashMidRestore crashes the imp-agent process once a restore's VMM runs the
 // snapshot's guest (the resumed step), before the guest took on its own identity; the agent
-// started again finishes the restore: the guest takes on the copy's identity (its monitor, which
-// follows the guest on the connection the identity was given on, accepts only the copy's
-// token) and the copy is Ready, restored from the snapshot, with exactly one VMM.
+// started again finishes the restore: the guest takes on the copy's identity (its monitor
+// accepts only the copy's token) and the copy is Ready, restored from the snapshot, with exactly
+// one VMM.
 func TestAgentCrashMidRestore(t *testing.T) {
 	pw := newProcessWorld(t, "imp-crash-restore-")
 	c, ctx, get := pw.c, context.Background(), pw.get

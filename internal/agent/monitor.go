@@ -287,9 +287,8 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 		}()
 		for ctx.Err() == nil && w.alive() {
 			conn, err := first, error(nil)
-			if first != nil {
-				first = nil
-			} else {
+			first = nil
+			if conn == nil {
 				conn, err = w.dial()
 			}
 			if err != nil {

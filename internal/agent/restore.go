@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"time"
 
@@ -193,10 +192,10 @@ var (
 	_ steps.Guests    = guests{}
 )
 
-// finishRestore runs finishRestorePlan on the run's live VMM; a failure ends the run. It
-// returns the guest channel connection the identity was given on, for the run's monitor (nil
-// on failure), which is then the caller's to close.
-func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) (net.Conn, error) {
+// finishRestore runs finishRestorePlan on the run's live VMM; a failure ends the run. (The
+// guest channel the identity was given on is closed with the plan: the monitor of this rare
+// path connects anew.)
+func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error {
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, Record: rec}
 	defer r.Done()
 	err := a.finishRestorePlan(vm).Run(ctx, r)
@@ -205,10 +204,7 @@ func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, 
 		if rec.Alive() {
 			_ = a.driver(string(m.VMM)).quit(ctx, vm.UID)
 		}
-		return nil, a.startFailed(ctx, vm, failed.Reason, failed.Err)
+		return a.startFailed(ctx, vm, failed.Reason, failed.Err)
 	}
-	if err != nil {
-		return nil, err
-	}
-	return r.TakeChannel(), nil
+	return err
 }
