@@ -296,9 +296,12 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				continue
 			}
 			// Asked for the history: a guest may not have seen this connection come (one
-			// that followed another at once, as after a restore's).
-			replay, _ := json.Marshal(guestinit.Request{Op: "replay", Token: meta.Token})
-			_, _ = conn.Write(append(replay, '\n'))
+			// that followed another at once, as after a restore's). A restore's connection
+			// may have it coming already.
+			if a, ok := conn.(*guestchan.Answered); !ok || !a.Replayed {
+				replay, _ := json.Marshal(guestinit.Request{Op: "replay", Token: meta.Token})
+				_, _ = conn.Write(append(replay, '\n'))
+			}
 			m.mu.Lock()
 			m.conn = conn
 			m.mu.Unlock()

@@ -489,4 +489,48 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 		t.Fatalf("the handed connection of a monitor whose VMM is gone: read %v; want it closed", err)
 	}
 	<-done
+
+	// A restore's connection whose guest sent its replay after its answer: the monitor reports
+	// from what followed the answer, without asking for the replay.
+	for len(reports) > 0 {
+		<-reports // the run's end, as the monitor before saw it
+	}
+	agentEnd, guest = net.Pipe()
+	defer guest.Close()
+	asked := make(chan string, 1)
+	go func() {
+		r := bufio.NewReader(guest)
+		_, _ = r.ReadString('\n') // the restore request
+		_, _ = guest.Write([]byte(`{"event":"restored","token":"` + token + `","replay":true}` + "\n" +
+			`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n"))
+		_ = guest.SetReadDeadline(time.Now().Add(2 * time.Second))
+		line, _ := r.ReadString('\n')
+		asked <- line
+	}()
+	answered, err := guestchan.Restore(agentEnd, "the-snapshot's-token", guestinit.Restore{Token: token}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = answered.SetDeadline(time.Time{})
+	alive.Store(true)
+	w.conn = answered
+	done = make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: token}).follow(context.Background(), w, m, logr.Discard())
+	}()
+	select {
+	case rt := <-reports:
+		if rt.State != impv1.RuntimeRunning || !rt.GuestReady {
+			t.Fatalf("report %+v; want Running with the guest ready", rt)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no report of the guest ready from the replay that followed the restore's answer")
+	}
+	if line := <-asked; line != "" {
+		t.Errorf("the monitor asked a guest that sent its replay after its answer: %q", line)
+	}
+	alive.Store(false)
+	guest.Close()
+	<-done
 }

@@ -178,11 +178,12 @@ func (g guests) Reidentify(ctx context.Context, r *vmrun.Run) error {
 	// none, and the guest reads the disk: the agent never reads back that file, which a
 	// Firecracker VMM, whose jail holds it, may write.
 	req.Config = r.Config
-	if err := guestchan.Restore(conn, r.Meta.Restore.Token, req, restoreTimeout); err != nil {
+	answered, err := guestchan.Restore(conn, r.Meta.Restore.Token, req, restoreTimeout)
+	if err != nil {
 		return err
 	}
 	if stop() && conn.SetDeadline(time.Time{}) == nil {
-		r.Channel, kept = conn, true
+		r.Channel, kept = answered, true
 	}
 	return nil
 }

@@ -105,6 +105,9 @@ type Message struct {
 	// a startup or liveness probe reports only its failure, after which the workload is killed.
 	Probe string `json:"probe,omitempty"`
 	OK    *bool  `json:"ok,omitempty"`
+	// Replay, on a "restored" event: the guest tells the connection its replay right after
+	// it (what a new connection is told), so the agent need not ask for it.
+	Replay bool `json:"replay,omitempty"`
 }
 
 // Request is one line of JSON on the guest channel, from the agent to the guest. Requests

@@ -66,7 +66,9 @@ func (l *liveRun) runProbes(cfg Config) {
 // restore makes this guest, restored from another VM's snapshot, the VM r describes: the
 // clock, the kernel's random state, its own configuration disk, hostname and network, then
 // the channel's token. The agent's rules drop whatever the guest sends from the snapshot's
-// MAC until then. It answers on the channel with RestoredEvent.
+// MAC until then. It answers on the channel with RestoredEvent, then tells the connection the
+// replay, with the new token: the agent watches the run on this connection, and would
+// otherwise ask for it, one more round trip through a guest whose code is still cold.
 func (c *channel) restore(r *Restore) {
 	if err := applyRestore(r); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init: taking on the restored VM's identity:", err)
@@ -74,7 +76,8 @@ func (c *channel) restore(r *Restore) {
 		return
 	}
 	c.retoken(r.Token)
-	c.send(Message{Event: RestoredEvent, Token: r.Token})
+	c.send(Message{Event: RestoredEvent, Token: r.Token, Replay: true})
+	c.replayNow()
 }
 
 func applyRestore(r *Restore) error {

@@ -183,7 +183,12 @@ func ReadLines(r io.Reader, f func([]byte)) error {
 
 // readLines is ReadLines until f returns true.
 func readLines(r io.Reader, f func([]byte) (stop bool)) error {
-	br := bufio.NewReaderSize(r, MaxLine+1)
+	return readBuffered(bufio.NewReaderSize(r, MaxLine+1), f)
+}
+
+// readBuffered is readLines from br, a reader of at least MaxLine+1 bytes: what br holds past
+// the line f stopped at stays in it.
+func readBuffered(br *bufio.Reader, f func([]byte) (stop bool)) error {
 	oversized := false
 	for {
 		line, err := br.ReadSlice('\n')

@@ -15,25 +15,9 @@ import (
 // one; a guest that says nothing times out, a failure says why, and what a hostile guest sends
 // otherwise (floods, another token, oversized lines) is no answer.
 func TestRestore(t *testing.T) {
-	req := guestinit.Restore{Token: "new", Entropy: make([]byte, 32)}
 	run := func(guest func(r *bufio.Reader, w net.Conn)) error {
-		host, g := net.Pipe()
-		defer host.Close()
-		go func() {
-			defer g.Close()
-			guest(bufio.NewReader(g), g)
-		}()
-		return Restore(host, "old", req, 500*time.Millisecond)
-	}
-	asked := func(r *bufio.Reader) guestinit.Request {
-		line, _ := r.ReadBytes('\n')
-		var q guestinit.Request
-		_ = json.Unmarshal(line, &q)
-		return q
-	}
-	send := func(w net.Conn, m guestinit.Message) {
-		b, _ := json.Marshal(m)
-		_, _ = w.Write(append(b, '\n'))
+		_, err := restore(guest)
+		return err
 	}
 	if err := run(func(r *bufio.Reader, w net.Conn) {
 		if q := asked(r); q.Op != "restore" || q.Token != "old" || q.Restore == nil || q.Restore.Token != "new" {
@@ -71,5 +55,75 @@ func TestRestore(t *testing.T) {
 		time.Sleep(time.Second)
 	}); err != ErrRestoreTimeout {
 		t.Errorf("a guest that never answers: %v", err)
+	}
+}
+
+var req = guestinit.Restore{Token: "new", Entropy: make([]byte, 32)}
+
+// restore asks a restore of a guest played by guest, over a pipe.
+func restore(guest func(r *bufio.Reader, w net.Conn)) (*Answered, error) {
+	host, g := net.Pipe()
+	go func() {
+		defer g.Close()
+		guest(bufio.NewReader(g), g)
+	}()
+	a, err := Restore(host, "old", req, 500*time.Millisecond)
+	if err != nil {
+		host.Close()
+	}
+	return a, err
+}
+
+func asked(r *bufio.Reader) guestinit.Request {
+	line, _ := r.ReadBytes('\n')
+	var q guestinit.Request
+	_ = json.Unmarshal(line, &q)
+	return q
+}
+
+func send(w net.Conn, m guestinit.Message) {
+	b, _ := json.Marshal(m)
+	_, _ = w.Write(append(b, '\n'))
+}
+
+// TestRestoreHandsOnWhatFollows: what the guest sends after its answer (its replay) is read
+// from the answered connection, first; the connection says whether the replay comes (only a
+// restored event saying so: an older imp-init sends none, and a hello answer was the replay's
+// first line, which the connection must be told again).
+func TestRestoreHandsOnWhatFollows(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		answer   guestinit.Message
+		replayed bool
+	}{
+		{"replay follows", guestinit.Message{Event: guestinit.RestoredEvent, Token: "new", Replay: true}, true},
+		{"an older guest", guestinit.Message{Event: guestinit.RestoredEvent, Token: "new"}, false},
+		{"hello", guestinit.Message{Event: "hello", Token: "new"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, err := restore(func(r *bufio.Reader, w net.Conn) {
+				asked(r)
+				// One write, so that the answer and what follows reach the host's buffer
+				// together.
+				var b []byte
+				for _, m := range []guestinit.Message{tc.answer, {Event: "hello", Token: "new"}, {Event: "ready"}} {
+					line, _ := json.Marshal(m)
+					b = append(append(b, line...), '\n')
+				}
+				_, _ = w.Write(b)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close()
+			if a.Replayed != tc.replayed {
+				t.Errorf("replayed %v, want %v", a.Replayed, tc.replayed)
+			}
+			var got []string
+			_ = ReadLines(a, func(line []byte) { got = append(got, string(line)) })
+			if want := []string{`{"event":"hello","token":"new"}`, `{"event":"ready"}`}; strings.Join(got, "|") != strings.Join(want, "|") {
+				t.Errorf("read after the answer %q, want %q", got, want)
+			}
+		})
 	}
 }
