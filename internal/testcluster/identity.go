@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
@@ -147,6 +148,29 @@ func (c *Cluster) InstallChartObjects(t testing.TB, kinds ...string) {
 	t.Helper()
 	if err := c.ApplyChartObjects(context.Background(), kinds...); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// WaitForMutation waits, up to 30 s, until mutated says that a dry-run create, which it makes,
+// was mutated by a mutating admission policy just installed. The API server loads a new policy
+// within a few seconds, and until its mutating policies have fetched the schema of the kind
+// they mutate (they poll the OpenAPI paths every 5 s) it refuses creates of that kind with
+// 503, whatever the policy's failurePolicy: see docs/operator.md.
+func WaitForMutation(t testing.TB, mutated func() (bool, error)) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ok, err := mutated()
+		if err != nil && !apierrors.IsServiceUnavailable(err) {
+			t.Fatalf("creating (dry run): %v", err)
+		}
+		if err == nil && ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a create 30 s after the policy was installed: mutated %v, error %v", ok, err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }
 

@@ -4,9 +4,7 @@ import (
 	"context"
 	"slices"
 	"testing"
-	"time"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
@@ -37,25 +35,12 @@ func TestFinalizerAddedAtAdmission(t *testing.T) {
 		}
 		return got
 	}
-	// The API server loads a new policy within a few seconds. Until its mutating policies have
-	// fetched the CRD's schema (they poll the OpenAPI paths every 5 s, so up to 5 s after the CRD
-	// is created), it refuses creates with 503, whatever the policy's failurePolicy: see
-	// docs/operator.md. Later tests of this package create VMs with the policy in place, so this
-	// waits that out too.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	// Later tests of this package create VMs with the policy in place, so this waits out the
+	// API server's loading it too.
+	testcluster.WaitForMutation(t, func() (bool, error) {
 		got, err := tryCreate()
-		if err != nil && !apierrors.IsServiceUnavailable(err) {
-			t.Fatalf("creating (dry run): %v", err)
-		}
-		if err == nil && slices.Contains(got, impv1.VMFinalizer) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("an ImpVM created 30 s after the policy was installed: finalizers %v, error %v; want %s", got, err, impv1.VMFinalizer)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return slices.Contains(got, impv1.VMFinalizer), err
+	})
 	for _, tc := range []struct {
 		in, want []string
 	}{
