@@ -89,16 +89,24 @@ func run(t *testing.T, mgr ctrl.Manager) func() {
 }
 
 // killVMMs, at the end of the test, kills every VMM of a VM under stateDir, recorded or only
-// marked: a failed test must not leave guests running.
-func killVMMs(t *testing.T, stateDir string) {
+// marked (a failed test must not leave guests running), and removes the cgroups of node's
+// agent.
+func killVMMs(t *testing.T, stateDir, node string) {
 	t.Cleanup(func() {
 		dirs, _ := filepath.Glob(filepath.Join(stateDir, "vms", "*"))
 		for _, dir := range dirs {
 			if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+				rec.WaitGone(5 * time.Second)
 			}
 			vmm.KillMarked(filepath.Base(dir), time.Second)
 		}
+		// Their cgroups, and the agent's snapshot memory's: the agent, stopped by now, leaves
+		// them as it leaves its VMs running.
+		for _, dir := range dirs {
+			cgroup.Remove(cgroup.Root, filepath.Base(dir))
+		}
+		cgroup.Remove(cgroup.Root, agent.MemoryCgroup(node))
 	})
 }
 
@@ -187,7 +195,7 @@ func newWorld(t *testing.T, opts ...func(*agent.Options)) *world {
 // startAgent runs an in-process agent with opts (TCG, a one-second report, vCPUs overcommitted
 // for this small machine) until the test ends, and kills its VMMs then.
 func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent.Agent {
-	killVMMs(t, opts.StateDir)
+	killVMMs(t, opts.StateDir, opts.NodeName)
 	mo := managerOptions(c)
 	mo.Cache = agent.CacheOptions(opts.NodeName)
 	agMgr, err := ctrl.NewManager(c.AsNode(t, testcluster.Agent, opts.NodeName), mo)
@@ -578,7 +586,7 @@ func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
 		t.Fatalf("building imp-agent: %v\n%s", err, out)
 	}
 	kubeconfig := c.KubeconfigAs(t, testcluster.Agent, pw.node)
-	killVMMs(t, pw.stateDir)
+	killVMMs(t, pw.stateDir, pw.node)
 	nsDir := testnetns.PinDir(t)
 	pw.startAgent = func(env ...string) *exec.Cmd {
 		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir, "--local-registry", "127.0.0.1",

@@ -12,7 +12,9 @@ import (
 // memoryCgroup is the cgroup (under cgroup.Parent) charged with the snapshots' memory that
 // restores share, one per node (tests run several on one host): not a VM's UID, so never a
 // VM's cgroup.
-func (a *Agent) memoryCgroup() string { return "snapshot-memory." + a.Opts.NodeName }
+func (a *Agent) memoryCgroup() string { return memoryCgroupOf(a.Opts.NodeName) }
+
+func memoryCgroupOf(node string) string { return "snapshot-memory." + node }
 
 // memoryCache is the node's cache of snapshots' memory (Options.SnapshotMemoryCache), bounded
 // by its cgroup too; nil (no cache: each restore copies) without a budget or cgroups, or, with
