@@ -340,9 +340,12 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 	var running *impv1.RuntimeStatus
 	var pending <-chan time.Time
 	var lastReport time.Time
+	// Reports are tried on the monitor's context: a stop of the monitor (a halt, a suspension,
+	// a teardown, the next run), whose caller writes what follows itself, ends one being
+	// tried, rather than waiting out its retries while the API server does not answer.
 	reportRunning := func() {
 		pending, lastReport = nil, time.Now()
-		w.report(context.WithoutCancel(ctx), *running)
+		w.report(ctx, *running)
 	}
 	// A guest that is not ready within the boot timeout will not be: its kernel or imp-init
 	// hangs (a stalled boot prints nothing and reports nothing). Its VMM is ended, and the run
@@ -466,7 +469,7 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 					rt.Message += ": " + guestchan.Sanitize(tail) // the VMM's log holds what its guest made it say
 				}
 			}
-			w.report(context.WithoutCancel(ctx), rt)
+			w.report(ctx, rt)
 			return
 		}
 	}

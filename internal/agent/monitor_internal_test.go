@@ -417,6 +417,55 @@ func TestReportsAreRetried(t *testing.T) {
 	}
 }
 
+// TestAStoppedMonitorTriesNoMore: a monitor stopped while its report is tried against an API
+// server that does not answer ends at once, not after the retries' minute: the stop's caller
+// (a halt, a suspension, a teardown, the next run) writes what follows, and waits on it.
+func TestAStoppedMonitorTriesNoMore(t *testing.T) {
+	const token = "the-token"
+	agentEnd, guest := net.Pipe()
+	defer guest.Close()
+	tried := make(chan struct{}, 64)
+	unavailable := apierrors.NewServiceUnavailable("the API server is down")
+	w := watch{
+		dial:  func() (net.Conn, error) { return nil, errors.New("no new connection in this test") },
+		conn:  agentEnd,
+		alive: func() bool { return true },
+		report: func(ctx context.Context, _ impv1.RuntimeStatus) {
+			_ = retryReport(ctx, reportBackoff, func(context.Context) error { tried <- struct{}{}; return unavailable })
+		},
+		capLogs:   func() error { return nil },
+		ended:     func() {},
+		tail:      func() string { return "" },
+		unhealthy: func(guestchan.Event) {},
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: token}).follow(ctx, w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}, logr.Discard())
+	}()
+	_ = guest.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := bufio.NewReader(guest).ReadString('\n'); err != nil { // its request for the replay
+		t.Fatal(err)
+	}
+	if _, err := guest.Write([]byte(`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n")); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // tried, and tried again
+		select {
+		case <-tried:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the guest's ready was not reported")
+		}
+	}
+	stop()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a monitor stopped while its report was tried still runs 5 s later")
+	}
+}
+
 // TestAHandedConnectionIsFollowedFirst: a monitor given a connection to the guest channel (a
 // restore's, left open once the guest took on its identity) asks the guest for its history on
 // it and reports the guest ready from it, without connecting anew; once the guest closes it,
