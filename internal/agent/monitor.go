@@ -316,7 +316,10 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			_ = guestchan.ReadLines(conn, func(line []byte) {
 				before := sess.Ignored
 				if ev := sess.Feed(line); ev.Kind != guestchan.None {
-					events <- ev
+					select {
+					case events <- ev:
+					case <-ctx.Done(): // nobody reads them any more
+					}
 				}
 				// Logged at the 1st, 2nd, 4th, 8th… so a flood costs a few lines.
 				if n := sess.Ignored; n > before && n&(n-1) == 0 {

@@ -385,6 +385,57 @@ func TestAStuckBootIsEnded(t *testing.T) {
 	}
 }
 
+// TestARestoredGuestThatSaysItsReplayFollowsThenNothing: a restored guest whose answer says
+// its replay follows, and which then says nothing (lying, or stuck), is not asked again and
+// not taken as ready: the boot timeout ends it, as any stuck boot.
+func TestARestoredGuestThatSaysItsReplayFollowsThenNothing(t *testing.T) {
+	const token, timeout = "the-token", 300 * time.Millisecond
+	agentEnd, guest := net.Pipe()
+	defer guest.Close()
+	go func() {
+		_, _ = bufio.NewReader(guest).ReadString('\n') // the restore request
+		_, _ = guest.Write([]byte(`{"event":"restored","token":"` + token + `","replay":true}` + "\n"))
+	}()
+	answered, err := guestchan.Restore(agentEnd, "the-snapshot's-token", guestinit.Restore{Token: token}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = answered.SetDeadline(time.Time{})
+	var alive atomic.Bool
+	alive.Store(true)
+	var kills atomic.Int32
+	reports := make(chan impv1.RuntimeStatus, 16)
+	w := watch{
+		dial:        func() (net.Conn, error) { return nil, errors.New("no new connection in this test") },
+		conn:        answered,
+		alive:       alive.Load,
+		report:      func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
+		bootTimeout: timeout,
+		kill:        func() { kills.Add(1); alive.Store(false) },
+		capLogs:     func() error { return nil },
+		ended:       func() {},
+		tail:        func() string { return "" },
+		unhealthy:   func(guestchan.Event) {},
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: token}).follow(context.Background(), w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}, logr.Discard())
+	}()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the monitor did not end the restored run whose guest said nothing after its answer")
+	}
+	var all []impv1.RuntimeStatus
+	for len(reports) > 0 {
+		all = append(all, <-reports)
+	}
+	if kills.Load() != 1 || len(all) != 1 || all[0].State != impv1.RuntimeExited || all[0].Reason != impv1.ReasonBootTimeout {
+		t.Fatalf("kills %d, reports %+v; want one kill and one report, Exited for BootTimeout", kills.Load(), all)
+	}
+}
+
 // TestReportsAreRetried: a run's report that the API server refuses is tried again, spaced,
 // until it is written; one never written ends with its last error once the attempts are spent;
 // a refusal is not tried again.

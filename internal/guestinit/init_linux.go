@@ -554,24 +554,49 @@ func (c *channel) replay() [][]byte {
 func (c *channel) replayNow() bool {
 	c.mu.Lock() // held while queueing: flush closes the queue under it
 	defer c.mu.Unlock()
-	if c.vsock {
-		if c.f != nil {
-			for _, line := range c.replay() {
-				_, _ = c.f.Write(line)
-			}
-		}
-		return true
-	}
-	if c.out == nil {
+	if !c.vsock && c.out == nil {
 		return false
 	}
 	for _, line := range c.replay() {
-		select {
-		case c.out <- line:
-		default:
-		}
+		c.emit(line)
 	}
 	return true
+}
+
+// emit writes line to the host connection: vsock, the newest connection's; virtio-serial, the
+// writer's queue, unless full (a host away for its 64 lines misses the newest, not the VM its
+// boot) or closed (shutting down). The caller holds c.mu.
+func (c *channel) emit(line []byte) {
+	if c.vsock {
+		if c.f != nil {
+			_, _ = c.f.Write(line)
+		}
+		return
+	}
+	if c.out == nil {
+		return
+	}
+	select {
+	case c.out <- line:
+	default:
+	}
+}
+
+// answerRestore answers a restore with RestoredEvent and, when the queue takes the whole of
+// it, the replay after it (the answer's Replay says so): else the agent asks for the replay,
+// as it asks an older imp-init.
+func (c *channel) answerRestore(token string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	lines := c.replay()
+	whole := c.vsock || (c.out != nil && cap(c.out)-len(c.out) > len(lines)) // producers hold c.mu: the room only grows
+	answer, _ := json.Marshal(Message{Event: RestoredEvent, Token: token, Replay: whole})
+	c.emit(append(answer, '\n'))
+	if whole {
+		for _, line := range lines {
+			c.emit(line)
+		}
+	}
 }
 
 // watchHost tells each new host connection of the virtio-serial port f (an agent that
@@ -640,25 +665,12 @@ func (c *channel) send(m Message) {
 			c.probes = map[string][]byte{}
 		}
 		c.probes[m.Probe] = line
-	case RestoredEvent: // an answer to one connection, not news for the next
 	default:
 		c.history = append(c.history, line)
 	}
-	if c.vsock {
-		if c.f != nil {
-			_, _ = c.f.Write(line)
-		}
-		return
-	}
 	// The virtio-serial port blocks writes until the host end connects (an agent restarting):
 	// a writer goroutine waits for it, never init.
-	if c.out == nil {
-		return // flushed: shutting down
-	}
-	select {
-	case c.out <- line:
-	default: // a host away for 64 messages misses the newest news, not the VM its boot
-	}
+	c.emit(line)
 }
 
 // fail reports a start failure and returns the exit code the VM ends with.

@@ -76,8 +76,7 @@ func (c *channel) restore(r *Restore) {
 		return
 	}
 	c.retoken(r.Token)
-	c.send(Message{Event: RestoredEvent, Token: r.Token, Replay: true})
-	c.replayNow()
+	c.answerRestore(r.Token)
 }
 
 func applyRestore(r *Restore) error {

@@ -1,6 +1,7 @@
 package guestinit
 
 import (
+	"encoding/json"
 	"os"
 	"reflect"
 	"testing"
@@ -47,3 +48,50 @@ func TestReseedThroughTheKeptURandom(t *testing.T) {
 		t.Error("16 bytes of entropy were taken")
 	}
 }
+
+// TestTheReplayFollowsTheAnswer: a restore's answer carries the new token and says the replay
+// follows, which it does, on the same queue, when the queue takes all of it; when it would not
+// (a host away long enough to fill it), the answer says no replay follows and none is queued,
+// so that the agent asks for it rather than wait for lines that were dropped.
+func TestTheReplayFollowsTheAnswer(t *testing.T) {
+	decode := func(line []byte) Message {
+		var m Message
+		if err := json.Unmarshal(line, &m); err != nil {
+			t.Fatalf("%q: %v", line, err)
+		}
+		return m
+	}
+	c := &channel{token: "old", out: make(chan []byte, 64)}
+	c.send(Message{Event: "hello", Token: "old"})
+	c.send(Message{Event: "ready"})
+	c.send(Message{Event: "probe", Probe: "readiness", OK: ptr(true)})
+	for len(c.out) > 0 {
+		<-c.out // written to the host
+	}
+	c.retoken("new")
+	c.answerRestore("new")
+	var got []Message
+	for len(c.out) > 0 {
+		got = append(got, decode(<-c.out))
+	}
+	// (The snapshot's probe verdicts are not the copy's: its probes report afresh.)
+	if len(got) != 3 || got[0].Event != RestoredEvent || got[0].Token != "new" || !got[0].Replay ||
+		got[1].Event != "hello" || got[1].Token != "new" || got[2].Event != "ready" {
+		t.Fatalf("queued %+v; want the answer saying the replay follows, then the replay with the new token", got)
+	}
+
+	// A queue with room for the answer alone.
+	for len(c.out) < cap(c.out)-2 {
+		c.out <- []byte("{}\n")
+	}
+	c.answerRestore("new")
+	var last Message
+	for len(c.out) > 0 {
+		last = decode(<-c.out)
+	}
+	if last.Event != RestoredEvent || last.Replay {
+		t.Fatalf("the last line queued with the queue near full: %+v; want the answer, saying no replay follows", last)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
