@@ -67,8 +67,9 @@ func (l *liveRun) runProbes(cfg Config) {
 // clock, the kernel's random state, its own configuration disk, hostname and network, then
 // the channel's token. The agent's rules drop whatever the guest sends from the snapshot's
 // MAC until then. It answers on the channel with RestoredEvent, then tells the connection the
-// replay, with the new token: the agent watches the run on this connection, and would
-// otherwise ask for it, one more round trip through a guest whose code is still cold.
+// replay, with the new token, when its queue takes all of it (answerRestore): the agent
+// watches the run on this connection, and would otherwise ask for it, one more round trip
+// through a guest whose code is still cold.
 func (c *channel) restore(r *Restore) {
 	if err := applyRestore(r); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init: taking on the restored VM's identity:", err)
