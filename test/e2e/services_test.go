@@ -150,14 +150,23 @@ spec:
 	// NodePort from the node itself.
 	nodeIP := strings.Trim(must(`kubectl get node `+node+` -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}'`), "' \n")
 	port := strings.Trim(must(`kubectl -n web get svc web-np -o jsonpath='{.spec.ports[0].nodePort}'`), "' \n")
-	seen := map[string]bool{}
-	for i := 0; i < 30 && len(seen) < 2; i++ {
-		if o, err := run("curl -s --max-time 5 http://" + nodeIP + ":" + port + "/"); err == nil {
-			seen[strings.TrimSpace(o)] = true
+	// What answered each try, with its HTTP status, so that a failure says what answered
+	// instead of the VMs (CI once saw thirty empty answers that curl took for success).
+	seen, other := map[string]bool{}, map[string]int{}
+	for i := 0; i < 30 && !(seen["hello from web-a"] && seen["hello from web-b"]); i++ {
+		o, err := run("curl -s --max-time 5 -w '\n%{http_code}' http://" + nodeIP + ":" + port + "/")
+		body, how := o, ""
+		if j := strings.LastIndex(o, "\n"); j >= 0 {
+			body, how = o[:j], o[j+1:]
+		}
+		if err == nil && how == "200" {
+			seen[strings.TrimSpace(body)] = true
+		} else {
+			other[fmt.Sprintf("%q %s (%v)", body, how, err)]++
 		}
 	}
 	if !seen["hello from web-a"] || !seen["hello from web-b"] {
-		t.Errorf("NodePort %s:%s from the node reached %v, want both VMs", nodeIP, port, seen)
+		t.Errorf("NodePort %s:%s from the node reached %v, want both VMs; other answers: %v", nodeIP, port, seen, other)
 	}
 	must("kubectl delete namespace web --timeout=5m") // its VMs go through their agent
 }
