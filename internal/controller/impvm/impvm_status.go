@@ -161,6 +161,8 @@ const (
 	announcePhase       = "phase"
 )
 
+var announceKinds = []string{announceWait, announceSuspend, announceUnreachable, announcePhase}
+
 // changed records value as the VM's kind of transition now and says whether the last
 // reconcile of this VM (of its UID) computed another.
 func (a *announced) changed(vm *impv1.ImpVM, kind, value string) bool {
@@ -171,9 +173,16 @@ func (a *announced) changed(vm *impv1.ImpVM, kind, value string) bool {
 
 // forget drops what is remembered of the VM of that name (it is gone).
 func (a *announced) forget(name types.NamespacedName) {
-	for _, kind := range []string{announceWait, announceSuspend, announceUnreachable, announcePhase} {
+	for _, kind := range announceKinds {
 		a.m.Delete(announcedKey{vm: name, kind: kind})
 	}
+}
+
+// news records value as the VM's kind of transition now and says whether it is to be
+// announced: set, other than in the status the reconcile read (was), and other than what the
+// last reconcile computed.
+func (a *announced) news(vm *impv1.ImpVM, kind, value, was string) bool {
+	return a.changed(vm, kind, value) && value != "" && value != was
 }
 
 // ifSet is reason when cond holds, else "".
@@ -191,18 +200,16 @@ func (r *Reconciler) recordTransition(s *scope) {
 	if s.schedReason != "" {
 		placementFailures.WithLabelValues(s.schedReason).Inc()
 	}
-	if r.announced.changed(vm, announceWait, s.schedReason) && s.schedReason != "" && s.schedReason != s.oldSchedReason {
+	if r.announced.news(vm, announceWait, s.schedReason, s.oldSchedReason) {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unschedulable", "Place", "%s: %s", s.schedReason, s.schedMsg)
 	}
-	if r.announced.changed(vm, announceSuspend, ifSet(s.suspendRefused != "", impv1.ReasonQuotaExceeded)) &&
-		s.suspendRefused != "" && s.oldSuspReason != impv1.ReasonQuotaExceeded {
+	if r.announced.news(vm, announceSuspend, ifSet(s.suspendRefused != "", impv1.ReasonQuotaExceeded), s.oldSuspReason) {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonQuotaExceeded, "Suspend", "Not suspending the VM: %s", s.suspendRefused)
 	}
-	if r.announced.changed(vm, announceUnreachable, ifSet(s.unreachable != "", impv1.ReasonNodeUnreachable)) &&
-		s.unreachable != "" && s.oldReadyReason != impv1.ReasonNodeUnreachable {
+	if r.announced.news(vm, announceUnreachable, ifSet(s.unreachable != "", impv1.ReasonNodeUnreachable), s.oldReadyReason) {
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonNodeUnreachable, "Wait", "%s", s.unreachable)
 	}
-	if !r.announced.changed(vm, announcePhase, string(vm.Status.Phase)) || s.oldPhase == vm.Status.Phase {
+	if !r.announced.news(vm, announcePhase, string(vm.Status.Phase), string(s.oldPhase)) {
 		return
 	}
 	switch vm.Status.Phase {
