@@ -189,6 +189,66 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// handedWatch is the watch of a run followed on conn, a connection handed to its monitor: it
+// never connects anew, and reports to report.
+func handedWatch(conn net.Conn, alive func() bool, report func(context.Context, impv1.RuntimeStatus)) watch {
+	return watch{
+		dial:      func() (net.Conn, error) { return nil, errors.New("no new connection in this test") },
+		conn:      conn,
+		alive:     alive,
+		report:    report,
+		capLogs:   func() error { return nil },
+		ended:     func() {},
+		tail:      func() string { return "" },
+		unhealthy: func(guestchan.Event) {},
+	}
+}
+
+// follow runs a monitor of m's run with w until ctx ends or the run does; the channel closes
+// then.
+func follow(ctx context.Context, w watch, m *meta) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		(&monitor{token: m.Token}).follow(ctx, w, m, logr.Discard())
+	}()
+	return done
+}
+
+// restored is the agent's end of a restore's channel connection (guestchan.Restore's) to a
+// guest that read the request and answered with lines; the guest's end is returned too.
+func restored(t *testing.T, token string, lines ...string) (*guestchan.Answered, net.Conn) {
+	t.Helper()
+	agentEnd, guest := net.Pipe()
+	t.Cleanup(func() { guest.Close() })
+	answered := make(chan struct{})
+	go func() {
+		defer close(answered)
+		_, _ = bufio.NewReader(guest).ReadString('\n') // the restore request, all the agent sent
+		_, _ = guest.Write([]byte(strings.Join(lines, "\n") + "\n"))
+	}()
+	a, err := guestchan.Restore(agentEnd, "the-snapshot's-token", guestinit.Restore{Token: token}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-answered
+	_ = a.SetDeadline(time.Time{})
+	return a, guest
+}
+
+// wantReady waits for the report of the guest ready.
+func wantReady(t *testing.T, reports <-chan impv1.RuntimeStatus, from string) {
+	t.Helper()
+	select {
+	case rt := <-reports:
+		if rt.State != impv1.RuntimeRunning || !rt.GuestReady {
+			t.Fatalf("report %+v; want Running with the guest ready", rt)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no report of the guest ready from %s", from)
+	}
+}
+
 // TestEveryLogIsCapped: the console and QEMU's own log of a VM are held under the one cap.
 func TestEveryLogIsCapped(t *testing.T) {
 	dir := t.TempDir()
@@ -390,38 +450,14 @@ func TestAStuckBootIsEnded(t *testing.T) {
 // not taken as ready: the boot timeout ends it, as any stuck boot.
 func TestARestoredGuestThatSaysItsReplayFollowsThenNothing(t *testing.T) {
 	const token, timeout = "the-token", 300 * time.Millisecond
-	agentEnd, guest := net.Pipe()
-	defer guest.Close()
-	go func() {
-		_, _ = bufio.NewReader(guest).ReadString('\n') // the restore request
-		_, _ = guest.Write([]byte(`{"event":"restored","token":"` + token + `","replay":true}` + "\n"))
-	}()
-	answered, err := guestchan.Restore(agentEnd, "the-snapshot's-token", guestinit.Restore{Token: token}, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = answered.SetDeadline(time.Time{})
+	answered, _ := restored(t, token, `{"event":"restored","token":"`+token+`","replay":true}`)
 	var alive atomic.Bool
 	alive.Store(true)
 	var kills atomic.Int32
 	reports := make(chan impv1.RuntimeStatus, 16)
-	w := watch{
-		dial:        func() (net.Conn, error) { return nil, errors.New("no new connection in this test") },
-		conn:        answered,
-		alive:       alive.Load,
-		report:      func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
-		bootTimeout: timeout,
-		kill:        func() { kills.Add(1); alive.Store(false) },
-		capLogs:     func() error { return nil },
-		ended:       func() {},
-		tail:        func() string { return "" },
-		unhealthy:   func(guestchan.Event) {},
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		(&monitor{token: token}).follow(context.Background(), w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}, logr.Discard())
-	}()
+	w := handedWatch(answered, alive.Load, func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt })
+	w.bootTimeout, w.kill = timeout, func() { kills.Add(1); alive.Store(false) }
+	done := follow(context.Background(), w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1})
 	select {
 	case <-done:
 	case <-time.After(30 * time.Second):
@@ -477,24 +513,11 @@ func TestAStoppedMonitorTriesNoMore(t *testing.T) {
 	defer guest.Close()
 	tried := make(chan struct{}, 64)
 	unavailable := apierrors.NewServiceUnavailable("the API server is down")
-	w := watch{
-		dial:  func() (net.Conn, error) { return nil, errors.New("no new connection in this test") },
-		conn:  agentEnd,
-		alive: func() bool { return true },
-		report: func(ctx context.Context, _ impv1.RuntimeStatus) {
-			_ = retryReport(ctx, reportBackoff, func(context.Context) error { tried <- struct{}{}; return unavailable })
-		},
-		capLogs:   func() error { return nil },
-		ended:     func() {},
-		tail:      func() string { return "" },
-		unhealthy: func(guestchan.Event) {},
-	}
+	w := handedWatch(agentEnd, func() bool { return true }, func(ctx context.Context, _ impv1.RuntimeStatus) {
+		_ = retryReport(ctx, reportBackoff, func(context.Context) error { tried <- struct{}{}; return unavailable })
+	})
 	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		(&monitor{token: token}).follow(ctx, w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}, logr.Discard())
-	}()
+	done := follow(ctx, w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1})
 	_ = guest.SetDeadline(time.Now().Add(30 * time.Second))
 	if _, err := bufio.NewReader(guest).ReadString('\n'); err != nil { // its request for the replay
 		t.Fatal(err)
@@ -530,22 +553,10 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 	reports := make(chan impv1.RuntimeStatus, 16)
 	agentEnd, guest := net.Pipe()
 	defer guest.Close()
-	w := watch{
-		dial:      func() (net.Conn, error) { dials.Add(1); return nil, errors.New("no new connection in this test") },
-		conn:      agentEnd,
-		alive:     alive.Load,
-		report:    func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
-		capLogs:   func() error { return nil },
-		ended:     func() {},
-		tail:      func() string { return "" },
-		unhealthy: func(guestchan.Event) {},
-	}
+	w := handedWatch(agentEnd, alive.Load, func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt })
+	w.dial = func() (net.Conn, error) { dials.Add(1); return nil, errors.New("no new connection in this test") }
 	m := &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		(&monitor{token: token}).follow(context.Background(), w, m, logr.Discard())
-	}()
+	done := follow(context.Background(), w, m)
 	// The guest reads the monitor's request for its history, then tells it.
 	_ = guest.SetDeadline(time.Now().Add(30 * time.Second))
 	line, err := bufio.NewReader(guest).ReadString('\n')
@@ -559,14 +570,7 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 	if _, err := guest.Write([]byte(`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n")); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case rt := <-reports:
-		if rt.State != impv1.RuntimeRunning || !rt.GuestReady {
-			t.Fatalf("report %+v; want Running with the guest ready", rt)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("no report of the guest ready from the handed connection")
-	}
+	wantReady(t, reports, "the handed connection")
 	if n := dials.Load(); n != 0 {
 		t.Fatalf("the monitor connected anew %d times while the handed connection was open", n)
 	}
@@ -579,11 +583,7 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 	agentEnd, guest = net.Pipe()
 	defer guest.Close()
 	w.conn = agentEnd
-	done = make(chan struct{})
-	go func() {
-		defer close(done)
-		(&monitor{token: token}).follow(context.Background(), w, m, logr.Discard())
-	}()
+	done = follow(context.Background(), w, m)
 	_ = guest.SetReadDeadline(time.Now().Add(30 * time.Second))
 	if _, err := guest.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the handed connection of a monitor whose VMM is gone: read %v; want it closed", err)
@@ -595,38 +595,18 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 	for len(reports) > 0 {
 		<-reports // the run's end, as the monitor before saw it
 	}
-	agentEnd, guest = net.Pipe()
-	defer guest.Close()
+	answered, guest := restored(t, token, `{"event":"restored","token":"`+token+`","replay":true}`,
+		`{"event":"hello","token":"`+token+`"}`, `{"event":"ready"}`)
 	asked := make(chan string, 1)
 	go func() {
-		r := bufio.NewReader(guest)
-		_, _ = r.ReadString('\n') // the restore request
-		_, _ = guest.Write([]byte(`{"event":"restored","token":"` + token + `","replay":true}` + "\n" +
-			`{"event":"hello","token":"` + token + `"}` + "\n" + `{"event":"ready"}` + "\n"))
 		_ = guest.SetReadDeadline(time.Now().Add(2 * time.Second))
-		line, _ := r.ReadString('\n')
+		line, _ := bufio.NewReader(guest).ReadString('\n')
 		asked <- line
 	}()
-	answered, err := guestchan.Restore(agentEnd, "the-snapshot's-token", guestinit.Restore{Token: token}, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = answered.SetDeadline(time.Time{})
 	alive.Store(true)
 	w.conn = answered
-	done = make(chan struct{})
-	go func() {
-		defer close(done)
-		(&monitor{token: token}).follow(context.Background(), w, m, logr.Discard())
-	}()
-	select {
-	case rt := <-reports:
-		if rt.State != impv1.RuntimeRunning || !rt.GuestReady {
-			t.Fatalf("report %+v; want Running with the guest ready", rt)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("no report of the guest ready from the replay that followed the restore's answer")
-	}
+	done = follow(context.Background(), w, m)
+	wantReady(t, reports, "the replay that followed the restore's answer")
 	if line := <-asked; line != "" {
 		t.Errorf("the monitor asked a guest that sent its replay after its answer: %q", line)
 	}
