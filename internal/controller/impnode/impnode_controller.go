@@ -47,25 +47,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.APIReader.List(ctx, &all); err != nil {
 		return ctrl.Result{}, fmt.Errorf("listing ImpNodes: %w", err)
 	}
-	used := map[netip.Prefix]bool{}
-	for _, n := range all.Items {
-		if p, err := netip.ParsePrefix(n.Spec.EndpointCIDR); err == nil {
-			used[p] = true
-		}
-	}
-	// A block is free only when no VM still reports an address of it either: the ImpNode of a
-	// node that left (and came back) goes before its VMs do.
 	var vms impv1.ImpVMList
 	if err := r.APIReader.List(ctx, &vms); err != nil {
 		return ctrl.Result{}, fmt.Errorf("listing ImpVMs: %w", err)
 	}
-	for _, vm := range vms.Items {
-		if rt := vm.Status.Runtime; rt != nil {
-			if a, err := netip.ParseAddr(rt.Endpoint); err == nil {
-				used[netip.PrefixFrom(a, a.BitLen())] = true
-			}
-		}
-	}
+	used := usedBlocks(all.Items, vms.Items)
 	block, err := FreeBlock(r.Range, r.BlockBits, used)
 	if err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "no endpoint block for the node", "node", klog.KObj(node))
@@ -78,6 +64,41 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	}
 	ctrl.LoggerFrom(ctx).Info("assigned the node its endpoint block", "node", klog.KObj(node), "block", block)
 	return ctrl.Result{}, nil
+}
+
+// usedBlocks is what a node may not be given: every ImpNode's block and the addresses VMs still
+// report. A block is free only when no VM still reports an address of it either: the ImpNode of
+// a node that left goes before its VMs do. But an agent writes its own VMs' endpoints, so a VM's
+// address counts only where its node could have given it: in its node's block, or on a node
+// without an ImpNode (it left; its VMs keep what they had). A node's agent reporting addresses
+// outside its block (a compromised node) holds no block from the nodes that join; a node that
+// came back, without a block yet, may get its old one again.
+func usedBlocks(nodes []impv1.ImpNode, vms []impv1.ImpVM) map[netip.Prefix]bool {
+	used := map[netip.Prefix]bool{}
+	blocks := map[string]netip.Prefix{} // node → its block; the zero prefix for none yet
+	for _, n := range nodes {
+		p, err := netip.ParsePrefix(n.Spec.EndpointCIDR)
+		if err == nil {
+			used[p] = true
+		}
+		blocks[n.Name] = p
+	}
+	for _, vm := range vms {
+		rt := vm.Status.Runtime
+		if rt == nil {
+			continue
+		}
+		a, err := netip.ParseAddr(rt.Endpoint)
+		if err != nil {
+			continue
+		}
+		block, known := blocks[vm.Status.NodeName]
+		if known && !(block.IsValid() && block.Contains(a)) {
+			continue
+		}
+		used[netip.PrefixFrom(a, a.BitLen())] = true
+	}
+	return used
 }
 
 // FreeBlock is the lowest block of bits in rng that used does not hold.
