@@ -9,6 +9,7 @@ import (
 	. "github.com/onsi/gomega"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
+	nodev1 "k8s.io/api/node/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -21,6 +22,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/volumeholder"
+	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
 // TestClaimsPlaceAndHold: a VM naming a PVC bound to a local volume of node a goes to node a
@@ -220,6 +222,8 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 		return e.c.Get(ctx, client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(v.UID, v.Status.Instance)}, &corev1.Pod{})
 	}).Should(Succeed())
 
+	holderShape(t, e, client.ObjectKey{Namespace: e.ns, Name: volumeholder.PodName(e.get("fourth").UID, e.get("fourth").Status.Instance)})
+
 	// Its tenant, whose role may delete the namespace's pods, cannot delete the holder from
 	// under the VM (the kubelet would detach the claim); deleting the VM removes it, by the
 	// operator, through the same policy.
@@ -289,4 +293,83 @@ func TestClaimsPlaceAndHold(t *testing.T) {
 		p := &corev1.Pod{}
 		return apierrors.IsNotFound(e.c.Get(ctx, fourthHolder, p)) || !p.DeletionTimestamp.IsZero()
 	}).Should(BeTrue(), "the deleted VM's holder removed by the operator")
+}
+
+// holderShape: the operator's identity (a stolen token) makes a pod of the holder's shape but for
+// one field, a pod that would hold a node's port, run another program, add a capability, run
+// unconfined, as another ServiceAccount or with its token, or with the host's /proc: the chart's
+// policy refuses each, naming the rule; the holder as the operator makes it passes.
+func holderShape(t *testing.T, e *env, genuine client.ObjectKey) {
+	t.Helper()
+	ctx := context.Background()
+	operator, err := client.New(e.cl.As(t, testcluster.Operator), client.Options{Scheme: e.cl.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder := &corev1.Pod{}
+	if err := e.c.Get(ctx, genuine, holder); err != nil {
+		t.Fatal(err)
+	}
+	// In a namespace without Pod Security (kube-system's), where the policy alone stands.
+	ns := e.cl.Namespace(t)
+	runtime := &nodev1.RuntimeClass{ObjectMeta: metav1.ObjectMeta{Name: ns + "-privileged"}, Handler: "privileged"}
+	e.create(runtime)
+	t.Cleanup(func() { _ = e.c.Delete(context.Background(), runtime) })
+	shaped := func(change func(*corev1.Pod)) *corev1.Pod {
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "imp-vol-shaped", Labels: holder.Labels},
+			Spec: *holder.Spec.DeepCopy()}
+		p.Spec.NodeName = ""
+		change(p)
+		return p
+	}
+	sc := func(p *corev1.Pod) *corev1.SecurityContext { return p.Spec.Containers[0].SecurityContext }
+	unconfined := corev1.SeccompProfile{Type: corev1.SeccompProfileTypeUnconfined}
+	for _, c := range []struct {
+		name, rule string
+		change     func(*corev1.Pod)
+	}{
+		{"a host port", "no ports (no hostPort)", func(p *corev1.Pod) {
+			p.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 10250, HostPort: 10250}}
+		}},
+		{"a command", "no other command", func(p *corev1.Pod) { p.Spec.Containers[0].Command = []string{"/bin/sh"} }},
+		{"other arguments", "no other command", func(p *corev1.Pod) { p.Spec.Containers[0].Args = []string{"--kubeconfig=/x"} }},
+		{"a lifecycle hook", "lifecycle hooks", func(p *corev1.Pod) {
+			p.Spec.Containers[0].Lifecycle = &corev1.Lifecycle{PostStart: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{Command: []string{"/imp-operator"}}}}
+		}},
+		{"an environment", "environment", func(p *corev1.Pod) {
+			p.Spec.Containers[0].Env = []corev1.EnvVar{{Name: "KUBERNETES_SERVICE_HOST", Value: "10.0.0.1"}}
+		}},
+		{"an added capability", "adds none", func(p *corev1.Pod) { sc(p).Capabilities.Add = []corev1.Capability{"NET_ADMIN"} }},
+		{"capabilities kept", "drops every capability", func(p *corev1.Pod) { sc(p).Capabilities.Drop = nil }},
+		{"an unconfined pod seccomp profile", "default seccomp profile", func(p *corev1.Pod) { p.Spec.SecurityContext.SeccompProfile = &unconfined }},
+		{"an unconfined container seccomp profile", "default seccomp profile", func(p *corev1.Pod) { sc(p).SeccompProfile = &unconfined }},
+		{"an unconfined AppArmor profile", "AppArmor", func(p *corev1.Pod) {
+			p.Spec.SecurityContext.AppArmorProfile = &corev1.AppArmorProfile{Type: corev1.AppArmorProfileTypeUnconfined}
+		}},
+		{"an unconfined container AppArmor profile", "AppArmor", func(p *corev1.Pod) {
+			sc(p).AppArmorProfile = &corev1.AppArmorProfile{Type: corev1.AppArmorProfileTypeUnconfined}
+		}},
+		{"an AppArmor annotation", "AppArmor", func(p *corev1.Pod) {
+			p.Annotations = map[string]string{"container.apparmor.security.beta.kubernetes.io/hold": "unconfined"}
+		}},
+		{"the host's /proc", "default /proc mount", func(p *corev1.Pod) {
+			sc(p).ProcMount, p.Spec.HostUsers = ptr.To(corev1.UnmaskedProcMount), ptr.To(false)
+		}},
+		{"another user", "runs as 65534", func(p *corev1.Pod) { sc(p).RunAsUser = ptr.To[int64](0) }},
+		{"a sysctl", "sysctls", func(p *corev1.Pod) {
+			p.Spec.SecurityContext.Sysctls = []corev1.Sysctl{{Name: "net.ipv4.ip_unprivileged_port_start", Value: "0"}}
+		}},
+		{"another ServiceAccount", "default ServiceAccount", func(p *corev1.Pod) { p.Spec.ServiceAccountName = "imp-operator" }},
+		{"its token", "without its token", func(p *corev1.Pod) { p.Spec.AutomountServiceAccountToken = ptr.To(true) }},
+		{"no word on its token", "without its token", func(p *corev1.Pod) { p.Spec.AutomountServiceAccountToken = nil }},
+		{"another runtime", "default runtime", func(p *corev1.Pod) { p.Spec.RuntimeClassName = &runtime.Name }},
+	} {
+		err := operator.Create(ctx, shaped(c.change), client.DryRunAll)
+		if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), c.rule) {
+			t.Errorf("the operator making a holder with %s: %v, want it refused naming %q", c.name, err, c.rule)
+		}
+	}
+	if err := operator.Create(ctx, shaped(func(*corev1.Pod) {}), client.DryRunAll); err != nil {
+		t.Errorf("the operator making a holder as it makes them: %v", err)
+	}
 }
