@@ -35,6 +35,9 @@ func New(t testing.TB, name string) string {
 	}
 	t.Cleanup(func() { _ = netns.DeleteNamed(name) })
 	path := filepath.Join("/var/run/netns", name)
+	if err := Do(path, resetInherited); err != nil {
+		t.Fatalf("resetting %s's IPv4 settings: %v", name, err)
+	}
 	h := Handle(t, path)
 	lo, err := h.LinkByName("lo")
 	if err == nil {
@@ -44,6 +47,28 @@ func New(t testing.TB, name string) string {
 		t.Fatalf("bringing up lo in %s: %v", name, err)
 	}
 	return path
+}
+
+// inherited are the IPv4 settings a new namespace copies from the host's (with the kernel's
+// default net.core.devconf_inherit_init_net, 0) that a node's other software changes while
+// tests run (a real node's CNI and kube-proxy, the e2e's or make dev's: forwarding,
+// route_localnet), with the kernel's defaults: a test's namespace starts as on a fresh kernel,
+// whatever the host's are.
+var inherited = map[string]string{
+	"net/ipv4/ip_forward":                  "0",
+	"net/ipv4/conf/default/forwarding":     "0",
+	"net/ipv4/conf/all/route_localnet":     "0",
+	"net/ipv4/conf/default/route_localnet": "0",
+}
+
+// resetInherited sets the current namespace's inherited settings to the kernel's defaults.
+func resetInherited() error {
+	for k, v := range inherited {
+		if err := os.WriteFile("/proc/sys/"+k, []byte(v), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Handle is a netlink handle in the namespace at path, closed when the test ends.
