@@ -68,15 +68,18 @@ func (r *Reconciler) clock() clock.PassiveClock {
 
 // Reconcile brings one pool's members toward its spec.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	// From the API server: the pool's status as it is is the base of the status patch, which
+	// carries only the fields that differ from it. The cache can lag this controller's own last
+	// writes, and a patch against an older status left fields of two computations side by side
+	// (available above replicas), which no later event of the pool corrected.
 	pool := &impv1.ImpVMPool{}
-	if err := r.Client.Get(ctx, req.NamespacedName, pool); err != nil {
+	if err := r.APIReader.Get(ctx, req.NamespacedName, pool); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	if !pool.DeletionTimestamp.IsZero() {
 		return ctrl.Result{}, nil // its members and revisions are its dependents: collected
 	}
 	orig := pool.DeepCopy()
-	now := r.clock().Now()
 	pool.Status.ObservedGeneration = pool.Generation
 
 	sel, err := selectorOf(pool)
@@ -97,6 +100,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err != nil {
 		return ctrl.Result{}, err
 	}
+	now := r.clock().Now() // after the list: a member Ready by then is available at minReadySeconds 0
 	b := boundsOf(pool)
 	p := planFor(b, rev, members, now)
 
@@ -114,7 +118,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, err
 	}
 	computeStatus(pool, b, rev, members, vms, failure, now)
-	if err := r.writeStatus(ctx, orig, pool); err != nil {
+	if err := r.writeStatus(ctx, orig, pool); apierrors.IsConflict(err) {
+		return ctrl.Result{Requeue: true}, nil // written meanwhile (a scale): computed again
+	} else if err != nil {
 		return ctrl.Result{}, err
 	}
 	requeue := p.requeue

@@ -112,12 +112,14 @@ func computeStatus(pool *impv1.ImpVMPool, b bounds, rev string, members []member
 }
 
 // writeStatus patches the pool's status if it changed. This controller alone writes it, one
-// reconcile of a pool at a time, and computes all of it afresh: no optimistic lock.
+// reconcile of a pool at a time, and computes all of it afresh, against orig as the API server
+// had it: a merge patch carries only what differs from orig, so orig's resourceVersion is its
+// precondition (a write meanwhile, the scale subresource's, is a conflict, not a mix).
 func (r *Reconciler) writeStatus(ctx context.Context, orig, pool *impv1.ImpVMPool) error {
 	if equality.Semantic.DeepEqual(orig.Status, pool.Status) {
 		return nil
 	}
-	if err := r.Client.Status().Patch(ctx, pool, client.MergeFrom(orig)); err != nil {
+	if err := r.Client.Status().Patch(ctx, pool, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 		return fmt.Errorf("writing the status of ImpVMPool %s: %w", pool.Name, err)
 	}
 	return nil
