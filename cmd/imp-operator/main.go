@@ -20,6 +20,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/impvmpool"
 	"github.com/syscode-labs/imp/internal/controller/volumeholder"
 	"github.com/syscode-labs/imp/internal/logging"
 	"github.com/syscode-labs/imp/internal/operator"
@@ -56,6 +57,8 @@ func run() error {
 		endpointRange          = netip.MustParsePrefix("100.72.0.0/16")
 		endpointBlockBits      int
 		holderImage            string
+		poolCreates            float64
+		poolBurst              int
 	)
 	fs := flag.CommandLine
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address of the Prometheus metrics endpoint (0 disables it)")
@@ -104,6 +107,8 @@ func run() error {
 	fs.DurationVar(&admissionTimeout, "wait-for-admission", 0, "instead of running: wait until the API server admits ImpVMs in --run-secret-namespace (a dry-run create, retried each second) for at most this long, then exit (the chart's post-install hook)")
 	fs.StringVar(&holderImage, "volume-holder-image", "", "image of the pods that hold VMs' PersistentVolumeClaims on their nodes, whose entrypoint holds with the argument \""+volumeholder.HoldArg+"\" (the chart: the operator's own image)")
 	logOpts.BindFlags(fs)
+	fs.Float64Var(&poolCreates, "pool-creates-per-second", impvmpool.DefaultCreatesPerSecond, "members the ImpVMPools of one namespace may make per second, together (past --pool-create-burst): one tenant's pools cannot crowd the API server's priority level the operator's writes share")
+	fs.IntVar(&poolBurst, "pool-create-burst", impvmpool.DefaultCreateBurst, "members the ImpVMPools of one namespace may make at once before --pool-creates-per-second paces them")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-operator [flags]\n\nPlaces ImpVMs on nodes, allocates their addresses and drives their lifecycle.\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -153,7 +158,8 @@ func run() error {
 	}
 	ctx := ctrl.SetupSignalHandler()
 	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency, EndpointRange: endpointRange, EndpointBlockBits: endpointBlockBits,
-		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout, VolumeHolderImage: holderImage}); err != nil {
+		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout, VolumeHolderImage: holderImage,
+		PoolCreatesPerSecond: poolCreates, PoolCreateBurst: poolBurst}); err != nil {
 		return err
 	}
 	if sub.addr != "" {

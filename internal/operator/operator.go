@@ -63,6 +63,10 @@ type Options struct {
 	// VolumeHolderImage is the image of the pods holding VMs' PersistentVolumeClaims (the
 	// operator's own: its entrypoint holds with the argument volumeholder.HoldArg).
 	VolumeHolderImage string
+	// PoolCreatesPerSecond and PoolCreateBurst bound the members the pools of one namespace
+	// make (impvmpool's defaults when 0).
+	PoolCreatesPerSecond float64
+	PoolCreateBurst      int
 }
 
 // CacheOptions narrow what the operator's cache holds of kinds it needs only a part of: the
@@ -144,7 +148,8 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err := (&impvmtemplate.Reconciler{Client: mgr.GetClient(), Clock: o.Clock}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMTemplate reconciler: %w", err)
 	}
-	pools := &impvmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Clock: o.Clock}
+	pools := &impvmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Clock: o.Clock,
+		CreatesPerSecond: o.PoolCreatesPerSecond, CreateBurst: o.PoolCreateBurst}
 	if err := pools.SetupWithManager(mgr, o.Concurrency); err != nil {
 		return fmt.Errorf("setting up the ImpVMPool reconciler: %w", err)
 	}

@@ -98,5 +98,5 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	node("c", "")
 	g.Eventually(block("c")).WithTimeout(30 * time.Second).Should(Equal("100.73.2.0/24"))
 	node("d", "")
-	g.Eventually(block("d")).WithTimeout(30 * time.Second).Should(Equal("100.73.4.0/24"), "block 3 holds a VM of a node that left")
+	g.Eventually(block("d")).WithTimeout(30*time.Second).Should(Equal("100.73.4.0/24"), "block 3 holds a VM of a node that left")
 }

@@ -5,6 +5,7 @@
 package impvmpool
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -55,8 +56,14 @@ type Reconciler struct {
 	// the pool's own last deletions would delete again.
 	APIReader client.Reader
 	Recorder  EventRecorder
-	// Clock times minReadySeconds (the real clock when nil).
+	// Clock times minReadySeconds and the pace of creates (the real clock when nil).
 	Clock clock.PassiveClock
+	// CreatesPerSecond and CreateBurst bound the members the pools of one namespace make
+	// (DefaultCreatesPerSecond and DefaultCreateBurst when 0).
+	CreatesPerSecond float64
+	CreateBurst      int
+
+	pace pacer
 }
 
 func (r *Reconciler) clock() clock.PassiveClock {
@@ -111,7 +118,17 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		}
 		markDeleting(members, name)
 	}
-	failure := r.create(ctx, pool, sel, rev, p.create)
+	create, failure, err := r.withinQuota(ctx, pool.Namespace, p.create)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	if failure != nil {
+		r.Recorder.Eventf(pool, nil, "Warning", failure.reason, "Create", failure.message)
+	}
+	n, paced := r.pace.take(pool.Namespace, len(create), now, cmp.Or(r.CreatesPerSecond, DefaultCreatesPerSecond), cmp.Or(r.CreateBurst, DefaultCreateBurst))
+	if f := r.create(ctx, pool, sel, rev, create[:n]); f != nil {
+		failure = f
+	}
 
 	// Status, from the members as they now are.
 	if err := r.pruneRevisions(ctx, pool, rev, revs, members); err != nil {
@@ -124,8 +141,14 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, err
 	}
 	requeue := p.requeue
-	if failure != nil && (requeue == 0 || CreateRetry < requeue) {
-		requeue = CreateRetry
+	sooner := func(after time.Duration) {
+		if after > 0 && (requeue == 0 || after < requeue) {
+			requeue = after
+		}
+	}
+	sooner(paced) // the namespace's next create
+	if failure != nil {
+		sooner(CreateRetry)
 	}
 	return ctrl.Result{RequeueAfter: requeue}, nil
 }

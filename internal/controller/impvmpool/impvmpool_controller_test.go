@@ -22,6 +22,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -42,6 +43,12 @@ func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared)) }
 // start runs the pool controller as the operator's identity until stop (or the test's end).
 func start(t *testing.T, c *testcluster.Cluster) (stop func()) {
 	t.Helper()
+	return startWith(t, c, func(*impvmpool.Reconciler) {})
+}
+
+// startWith is start with the controller's settings changed by set.
+func startWith(t *testing.T, c *testcluster.Cluster, set func(*impvmpool.Reconciler)) (stop func()) {
+	t.Helper()
 	mgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), ctrl.Options{
 		Scheme: c.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
 		Controller: config.Controller{SkipNameValidation: ptr.To(true)}, Cache: operator.CacheOptions(operator.Options{}),
@@ -50,6 +57,7 @@ func start(t *testing.T, c *testcluster.Cluster) (stop func()) {
 		t.Fatal(err)
 	}
 	r := &impvmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("imp-operator")}
+	set(r)
 	if err := r.SetupWithManager(mgr, 4); err != nil {
 		t.Fatal(err)
 	}
@@ -648,7 +656,8 @@ func (s *staleReads) Get(ctx context.Context, key client.ObjectKey, obj client.O
 
 type noEvents struct{}
 
-func (noEvents) Eventf(runtime.Object, runtime.Object, string, string, string, string, ...interface{}) {}
+func (noEvents) Eventf(runtime.Object, runtime.Object, string, string, string, string, ...interface{}) {
+}
 
 // TestAStaleCacheDoesNotMixTheStatus: a reconcile whose cache still holds an older status of
 // the pool (its own write before last) writes the status it computed, whole. Against the
@@ -698,4 +707,68 @@ func TestAStaleCacheDoesNotMixTheStatus(t *testing.T) {
 	cache.pool = before
 	reconcile()
 	g.Expect(counts()).To(Equal([]int32{2, 1, 1, 2}), "the status after mix-1 left Ready, computed with the cache two writes behind")
+}
+
+// TestAPoolStopsAtTheNamespacesVMs: a pool of 50 replicas in a namespace whose ImpQuota allows
+// 3 VMs (one taken by a VM of the tenant's own) makes 2 members, not 50 VMs that would wait for
+// quota, and says which quota stopped it; the quota raised, it makes the room's worth more.
+func TestAPoolStopsAtTheNamespacesVMs(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	g := NewWithT(t)
+	quota := &impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "team"}, Spec: impv1.ImpQuotaSpec{Hard: impv1.QuotaResources{VMs: ptr.To[int32](3)}}}
+	g.Expect(c.Client.Create(ctx, quota)).To(Succeed())
+	own := pool(ns, "own", 1).Spec.Template.Spec
+	g.Expect(c.Client.Create(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "own"}, Spec: own})).To(Succeed())
+	// A finished VM holds no placement: it leaves the room as it is.
+	done := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "done"}, Spec: own}
+	g.Expect(c.Client.Create(ctx, done)).To(Succeed())
+	done.Status.Phase = impv1.VMSucceeded
+	g.Expect(c.Client.Status().Update(ctx, done)).To(Succeed())
+	count := sample(func() (int, bool) { n, _ := members(c, ns); return len(n), true })
+	start(t, c)
+	g.Expect(c.Client.Create(ctx, pool(ns, "big", 50))).To(Succeed())
+	stopped := func(hard int) func(Gomega) {
+		return func(g Gomega) {
+			cond := meta.FindStatusCondition(getPool(c, ns, "big").Status.Conditions, impv1.PoolReplicaFailureCondition)
+			g.Expect(cond).NotTo(BeNil())
+			g.Expect(cond.Reason).To(Equal(impv1.ReasonQuotaExceeded))
+			g.Expect(cond.Message).To(ContainSubstring(fmt.Sprintf("ImpQuota team: the namespace has %d VMs that hold or wait for a placement, of %[1]d (hard.vms)", hard)))
+		}
+	}
+	g.Eventually(stopped(3)).WithTimeout(30 * time.Second).Should(Succeed())
+	n, _ := members(c, ns)
+	g.Expect(n).To(Equal([]string{"big-0", "big-1", "done", "own"}))
+
+	orig := quota.DeepCopy()
+	quota.Spec.Hard.VMs = ptr.To[int32](6)
+	g.Expect(c.Client.Patch(ctx, quota, client.MergeFrom(orig))).To(Succeed())
+	g.Eventually(func() int { n, _ := members(c, ns); return len(n) }).WithTimeout(30 * time.Second).Should(Equal(7))
+	g.Eventually(stopped(6)).WithTimeout(30 * time.Second).Should(Succeed())
+	if most := slices.Max(count()); most > 7 {
+		t.Errorf("the namespace had %d VMs at once (the quota allowed 6 and one finished)", most)
+	}
+}
+
+// TestPoolCreatesArePaced: the pools of one namespace make their members within its budget,
+// a burst then a pace, whatever their replicas; another namespace's budget is its own.
+func TestPoolCreatesArePaced(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns, other := c.Namespace(t), c.Namespace(t)
+	g := NewWithT(t)
+	clk := clocktesting.NewFakePassiveClock(time.Now())
+	startWith(t, c, func(r *impvmpool.Reconciler) { r.Clock, r.CreatesPerSecond, r.CreateBurst = clk, 4, 6 })
+	g.Expect(c.Client.Create(ctx, pool(ns, "a", 40))).To(Succeed())
+	g.Expect(c.Client.Create(ctx, pool(ns, "b", 40))).To(Succeed())
+	g.Expect(c.Client.Create(ctx, pool(other, "c", 5))).To(Succeed())
+	count := func(ns string) func() int { return func() int { n, _ := members(c, ns); return len(n) } }
+	g.Eventually(count(ns)).WithTimeout(30 * time.Second).Should(Equal(6))
+	g.Eventually(count(other)).WithTimeout(30 * time.Second).Should(Equal(5))
+	// The clock stands still: the budget stays spent, though the pools try again.
+	g.Consistently(count(ns)).WithTimeout(2 * time.Second).Should(Equal(6))
+	clk.SetTime(clk.Now().Add(time.Second))
+	g.Eventually(count(ns)).WithTimeout(30 * time.Second).Should(Equal(10))
+	g.Consistently(count(ns)).WithTimeout(time.Second).Should(Equal(10))
 }
