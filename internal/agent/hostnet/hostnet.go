@@ -344,18 +344,19 @@ func (h *Host) Sync(n Network, peers []Peer) (present bool, err error) {
 		return true, err
 	}
 	overlay := h.opts.VTEP.IsValid() && n.VNI != 0
-	var vteps []netip.Addr
+	var admitted []Peer
 	if overlay {
-		if vteps, err = h.ensureVXLAN(s, n, br.Attrs().Index, peers); err != nil {
+		if err := h.ensureVXLAN(s, n, br.Attrs().Index, peers); err != nil {
 			return true, err
 		}
+		admitted = peers
 	} else if err := s.removeLink(n.VXLANName()); err != nil {
 		return true, err
 	}
 	if err := h.ensureNetwork(s, n, overlay); err != nil {
 		return true, err
 	}
-	return true, h.syncPeers(n.VNI, vteps)
+	return true, h.syncPeers(n.VNI, admitted)
 }
 
 // Present lists the networks with a namespace on the node, as "namespace/name".
@@ -423,8 +424,8 @@ func (h *Host) Prune(keep func(vmUID string) bool) error {
 }
 
 // ensureVXLAN makes n's VXLAN device, created from the node's namespace so that its socket
-// stays on the underlay, and its forwarding entries match peers. It returns the peers' nodes.
-func (h *Host) ensureVXLAN(s *space, n Network, br int, peers []Peer) ([]netip.Addr, error) {
+// stays on the underlay, and its forwarding entries match peers.
+func (h *Host) ensureVXLAN(s *space, n Network, br int, peers []Peer) error {
 	name := n.VXLANName()
 	want := &netlink.Vxlan{
 		LinkAttrs: netlink.LinkAttrs{Name: name, MTU: h.opts.MTU, Namespace: netlink.NsFd(int(s.ns))},
@@ -435,33 +436,33 @@ func (h *Host) ensureVXLAN(s *space, n Network, br int, peers []Peer) ([]netip.A
 		cur, ok := l.(*netlink.Vxlan)
 		if !ok || cur.VxlanId != want.VxlanId || !cur.SrcAddr.Equal(want.SrcAddr) || cur.Port != want.Port || cur.Learning {
 			if err := s.nl.LinkDel(l); err != nil {
-				return nil, fmt.Errorf("replacing %s: %w", name, err)
+				return fmt.Errorf("replacing %s: %w", name, err)
 			}
 			err = errNotFound
 		}
 	}
 	if isNotFound(err) {
 		if err := h.nl.LinkAdd(want); err != nil {
-			return nil, fmt.Errorf("creating VXLAN device %s (VNI %d, port %d): %w", name, n.VNI, h.opts.VXLANPort, err)
+			return fmt.Errorf("creating VXLAN device %s (VNI %d, port %d): %w", name, n.VNI, h.opts.VXLANPort, err)
 		}
 		l, err = s.nl.LinkByName(name)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("looking up %s: %w", name, err)
+		return fmt.Errorf("looking up %s: %w", name, err)
 	}
 	if l.Attrs().Alias != netAlias+n.Key() {
 		if err := s.nl.LinkSetAlias(l, netAlias+n.Key()); err != nil {
-			return nil, fmt.Errorf("naming %s: %w", name, err)
+			return fmt.Errorf("naming %s: %w", name, err)
 		}
 	}
 	if l.Attrs().MasterIndex != br {
 		if err := s.nl.LinkSetMasterByIndex(l, br); err != nil {
-			return nil, fmt.Errorf("putting %s on its bridge: %w", name, err)
+			return fmt.Errorf("putting %s on its bridge: %w", name, err)
 		}
 	}
 	if l.Attrs().Flags&net.FlagUp == 0 {
 		if err := s.nl.LinkSetUp(l); err != nil {
-			return nil, fmt.Errorf("bringing up %s: %w", name, err)
+			return fmt.Errorf("bringing up %s: %w", name, err)
 		}
 	}
 	return s.syncFDB(l.Attrs().Index, peers, h.opts.VTEP)
@@ -470,26 +471,20 @@ func (h *Host) ensureVXLAN(s *space, n Network, br int, peers []Peer) ([]netip.A
 type fdbKey struct{ mac, dst string }
 
 // syncFDB makes the VXLAN device's forwarding entries exactly: each peer's MAC to its node,
-// and the zero MAC to every peer node, which sends broadcasts (ARP) to each of them. It
-// returns the peer nodes.
-func (s *space) syncFDB(vx int, peers []Peer, self netip.Addr) ([]netip.Addr, error) {
+// and the zero MAC to every peer node, which sends broadcasts (ARP) to each of them.
+func (s *space) syncFDB(vx int, peers []Peer, self netip.Addr) error {
 	zero := net.HardwareAddr{0, 0, 0, 0, 0, 0}
 	want := map[fdbKey]bool{}
-	var vteps []netip.Addr
 	for _, p := range peers {
 		if p.VTEP == self {
 			continue
 		}
 		want[fdbKey{MAC(p.IP).String(), p.VTEP.String()}] = true
-		k := fdbKey{zero.String(), p.VTEP.String()}
-		if !want[k] {
-			want[k] = true
-			vteps = append(vteps, p.VTEP)
-		}
+		want[fdbKey{zero.String(), p.VTEP.String()}] = true
 	}
 	cur, err := s.nl.NeighList(vx, unix.AF_BRIDGE)
 	if err != nil {
-		return nil, fmt.Errorf("listing forwarding entries: %w", err)
+		return fmt.Errorf("listing forwarding entries: %w", err)
 	}
 	for _, e := range cur {
 		if e.IP == nil || e.Flags&netlink.NTF_SELF == 0 {
@@ -501,7 +496,7 @@ func (s *space) syncFDB(vx int, peers []Peer, self netip.Addr) ([]netip.Addr, er
 			continue
 		}
 		if err := s.nl.NeighDel(&e); err != nil {
-			return nil, fmt.Errorf("removing forwarding entry %s via %s: %w", k.mac, k.dst, err)
+			return fmt.Errorf("removing forwarding entry %s via %s: %w", k.mac, k.dst, err)
 		}
 	}
 	for k := range want {
@@ -509,10 +504,10 @@ func (s *space) syncFDB(vx int, peers []Peer, self netip.Addr) ([]netip.Addr, er
 		e := &netlink.Neigh{LinkIndex: vx, Family: unix.AF_BRIDGE, State: netlink.NUD_PERMANENT, Flags: netlink.NTF_SELF,
 			HardwareAddr: mac, IP: net.ParseIP(k.dst)}
 		if err := s.nl.NeighAppend(e); err != nil {
-			return nil, fmt.Errorf("adding forwarding entry %s via %s: %w", k.mac, k.dst, err)
+			return fmt.Errorf("adding forwarding entry %s via %s: %w", k.mac, k.dst, err)
 		}
 	}
-	return vteps, nil
+	return nil
 }
 
 var errNotFound = errors.New("not found")

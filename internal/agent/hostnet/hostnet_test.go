@@ -168,13 +168,14 @@ func TestNetworkLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The node's: input 3 (replies over transit links, transit links, VXLAN peers), forward 8
-	// (replies over transit links, between networks, not IPv4, link-local, four overlay
-	// ports), 1 masquerade; the network's: input 4, forward 17 (bridged, replies, exposed VMs
-	// both ways, the 11 non-public ranges, public egress, the rest), 2 masquerade (egress,
-	// exposed VMs), bridge prerouting 2; the tap's chain: 5.
-	if len(rules) != 12+25+5 {
-		t.Errorf("rules after Attach = %d, want 42:\n%s", len(rules), strings.Join(rules, "\n"))
+	// The node's: input 6 (replies over transit links, transit links, VXLAN peers, VXLAN
+	// frames of the peers' VMs: IPv4, ARP, the rest dropped), forward 8 (replies over transit
+	// links, between networks, not IPv4, link-local, four overlay ports), 1 masquerade; the
+	// network's: input 4, forward 17 (bridged, replies, exposed VMs both ways, the 11
+	// non-public ranges, public egress, the rest), 2 masquerade (egress, exposed VMs), bridge
+	// prerouting 2; the tap's chain: 5.
+	if len(rules) != 15+25+5 {
+		t.Errorf("rules after Attach = %d, want 45:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")
@@ -762,4 +763,110 @@ func nftConn(t *testing.T, path string) *nftables.Conn {
 		t.Fatal(err)
 	}
 	return conn
+}
+
+// TestVXLANFramesOnlyOfThePeersVMs: a peer node of a network (compromised: root, its own
+// VXLAN socket) sends the node frames on that network's overlay as another node's VM, as the
+// node's own VM, as the gateway, with its VM's MAC and another's address or the other way
+// round, tagged, or too short to tell: none reaches the node's VM. What its own VM sends, and
+// what the other peer's VM sends from that peer, does.
+func TestVXLANFramesOnlyOfThePeersVMs(t *testing.T) {
+	node, remote := testnetns.New(t, "imp-hn-vxv"), testnetns.New(t, "imp-hn-vxvr")
+	testnetns.Link(t, node, "under0", "192.0.2.1/24", remote, "under0", "192.0.2.2/24")
+	hr := testnetns.Handle(t, remote)
+	u, _ := hr.LinkByName("under0")
+	if err := hr.AddrAdd(u, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("192.0.2.3"), Mask: net.CIDRMask(24, 32)}}); err != nil {
+		t.Fatal(err)
+	}
+	h := open(t, node, "192.0.2.1")
+	n := network("vxv", "10.71.0.0/24", 4713, false)
+	ip := func(last byte) netip.Addr { return netip.AddrFrom4([4]byte{10, 71, 0, last}) }
+	gw, local, onP, onQ := ip(1), ip(2), ip(3), ip(4) // P is 192.0.2.2 (the attacker), Q 192.0.2.3
+	at, err := h.Attach(n, "vm-1", local)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer at.Tap.Close()
+	if _, err := h.Sync(n, []hostnet.Peer{{IP: onP, VTEP: netip.MustParseAddr("192.0.2.2")}, {IP: onQ, VTEP: netip.MustParseAddr("192.0.2.3")}}); err != nil {
+		t.Fatal(err)
+	}
+	send := func(from string, frame []byte) {
+		t.Helper()
+		if err := testnetns.Do(remote, func() error {
+			c, err := net.DialUDP("udp4", &net.UDPAddr{IP: net.ParseIP(from)}, &net.UDPAddr{IP: net.ParseIP("192.0.2.1"), Port: hostnet.DefaultVXLANPort})
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			_, err = c.Write(vxlanFrame(n.VNI, frame))
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	arp := func(src, sender net.HardwareAddr, senderIP netip.Addr, target byte) []byte {
+		return arpRequest(src, sender, senderIP, ip(target))[10:]
+	}
+	toLocal := func(src net.HardwareAddr, srcIP netip.Addr, port uint16) []byte {
+		return ipv4Frame(src, hostnet.MAC(local), srcIP, local, unix.IPPROTO_UDP, udp(port, port, []byte("imp!")))
+	}
+	mac := hostnet.MAC
+	tagged := append(append(append([]byte{}, arp(mac(onP), mac(onP), onP, 25)[:12]...), 0x81, 0x00, 0x00, 0x07), arp(mac(onP), mac(onP), onP, 25)[12:]...)
+	forged := []struct {
+		what  string
+		frame []byte
+	}{
+		{"ARP as Q's VM", arp(mac(onQ), mac(onQ), onQ, 20)},
+		{"ARP as the node's own VM", arp(mac(local), mac(local), local, 21)},
+		{"ARP as the gateway", arp(mac(gw), mac(gw), gw, 22)},
+		{"ARP from P's VM's MAC with Q's VM's address", arp(mac(onP), mac(onP), onQ, 23)},
+		{"ARP from P's VM's MAC with Q's VM's sender MAC", arp(mac(onP), mac(onQ), onP, 24)},
+		{"IPv4 from P's VM's MAC with Q's VM's address", toLocal(mac(onP), onQ, 4001)},
+		{"IPv4 from Q's VM's MAC", toLocal(mac(onQ), onP, 4002)},
+		{"IPv4 from a MAC of no VM", toLocal(net.HardwareAddr{0x02, 0, 10, 71, 0, 3}, onP, 4003)},
+		{"a VLAN-tagged ARP from P's VM", tagged},
+		{"IPv4 too short to hold its source", toLocal(mac(onP), onP, 4004)[:30]},
+	}
+	for _, f := range forged {
+		send("192.0.2.2", f.frame)
+	}
+	send("192.0.2.2", arp(mac(onP), mac(onP), onP, 30))
+	send("192.0.2.2", toLocal(mac(onP), onP, 4010))
+	send("192.0.2.3", arp(mac(onQ), mac(onQ), onQ, 31))
+	send("192.0.2.2", arp(mac(onP), mac(onP), onP, 99)) // the sentinel: P's, last
+
+	// What reached the VM's tap before the sentinel: ARP targets, UDP ports, anything else.
+	seen := map[string]bool{}
+	buf := make([]byte, 2048)
+	deadline := time.Now().Add(10 * time.Second)
+	for !seen["arp 10.71.0.99"] {
+		_ = at.Tap.SetReadDeadline(deadline)
+		k, err := at.Tap.Read(buf)
+		if err != nil {
+			t.Fatalf("the sentinel never reached the VM (%v); saw %v", err, seen)
+		}
+		f := buf[10:k]
+		switch {
+		case len(f) >= 42 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_ARP:
+			seen["arp "+netip.AddrFrom4([4]byte(f[38:42])).String()] = true
+		case len(f) >= 38 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_IP && f[23] == unix.IPPROTO_UDP:
+			seen[fmt.Sprintf("udp %d", binary.BigEndian.Uint16(f[36:]))] = true
+		case len(f) >= 24 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_IP && f[23] == unix.IPPROTO_IGMP:
+			// the bridge's own multicast reports
+		case len(f) >= 14:
+			seen[fmt.Sprintf("type %#04x, %d bytes", binary.BigEndian.Uint16(f[12:]), len(f))] = true
+		}
+	}
+	for _, want := range []string{"arp 10.71.0.30", "udp 4010", "arp 10.71.0.31"} {
+		if !seen[want] {
+			t.Errorf("what a peer's own VM sent did not reach the VM (%s); saw %v", want, seen)
+		}
+	}
+	delete(seen, "arp 10.71.0.99")
+	for _, want := range []string{"arp 10.71.0.30", "udp 4010", "arp 10.71.0.31"} {
+		delete(seen, want)
+	}
+	for s := range seen {
+		t.Errorf("a frame node P forged reached the VM: %s (sent: %v)", s, forged)
+	}
 }

@@ -22,12 +22,22 @@ const rtprotIMP netlink.RouteProtocol = 0x49
 
 // vxlanPeers admits (peer node address . VNI) to the overlay's port.
 func (h *Host) vxlanPeers() *nftables.Set {
-	addr := nftables.TypeIPAddr
-	if h.opts.VTEP.Is6() {
-		addr = nftables.TypeIP6Addr
-	}
 	return &nftables.Set{Table: inetTable, Name: "vxlan-peers", Concatenation: true,
-		KeyType: nftables.MustConcatSetType(addr, nftables.TypeInteger)}
+		KeyType: nftables.MustConcatSetType(h.vtepType(), nftables.TypeInteger)}
+}
+
+// vxlanVMs admits (peer node address . VNI . VM address): the VMs of a network placed on a
+// peer node, the only sources its frames on that network's overlay may carry.
+func (h *Host) vxlanVMs() *nftables.Set {
+	return &nftables.Set{Table: inetTable, Name: "vxlan-vms", Concatenation: true,
+		KeyType: nftables.MustConcatSetType(h.vtepType(), nftables.TypeInteger, nftables.TypeIPAddr)}
+}
+
+func (h *Host) vtepType() nftables.SetDatatype {
+	if h.opts.VTEP.Is6() {
+		return nftables.TypeIP6Addr
+	}
+	return nftables.TypeIPAddr
 }
 
 func (h *Host) peerAddr() string {
@@ -37,22 +47,74 @@ func (h *Host) peerAddr() string {
 	return "ip saddr"
 }
 
-// vxlanFilter matches UDP to the overlay's port whose (source . VNI) is not in vxlan-peers.
-// The VNI is the first three bytes of the VXLAN header's second word, whose last byte is
-// reserved (zero): the word as a whole is the key's second half.
-func (h *Host) vxlanFilter() []expr.Any {
-	proto, off, size, vniReg := byte(unix.NFPROTO_IPV4), uint32(12), uint32(4), uint32(9) // NFT_REG32_01
+// vxlanPort matches UDP to the overlay's port.
+func (h *Host) vxlanPort() []expr.Any {
+	proto := byte(unix.NFPROTO_IPV4)
 	if h.opts.VTEP.Is6() {
-		proto, off, size, vniReg = unix.NFPROTO_IPV6, 8, 16, 12 // NFT_REG32_04
+		proto = unix.NFPROTO_IPV6
 	}
 	return []expr.Any{
 		&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1}, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{proto}},
 		&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1}, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_UDP}},
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binaryutil.BigEndian.PutUint16(uint16(h.opts.VXLANPort))},
+	}
+}
+
+// vxlanLookup looks (source . VNI[ . the 4 bytes at inner, from the UDP header]) up in set. The
+// VNI is the first three bytes of the VXLAN header's second word, whose last byte is reserved
+// (zero): the word as a whole is the key's second part. A packet too short to hold what is
+// looked up matches no lookup, inverted or not.
+func (h *Host) vxlanLookup(set string, inner uint32, invert bool) []expr.Any {
+	off, size, vniReg := uint32(12), uint32(4), uint32(9) // NFT_REG32_01
+	if h.opts.VTEP.Is6() {
+		off, size, vniReg = 8, 16, 12 // NFT_REG32_04
+	}
+	e := []expr.Any{
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: size},
 		&expr.Payload{DestRegister: vniReg, Base: expr.PayloadBaseTransportHeader, Offset: 12, Len: 4},
-		&expr.Lookup{SourceRegister: 1, SetName: "vxlan-peers", Invert: true},
+	}
+	if inner > 0 {
+		e = append(e, &expr.Payload{DestRegister: vniReg + 1, Base: expr.PayloadBaseTransportHeader, Offset: inner, Len: 4})
+	}
+	return append(e, &expr.Lookup{SourceRegister: 1, SetName: set, Invert: invert})
+}
+
+// vxlanFilter matches UDP to the overlay's port whose (source . VNI) is not in vxlan-peers.
+func (h *Host) vxlanFilter() []expr.Any {
+	return cat(h.vxlanPort(), h.vxlanLookup("vxlan-peers", 0, true))
+}
+
+// Where a VXLAN packet's inner frame lies, in bytes from its UDP header (8 bytes) and VXLAN
+// header (8): the Ethernet source MAC, the EtherType, an IPv4 header's source, an ARP
+// packet's sender MAC and sender address.
+const (
+	innerSrcMAC    = 16 + 6
+	innerType      = 16 + 12
+	innerIPSrc     = 16 + 14 + 12
+	innerARPSender = 16 + 14 + 8
+	innerARPAddr   = 16 + 14 + 14
+)
+
+// vxlanFromVMs are the rules that let a peer's packet on a network's overlay pass only with a
+// frame from a VM placed on that peer: Ethernet source one of their MACs (0a:58 and the VM's
+// address), IPv4 with one of their addresses as source or ARP with one of their MACs and
+// addresses as sender, nothing else (no other EtherType, no VLAN tag, nothing too short to
+// tell). The receiving node's own VMs, the gateway and other nodes' VMs are none of them.
+func (h *Host) vxlanFromVMs() []rule {
+	src, port := h.peerAddr(), h.opts.VXLANPort
+	macOf := func(off uint32) []expr.Any {
+		return cat(payload(expr.PayloadBaseTransportHeader, off, []byte{0x0a, 0x58}, expr.CmpOpEq), h.vxlanLookup("vxlan-vms", off+2, false))
+	}
+	typeIs := func(t uint16) []expr.Any {
+		return payload(expr.PayloadBaseTransportHeader, innerType, binaryutil.BigEndian.PutUint16(t), expr.CmpOpEq)
+	}
+	return []rule{
+		{nodeInput, fmt.Sprintf("udp dport %d @th,176,16 0x0a58 %[2]s . @th,96,32 . @th,192,32 @vxlan-vms @th,224,16 0x0800 %[2]s . @th,96,32 . @th,336,32 @vxlan-vms accept", port, src),
+			cat(h.vxlanPort(), macOf(innerSrcMAC), typeIs(unix.ETH_P_IP), h.vxlanLookup("vxlan-vms", innerIPSrc, false), verdict(expr.VerdictAccept))},
+		{nodeInput, fmt.Sprintf("udp dport %d @th,176,16 0x0a58 %[2]s . @th,96,32 . @th,192,32 @vxlan-vms @th,224,16 0x0806 @th,304,16 0x0a58 %[2]s . @th,96,32 . @th,320,32 @vxlan-vms %[2]s . @th,96,32 . @th,352,32 @vxlan-vms accept", port, src),
+			cat(h.vxlanPort(), macOf(innerSrcMAC), typeIs(unix.ETH_P_ARP), macOf(innerARPSender), h.vxlanLookup("vxlan-vms", innerARPAddr, false), verdict(expr.VerdictAccept))},
+		{nodeInput, fmt.Sprintf("udp dport %d counter drop", port), cat(h.vxlanPort(), drop())},
 	}
 }
 
@@ -60,7 +122,12 @@ func peerKey(vtep netip.Addr, vni uint32) []byte {
 	return binary.BigEndian.AppendUint32(vtep.AsSlice(), vni<<8)
 }
 
-// createNodeTables adds the node's table, chains and set to the next batch.
+func vmKey(vtep netip.Addr, vni uint32, vm netip.Addr) []byte {
+	a := vm.As4()
+	return append(peerKey(vtep, vni), a[:]...)
+}
+
+// createNodeTables adds the node's table, chains and sets to the next batch.
 func (h *Host) createNodeTables() {
 	h.nft.AddTable(inetTable)
 	for _, c := range nodeChains {
@@ -68,6 +135,7 @@ func (h *Host) createNodeTables() {
 	}
 	if h.opts.VTEP.IsValid() {
 		_ = h.nft.AddSet(h.vxlanPeers(), nil)
+		_ = h.nft.AddSet(h.vxlanVMs(), nil)
 	}
 	_ = h.nft.AddSet(endpointsSet, nil)
 }
@@ -80,19 +148,39 @@ func (h *Host) ensureNodeRules() error {
 	return nil
 }
 
-// syncPeers makes the nodes admitted to the overlay of vni exactly vteps.
-func (h *Host) syncPeers(vni uint32, vteps []netip.Addr) error {
+// syncPeers makes what the overlay of vni admits exactly peers: their nodes, and from each
+// node the VMs placed on it.
+func (h *Host) syncPeers(vni uint32, peers []Peer) error {
 	if !h.opts.VTEP.IsValid() || vni == 0 {
 		return nil
 	}
-	set := h.vxlanPeers()
+	nodes, vms := map[string]bool{}, map[string]bool{}
+	for _, p := range peers {
+		if p.VTEP.Is4() == h.opts.VTEP.Is4() && p.VTEP != h.opts.VTEP && p.IP.Is4() {
+			nodes[string(peerKey(p.VTEP, vni))] = true
+			vms[string(vmKey(p.VTEP, vni, p.IP))] = true
+		}
+	}
+	for _, s := range []struct {
+		set  *nftables.Set
+		want map[string]bool
+	}{{h.vxlanPeers(), nodes}, {h.vxlanVMs(), vms}} {
+		if err := h.syncVNI(s.set, vni, s.want); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// syncVNI makes set's elements of vni (keys: address . VNI word[ . more]) exactly want.
+func (h *Host) syncVNI(set *nftables.Set, vni uint32, want map[string]bool) error {
 	cur, err := h.nft.GetSetElements(set)
 	if err != nil {
 		if _, err2 := h.nft.GetSetByName(set.Table, set.Name); err2 == nil {
-			return fmt.Errorf("listing the overlay's peers: %w", err)
+			return fmt.Errorf("listing set %s: %w", set.Name, err)
 		}
 		// No set: nothing to remove, and the node's rules make it.
-		if len(vteps) == 0 {
+		if len(want) == 0 {
 			return nil
 		}
 		if err := h.ensureNodeRules(); err != nil {
@@ -100,16 +188,10 @@ func (h *Host) syncPeers(vni uint32, vteps []netip.Addr) error {
 		}
 		cur = nil
 	}
-	want := map[string]bool{}
-	for _, v := range vteps {
-		if v.Is4() == h.opts.VTEP.Is4() {
-			want[string(peerKey(v, vni))] = true
-		}
-	}
-	suffix := binary.BigEndian.AppendUint32(nil, vni<<8)
+	at, word := h.opts.VTEP.BitLen()/8, binary.BigEndian.AppendUint32(nil, vni<<8)
 	var del []nftables.SetElement
 	for _, e := range cur {
-		if !bytes.HasSuffix(e.Key, suffix) {
+		if len(e.Key) < at+4 || !bytes.Equal(e.Key[at:at+4], word) {
 			continue
 		}
 		if want[string(e.Key)] {
@@ -136,7 +218,7 @@ func (h *Host) syncPeers(vni uint32, vteps []netip.Addr) error {
 		}
 	}
 	if err := h.nft.Flush(); err != nil {
-		return fmt.Errorf("updating the overlay's peers of VNI %d: %w", vni, err)
+		return fmt.Errorf("updating set %s of VNI %d: %w", set.Name, vni, err)
 	}
 	return nil
 }

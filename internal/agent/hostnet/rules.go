@@ -25,6 +25,8 @@ import (
 //	                 chain forward     egress never to another network, link-local or denied CIDRs
 //	                 chain postrouting masquerade of the transit addresses to the node's
 //	                 set vxlan-peers   (peer node address . VNI) that may send the overlay's packets
+//	                 set vxlan-vms     (peer node address . VNI . VM address): the sources their
+//	                                   frames may carry, the VMs placed on them
 //
 // In each network's namespace, which IMP owns whole (input and forward drop by default):
 //
@@ -128,7 +130,8 @@ func networkRules(id string, n Network, overlay bool) []rule {
 // reaches neither another network, nor link-local addresses, nor the denied CIDRs, nor any
 // overlay port (IMP's and the usual CNIs': a node's address is what their peers trust); transit
 // addresses leave masqueraded to the node's. With an overlay, the VXLAN port takes packets
-// only from the nodes of each network (set vxlan-peers).
+// only from the nodes of each network (set vxlan-peers), and from each only frames of the VMs
+// placed on it (set vxlan-vms): a compromised node sends as no other node's VM.
 func (h *Host) nodeRules() []rule {
 	from := func() []expr.Any { return ifname(expr.MetaKeyIIFNAME, egressPrefix, false) }
 	egress := fmt.Sprintf("iifname \"%s*\"", egressPrefix)
@@ -161,6 +164,7 @@ func (h *Host) nodeRules() []rule {
 	if h.opts.VTEP.IsValid() {
 		rs = append(rs, rule{nodeInput, fmt.Sprintf("udp dport %d %s . @th,96,32 != @vxlan-peers counter drop", h.opts.VXLANPort, h.peerAddr()),
 			cat(h.vxlanFilter(), drop())})
+		rs = append(rs, h.vxlanFromVMs()...)
 	}
 	return rs
 }
