@@ -211,6 +211,9 @@ func TestFirecrackerVM(t *testing.T) {
 			t.Errorf("the snapshot's %s stays in the source's jail: %v", f, err)
 		}
 	}
+	// Taken with the source's workload frozen, which runs on once the snapshot is saved.
+	g.Eventually(func() string { b, _ := os.ReadFile(filepath.Join(jail, "root", "guest-frozen")); return string(b) }).
+		WithTimeout(30*time.Second).Should(Equal("0"), "the source's workload thawed after the snapshot")
 	copyVM := w.vm("fc-copy", "serve")
 	copyVM.Spec.VMM, copyVM.Spec.SnapshotRef = impv1.VMMFirecracker, &impv1.SnapshotReference{Name: "fc-snap"}
 	copyVM.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
@@ -231,6 +234,7 @@ func TestFirecrackerVM(t *testing.T) {
 			Token   string `json:"token"`
 			Entropy string `json:"entropy"`
 		} `json:"restore"`
+		FrozenAtRestore bool `json:"frozenAtRestore"`
 	}
 	data, _ = os.ReadFile(filepath.Join(copyJail, "guest-identity.json"))
 	_ = json.Unmarshal(data, &identity)
@@ -241,6 +245,9 @@ func TestFirecrackerVM(t *testing.T) {
 	_ = json.Unmarshal(cdata, &cm)
 	sdata, _ := os.ReadFile(filepath.Join(dir, "meta.json"))
 	_ = json.Unmarshal(sdata, &sm)
+	if !identity.FrozenAtRestore {
+		t.Errorf("the snapshot was taken with the workload running: %s", data)
+	}
 	if identity.Restore.Token == "" || identity.Restore.Token != cm.Token || cm.Token == sm.Token || len(identity.Restore.Entropy) < 64 {
 		t.Errorf("the copy's guest took on %s (its meta: token %q; the source's %q)", data, cm.Token, sm.Token)
 	}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -49,6 +50,12 @@ type monitor struct {
 	console *console
 	// stopping: the run is being stopped (its guest asked to); a boot timeout no longer ends it.
 	stopping bool
+	// freezes: the guest's hello offered to freeze its workload. holding: a snapshot holds the
+	// workload frozen (a connection made meanwhile does not thaw it); frozen, when not nil, is
+	// closed when the guest says it froze it.
+	freezes atomic.Bool
+	holding bool
+	frozen  chan struct{}
 }
 
 // requestStop asks the guest to stop its workload; it says whether the request went out (the
@@ -57,14 +64,70 @@ func (m *monitor) requestStop() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.stopping = true
+	return m.request("stop")
+}
+
+// request writes op to the guest channel, if connected; the caller holds m.mu.
+func (m *monitor) request(op string) bool {
 	if m.conn == nil {
 		return false
 	}
-	line, _ := json.Marshal(guestinit.Request{Op: "stop", Token: m.token})
+	line, _ := json.Marshal(guestinit.Request{Op: op, Token: m.token})
 	_ = m.conn.SetWriteDeadline(time.Now().Add(time.Second)) // a guest that reads nothing stalls no one
 	_, err := m.conn.Write(append(line, '\n'))
 	_ = m.conn.SetWriteDeadline(time.Time{})
 	return err == nil
+}
+
+// freezeTimeout bounds how long a snapshot or a suspension waits for the guest to freeze its
+// workload (imp-init gives up after a second itself).
+const freezeTimeout = 2 * time.Second
+
+// errCannotFreeze: the guest did not offer to freeze its workload (an imp-init before it, or a
+// kernel without a cgroup for it).
+var errCannotFreeze = errors.New("the guest cannot freeze its workload")
+
+// freeze asks the guest to freeze its workload, for a snapshot of it, and waits up to timeout
+// for it to say it did. The workload stays frozen, over reconnections, until thaw, which the
+// caller owes whatever freeze returned; the next run's monitor thaws it too (a suspension's
+// resume, an agent's restart).
+func (m *monitor) freeze(timeout time.Duration) error {
+	m.mu.Lock()
+	if !m.freezes.Load() {
+		m.mu.Unlock()
+		return errCannotFreeze
+	}
+	done := make(chan struct{})
+	m.holding, m.frozen = true, done
+	sent := m.request("freeze")
+	m.mu.Unlock()
+	if !sent {
+		return errors.New("the guest channel is not connected")
+	}
+	select {
+	case <-done:
+		return nil
+	case <-time.After(timeout):
+		return fmt.Errorf("the guest did not say it froze its workload within %v", timeout)
+	}
+}
+
+// thaw lets the workload run again.
+func (m *monitor) thaw() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.holding, m.frozen = false, nil
+	m.request("thaw")
+}
+
+// guestFroze takes the guest's word that its workload is frozen, if a freeze waits for it.
+func (m *monitor) guestFroze() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.frozen != nil {
+		close(m.frozen)
+		m.frozen = nil
+	}
 }
 
 func (a *Agent) stopMonitor(uid types.UID) {
@@ -304,6 +367,11 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			}
 			m.mu.Lock()
 			m.conn = conn
+			if !m.holding {
+				// A workload a snapshot or a suspension left frozen (its agent stopped before
+				// thawing it; the VM resumed) runs again.
+				m.request("thaw")
+			}
 			m.mu.Unlock()
 			closed := make(chan struct{})
 			go func() {
@@ -315,7 +383,9 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			}()
 			_ = guestchan.ReadLines(conn, func(line []byte) {
 				before := sess.Ignored
-				if ev := sess.Feed(line); ev.Kind != guestchan.None {
+				ev := sess.Feed(line)
+				m.freezes.Store(sess.Freezes)
+				if ev.Kind != guestchan.None {
 					select {
 					case events <- ev:
 					case <-ctx.Done(): // nobody reads them any more
@@ -422,6 +492,8 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				}
 			case guestchan.Exit, guestchan.Error:
 				end = &ev
+			case guestchan.Frozen:
+				m.guestFroze()
 			}
 		case <-tick.C:
 			if w.alive() {

@@ -614,3 +614,116 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 	guest.Close()
 	<-done
 }
+
+// TestFreezeTakesTheGuestsWordOnly: a snapshot asks the guest to freeze its workload only
+// when its hello offered to, and waits for its word: a guest that never answers holds the
+// snapshot up for the timeout, not longer; a "frozen" it says unasked (or before its hello)
+// answers no later request. A frozen workload is thawed by thaw, and by every connection of
+// a monitor that holds no freeze (an agent's restart, the next run after a suspension), not
+// by a reconnection meanwhile.
+func TestFreezeTakesTheGuestsWordOnly(t *testing.T) {
+	const token = "the-token"
+	sock := filepath.Join(t.TempDir(), "channel.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	var alive atomic.Bool
+	alive.Store(true)
+	t.Cleanup(func() { alive.Store(false) })
+	mon := &monitor{token: token}
+	w := watch{alive: alive.Load, report: func(context.Context, impv1.RuntimeStatus) {},
+		dial:    func() (net.Conn, error) { return net.Dial("unix", sock) },
+		capLogs: func() error { return nil }, ended: func() {}, tail: func() string { return "" }, unhealthy: func(guestchan.Event) {}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); mon.follow(ctx, w, &meta{Token: token, Started: time.Now()}, logr.Discard()) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	// connect accepts the monitor's next connection and returns it with the ops it asks.
+	connect := func() (net.Conn, <-chan string) {
+		t.Helper()
+		c, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ops := make(chan string, 16)
+		go func() {
+			sc := bufio.NewScanner(c)
+			for sc.Scan() {
+				var r guestinit.Request
+				if json.Unmarshal(sc.Bytes(), &r) == nil && r.Token == token {
+					ops <- r.Op
+				}
+			}
+		}()
+		return c, ops
+	}
+	next := func(ops <-chan string) string {
+		select {
+		case op := <-ops:
+			return op
+		case <-time.After(10 * time.Second):
+			return "(nothing)"
+		}
+	}
+	say := func(c net.Conn, line string) {
+		t.Helper()
+		if _, err := c.Write([]byte(line + "\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	guest, ops := connect()
+	if got := next(ops) + " " + next(ops); got != "replay thaw" {
+		t.Fatalf("a first connection asked %q, want the replay and a thaw", got)
+	}
+	say(guest, `{"event":"frozen"}`) // before any hello: nothing
+	say(guest, `{"event":"hello","token":"`+token+`"}`)
+	if err := mon.freeze(time.Second); !errors.Is(err, errCannotFreeze) {
+		t.Fatalf("a guest that did not offer to freeze: %v", err)
+	}
+	say(guest, `{"event":"hello","token":"`+token+`","freezes":true}`)
+	say(guest, `{"event":"frozen"}`) // unasked
+	waitFor(t, "the offer", mon.freezes.Load)
+	start := time.Now()
+	if err := mon.freeze(300 * time.Millisecond); err == nil {
+		t.Fatal("a guest that said frozen before it was asked froze nothing")
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("a silent guest held the freeze %v", took)
+	}
+	if op := next(ops); op != "freeze" {
+		t.Fatalf("asked %q, want freeze", op)
+	}
+	mon.thaw()
+	if op := next(ops); op != "thaw" {
+		t.Fatalf("asked %q, want thaw", op)
+	}
+
+	// Frozen on its word; a reconnection meanwhile does not thaw it, thaw does.
+	answered := make(chan error, 1)
+	go func() { answered <- mon.freeze(10 * time.Second) }()
+	if op := next(ops); op != "freeze" {
+		t.Fatalf("asked %q, want freeze", op)
+	}
+	say(guest, `{"event":"frozen"}`)
+	if err := <-answered; err != nil {
+		t.Fatalf("a guest that froze when asked: %v", err)
+	}
+	guest.Close()
+	guest, ops = connect()
+	if op := next(ops); op != "replay" {
+		t.Fatalf("a reconnection asked %q, want the replay", op)
+	}
+	say(guest, `{"event":"hello","token":"`+token+`","freezes":true}`)
+	mon.requestStop() // a marker: what the reconnection asked comes before it
+	if op := next(ops); op != "stop" {
+		t.Fatalf("a reconnection while the workload is frozen for a snapshot asked %q", op)
+	}
+	mon.thaw()
+	if op := next(ops); op != "thaw" {
+		t.Fatalf("after thaw, asked %q", op)
+	}
+	guest.Close()
+}

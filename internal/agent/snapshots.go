@@ -119,10 +119,12 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	if err != nil {
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
+	thaw := s.freeze(vm, running)
 	taken := time.Now()
 	a.taking.Store(vm.UID, struct{}{})
 	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp)
 	a.taking.Delete(vm.UID)
+	thaw()
 	if err != nil {
 		_ = a.removeSnapshot(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
@@ -178,6 +180,26 @@ func (s snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *i
 		return s.push(ctx, snap)
 	}
 	return nil
+}
+
+// freeze has a running VM's guest freeze its workload for the snapshot (a suspended VM's was
+// frozen when it was suspended) and returns what thaws it. A copy's guest thaws it only once it
+// is the copy (guestinit), so no copy runs a step of the workload with the source's identity
+// and random state. A guest that offered to and did not is told in an Event; an older
+// imp-init, which cannot, is not.
+func (s snapshotter) freeze(vm *impv1.ImpVM, running bool) (thaw func()) {
+	if !running {
+		return func() {}
+	}
+	m, err := s.a.running(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID)
+	if err != nil {
+		return func() {}
+	}
+	if err := m.freeze(freezeTimeout); err != nil && !errors.Is(err, errCannotFreeze) {
+		s.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "WorkloadNotFrozen", "Snapshot",
+			"The snapshot is taken with the workload running (%v): its copies share what it draws until each takes on its identity", err)
+	}
+	return m.thaw
 }
 
 // source is the snapshot's VM on this node, its meta and whether it runs (else it is

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -51,6 +52,11 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	suspending.State, suspending.Message = impv1.RuntimeSuspending, "saving the VM's memory and device state"
 	if err := a.report(ctx, vm, suspending); err != nil {
 		return err
+	}
+	// Its workload frozen first, as for a snapshot (a suspended VM's state may be snapshotted,
+	// and its copies restored): the next run's monitor thaws it, resumed or not.
+	if m, err := a.running(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID); err == nil {
+		_ = m.freeze(freezeTimeout)
 	}
 	a.stopMonitor(vm.UID) // the VMM exits on purpose
 	start := time.Now()

@@ -95,8 +95,8 @@ type Device struct {
 
 // Message is one line of JSON on the guest channel, from the guest to the agent.
 type Message struct {
-	// Event is "hello" (with the VM's token), "ready", "probe", "exit", "error" or
-	// "restored" (with the VM's new token).
+	// Event is "hello" (with the VM's token), "ready", "probe", "exit", "error",
+	// "restored" (with the VM's new token) or "frozen".
 	Event   string `json:"event"`
 	Token   string `json:"token,omitempty"`
 	Code    *int   `json:"code,omitempty"`
@@ -108,14 +108,23 @@ type Message struct {
 	// Replay, on a "restored" event: the guest tells the connection its replay right after
 	// it (what a new connection is told), so the agent need not ask for it.
 	Replay bool `json:"replay,omitempty"`
+	// Freezes, on a hello: the guest can freeze its workload for a snapshot ("freeze"), and
+	// answers FrozenEvent once it is.
+	Freezes bool `json:"freezes,omitempty"`
 }
+
+// FrozenEvent answers a "freeze" request: every process of the workload is stopped. It is
+// told the connection that asked, never kept for the next.
+const FrozenEvent = "frozen"
 
 // Request is one line of JSON on the guest channel, from the agent to the guest. Requests
 // carry the VM's token; imp-init ignores a request with another.
 type Request struct {
 	// Op is "stop": signal the workload to terminate (SIGTERM); "replay": tell this connection
-	// what a new one is told (the history and the probes' latest verdicts); or "restore": the
-	// guest was restored from a snapshot as another VM, whose identity Restore gives.
+	// what a new one is told (the history and the probes' latest verdicts); "freeze": stop
+	// every process of the workload (its cgroup's freezer), answered FrozenEvent, before a
+	// snapshot; "thaw": let them run again; or "restore": the guest was restored from a
+	// snapshot as another VM, whose identity Restore gives (and then thaws the workload).
 	Op    string `json:"op"`
 	Token string `json:"token"`
 	// Restore is a "restore" request's new identity.

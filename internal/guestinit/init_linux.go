@@ -72,6 +72,9 @@ func run() (int, error) {
 			return -1, fmt.Errorf("mounting %s: %w", m.dst, err)
 		}
 	}
+	if err := makeWorkloadCgroup(); err != nil {
+		fmt.Fprintln(os.Stderr, "imp-init: the workload runs without a cgroup of its own (a snapshot cannot freeze it):", err)
+	}
 	// Terminals for exec -t: devpts, and /dev/ptmx where programs look for it.
 	if err := os.MkdirAll("/dev/pts", 0o755); err == nil {
 		if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"); err != nil && !errors.Is(err, unix.EBUSY) {
@@ -296,10 +299,11 @@ func command(cfg Config, argv []string) (*exec.Cmd, error) {
 	if dir == "" {
 		dir = "/"
 	}
-	return &exec.Cmd{
-		Path: path, Args: argv, Env: env, Dir: dir,
-		SysProcAttr: &syscall.SysProcAttr{Credential: cred, Setsid: true},
-	}, nil
+	attr := &syscall.SysProcAttr{Credential: cred, Setsid: true}
+	if workload != nil {
+		attr.UseCgroupFD, attr.CgroupFD = true, int(workload.Fd()) // born in it (clone3)
+	}
+	return &exec.Cmd{Path: path, Args: argv, Env: env, Dir: dir, SysProcAttr: attr}, nil
 }
 
 func runWorkload(cfg Config, gnet *Net) (int, error) {
@@ -531,7 +535,7 @@ func openChannel(token, transport string) (*channel, error) {
 			_, _ = f.Write(line)
 		}
 	}(c.out)
-	c.send(Message{Event: "hello", Token: token})
+	c.send(Message{Event: "hello", Token: token, Freezes: workload != nil})
 	go c.watchHost(f)
 	return c, nil
 }
@@ -673,6 +677,15 @@ func (c *channel) send(m Message) {
 	c.emit(line)
 }
 
+// tell says m to the host connection as it stands, without keeping it for the next one (an
+// answer to a request of this one).
+func (c *channel) tell(m Message) {
+	line, _ := json.Marshal(m)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.emit(append(line, '\n'))
+}
+
 // fail reports a start failure and returns the exit code the VM ends with.
 func (c *channel) fail(err error) (int, error) {
 	c.send(Message{Event: "error", Message: err.Error()})
@@ -712,6 +725,12 @@ func (c *channel) read(r io.Reader, waitEOF bool) {
 					}
 				case req.Op == "replay":
 					c.replayNow()
+				case req.Op == "freeze":
+					if freezeWorkload() {
+						c.tell(Message{Event: FrozenEvent})
+					}
+				case req.Op == "thaw":
+					thawWorkload()
 				case req.Op == "restore" && req.Restore != nil:
 					c.restore(req.Restore)
 				}
@@ -774,6 +793,6 @@ func openVsockChannel(token, port string) (*channel, error) {
 			go c.read(conn, false)
 		}
 	}()
-	c.send(Message{Event: "hello", Token: token})
+	c.send(Message{Event: "hello", Token: token, Freezes: workload != nil})
 	return c, nil
 }

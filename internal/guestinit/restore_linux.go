@@ -65,7 +65,7 @@ func (l *liveRun) runProbes(cfg Config) {
 
 // restore makes this guest, restored from another VM's snapshot, the VM r describes: the
 // clock, the kernel's random state, its own configuration disk, hostname and network, then
-// the channel's token. The agent's rules drop whatever the guest sends from the snapshot's
+// it thaws the workload (frozen when the snapshot was taken), then the channel's token. The agent's rules drop whatever the guest sends from the snapshot's
 // MAC until then. It answers on the channel with RestoredEvent, then tells the connection the
 // replay, with the new token, when its queue takes all of it (answerRestore): the agent
 // watches the run on this connection, and would otherwise ask for it, one more round trip
@@ -122,6 +122,7 @@ func applyRestore(r *Restore) error {
 	live.mu.Lock()
 	live.cfg, live.net = cfg, n
 	live.mu.Unlock()
+	thawWorkload() // a snapshot froze it: it runs on as this VM, never as the snapshot's
 	live.runProbes(cfg)
 	return nil
 }

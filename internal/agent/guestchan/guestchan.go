@@ -41,6 +41,10 @@ const (
 	// Probe: a probe's verdict changed (Event.Probe, Event.OK, Event.Message): readiness
 	// passing or failing, startup passing, a startup or liveness probe failing for good.
 	Probe
+	// Frozen: the guest says its workload is frozen (it was asked to, for a snapshot). It
+	// changes no status; a guest saying it unasked, or falsely, makes its own snapshot's copies
+	// share what its workload drew before their restore, nothing else.
+	Frozen
 )
 
 // Event is a message the agent acts on.
@@ -60,6 +64,8 @@ type Session struct {
 	ended  bool
 	// killed: a startup or liveness probe failed; the run is ending.
 	killed bool
+	// Freezes: the guest's hello offered to freeze its workload for a snapshot.
+	Freezes bool
 	// Ignored counts lines dropped: malformed, oversized, unauthenticated, out of order.
 	Ignored int
 	// Why says why the last line was dropped, for a log line.
@@ -94,6 +100,7 @@ func (s *Session) feed(line []byte) (Event, string) {
 		if !s.authed {
 			return Event{}, "hello with the wrong token"
 		}
+		s.Freezes = msg.Freezes
 		return Event{}, ""
 	}
 	if !s.authed {
@@ -120,6 +127,8 @@ func (s *Session) feed(line []byte) (Event, string) {
 		return Event{Kind: Error, Message: Sanitize(msg.Message)}, ""
 	case "probe":
 		return s.probe(msg)
+	case guestinit.FrozenEvent:
+		return Event{Kind: Frozen}, ""
 	}
 	return Event{}, "unknown event"
 }

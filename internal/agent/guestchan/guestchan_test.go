@@ -34,6 +34,7 @@ func TestSession(t *testing.T) {
 			`{"event":"probe","probe":"liveness","ok":false}`, `{"event":"probe","probe":"readiness","ok":true}`, `{"event":"exit","code":137}`, `{"event":"probe","probe":"readiness","ok":true}`},
 			[]Event{{Kind: Ready}, {Kind: Probe, Probe: "readiness", OK: true}, {Kind: Probe, Probe: "readiness", Message: "HTTP 500 "}, {Kind: Probe, Probe: "startup", OK: true},
 				{Kind: Probe, Probe: "liveness", Message: "down"}, {Kind: Exit, Code: 137}}},
+		{"frozen, after hello only", []string{`{"event":"frozen"}`, hello, `{"event":"frozen"}`, `{"event":"frozen"}`}, []Event{{Kind: Frozen}, {Kind: Frozen}}},
 		{"an error's text is tamed", []string{hello, `{"event":"error","message":"bad\u001b[2J\nthing` + strings.Repeat("é", 400) + `"}`},
 			[]Event{{Kind: Error, Message: "bad [2J thing" + strings.Repeat("é", 249) + "…"}}},
 	}
@@ -55,6 +56,21 @@ func TestSession(t *testing.T) {
 				}
 			}
 		})
+	}
+	// The offer to freeze is the authenticated hello's: a wrong hello's offer, or a later one's
+	// withdrawal, stands as the last good hello said.
+	s := NewSession(token)
+	s.Feed([]byte(`{"event":"hello","token":"guess","freezes":true}`))
+	if s.Freezes {
+		t.Error("a wrong hello's offer to freeze was taken")
+	}
+	s.Feed([]byte(`{"event":"hello","token":"t0k","freezes":true}`))
+	if !s.Freezes {
+		t.Error("the hello's offer to freeze was not taken")
+	}
+	s.Feed([]byte(hello))
+	if s.Freezes {
+		t.Error("a hello without the offer left it standing")
 	}
 	if s := NewSession(""); s.Feed([]byte(`{"event":"hello","token":""}`)) != (Event{}) || s.authed {
 		t.Error("a session without a token trusted a hello without one")

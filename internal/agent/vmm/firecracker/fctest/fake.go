@@ -42,6 +42,7 @@ func FakeFirecracker(args []string) int {
 	srv.Root = "/"
 	done := make(chan struct{})
 	guest := &fakeGuest{}
+	srv.GuestFrozen = guest.isFrozen
 	srv.OnStart = func(cfg Config) {
 		findVolumes(cfg, srv.drives)
 		// What the jail's /disks holds as the guest starts, for tests of what a guest's
@@ -131,16 +132,35 @@ func echoConsole(in *os.File, out string) {
 }
 
 // fakeGuest is the guest end of the vsock channel, as imp-init serves it: a new connection is
-// told the history; a "replay" request tells it again; a "restore" request with the guest's
-// token makes it take on the new token (its hello says it from then on), writes the request's
-// identity to /guest-identity.json (the jail's root) with the interfaces the VM has, and
-// answers "restored".
+// told the history (its hello offers to freeze the workload); a "replay" request tells it
+// again; "freeze" freezes the workload, answered "frozen", and "thaw" thaws it (the state in
+// /guest-frozen, "1" or "0"); a "restore" request with the guest's token makes it take on the
+// new token (its hello says it from then on), writes the request's identity to
+// /guest-identity.json (the jail's root) with the interfaces the VM has and whether the
+// workload was frozen (the snapshot's), thaws it, and answers "restored".
 type fakeGuest struct {
 	mu      sync.Mutex
 	history [][]byte
 	conn    net.Conn
 	token   string
 	ifaces  map[string]map[string]any
+	frozen  bool
+}
+
+func (g *fakeGuest) isFrozen() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.frozen
+}
+
+// setFrozen records the workload's state; the caller holds g.mu.
+func (g *fakeGuest) setFrozen(frozen bool) {
+	g.frozen = frozen
+	v := "0"
+	if frozen {
+		v = "1"
+	}
+	_ = os.WriteFile("/guest-frozen", []byte(v), 0o600)
 }
 
 func (g *fakeGuest) send(m map[string]any) {
@@ -148,7 +168,7 @@ func (g *fakeGuest) send(m map[string]any) {
 	line = append(line, '\n')
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if m["event"] != "restored" {
+	if m["event"] != "restored" && m["event"] != guestinit.FrozenEvent {
 		g.history = append(g.history, line)
 	}
 	if g.conn != nil {
@@ -182,6 +202,15 @@ func (g *fakeGuest) serve(r *bufio.Reader, c net.Conn) {
 				_, _ = c.Write(l)
 			}
 			g.mu.Unlock()
+		case req.Op == "freeze":
+			g.mu.Lock()
+			g.setFrozen(true)
+			g.mu.Unlock()
+			g.send(map[string]any{"event": guestinit.FrozenEvent})
+		case req.Op == "thaw":
+			g.mu.Lock()
+			g.setFrozen(false)
+			g.mu.Unlock()
 		case req.Op == "restore" && req.Restore != nil:
 			g.mu.Lock()
 			newToken, _ := req.Restore["token"].(string)
@@ -191,7 +220,8 @@ func (g *fakeGuest) serve(r *bufio.Reader, c net.Conn) {
 					g.history[i] = []byte(`{"event":"hello","token":"` + newToken + `"}` + "\n")
 				}
 			}
-			id, _ := json.Marshal(map[string]any{"restore": req.Restore, "interfaces": g.ifaces})
+			id, _ := json.Marshal(map[string]any{"restore": req.Restore, "interfaces": g.ifaces, "frozenAtRestore": g.frozen})
+			g.setFrozen(false)
 			g.mu.Unlock()
 			_ = os.WriteFile("/guest-identity.json", id, 0o600)
 			g.send(map[string]any{"event": "restored", "token": newToken})
@@ -213,8 +243,9 @@ func (g *fakeGuest) start(sock string, cfg Config) {
 	}
 	g.mu.Lock()
 	g.token, g.ifaces = token, cfg.NetIfaces
+	g.setFrozen(cfg.GuestFrozen) // a snapshot's guest runs on as it was taken
 	g.mu.Unlock()
-	g.send(map[string]any{"event": "hello", "token": token})
+	g.send(map[string]any{"event": "hello", "token": token, "freezes": true})
 	g.send(map[string]any{"event": "ready"})
 	go func() {
 		for {

@@ -24,6 +24,9 @@ type Config struct {
 	Logger        map[string]any            `json:"logger,omitempty"`
 	Metrics       map[string]any            `json:"metrics,omitempty"`
 	Serial        map[string]any            `json:"serial,omitempty"`
+	// GuestFrozen, of a snapshot's state: the guest's workload was frozen when it was taken
+	// (what its memory would hold of imp-init's cgroup), as Server.GuestFrozen said.
+	GuestFrozen bool `json:"guest-frozen,omitempty"`
 }
 
 // Server is the double. Its exported state is read under Lock.
@@ -46,6 +49,9 @@ type Server struct {
 	OnStart func(Config)
 	// Root resolves the paths of snapshot files, as a jailed Firecracker's root does.
 	Root string
+	// GuestFrozen, when set, says whether the guest's workload is frozen, for the snapshot
+	// state (Config.GuestFrozen).
+	GuestFrozen func() bool
 	// Refused records each refused request and why.
 	Refused []string
 	ln      net.Listener
@@ -319,7 +325,9 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		if !s.Paused {
 			return nil, badRequest("Cannot create a snapshot of a running microVM: pause it first.")
 		}
-		state, _ := json.Marshal(s.Config)
+		taken := s.Config
+		taken.GuestFrozen = s.GuestFrozen != nil && s.GuestFrozen()
+		state, _ := json.Marshal(taken)
 		if err := os.WriteFile(filepath.Join(s.Root, obj["snapshot_path"].(string)), state, 0o600); err != nil {
 			return nil, badRequest("Cannot write the snapshot: %v", err)
 		}
