@@ -638,7 +638,10 @@ func TestFreezeTakesTheGuestsWordOnly(t *testing.T) {
 		capLogs: func() error { return nil }, ended: func() {}, tail: func() string { return "" }, unhealthy: func(guestchan.Event) {}}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { defer close(done); mon.follow(ctx, w, &meta{Token: token, Started: time.Now()}, logr.Discard()) }()
+	go func() {
+		defer close(done)
+		mon.follow(ctx, w, &meta{Token: token, Started: time.Now()}, logr.Discard())
+	}()
 	t.Cleanup(func() { cancel(); <-done })
 
 	// connect accepts the monitor's next connection and returns it with the ops it asks.
