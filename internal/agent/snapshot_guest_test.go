@@ -694,21 +694,8 @@ func draws(console string) []draw {
 // What stays shared, as docs/snapshots.md says: the user-space generator seeded before the
 // snapshot (the copies' first draws after it agree) and the boot id read before it.
 func TestCopiesDrawTheirOwn(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	sfx := ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	node := testnetns.New(t, "imp-e-"+sfx)
-	nodeName := "imp-entropy-" + sfx
-	readyNode(t, c, nodeName)
-	startOperator(t, c)
-	stateDir := filepath.Join(tmp, "state")
-	ag := startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: testnetns.PinDir(t)})
-	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir, agent: ag}
+	w := newWorld(t)
+	c, ns, ctx := w.c, w.ns, context.Background()
 	g := NewWithT(t)
 	ready := func(name string) func() bool {
 		return func() bool {

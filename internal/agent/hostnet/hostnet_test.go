@@ -580,17 +580,25 @@ func vxlanFrame(vni uint32, inner []byte) []byte {
 	return append(h, inner...)
 }
 
-// TestVXLANFromPeersOnly sends VXLAN packets with the network's VNI to the node's overlay port
-// from a peer node's address and from another: only the peer's reach the VM's tap, and the
-// others are counted as dropped.
-func TestVXLANFromPeersOnly(t *testing.T) {
-	node, remote := testnetns.New(t, "imp-hn-vx"), testnetns.New(t, "imp-hn-vxr")
+// underlay makes a node (192.0.2.1) and, linked to it, a namespace holding the addresses of
+// two other nodes (192.0.2.2 and .3), named name and name+"r".
+func underlay(t *testing.T, name string) (node, remote string) {
+	t.Helper()
+	node, remote = testnetns.New(t, name), testnetns.New(t, name+"r")
 	testnetns.Link(t, node, "under0", "192.0.2.1/24", remote, "under0", "192.0.2.2/24")
 	hr := testnetns.Handle(t, remote)
 	u, _ := hr.LinkByName("under0")
 	if err := hr.AddrAdd(u, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("192.0.2.3"), Mask: net.CIDRMask(24, 32)}}); err != nil {
 		t.Fatal(err)
 	}
+	return node, remote
+}
+
+// TestVXLANFromPeersOnly sends VXLAN packets with the network's VNI to the node's overlay port
+// from a peer node's address and from another: only the peer's reach the VM's tap, and the
+// others are counted as dropped.
+func TestVXLANFromPeersOnly(t *testing.T) {
+	node, remote := underlay(t, "imp-hn-vx")
 	h := open(t, node, "192.0.2.1")
 	n := network("vx", "10.71.0.0/24", 4711, false)
 	vmIP, peerIP := netip.MustParseAddr("10.71.0.2"), netip.MustParseAddr("10.71.0.3")
@@ -771,13 +779,7 @@ func nftConn(t *testing.T, path string) *nftables.Conn {
 // round, tagged, or too short to tell: none reaches the node's VM. What its own VM sends, and
 // what the other peer's VM sends from that peer, does.
 func TestVXLANFramesOnlyOfThePeersVMs(t *testing.T) {
-	node, remote := testnetns.New(t, "imp-hn-vxv"), testnetns.New(t, "imp-hn-vxvr")
-	testnetns.Link(t, node, "under0", "192.0.2.1/24", remote, "under0", "192.0.2.2/24")
-	hr := testnetns.Handle(t, remote)
-	u, _ := hr.LinkByName("under0")
-	if err := hr.AddrAdd(u, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("192.0.2.3"), Mask: net.CIDRMask(24, 32)}}); err != nil {
-		t.Fatal(err)
-	}
+	node, remote := underlay(t, "imp-hn-vxv")
 	h := open(t, node, "192.0.2.1")
 	n := network("vxv", "10.71.0.0/24", 4713, false)
 	ip := func(last byte) netip.Addr { return netip.AddrFrom4([4]byte{10, 71, 0, last}) }
