@@ -385,6 +385,10 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				before := sess.Ignored
 				ev := sess.Feed(line)
 				m.freezes.Store(sess.Freezes)
+				if ev.Kind == guestchan.Frozen {
+					m.guestFroze() // here, not behind the reports the loop below may be retrying
+					return
+				}
 				if ev.Kind != guestchan.None {
 					select {
 					case events <- ev:
@@ -492,8 +496,6 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				}
 			case guestchan.Exit, guestchan.Error:
 				end = &ev
-			case guestchan.Frozen:
-				m.guestFroze()
 			}
 		case <-tick.C:
 			if w.alive() {

@@ -55,8 +55,8 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	}
 	// Its workload frozen first, as for a snapshot (a suspended VM's state may be snapshotted,
 	// and its copies restored): the next run's monitor thaws it, resumed or not.
-	if m, err := a.running(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID); err == nil {
-		_ = m.freeze(freezeTimeout)
+	if mon, err := a.running(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID); err == nil {
+		_ = mon.freeze(freezeTimeout)
 	}
 	a.stopMonitor(vm.UID) // the VMM exits on purpose
 	start := time.Now()
