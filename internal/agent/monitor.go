@@ -21,6 +21,8 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
@@ -79,6 +81,12 @@ func (m *monitor) request(op string) bool {
 	return err == nil
 }
 
+var workloadFreezeSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+	Name: "imp_agent_workload_freeze_seconds", Help: "Time from asking a guest to freeze its workload (for a snapshot or a suspension) to its saying it did.",
+	Buckets: prometheus.ExponentialBuckets(0.001, 2, 12)})
+
+func init() { metrics.Registry.MustRegister(workloadFreezeSeconds) }
+
 // freezeTimeout bounds how long a snapshot or a suspension waits for the guest to freeze its
 // workload (imp-init gives up after a second itself).
 const freezeTimeout = 2 * time.Second
@@ -99,6 +107,7 @@ func (m *monitor) freeze(timeout time.Duration) error {
 	}
 	done := make(chan struct{})
 	m.holding, m.frozen = true, done
+	asked := time.Now()
 	sent := m.request("freeze")
 	m.mu.Unlock()
 	if !sent {
@@ -106,6 +115,7 @@ func (m *monitor) freeze(timeout time.Duration) error {
 	}
 	select {
 	case <-done:
+		workloadFreezeSeconds.Observe(time.Since(asked).Seconds())
 		return nil
 	case <-time.After(timeout):
 		return fmt.Errorf("the guest did not say it froze its workload within %v", timeout)

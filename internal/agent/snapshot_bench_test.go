@@ -138,6 +138,7 @@ func TestBenchSnapshot(t *testing.T) {
 	}).WithTimeout(10 * time.Minute).Should(BeTrue())
 	var pauses []time.Duration
 	var size *resource.Quantity
+	freezesBefore := freezes()
 	for i := range rounds {
 		name := fmt.Sprintf("snap-%d", i)
 		if err := w.c.Client.Create(ctx, &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMSnapshotSpec{VMName: "src",
@@ -151,6 +152,7 @@ func TestBenchSnapshot(t *testing.T) {
 		}).WithTimeout(5 * time.Minute).Should(HavePrefix("sha256:"))
 		pauses, size = append(pauses, time.Duration(s.Status.PauseMilliseconds)*time.Millisecond), s.Status.Size
 	}
+	freeze := freezes().minus(freezesBefore)["freeze"]
 	before := startSteps()
 	for i := range restoreRounds {
 		restore = append(restore, createReady(vm(fmt.Sprintf("restored-%d", i), "snap-0"))...)
@@ -186,8 +188,8 @@ func TestBenchSnapshot(t *testing.T) {
 		rounds, restoreRounds, pct(cold, .5), pct(cold, .99), pct(restore, .5), pct(restore, .99), float64(pct(cold, .5))/float64(pct(restore, .5)))
 	fmt.Printf("create → Ready, ten VMs at once:                cold boot P50 %v P99 %v; restore (node-local) P50 %v P99 %v (target ≤ 3 s P50); %.1f× faster\n",
 		pct(coldTen, .5), pct(coldTen, .99), pct(restoreTen, .5), pct(restoreTen, .99), float64(pct(coldTen, .5))/float64(pct(restoreTen, .5)))
-	fmt.Printf("snapshot of a running 256 MiB guest, %d runs:     pause P50 %v P99 %v (target ≤ 1 s); size %s on the node\n",
-		rounds, pct(pauses, .5), pct(pauses, .99), size)
+	fmt.Printf("snapshot of a running 256 MiB guest, %d runs:     pause P50 %v P99 %v (target ≤ 1 s); size %s on the node; the workload's freeze before each, mean %v (%v confirmed)\n",
+		rounds, pct(pauses, .5), pct(pauses, .99), size, time.Duration(freeze[0]/max(freeze[1], 1)*1e9).Round(100*time.Microsecond), freeze[1])
 	fmt.Printf("start steps of a restore, one VM at a time, mean: %s\n", oneAtATime)
 	fmt.Printf("restore from the registry (another node pulls, then restores): one VM P50 %v P99 %v; ten at once P50 %v P99 %v\n",
 		pct(fromRegistry, .5), pct(fromRegistry, .99), pct(fromRegistryTen, .5), pct(fromRegistryTen, .99))
@@ -207,6 +209,19 @@ func startSteps() steps {
 		}
 		for _, m := range mf.GetMetric() {
 			out[m.GetLabel()[0].GetValue()] = [2]float64{m.GetHistogram().GetSampleSum(), float64(m.GetHistogram().GetSampleCount())}
+		}
+	}
+	return out
+}
+
+// freezes is the agent's freeze histogram as steps["freeze"]: its sum and count.
+func freezes() steps {
+	out := steps{}
+	mfs, _ := metrics.Registry.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() == "imp_agent_workload_freeze_seconds" {
+			h := mf.GetMetric()[0].GetHistogram()
+			out["freeze"] = [2]float64{h.GetSampleSum(), float64(h.GetSampleCount())}
 		}
 	}
 	return out
