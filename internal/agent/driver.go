@@ -57,7 +57,7 @@ type driver interface {
 	// snapshot writes the VM's memory and device state and its writable disk into the
 	// directory into, pausing a running VM for it (and returning how long) or copying a
 	// suspended one's saved state; the VM runs on (or stays suspended) whatever happens.
-	snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, running bool, into string) (time.Duration, error)
+	snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, running bool, into string, resumed func()) (time.Duration, error)
 	// quit asks the VMM to end at once (the step before a signal).
 	quit(ctx context.Context, uid types.UID) error
 	// dial connects to the guest channel.
@@ -140,7 +140,7 @@ func (d qemuDriver) warm(ctx context.Context, vm *impv1.ImpVM, img string, size 
 	}()
 }
 
-func (d qemuDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, _ *meta, running bool, into string) (time.Duration, error) {
+func (d qemuDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, _ *meta, running bool, into string, resumed func()) (time.Duration, error) {
 	disk := func() error {
 		return snapshot.CopyDisk(filepath.Join(dir, vmrun.WritableDisk), filepath.Join(into, snapshot.DiskFile))
 	}
@@ -155,6 +155,7 @@ func (d qemuDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, _
 			return 0, fmt.Errorf("creating the snapshot's state file: %w", err)
 		}
 		pause, err = qemu.Snapshot(dir, state, disk, 5*time.Minute)
+		resumed() // the guest runs on, its snapshot's memory split from here
 		state.Close()
 		if err != nil {
 			return pause, err
@@ -288,7 +289,7 @@ func (d firecrackerDriver) suspend(ctx context.Context, vm *impv1.ImpVM, dir str
 
 // snapshot: a running VM's state and memory written by Firecracker into its jail, then moved out
 // into the snapshot; a suspended VM's (its jail's suspension files) copied out.
-func (d firecrackerDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, running bool, into string) (time.Duration, error) {
+func (d firecrackerDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, running bool, into string, resumed func()) (time.Duration, error) {
 	s := d.spec(vm, dir, m, "", hostnet.Attachment{}, nil)
 	disk := func() error {
 		return snapshot.CopyDisk(filepath.Join(dir, vmrun.WritableDisk), filepath.Join(into, snapshot.DiskFile))
@@ -296,7 +297,7 @@ func (d firecrackerDriver) snapshot(ctx context.Context, vm *impv1.ImpVM, dir st
 	if !running {
 		return 0, errors.Join(firecracker.CopySuspension(s, into), disk())
 	}
-	return firecracker.TakeSnapshot(ctx, s, into, disk)
+	return firecracker.TakeSnapshot(ctx, s, into, disk, resumed)
 }
 
 // quit sends Ctrl-Alt-Del, on which Firecracker exits with the guest's reset.

@@ -52,9 +52,11 @@ type monitor struct {
 	console *console
 	// stopping: the run is being stopped (its guest asked to); a boot timeout no longer ends it.
 	stopping bool
-	// freezes: the guest's hello offered to freeze its workload. holding: a snapshot holds the
-	// workload frozen (a connection made meanwhile does not thaw it); frozen, when not nil, is
-	// closed when the guest says it froze it.
+	// greeted: the guest said its hello with the token on this connection; freezes: it offered
+	// to freeze its workload. holding: a snapshot holds the workload frozen (a connection made
+	// meanwhile does not thaw it); frozen, when not nil, is closed when the guest says it froze
+	// it.
+	greeted atomic.Bool
 	freezes atomic.Bool
 	holding bool
 	frozen  chan struct{}
@@ -92,14 +94,18 @@ func init() { metrics.Registry.MustRegister(workloadFreezeSeconds) }
 const freezeTimeout = 2 * time.Second
 
 // errCannotFreeze: the guest did not offer to freeze its workload (an imp-init before it, or a
-// kernel without a cgroup for it).
-var errCannotFreeze = errors.New("the guest cannot freeze its workload")
+// kernel without a cgroup for it), or said no hello yet.
+var errCannotFreeze = errors.New("the guest does not offer to freeze its workload (an imp-init older than the freeze, or no cgroup for it)")
 
 // freeze asks the guest to freeze its workload, for a snapshot of it, and waits up to timeout
 // for it to say it did. The workload stays frozen, over reconnections, until thaw, which the
 // caller owes whatever freeze returned; the next run's monitor thaws it too (a suspension's
 // resume, an agent's restart).
 func (m *monitor) freeze(timeout time.Duration) error {
+	// A monitor that just connected (an agent's restart) may not have the hello yet.
+	for deadline := time.Now().Add(timeout / 2); !m.greeted.Load() && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
 	m.mu.Lock()
 	if !m.freezes.Load() {
 		m.mu.Unlock()
@@ -375,6 +381,7 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 				replay, _ := json.Marshal(guestinit.Request{Op: "replay", Token: meta.Token})
 				_, _ = conn.Write(append(replay, '\n'))
 			}
+			m.greeted.Store(false) // until this connection's hello
 			m.mu.Lock()
 			m.conn = conn
 			if !m.holding {
@@ -394,6 +401,7 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			_ = guestchan.ReadLines(conn, func(line []byte) {
 				before := sess.Ignored
 				ev := sess.Feed(line)
+				m.greeted.Store(sess.Trusted())
 				m.freezes.Store(sess.Freezes)
 				if ev.Kind == guestchan.Frozen {
 					m.guestFroze() // here, not behind the reports the loop below may be retrying

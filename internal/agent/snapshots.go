@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -105,6 +106,14 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMHasDisks,
 			fmt.Errorf("ImpVM %s has disk volumes (emptyDisk), which a snapshot does not hold: its copies would run on another disk than their memory knows", vm.Name))
 	}
+	// One snapshot of a VM at a time, and no suspension meanwhile (QEMU saves one state at a
+	// time; two freezes of one workload would thaw it under each other): from here until its
+	// VM runs on.
+	if _, busy := a.taking.LoadOrStore(vm.UID, struct{}{}); busy {
+		return fmt.Errorf("another snapshot of VM %s is being taken", vm.Name) // tried again
+	}
+	release := sync.OnceFunc(func() { a.taking.Delete(vm.UID) })
+	defer release()
 	// Taking, with the optimistic lock: of two passes on one version, one takes it.
 	orig := snap.DeepCopy()
 	snap.Status.Phase, snap.Status.Reason, snap.Status.Message = impv1.SnapshotTaking, "", "saving the VM's memory, devices and disk"
@@ -119,12 +128,13 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	if err != nil {
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
-	thaw := s.freeze(vm, running)
+	// Thawed as soon as the VM runs on, not once its memory is copied out (seconds, for a
+	// large guest, while its probes would wait on it), and in any case.
+	thaw := sync.OnceFunc(s.freeze(vm, running))
 	taken := time.Now()
-	a.taking.Store(vm.UID, struct{}{})
-	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp)
-	a.taking.Delete(vm.UID)
+	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp, thaw)
 	thaw()
+	release()
 	if err != nil {
 		_ = a.removeSnapshot(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
@@ -182,11 +192,14 @@ func (s snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *i
 	return nil
 }
 
+// reasonNotFrozen is the Event of a snapshot or a suspension whose workload the guest did not
+// freeze.
+const reasonNotFrozen = "WorkloadNotFrozen"
+
 // freeze has a running VM's guest freeze its workload for the snapshot (a suspended VM's was
 // frozen when it was suspended) and returns what thaws it. A copy's guest thaws it only once it
 // is the copy (guestinit), so no copy runs a step of the workload with the source's identity
-// and random state. A guest that offered to and did not is told in an Event; an older
-// imp-init, which cannot, is not.
+// and random state. A workload that could not be frozen is told in an Event.
 func (s snapshotter) freeze(vm *impv1.ImpVM, running bool) (thaw func()) {
 	if !running {
 		return func() {}
@@ -195,9 +208,9 @@ func (s snapshotter) freeze(vm *impv1.ImpVM, running bool) (thaw func()) {
 	if err != nil {
 		return func() {}
 	}
-	if err := m.freeze(freezeTimeout); err != nil && !errors.Is(err, errCannotFreeze) {
-		s.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "WorkloadNotFrozen", "Snapshot",
-			"The snapshot is taken with the workload running (%v): its copies share what it draws until each takes on its identity", err)
+	if err := m.freeze(freezeTimeout); err != nil {
+		s.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reasonNotFrozen, "Snapshot",
+			"The snapshot is taken with the workload running (%v): its copies run it as this VM, with what it drew, until each takes on its identity", err)
 	}
 	return m.thaw
 }
@@ -235,6 +248,9 @@ func (s snapshotter) unpause(ctx context.Context, snap *impv1.ImpVMSnapshot) err
 	vm := &impv1.ImpVM{}
 	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
 		return client.IgnoreNotFound(err)
+	}
+	if _, busy := a.taking.Load(vm.UID); busy {
+		return nil // another snapshot of it is being taken, and runs it on itself
 	}
 	dir := a.vmDir(vm.UID)
 	rec, err := vmm.ReadRecord(dir)

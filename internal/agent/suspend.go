@@ -56,7 +56,10 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *met
 	// Its workload frozen first, as for a snapshot (a suspended VM's state may be snapshotted,
 	// and its copies restored): the next run's monitor thaws it, resumed or not.
 	if mon, err := a.running(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID); err == nil {
-		_ = mon.freeze(freezeTimeout)
+		if err := mon.freeze(freezeTimeout); err != nil {
+			a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reasonNotFrozen, "Suspend",
+				"The VM is suspended with its workload running (%v): a snapshot of its saved state would be too", err)
+		}
 	}
 	a.stopMonitor(vm.UID) // the VMM exits on purpose
 	start := time.Now()
@@ -92,15 +95,12 @@ func (a *Agent) finishSuspend(ctx context.Context, vm *impv1.ImpVM, dir string) 
 func (a *Agent) suspendFailure(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record, err error) error {
 	suspendFailures.Inc()
 	a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonSuspendFailed, "Suspend", "The VM keeps running: %v", err)
+	if rec.Alive() {
+		a.ensureMonitor(vm, dir, m, rec, nil) // which thaws its workload, before any report that may fail
+	}
 	running := *vm.Status.Runtime
 	running.State, running.Reason, running.Message = impv1.RuntimeRunning, impv1.ReasonSuspendFailed, "suspending failed: "+err.Error()
-	if rerr := a.report(ctx, vm, running); rerr != nil {
-		return rerr
-	}
-	if rec.Alive() {
-		a.ensureMonitor(vm, dir, m, rec, nil)
-	}
-	return nil
+	return a.report(ctx, vm, running)
 }
 
 // resume starts a suspended VM's VMM from its saved state; the guest continues where it

@@ -72,6 +72,9 @@ type Session struct {
 	Why string
 }
 
+// Trusted says whether the channel's last hello had the VM's token.
+func (s *Session) Trusted() bool { return s.authed }
+
 // NewSession expects hello with token before anything else.
 func NewSession(token string) *Session { return &Session{token: token} }
 

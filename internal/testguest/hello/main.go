@@ -30,10 +30,13 @@
 //	        ("count N host H": the count and the host name as they are when asked)
 //	web     serves HTTP until SIGTERM on :8080 (GET / answers "hello from <host name>", GET
 //	        /healthz 200, or 503 while /dev/imp-unready exists) and on :8081 ("undeclared")
-//	entropy prints a line every 50 ms until SIGTERM: "draw N at=T host=H boot=B kernel=K user=U",
-//	        its count, the clock (Unix nanoseconds), the host name as it is then, the kernel's
-//	        boot id as read at the start, 8 bytes of the kernel's generator drawn then
-//	        (getrandom), and the next value of a user-space generator seeded at the start
+//	entropy prints a line every 50 ms until SIGTERM: "draw N who=main at=T host=H boot=B kernel=K
+//	        user=U", its count, the clock (Unix nanoseconds), the host name as it is then, the
+//	        kernel's boot id as read at the start, 8 bytes of the kernel's generator drawn then
+//	        (getrandom), and the next value of a user-space generator seeded at the start; and
+//	        starts two children that do the same (who=sibling, who=root), moved out of its
+//	        cgroup: into a cgroup of their own beside it, as a container engine would, and into
+//	        the root cgroup
 //	stubborn prints a line a second and ignores SIGTERM
 //	net     answers stdin as serve does; serves TCP on :7000 (greeting "hello from <host name>") and probes the targets
 //	        of $PROBE (comma-separated icmp:A.B.C.D[-N], tcp:HOST:PORT and who:HOST:PORT,
@@ -104,24 +107,21 @@ func main() {
 		fmt.Println("hello: terminating")
 		os.Exit(0)
 	case "entropy":
-		boot, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
-		var seed [32]byte
-		_, _ = unix.Getrandom(seed[:], 0)
-		user := mrand.New(mrand.NewChaCha8(seed))
-		term := make(chan os.Signal, 1)
-		signal.Notify(term, syscall.SIGTERM)
-		for i := 0; ; i++ {
-			select {
-			case <-term:
-				fmt.Println("hello: terminating")
-				os.Exit(0)
-			case <-time.After(50 * time.Millisecond):
+		for who, cgroup := range map[string]string{"sibling": "/sys/fs/cgroup/hello-own", "root": "/sys/fs/cgroup"} {
+			_ = os.Mkdir(cgroup, 0o755)
+			child := exec.Command("/bin/hello", "entropy-child", who)
+			child.Stdout, child.Stderr = os.Stdout, os.Stderr
+			if err := child.Start(); err != nil {
+				fmt.Println("hello: starting a child:", err)
+				continue
 			}
-			var k [8]byte
-			_, _ = unix.Getrandom(k[:], 0)
-			host, _ := os.Hostname()
-			fmt.Printf("draw %d at=%d host=%s boot=%s kernel=%x user=%016x\n", i, time.Now().UnixNano(), host, strings.TrimSpace(string(boot)), k, user.Uint64())
+			if err := os.WriteFile(cgroup+"/cgroup.procs", []byte(strconv.Itoa(child.Process.Pid)), 0); err != nil {
+				fmt.Println("hello: moving a child:", err)
+			}
 		}
+		draws("main")
+	case "entropy-child":
+		draws(os.Args[2])
 	case "stubborn":
 		signal.Ignore(syscall.SIGTERM)
 		for i := 0; ; i++ {
@@ -161,6 +161,28 @@ func main() {
 	default:
 		_ = exec.Command("/bin/hello", "child").Start() // exits at once; init reaps it
 		os.Exit(3)
+	}
+}
+
+// draws is the entropy workload of who: a line every 50 ms until SIGTERM.
+func draws(who string) {
+	boot, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	var seed [32]byte
+	_, _ = unix.Getrandom(seed[:], 0)
+	user := mrand.New(mrand.NewChaCha8(seed))
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM)
+	for i := 0; ; i++ {
+		select {
+		case <-term:
+			fmt.Println("hello: terminating")
+			os.Exit(0)
+		case <-time.After(50 * time.Millisecond):
+		}
+		var k [8]byte
+		_, _ = unix.Getrandom(k[:], 0)
+		host, _ := os.Hostname()
+		fmt.Printf("draw %d who=%s at=%d host=%s boot=%s kernel=%x user=%016x\n", i, who, time.Now().UnixNano(), host, strings.TrimSpace(string(boot)), k, user.Uint64())
 	}
 }
 

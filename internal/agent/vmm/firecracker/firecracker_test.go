@@ -748,7 +748,7 @@ func TestRestoreAnotherVMsSnapshot(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = syscall.Kill(rec.Pid, syscall.SIGKILL) })
 	into := t.TempDir()
-	if _, err := firecracker.TakeSnapshot(ctx, src, into, nil); err != nil {
+	if _, err := firecracker.TakeSnapshot(ctx, src, into, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 

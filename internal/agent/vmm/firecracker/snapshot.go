@@ -31,12 +31,13 @@ const (
 
 // TakeSnapshot pauses the VM jailed for s, has Firecracker write its state and memory into the
 // jail, calls whilePaused (the agent copies the writable disk, so that memory and disk are of one
-// instant) and resumes the VM; it returns how long the VM was paused. Then it moves the two files
+// instant), resumes the VM and calls resumed, if not nil (the guest runs on: the agent thaws its
+// workload); it returns how long the VM was paused. Then it moves the two files
 // out of the jail into the directory into (the snapshot being made, the agent's alone): each
 // opened beneath the jail with no link followed, refused unless a regular file of one link (a
 // VMM that planted a link to a host file gets nothing of it read), copied into a new 0600 file
 // of root, and removed from the jail. Whatever fails, the VM runs on.
-func TakeSnapshot(ctx context.Context, s Spec, into string, whilePaused func() error) (time.Duration, error) {
+func TakeSnapshot(ctx context.Context, s Spec, into string, whilePaused func() error, resumed func()) (time.Duration, error) {
 	root := s.ChrootDir()
 	c := NewJailClient(root)
 	for _, f := range []string{jailTakeState, jailTakeMem} {
@@ -61,6 +62,9 @@ func TakeSnapshot(ctx context.Context, s Spec, into string, whilePaused func() e
 		return time.Since(paused), errors.Join(err, fmt.Errorf("resuming the VM: %w", rerr))
 	}
 	pause := time.Since(paused)
+	if resumed != nil {
+		resumed()
+	}
 	if err != nil {
 		return pause, err
 	}
