@@ -8,9 +8,12 @@ package impnode
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -33,6 +36,7 @@ type Reconciler struct {
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;patch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=list
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 
 // Reconcile gives the ImpNode a block when it has none.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
@@ -51,8 +55,20 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.APIReader.List(ctx, &vms); err != nil {
 		return ctrl.Result{}, fmt.Errorf("listing ImpVMs: %w", err)
 	}
-	used := usedBlocks(all.Items, vms.Items)
-	block, err := FreeBlock(r.Range, r.BlockBits, used)
+	var nodes corev1.NodeList
+	if err := r.Client.List(ctx, &nodes); err != nil {
+		return ctrl.Result{}, fmt.Errorf("listing Nodes: %w", err)
+	}
+	present := map[string]bool{}
+	for _, n := range nodes.Items {
+		present[n.Name] = true
+	}
+	used := usedBlocks(all.Items, vms.Items, node.Name, present)
+	block, ok := r.formerBlock(node.Name, vms.Items, used)
+	var err error
+	if !ok {
+		block, err = FreeBlock(r.Range, r.BlockBits, used)
+	}
 	if err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "no endpoint block for the node", "node", klog.KObj(node))
 		return ctrl.Result{RequeueAfter: time.Minute}, nil // a block frees when a node goes
@@ -66,16 +82,18 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	return ctrl.Result{}, nil
 }
 
-// usedBlocks is what a node may not be given: every ImpNode's block and the addresses VMs still
-// report. A block is free only when no VM still reports an address of it either: the ImpNode of
-// a node that left goes before its VMs do. But an agent writes its own VMs' endpoints, so a VM's
-// address counts only where its node could have given it: in its node's block, or on a node
-// without an ImpNode (it left; its VMs keep what they had). A node's agent reporting addresses
-// outside its block (a compromised node) holds no block from the nodes that join; a node that
-// came back, without a block yet, may get its old one again.
-func usedBlocks(nodes []impv1.ImpNode, vms []impv1.ImpVM) map[netip.Prefix]bool {
+// usedBlocks is what the node assigning may not be given: every ImpNode's block and the
+// addresses VMs still report. A block is free only when no VM still reports an address of it
+// either: the ImpNode of a node that left goes before its VMs do. But an agent writes its own
+// VMs' endpoints, so a VM's address counts only where its node could have given it: in its
+// node's block; on a node whose ImpNode has no block yet, which is being given one; on a node
+// that left the cluster (no Node, no ImpNode: its VMs keep what they had until they go). A
+// node's agent reporting addresses outside its block (a compromised node), or whose ImpNode is
+// gone while its Node is not, holds no block from the nodes that join. The assigning node's
+// own VMs' addresses are formerBlock's to weigh, not a reason to keep it from its old block.
+func usedBlocks(nodes []impv1.ImpNode, vms []impv1.ImpVM, assigning string, present map[string]bool) map[netip.Prefix]bool {
 	used := map[netip.Prefix]bool{}
-	blocks := map[string]netip.Prefix{} // node → its block; the zero prefix for none yet
+	blocks := map[string]netip.Prefix{} // ImpNode → its block; the zero prefix for none yet
 	for _, n := range nodes {
 		p, err := netip.ParsePrefix(n.Spec.EndpointCIDR)
 		if err == nil {
@@ -84,21 +102,47 @@ func usedBlocks(nodes []impv1.ImpNode, vms []impv1.ImpVM) map[netip.Prefix]bool 
 		blocks[n.Name] = p
 	}
 	for _, vm := range vms {
-		rt := vm.Status.Runtime
-		if rt == nil {
+		rt, on := vm.Status.Runtime, vm.Status.NodeName
+		if rt == nil || on == assigning {
 			continue
 		}
 		a, err := netip.ParseAddr(rt.Endpoint)
 		if err != nil {
 			continue
 		}
-		block, known := blocks[vm.Status.NodeName]
-		if known && !(block.IsValid() && block.Contains(a)) {
+		block, known := blocks[on]
+		switch {
+		case known && block.IsValid() && !block.Contains(a): // outside its node's block
+			continue
+		case !known && present[on]: // the ImpNode is gone, not the node
 			continue
 		}
 		used[netip.PrefixFrom(a, a.BitLen())] = true
 	}
 	return used
+}
+
+// formerBlock is the block a node without one had before (it left and came back with VMs that
+// still report addresses of it), when that block is free: the lowest such block of r's.
+func (r *Reconciler) formerBlock(node string, vms []impv1.ImpVM, used map[netip.Prefix]bool) (netip.Prefix, bool) {
+	var best netip.Prefix
+	for _, vm := range vms {
+		if rt := vm.Status.Runtime; rt == nil || vm.Status.NodeName != node {
+			continue
+		}
+		a, err := netip.ParseAddr(vm.Status.Runtime.Endpoint)
+		if err != nil || !a.Is4() || !r.Range.Contains(a) || r.BlockBits < r.Range.Bits() {
+			continue
+		}
+		p := netip.PrefixFrom(a, r.BlockBits).Masked()
+		if slices.ContainsFunc(slices.Collect(maps.Keys(used)), p.Overlaps) {
+			continue // another node's, or another's VMs still in it
+		}
+		if !best.IsValid() || p.Addr().Less(best.Addr()) {
+			best = p
+		}
+	}
+	return best, best.IsValid()
 }
 
 // FreeBlock is the lowest block of bits in rng that used does not hold.

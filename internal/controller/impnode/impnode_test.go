@@ -8,11 +8,13 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/config"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
@@ -26,7 +28,8 @@ func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared)) }
 
 // TestReportedAddressesOutsideTheirBlockHoldNothing: a compromised node's agent reports its VMs
 // at addresses of other blocks; a node that joins still gets the lowest free block. Addresses of
-// VMs whose node left (no ImpNode) still hold theirs; a node that came back may get its old block.
+// VMs whose node left the cluster still hold theirs, not those of a node whose ImpNode alone is
+// gone; a node that came back with VMs of its old block gets that block again.
 func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
@@ -42,13 +45,17 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	if err := (&Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Range: rng, BlockBits: 24}).SetupWithManager(mgr); err != nil {
 		t.Fatal(err)
 	}
-	node := func(name, block string) {
+	create := func(o client.Object) {
 		t.Helper()
-		n := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: ns + "-" + name}, Spec: impv1.ImpNodeSpec{EndpointCIDR: block}}
-		if err := c.Client.Create(ctx, n); err != nil {
+		if err := c.Client.Create(ctx, o); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { _ = c.Client.Delete(context.Background(), n) })
+		t.Cleanup(func() { _ = c.Client.Delete(context.Background(), o) })
+	}
+	kubeNode := func(name string) { create(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: ns + "-" + name}}) }
+	node := func(name, block string) {
+		kubeNode(name)
+		create(&impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: ns + "-" + name}, Spec: impv1.ImpNodeSpec{EndpointCIDR: block}})
 	}
 	vm := func(name, nodeName, endpoint string) {
 		t.Helper()
@@ -68,11 +75,14 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	vm("a-1", "a", "100.73.0.9")
 	vm("spoof-1", "a", "100.73.1.9")
 	vm("spoof-2", "a", "100.73.2.9")
-	// A node that left keeps its VMs' addresses until they go: block 3 is not free.
+	// A node that left the cluster keeps its VMs' addresses until they go: block 3 is not free.
 	vm("left", "gone", "100.73.3.9")
-	// Node b has no block yet; a VM of its reports one from before (it left and came back).
+	// Node x's ImpNode is gone (its agent can have it collected), not the node: block 5 is free.
+	kubeNode("x")
+	vm("x-1", "x", "100.73.5.9")
+	// Node b came back without a block; a VM of its reports one of its old block, 4.
 	node("b", "")
-	vm("b-old", "b", "100.73.1.7")
+	vm("b-old", "b", "100.73.4.7")
 
 	mctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
@@ -94,9 +104,9 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 		}
 	}
 	g := NewWithT(t)
-	g.Eventually(block("b")).WithTimeout(30 * time.Second).Should(Equal("100.73.1.0/24"))
-	node("c", "")
-	g.Eventually(block("c")).WithTimeout(30 * time.Second).Should(Equal("100.73.2.0/24"))
-	node("d", "")
-	g.Eventually(block("d")).WithTimeout(30*time.Second).Should(Equal("100.73.4.0/24"), "block 3 holds a VM of a node that left")
+	g.Eventually(block("b")).WithTimeout(30*time.Second).Should(Equal("100.73.4.0/24"), "the block node b's VMs still have")
+	for _, n := range []struct{ name, want string }{{"c", "100.73.1.0/24"}, {"d", "100.73.2.0/24"}, {"e", "100.73.5.0/24"}} {
+		node(n.name, "")
+		g.Eventually(block(n.name)).WithTimeout(30 * time.Second).Should(Equal(n.want))
+	}
 }
