@@ -3,6 +3,7 @@ package impvmpool
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -70,7 +71,9 @@ type pacer struct {
 }
 
 // take is how many of n members the namespace may make at now, taken from its budget, and, when
-// fewer than n, how long until one more may be.
+// fewer than n, how long until the budget holds what is left (at most a burst): a pool paced
+// tries again once it can make a batch, not every 1/perSecond (each try costs the API server a
+// read of the pool and a list of its members).
 func (p *pacer) take(ns string, n int, now time.Time, perSecond float64, burst int) (int, time.Duration) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -89,5 +92,6 @@ func (p *pacer) take(ns string, n int, now time.Time, perSecond float64, burst i
 	if k == n {
 		return k, 0
 	}
-	return k, time.Duration(float64(time.Second) / perSecond)
+	want := float64(min(n-k, burst)) - max(l.TokensAt(now), 0)
+	return k, time.Duration(want / perSecond * float64(time.Second) * (1 + rand.Float64()/10))
 }
