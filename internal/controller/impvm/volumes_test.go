@@ -363,6 +363,18 @@ func holderShape(t *testing.T, e *env, genuine client.ObjectKey) {
 		{"its token", "without its token", func(p *corev1.Pod) { p.Spec.AutomountServiceAccountToken = ptr.To(true) }},
 		{"no word on its token", "without its token", func(p *corev1.Pod) { p.Spec.AutomountServiceAccountToken = nil }},
 		{"another runtime", "default runtime", func(p *corev1.Pod) { p.Spec.RuntimeClassName = &runtime.Name }},
+		{"a system priority", "below the system priority classes", func(p *corev1.Pod) {
+			p.Spec.PriorityClassName, p.Spec.Priority = "system-node-critical", nil
+		}},
+		{"a large request", "requests at most", func(p *corev1.Pod) {
+			p.Spec.Containers[0].Resources.Requests[corev1.ResourceMemory] = resource.MustParse("64Gi")
+			p.Spec.Containers[0].Resources.Limits[corev1.ResourceMemory] = resource.MustParse("64Gi")
+		}},
+		{"a device's request", "requests at most", func(p *corev1.Pod) {
+			p.Spec.Containers[0].Resources.Requests["nvidia.com/gpu"] = resource.MustParse("1")
+			p.Spec.Containers[0].Resources.Limits["nvidia.com/gpu"] = resource.MustParse("1")
+		}},
+		{"a node of its choosing", "placed by the scheduler", func(p *corev1.Pod) { p.Spec.NodeName = "any" }},
 	} {
 		err := operator.Create(ctx, shaped(c.change), client.DryRunAll)
 		if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), c.rule) {
