@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -8,17 +9,31 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 )
 
 // fetch GETs url n times, each on a new connection, and prints how often each answer came:
-// what a Service spreads over its endpoints. It fails when any request does.
+// what a Service spreads over its endpoints. It fails when any request does, once one was
+// answered: before, a refused connection is the node's proxy not having the Service's
+// endpoints yet (it refuses what goes to a Service without them), waited for up to a minute;
+// the API says an endpoint is ready before every node's proxy has programmed it.
 func fetch(url, count string) error {
 	n, err := strconv.Atoi(count)
 	if err != nil {
 		return fmt.Errorf("count %q: %w", count, err)
 	}
 	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(200 * time.Millisecond) {
+		resp, err := client.Get(url)
+		if err == nil {
+			resp.Body.Close()
+			break
+		}
+		if !errors.Is(err, syscall.ECONNREFUSED) || time.Now().After(deadline) {
+			return err
+		}
+	}
 	seen := map[string]int{}
 	for i := 0; i < n; i++ {
 		resp, err := client.Get(url)
