@@ -49,7 +49,7 @@ func TestBenchAccess(t *testing.T) {
 		v := w.get("bench")
 		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
 	}).WithTimeout(9 * time.Minute).Should(BeTrue())
-	subresourcestest.Serve(t, w.c, w.node, w.agent)
+	subresourcestest.Serve(t, w.c, w.node, w.agent.Runs)
 	cfg := rest.CopyConfig(w.c.Config)
 	base, _, _ := rest.DefaultServerUrlFor(cfg)
 	path := func(sub string) *url.URL {

@@ -41,7 +41,7 @@ func (q sizeQueue) Next() *remotecommand.TerminalSize {
 // libraries speak to it. The endpoint's TLS is the access package's test; here it is plain.
 func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 	t.Helper()
-	srv := httptest.NewServer(access.Handler(w.agent, logr.Discard()))
+	srv := httptest.NewServer(access.Handler(w.agent.Runs, logr.Discard()))
 	defer srv.Close()
 	cfg := &rest.Config{Host: srv.URL}
 	at := func(op string, q url.Values) *url.URL {
@@ -143,10 +143,10 @@ func checkAccess(t *testing.T, w *world, v *impv1.ImpVM) {
 	}
 
 	// Another VM's name with this one's UID reaches nothing.
-	if _, err := w.agent.Session(types.NamespacedName{Namespace: v.Namespace, Name: "other"}, v.UID); err == nil {
+	if _, err := w.agent.Runs.Session(types.NamespacedName{Namespace: v.Namespace, Name: "other"}, v.UID); err == nil {
 		t.Error("a session for a VM named other with this VM's UID")
 	}
-	if _, _, err := w.agent.ConsoleInput(types.NamespacedName{Namespace: v.Namespace, Name: "other"}, v.UID); err == nil {
+	if _, _, err := w.agent.Runs.ConsoleInput(types.NamespacedName{Namespace: v.Namespace, Name: "other"}, v.UID); err == nil {
 		t.Error("a console for a VM named other with this VM's UID")
 	}
 }

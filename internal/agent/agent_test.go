@@ -39,6 +39,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
+	"github.com/syscode-labs/imp/internal/agent/snapshotter"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
@@ -106,7 +107,7 @@ func killVMMs(t *testing.T, stateDir, node string) {
 		for _, dir := range dirs {
 			cgroup.Remove(cgroup.Root, filepath.Base(dir))
 		}
-		cgroup.Remove(cgroup.Root, agent.MemoryCgroup(node))
+		cgroup.Remove(cgroup.Root, snapshotter.MemoryCgroup(node))
 	})
 }
 
@@ -242,7 +243,7 @@ func (w *world) tryExec(name string, args ...string) (string, error) {
 	if v == nil {
 		return "", fmt.Errorf("no ImpVM %s", name)
 	}
-	s, err := w.agent.Session(types.NamespacedName{Namespace: w.ns, Name: name}, v.UID)
+	s, err := w.agent.Runs.Session(types.NamespacedName{Namespace: w.ns, Name: name}, v.UID)
 	if err != nil {
 		return "", err
 	}
@@ -689,6 +690,93 @@ func TestAgentCrashAtEachStartStep(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAgentCrashAtEachSuspendAndResumeStep crashes the imp-agent process after each step of the
+// suspend plan ("suspend/<step>") and of the resume plan ("resume/<step>"), one VM suspended and
+// resumed again and again, and starts it again each time: whatever the step, a suspension ends
+// Suspended with no VMM left, and a resume Running and Ready with exactly one VMM, the recorded
+// one, in the same run (the guest went on, it was not started again).
+func TestAgentCrashAtEachSuspendAndResumeStep(t *testing.T) {
+	pw := newProcessWorld(t, "imp-crash-sr-")
+	c, ctx, get := pw.c, context.Background(), pw.get
+	g := NewWithT(t)
+	ready := func() bool {
+		v := get("sr")
+		return v != nil && v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}
+	stop := func(p *exec.Cmd) { _ = p.Process.Kill(); _ = p.Wait() }
+	running := pw.startAgent()
+	if err := c.Client.Create(ctx, pw.vm("sr")); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(ready).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), "sr Ready")
+	v := get("sr")
+	uid, instance, restarts := string(v.UID), v.Status.Instance, v.Status.RestartCount
+	sameRun := func(when string) {
+		t.Helper()
+		if v := get("sr"); v.Status.Instance != instance || v.Status.RestartCount != restarts || v.Status.Runtime.Instance != instance || v.Status.Runtime.Run != restarts {
+			t.Fatalf("%s: instance %d, restarts %d, runtime %+v; want the run of instance %d, restart %d", when, v.Status.Instance, v.Status.RestartCount, v.Status.Runtime, instance, restarts)
+		}
+	}
+	// crashAt starts an agent that crashes at point (none: "") while change is made, and then
+	// one that does not.
+	crashAt := func(point string, change func()) {
+		t.Helper()
+		stop(running)
+		if point == "" {
+			running = pw.startAgent()
+			change()
+			return
+		}
+		crashing := pw.startAgent(failpoint.EnvVar + "=" + point)
+		change()
+		waitCrashed(t, crashing, 5*time.Minute)
+		running = pw.startAgent()
+	}
+	suspendSteps := []string{"suspending", "freeze", "save", "suspended"}
+	resumeSteps := []string{"intent", "exec", "resumed"}
+	for i := range max(len(suspendSteps), len(resumeSteps)) {
+		point := ""
+		if i < len(suspendSteps) {
+			point = "suspend/" + suspendSteps[i]
+		}
+		crashAt(point, func() {
+			if err := c.Client.Create(ctx, &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: pw.ns, Name: "sr"},
+				Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser, Message: "by the test"}}); err != nil {
+				t.Fatal(err)
+			}
+		})
+		g.Eventually(func() impv1.VMPhase { return get("sr").Status.Phase }).WithTimeout(5*time.Minute).Should(Equal(impv1.VMSuspended), func() string {
+			return fmt.Sprintf("after a crash at %q: %+v", point, get("sr").Status)
+		})
+		if pids := vmm.Marked(uid); len(pids) != 0 {
+			t.Fatalf("after a crash at %q, the suspended VM has VMMs %v", point, pids)
+		}
+		sameRun("suspended after a crash at " + point)
+
+		point = ""
+		if i < len(resumeSteps) {
+			point = "resume/" + resumeSteps[i]
+		}
+		crashAt(point, func() {
+			if err := c.Client.Delete(ctx, &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: pw.ns, Name: "sr"}}); err != nil {
+				t.Fatal(err)
+			}
+		})
+		g.Eventually(ready).WithTimeout(5*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+			return fmt.Sprintf("after a crash at %q: %+v", point, get("sr").Status)
+		})
+		rec, err := vmm.ReadRecord(filepath.Join(pw.stateDir, "vms", uid))
+		if err != nil || !rec.Alive() {
+			t.Fatalf("after a crash at %q: record %+v, %v", point, rec, err)
+		}
+		if pids := vmm.Marked(uid); len(pids) != 1 || pids[0] != rec.Pid {
+			t.Fatalf("after a crash at %q: VMMs of the VM %v; want only the recorded %d", point, pids, rec.Pid)
+		}
+		sameRun("resumed after a crash at " + point)
+	}
+	stop(running)
 }
 
 // TestAgentCrashMidRestore crashes the imp-agent process once a restore's VMM runs the

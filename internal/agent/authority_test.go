@@ -18,7 +18,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/nodereport"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
@@ -162,12 +162,12 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 	if err := beat(impv1.AgentLeasePrefix+nodeA, nodeB); !refused(err, "its own heartbeat Lease only") {
 		t.Errorf("the agent of %s beat in its Lease for %s: %v", nodeA, nodeB, err)
 	}
-	l, err := agent.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, nil)
+	l, err := nodereport.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, nil)
 	if err != nil {
 		t.Errorf("the agent of %s could not beat: %v", nodeA, err)
 	} else {
 		t.Cleanup(func() { _ = c.Client.Delete(context.Background(), l) })
-		if _, err := agent.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, l); err != nil {
+		if _, err := nodereport.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, l); err != nil {
 			t.Errorf("the agent of %s could not renew its heartbeat: %v", nodeA, err)
 		}
 	}

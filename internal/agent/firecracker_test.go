@@ -99,7 +99,7 @@ func TestFirecrackerVM(t *testing.T) {
 
 	// The serial console's input: Firecracker's stdin, the FIFO of the VM's directory (the
 	// fake's guest answers each line on the console it writes).
-	in, _, err := w.agent.ConsoleInput(types.NamespacedName{Namespace: v.Namespace, Name: v.Name}, v.UID)
+	in, _, err := w.agent.Runs.ConsoleInput(types.NamespacedName{Namespace: v.Namespace, Name: v.Name}, v.UID)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,26 +2,56 @@ package agent
 
 import (
 	"context"
-	"time"
+	"errors"
 
+	"github.com/google/go-containerregistry/pkg/name"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/imagefetch"
+	"github.com/syscode-labs/imp/internal/agent/monitor"
+	"github.com/syscode-labs/imp/internal/agent/nodenet"
 	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/pullnet"
+	"github.com/syscode-labs/imp/internal/agent/runreport"
+	"github.com/syscode-labs/imp/internal/agent/snapshotter"
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
+// The agent's plans, each a list of steps (package steps) run by plan.Plan, its failpoints
+// "<plan>/<step>" after each step that acted (docs/agent.md lists them):
+//
+//	start          a run booted, or restored from its snapshot
+//	restore        a restore an agent began and did not see through, finished
+//	resume         a suspended run back from its saved state
+//	suspend        a running run's state saved and its VMM ended
+//	stop           a run's VMM ended: drained, asked, given its grace, made to quit, killed
+//	teardown       a VM removed from the node, whatever is left of it
+
+// restores reports whether the VM's run starts by restoring its snapshot: a VM with a
+// snapshotRef, or a copy of a template, whose placement has not had a run restored yet (none
+// recorded of this placement, or one whose guest never took on its identity). Once one was,
+// later runs of the placement boot from the VM's disk, as a restarted machine does: their meta
+// records no restore.
+func restores(vm *impv1.ImpVM, old *vmrun.Meta) bool {
+	if vm.RestoreFrom() == "" {
+		return false
+	}
+	return old == nil || old.Instance != vm.Status.Instance || (old.Restore != nil && !old.Restore.Done)
+}
+
 // startPlan is the plan of a run that starts, its steps chosen by what the VM asks (volumes:
-// package volume): booted, or
-// restored from its snapshot (restore: the snapshot found and checked first, the writable disk a
-// copy of the snapshot's, the VMM started on the snapshot's state, the guest run on and then
-// given its own identity; restore.go); a VM on no ImpNetwork has no network step, a node with no
-// pins no provenance step. Each step that acts is timed in imp_agent_vm_start_step_seconds{step},
-// and its failpoint is "start/<step>".
+// package volume): booted, or restored from its snapshot (restore: the snapshot found and
+// checked first, the writable disk a copy of the snapshot's, the VMM started on the snapshot's
+// state, the guest run on and then given its own identity; package snapshotter); a VM on no
+// ImpNetwork has no network step, a node with no pins no provenance step. Each step that acts
+// is timed in imp_agent_vm_start_step_seconds{step}, and its failpoint is "start/<step>".
 func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	var ss []steps.Step
 	if len(a.Opts.Pins) > 0 {
@@ -29,9 +59,11 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	}
 	ss = append(ss, steps.StateDir{})
 	if restore {
-		ss = append(ss, steps.Snapshot{Snapshots: snapshotFinder{a}})
+		ss = append(ss, steps.Snapshot{Snapshots: a.snapshots})
 	}
-	ss = append(ss, steps.Image{Fetches: a.fetches, Reports: reports{a}, NameOptions: a.nameOptions, FetchWait: fetchWait})
+	insecure := a.Opts.InsecureRegistries
+	ss = append(ss, steps.Image{Fetches: a.fetches, Reports: a.reports, FetchWait: imagefetch.FetchWait,
+		NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }})
 	if len(vm.Spec.Volumes) > 0 {
 		ss = append(ss, steps.Volumes{Maker: a.volumes})
 	}
@@ -41,20 +73,33 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	} else {
 		ss = append(ss, steps.WritableDisk{Disks: a.writables})
 	}
-	ss = append(ss, steps.Identity{IDs: identities{a}}, steps.Intent{})
+	ss = append(ss, steps.Identity{IDs: a.drivers}, steps.Intent{})
 	if vm.Spec.NetworkRef != nil {
 		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
-	ss = append(ss, steps.Exec{Launcher: launcher{a}})
+	ss = append(ss, steps.Exec{Launcher: launcher{a.drivers}})
 	if restore {
-		ss = append(ss, steps.Resumed{Resumer: launcher{a}}, steps.Reidentify{Guests: guests{a}})
+		ss = append(ss, steps.Resumed{Resumer: launcher{a.drivers}}, steps.Reidentify{Guests: a.snapshots})
 	}
-	return plan.Plan[*vmrun.Run]{Name: "start", Reason: "StartFailed", Steps: ss, Observe: observeStartStep}
+	return plan.Plan[*vmrun.Run]{Name: "start", Reason: "StartFailed", Steps: ss, Observe: steps.ObserveStart}
+}
+
+// finishRestorePlan finishes a restore an agent began and did not see through (it stopped
+// after the VMM started): the guest run on, and given its identity.
+func (a *Agent) finishRestorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
+	var ss []steps.Step
+	if vm.Spec.NetworkRef != nil {
+		ss = append(ss, steps.Network{Attacher: a.networks})
+	}
+	ss = append(ss, steps.Resumed{Resumer: launcher{a.drivers}}, steps.Reidentify{Guests: a.snapshots})
+	return plan.Plan[*vmrun.Run]{Name: "restore", Reason: impv1.ReasonRestoreFailed, Steps: ss}
 }
 
 // resumePlan is the plan of a run that comes back from its saved state: no image, disks or
-// identity to make (the run has them), its VMM started on the saved state, then resumed. It is
-// timed as a whole (imp_agent_vm_resume_duration_seconds); its failpoints are "resume/<step>".
+// identity to make (the run has them), its VMM started on the saved state, then resumed; a run
+// whose VMM an agent started before it stopped is only resumed (intent and exec measure that
+// it runs). It is timed as a whole (imp_agent_vm_resume_duration_seconds); its failpoints are
+// "resume/<step>".
 func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	ss := []steps.Step{steps.Intent{}}
 	if len(vm.Spec.Volumes) > 0 {
@@ -63,32 +108,29 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	if vm.Spec.NetworkRef != nil {
 		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
-	ss = append(ss, steps.Exec{Launcher: launcher{a}}, steps.Resumed{Resumer: launcher{a}})
+	ss = append(ss, steps.Exec{Launcher: launcher{a.drivers}}, steps.Resumed{Resumer: launcher{a.drivers}})
 	return plan.Plan[*vmrun.Run]{Name: "resume", Reason: "ResumeFailed", Steps: ss}
+}
+
+// suspendPlan saves a running run's memory and device state on the node and ends its VMM:
+// reported Suspending, its workload frozen, saved, reported Suspended. Run again after a crash
+// it does what is left (a VMM gone with its state saved is only reported). Its failpoints are
+// "suspend/<step>"; a failure leaves the VM running (ReasonSuspendFailed).
+func (a *Agent) suspendPlan() plan.Plan[*vmrun.Suspend] {
+	return plan.Plan[*vmrun.Suspend]{Name: "suspend", Reason: impv1.ReasonSuspendFailed, Steps: []steps.SuspendStep{
+		steps.Suspending{Reports: a.reports}, steps.Freeze{Freezer: freezer{a}}, steps.Save{Savers: savers{a.Runs, a.drivers}},
+		steps.Suspended{Reports: a.reports},
+	}}
 }
 
 // stopPlan ends a run's VMM: a VM with an endpoint drained, the guest asked to stop, its grace
 // period, the VMM made to quit, then killed; it waits (plan.WaitFor) while the VMM runs, so that
 // no worker waits out a grace period. Its failpoints are "stop/<step>".
 func (a *Agent) stopPlan() plan.Plan[*vmrun.Stop] {
-	s := stoppers{a}
+	s := stoppers{a.Runs, a.drivers}
 	return plan.Plan[*vmrun.Stop]{Name: "stop", Reason: "StopFailed", Steps: []steps.StopStep{
 		steps.Drain{}, steps.Ask{Stoppers: s}, steps.Grace{}, steps.Quit{Stoppers: s}, steps.Kill{},
 	}}
-}
-
-// stoppers ask the VM's guest to stop, through its monitor, and its VMM to quit.
-type stoppers struct{ a *Agent }
-
-func (s stoppers) RequestStop(uid types.UID) bool {
-	s.a.mu.Lock()
-	mon := s.a.monitors[uid]
-	s.a.mu.Unlock()
-	return mon != nil && mon.requestStop()
-}
-
-func (s stoppers) Quit(ctx context.Context, kind string, uid types.UID) error {
-	return s.a.driver(kind).quit(ctx, uid)
 }
 
 // teardownPlan removes a VM from the node, whatever is left of it: its processes, the agent's
@@ -97,13 +139,49 @@ func (s stoppers) Quit(ctx context.Context, kind string, uid types.UID) error {
 func (a *Agent) teardownPlan() plan.Plan[*vmrun.Teardown] {
 	var cgroups func(types.UID)
 	if a.Opts.CgroupRoot != "" {
-		cgroups = func(uid types.UID) { cgroup.Remove(a.Opts.CgroupRoot, string(uid)) }
+		root := a.Opts.CgroupRoot
+		cgroups = func(uid types.UID) { cgroup.Remove(root, string(uid)) }
 	}
 	td := teardowns{a}
 	return plan.Plan[*vmrun.Teardown]{Name: "teardown", Reason: "TeardownFailed", Steps: []steps.TeardownStep{
 		steps.KillVMMs{}, steps.Forget{Memory: td}, steps.Cgroups{Remove: cgroups}, steps.Detach{Detacher: td},
-		steps.Jail{Jails: td}, steps.RemoveState{},
+		steps.Jail{Jails: a.drivers}, steps.RemoveState{},
 	}}
+}
+
+// stoppers ask the VM's guest to stop, through its monitor, and its VMM to quit.
+type stoppers struct {
+	runs    *monitor.Registry
+	drivers *vmmdriver.Drivers
+}
+
+func (s stoppers) RequestStop(uid types.UID) bool { return s.runs.RequestStop(uid) }
+
+func (s stoppers) Quit(ctx context.Context, kind string, uid types.UID) error {
+	return s.drivers.For(kind).Quit(ctx, uid)
+}
+
+// freezer has the guest of a run its monitor follows freeze its workload, and says in an Event
+// when it did not.
+type freezer struct{ a *Agent }
+
+func (f freezer) FreezeWorkload(vm *impv1.ImpVM, action string) {
+	_, err := f.a.Runs.Freeze(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID)
+	if err != nil && !errors.Is(err, monitor.ErrNotRunning) {
+		f.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, snapshotter.ReasonNotFrozen, action,
+			"The VM is suspended with its workload running (%v): a snapshot of its saved state would be too", err)
+	}
+}
+
+// savers stop following the run (its VMM exits on purpose) and have its driver save it.
+type savers struct {
+	runs    *monitor.Registry
+	drivers *vmmdriver.Drivers
+}
+
+func (s savers) Save(ctx context.Context, su *vmrun.Suspend) error {
+	s.runs.Stop(su.VM.UID)
+	return s.drivers.For(string(su.Meta.VMM)).Suspend(ctx, su.VM, su.Dir, su.Meta, su.Record)
 }
 
 // teardowns is what the teardown plan needs of the agent.
@@ -112,8 +190,8 @@ type teardowns struct{ a *Agent }
 // Forget drops the VM's fetch, monitor and stop, and its claim on a snapshot's shared memory.
 func (t teardowns) Forget(uid types.UID) {
 	t.a.fetches.Drop(uid)
-	t.a.memories.Release(string(uid)) // its VMM is gone
-	t.a.stopMonitor(uid)
+	t.a.snapshots.Memories.Release(string(uid)) // its VMM is gone
+	t.a.Runs.Stop(uid)
 	t.a.mu.Lock()
 	delete(t.a.stops, uid)
 	t.a.mu.Unlock()
@@ -122,48 +200,17 @@ func (t teardowns) Forget(uid types.UID) {
 // Detach removes the VM's tap, then has the networks looked at again (one may have lost its
 // last VM on the node).
 func (t teardowns) Detach(uid types.UID) error {
-	defer t.a.networks.kick(types.NamespacedName{})
+	defer t.a.networks.Kick(types.NamespacedName{})
 	if err := t.a.net.Detach(string(uid)); err != nil {
 		return err
 	}
 	// Its endpoint address is free once nothing of its exposure is left.
-	t.a.exposer.alloc.Release(string(uid))
+	t.a.exposer.Release(string(uid))
 	return nil
 }
 
-func (t teardowns) RemoveJail(uid types.UID) error { return t.a.removeJail(uid) }
-
-func observeStartStep(step string, took time.Duration) {
-	startStepSeconds.WithLabelValues(step).Observe(took.Seconds())
-}
-
-// reports is the agent's deferred reports, for the steps.
-type reports struct{ a *Agent }
-
-func (r reports) ReportLater(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
-	return r.a.reportLater(ctx, vm, rt)
-}
-
-// identities choose a run's VMM and give it the VM's uid.
-type identities struct{ a *Agent }
-
-func (i identities) ChooseVMM(vm *impv1.ImpVM) (impv1.VMMKind, error) { return i.a.chooseVMM(vm) }
-
-// Record allocates the VM's uid and writes its meta under the agent's lock, so that two starts
-// never take one uid.
-func (i identities) Record(dir string, m *vmrun.Meta) error {
-	i.a.mu.Lock()
-	defer i.a.mu.Unlock()
-	uid, err := i.a.allocJailUID(m.UID)
-	if err != nil {
-		return err
-	}
-	m.JailUID = uid
-	return vmrun.WriteMeta(dir, m)
-}
-
 // launcher starts a run's VMM through the driver of its kind.
-type launcher struct{ a *Agent }
+type launcher struct{ drivers *vmmdriver.Drivers }
 
 func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error) {
 	base := r.BaseDisk
@@ -173,29 +220,32 @@ func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error)
 	case r.Image != nil:
 		base = r.Image.BaseDisk
 	}
-	spec := launchSpec{vm: r.VM, dir: r.Dir, m: r.Meta, baseDisk: base, at: r.Attachment, net: r.Net, resume: r.Resume}
+	spec := vmmdriver.Launch{VM: r.VM, Dir: r.Dir, Meta: r.Meta, BaseDisk: base, Attachment: r.Attachment, Net: r.Net, Resume: r.Resume}
 	if r.Volumes != nil {
-		spec.drives = r.Volumes.Drives
+		spec.Drives = r.Volumes.Drives
 	}
 	if r.Snapshot != nil {
-		spec.restore = r.Snapshot.Dir
+		spec.Restore = r.Snapshot.Dir
 	}
-	return l.a.driver(string(r.Meta.VMM)).start(ctx, spec)
+	return l.drivers.For(string(r.Meta.VMM)).Start(ctx, spec)
 }
 
 func (l launcher) Resumed(ctx context.Context, r *vmrun.Run, rec *vmm.Record) error {
-	return l.a.driver(string(r.Meta.VMM)).resumed(ctx, r.Dir, rec)
+	return l.drivers.For(string(r.Meta.VMM)).Resumed(ctx, r.Dir, rec)
 }
 
 var (
-	_ steps.Reports    = reports{}
-	_ steps.Identities = identities{}
-	_ steps.Launcher   = launcher{}
-	_ steps.Resumer    = launcher{}
-	_ steps.Attacher   = (*networks)(nil)
-	_ steps.Disks      = (*disk.Writables)(nil)
-	_ steps.Memory     = teardowns{}
-	_ steps.Detacher   = teardowns{}
-	_ steps.Jails      = teardowns{}
-	_ steps.Stoppers   = stoppers{}
+	_ steps.Reports        = (*runreport.Reporter)(nil)
+	_ steps.RuntimeReports = (*runreport.Reporter)(nil)
+	_ steps.Identities     = (*vmmdriver.Drivers)(nil)
+	_ steps.Jails          = (*vmmdriver.Drivers)(nil)
+	_ steps.Launcher       = launcher{}
+	_ steps.Resumer        = launcher{}
+	_ steps.Attacher       = (*nodenet.Networks)(nil)
+	_ steps.Disks          = (*disk.Writables)(nil)
+	_ steps.Memory         = teardowns{}
+	_ steps.Detacher       = teardowns{}
+	_ steps.Stoppers       = stoppers{}
+	_ steps.Freezer        = freezer{}
+	_ steps.Savers         = savers{}
 )

@@ -59,7 +59,7 @@ func TestProbesInTheGuest(t *testing.T) {
 	v := w.get("web")
 	exec := func(args ...string) {
 		t.Helper()
-		s, err := w.agent.Session(types.NamespacedName{Namespace: v.Namespace, Name: v.Name}, v.UID)
+		s, err := w.agent.Runs.Session(types.NamespacedName{Namespace: v.Namespace, Name: v.Name}, v.UID)
 		if err != nil {
 			t.Fatal(err)
 		}

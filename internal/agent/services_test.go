@@ -251,7 +251,7 @@ func get(netns, target string) string {
 func (sw *svcWorld) exec(t *testing.T, ns, name string, args ...string) {
 	t.Helper()
 	v := sw.world(ns).get(name)
-	s, err := sw.ag.Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
+	s, err := sw.ag.Runs.Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
 	if err != nil {
 		t.Fatal(err)
 	}

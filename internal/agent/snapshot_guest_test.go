@@ -475,7 +475,7 @@ func TestSnapshotAcrossNodes(t *testing.T) {
 	// tool runs a hello tool in the VM name of node n: its output, or the error.
 	tool := func(name, n string, args ...string) string {
 		v := w.get(name)
-		s, err := agents[n].Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
+		s, err := agents[n].Runs.Session(types.NamespacedName{Namespace: ns, Name: name}, v.UID)
 		if err != nil {
 			return err.Error()
 		}

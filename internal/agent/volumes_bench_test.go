@@ -50,7 +50,7 @@ func TestBenchVolumes(t *testing.T) {
 		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
 	}).WithTimeout(9 * time.Minute).Should(BeTrue())
 	v := w.get("io")
-	s, err := w.agent.Session(types.NamespacedName{Namespace: w.ns, Name: "io"}, v.UID)
+	s, err := w.agent.Runs.Session(types.NamespacedName{Namespace: w.ns, Name: "io"}, v.UID)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,7 +12,10 @@ import (
 	"net/http"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
 )
 
 // Transport returns the transport of registry requests: every connection, redirects
@@ -59,4 +62,15 @@ func Transport(allowed []string) *http.Transport {
 func Local(ip netip.Addr) bool {
 	ip = ip.Unmap()
 	return ip.IsLoopback() || ip.IsLinkLocalUnicast() || ip.IsLinkLocalMulticast() || ip.IsUnspecified() || ip.IsInterfaceLocalMulticast()
+}
+
+// NameOptions are the options an image reference is parsed with: a loopback registry, and those
+// named insecure ("host:port"), are reached over plain HTTP.
+func NameOptions(image string, insecure []string) []name.Option {
+	host, _, _ := strings.Cut(image, "/")
+	h, _, _ := strings.Cut(host, ":")
+	if h == "localhost" || strings.HasPrefix(h, "127.") || h == "[::1]" || slices.Contains(insecure, host) {
+		return []name.Option{name.Insecure}
+	}
+	return nil
 }

@@ -4,7 +4,8 @@
 //
 // The start plan (a boot) runs Provenance, StateDir, Image, ConfigDisk, WritableDisk,
 // Identity, Intent, Network (for a VM on an ImpNetwork) and Exec; the resume plan runs Intent,
-// Network and Exec on the run's saved state, then Resumed. docs/agent.md lists them.
+// Network and Exec on the run's saved state, then Resumed; the suspend plan (on a
+// *vmrun.Suspend) runs Suspending, Freeze, Save and Suspended. docs/agent.md lists them.
 package steps
 
 import (

@@ -11,12 +11,13 @@ import (
 
 // Intent makes a start safe to interrupt: a VMM that an earlier start began but did not record
 // (a crash in between) holds the VM's disks and tap, and goes first; then the intent to start
-// one is written, so that a crash before this start's record is found the same way.
+// one is written, so that a crash before this start's record is found the same way. A run whose
+// VMM is recorded already (a resume an agent began before it stopped) has nothing to start.
 type Intent struct{}
 
 func (Intent) Name() string { return "intent" }
 
-func (Intent) ShouldDo(context.Context, *vmrun.Run) (bool, error) { return true, nil }
+func (Intent) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) { return r.Record == nil, nil }
 
 func (Intent) Do(ctx context.Context, r *vmrun.Run) error {
 	if pids := vmm.KillUnrecorded(r.Dir, string(r.VM.UID)); len(pids) > 0 {

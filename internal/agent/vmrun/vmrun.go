@@ -206,6 +206,22 @@ type Stop struct {
 	DrainUntil time.Time
 }
 
+// Suspend is a suspension of a VM's current run under way: its memory and device state saved
+// on the node, its VMM ended; its disks, tap and address stay.
+type Suspend struct {
+	VM     *impv1.ImpVM
+	Dir    string
+	Meta   *Meta
+	Record *vmm.Record
+	// Runtime is the run's report when the suspension began.
+	Runtime impv1.RuntimeStatus
+	// Took is how long the save took, once the save step did it.
+	Took time.Duration
+}
+
+// Alive says whether the run's VMM runs.
+func (s *Suspend) Alive() bool { return s.Record != nil && s.Record.Alive() }
+
 // Snapshot is a node-local snapshot a run is restored from.
 type Snapshot struct {
 	// Name is the ImpVMSnapshot's.

@@ -22,7 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	impagent "github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/nodereport"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
@@ -485,7 +485,7 @@ func (e *env) heartbeat(node string) (stop func()) {
 		defer close(stopped)
 		var lease *coordinationv1.Lease
 		for {
-			if l, err := impagent.RenewHeartbeat(context.Background(), e.c, e.c, runsecret.DefaultNamespace, node, 200*time.Millisecond, lease); err == nil {
+			if l, err := nodereport.RenewHeartbeat(context.Background(), e.c, e.c, runsecret.DefaultNamespace, node, 200*time.Millisecond, lease); err == nil {
 				lease = l
 			}
 			select {

@@ -21,7 +21,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/nodereport"
+	"github.com/syscode-labs/imp/internal/agent/runreport"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
@@ -30,7 +31,7 @@ import (
 // ImpNetwork, ImpIPAddress and ImpNode, for the overlay), and answers each run placed on its
 // node with the real agent's reports: Starting, then Running (booting) after start, then
 // Running with the guest ready after boot; and a deletion with Gone. It makes the real agent's
-// patches (agent.RuntimePatch).
+// patches (runreport.RuntimePatch).
 type simAgent struct {
 	node      string
 	c         client.Client
@@ -159,7 +160,7 @@ func (a *simAgent) beat(ctx context.Context) error {
 			return fmt.Errorf("agent %s: reading its Node: %w", a.node, err)
 		}
 	}
-	l, err := agent.RenewHeartbeat(ctx, a.c, a.c, runsecret.DefaultNamespace, a.node, a.heartbeat, a.lease)
+	l, err := nodereport.RenewHeartbeat(ctx, a.c, a.c, runsecret.DefaultNamespace, a.node, a.heartbeat, a.lease)
 	if err != nil {
 		return fmt.Errorf("agent %s: %w", a.node, err)
 	}
@@ -272,7 +273,7 @@ func (a *simAgent) patch(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeS
 	if !a.sleep(ctx, after) {
 		return false
 	}
-	p, err := agent.RuntimePatch(rt)
+	p, err := runreport.RuntimePatch(rt)
 	if err != nil {
 		return false
 	}

@@ -56,7 +56,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/runreport"
 	"github.com/syscode-labs/imp/internal/scheme"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
@@ -597,7 +597,7 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		time.Sleep(o.start + o.boot)
 		boot := (o.start + o.boot).Milliseconds()
 		started := metav1.Now()
-		p, err := agent.RuntimePatch(impv1.RuntimeStatus{State: impv1.RuntimeRunning, StartedAt: &started, GuestReady: true, BootMilliseconds: &boot, Message: "the guest is ready"})
+		p, err := runreport.RuntimePatch(impv1.RuntimeStatus{State: impv1.RuntimeRunning, StartedAt: &started, GuestReady: true, BootMilliseconds: &boot, Message: "the guest is ready"})
 		if err == nil {
 			_ = agc.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name}}, client.RawPatch(types.MergePatchType, p))
 		}

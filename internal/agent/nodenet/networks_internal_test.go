@@ -1,4 +1,4 @@
-package agent
+package nodenet
 
 import (
 	"net/netip"

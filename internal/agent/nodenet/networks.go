@@ -1,4 +1,8 @@
-package agent
+// Package nodenet keeps the node's side of the VMs' networks over hostnet: each ImpNetwork with
+// VMs here plumbed (bridge, rules, overlay entries for its VMs on other nodes), each VM attached
+// (its tap), its declared ports exposed at an endpoint address of the node's block, and the
+// other nodes' endpoint blocks routed.
+package nodenet
 
 import (
 	"context"
@@ -12,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
@@ -32,14 +37,21 @@ import (
 // networkIndex indexes the fleet's addresses by the name of their ImpNetwork.
 const networkIndex = "spec.network"
 
-// networks is the agent's network controller: for each ImpNetwork with VMs on this node it
+// Networks is the agent's network controller: for each ImpNetwork with VMs on this node it
 // keeps the node's bridge, rules and overlay device current, the overlay's forwarding entries
 // pointing at the network's VMs on other nodes; when the last local VM leaves, it removes them.
 // It reads the other nodes' VMs from fleet, a cache of the ImpIPAddresses: each names its VM's
 // address and node and changes only when one of them does, so that no agent hears of the
 // status changes of every VM of the cluster.
-type networks struct {
-	a     *Agent
+type Networks struct {
+	Client    client.Client
+	APIReader client.Reader
+	Recorder  EventRecorder
+	NodeName  string
+	Net       *hostnet.Host
+	// Changed is told when the networks plumbed here change (the node report says them).
+	Changed func()
+
 	fleet cache.Cache
 
 	// kicks asks for a network's reconcile when a VM of this node attaches to or detaches from
@@ -51,7 +63,13 @@ type networks struct {
 	state map[types.NamespacedName]impv1.NodeNetwork
 }
 
-func (n *networks) setup(mgr ctrl.Manager) error {
+// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
+type EventRecorder interface {
+	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
+}
+
+// SetupWithManager has mgr run the networks' controller.
+func (n *Networks) SetupWithManager(mgr ctrl.Manager) error {
 	var err error
 	n.fleet, err = cache.New(mgr.GetConfig(), cache.Options{Scheme: mgr.GetScheme(), Mapper: mgr.GetRESTMapper(),
 		ByObject: map[client.Object]cache.ByObject{&impv1.ImpIPAddress{}: {}}})
@@ -84,9 +102,9 @@ func (n *networks) setup(mgr ctrl.Manager) error {
 		Complete(n)
 }
 
-// kick asks for the reconcile of network key, or of every network plumbed here when key is
+// Kick asks for the reconcile of network key, or of every network plumbed here when key is
 // empty (a VM left and its network is not known).
-func (n *networks) kick(key types.NamespacedName) {
+func (n *Networks) Kick(key types.NamespacedName) {
 	keys := []types.NamespacedName{key}
 	if key.Name == "" {
 		keys = nil
@@ -102,7 +120,7 @@ func (n *networks) kick(key types.NamespacedName) {
 	}
 }
 
-func (n *networks) all() []reconcile.Request {
+func (n *Networks) all() []reconcile.Request {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	var reqs []reconcile.Request
@@ -176,11 +194,10 @@ func hostEgress(spec *impv1.EgressSpec) (hostnet.Egress, error) {
 }
 
 // Reconcile plumbs one network on this node, or removes it when no local VM uses it.
-func (n *networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
-	a := n.a
+func (n *Networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	net := &impv1.ImpNetwork{}
 	var hn hostnet.Network
-	err := a.Client.Get(ctx, req.NamespacedName, net)
+	err := n.Client.Get(ctx, req.NamespacedName, net)
 	switch {
 	case apierrors.IsNotFound(err):
 		n.mu.Lock()
@@ -201,11 +218,11 @@ func (n *networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	present, err := a.net.Sync(hn, peers)
+	present, err := n.Net.Sync(hn, peers)
 	n.record(req.NamespacedName, hn, present, err)
 	if err != nil {
 		if net.UID != "" {
-			a.Recorder.Eventf(net, nil, corev1.EventTypeWarning, "NetworkFailed", "Plumb", "node %s: %v", a.Opts.NodeName, err)
+			n.Recorder.Eventf(net, nil, corev1.EventTypeWarning, "NetworkFailed", "Plumb", "node %s: %v", n.NodeName, err)
 		}
 		return ctrl.Result{}, fmt.Errorf("plumbing network %s: %w", req.NamespacedName, err)
 	}
@@ -213,7 +230,7 @@ func (n *networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result
 }
 
 // peers are the network's VMs on other nodes that have an overlay address, by their addresses.
-func (n *networks) peers(ctx context.Context, key types.NamespacedName) ([]hostnet.Peer, error) {
+func (n *Networks) peers(ctx context.Context, key types.NamespacedName) ([]hostnet.Peer, error) {
 	var ips impv1.ImpIPAddressList
 	if err := n.fleet.List(ctx, &ips, client.InNamespace(key.Namespace), client.MatchingFields{networkIndex: key.Name}); err != nil {
 		return nil, fmt.Errorf("listing the network's addresses: %w", err)
@@ -223,13 +240,13 @@ func (n *networks) peers(ctx context.Context, key types.NamespacedName) ([]hostn
 	for _, c := range ips.Items {
 		node := c.Spec.NodeName
 		ip, err := netip.ParseAddr(c.Spec.Address)
-		if node == "" || node == n.a.Opts.NodeName || err != nil {
+		if node == "" || node == n.NodeName || err != nil {
 			continue
 		}
 		vtep, ok := vteps[node]
 		if !ok {
 			var rep impv1.ImpNode
-			switch err := n.a.Client.Get(ctx, types.NamespacedName{Name: node}, &rep); {
+			switch err := n.Client.Get(ctx, types.NamespacedName{Name: node}, &rep); {
 			case err == nil:
 				vtep, _ = netip.ParseAddr(rep.Status.OverlayAddress)
 			case !apierrors.IsNotFound(err): // a node without a report has no overlay yet
@@ -244,7 +261,7 @@ func (n *networks) peers(ctx context.Context, key types.NamespacedName) ([]hostn
 	return peers, nil
 }
 
-func (n *networks) record(key types.NamespacedName, hn hostnet.Network, present bool, err error) {
+func (n *Networks) record(key types.NamespacedName, hn hostnet.Network, present bool, err error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	before, had := n.state[key]
@@ -260,12 +277,12 @@ func (n *networks) record(key types.NamespacedName, hn hostnet.Network, present 
 		n.state[key] = st
 	}
 	if after, has := n.state[key]; had != has || before != after {
-		n.a.reportSoon()
+		n.Changed()
 	}
 }
 
-// report lists the networks plumbed on the node for its ImpNode report.
-func (n *networks) report() []impv1.NodeNetwork {
+// Report lists the networks plumbed on the node for its ImpNode report.
+func (n *Networks) Report() []impv1.NodeNetwork {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	out := make([]impv1.NodeNetwork, 0, len(n.state))
@@ -280,8 +297,7 @@ func (n *networks) report() []impv1.NodeNetwork {
 
 // Attach gives vm a tap on its network and returns it with the guest's network configuration;
 // none for a VM without a network.
-func (n *networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
-	a := n.a
+func (n *Networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
 	var none hostnet.Attachment
 	ref := vm.Spec.NetworkRef
 	if ref == nil {
@@ -292,19 +308,19 @@ func (n *networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachm
 		return none, nil, errors.New("the VM has a network but no address recorded by its placement")
 	}
 	net := &impv1.ImpNetwork{}
-	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, net); err != nil {
+	if err := n.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, net); err != nil {
 		return none, nil, fmt.Errorf("reading ImpNetwork %s: %w", ref.Name, err)
 	}
 	hn, err := hostNetwork(net)
 	if err != nil {
 		return none, nil, fmt.Errorf("ImpNetwork %s: %w", ref.Name, err)
 	}
-	at, err := a.net.Attach(hn, string(vm.UID), ip)
+	at, err := n.Net.Attach(hn, string(vm.UID), ip)
 	if err != nil {
 		return none, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
 	}
-	n.kick(types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name})
-	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: a.net.MTU(), MAC: hostnet.MAC(ip).String()}
+	n.Kick(types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name})
+	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: n.Net.MTU(), MAC: hostnet.MAC(ip).String()}
 	if dns := net.Spec.DNS; dns != nil {
 		gn.Nameservers, gn.Searches = dns.Nameservers, dns.Searches
 	}

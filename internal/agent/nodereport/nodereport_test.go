@@ -1,23 +1,23 @@
-package agent
+package nodereport
 
 import (
-	"context"
-	"encoding/json"
 	"os"
 	"path/filepath"
-	"reflect"
 	"testing"
 	"time"
 
-	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
 func TestCollectImages(t *testing.T) {
 	state := t.TempDir()
 	images := filepath.Join(state, "images")
-	a := &Agent{Opts: Options{StateDir: state}, images: &disk.BaseStore{Dir: images}}
+	r := &Reporter{StateDir: state, Images: &disk.BaseStore{Dir: images}}
 	if err := os.MkdirAll(images, 0o700); err != nil {
 		t.Fatal(err)
 	}
@@ -35,33 +35,15 @@ func TestCollectImages(t *testing.T) {
 	if err := os.MkdirAll(vm, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := writeMeta(vm, &meta{UID: "uid-1", Digest: "sha256:bbb"}); err != nil {
+	if err := vmrun.WriteMeta(vm, &vmrun.Meta{UID: "uid-1", Digest: "sha256:bbb"}); err != nil {
 		t.Fatal(err)
 	}
-	removed, err := a.collectImages(10 * time.Minute)
+	removed, err := r.collectImages(10 * time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(removed) != 1 || removed[0] != "sha256-aaa.ext4" {
 		t.Errorf("removed %v, want only the old unused sha256-aaa.ext4 (bbb is in use, ccc is new)", removed)
-	}
-}
-
-// TestNoFirecrackerWithoutKVM: firecracker and its jailer installed at a supported version,
-// but no usable /dev/kvm: the node offers QEMU only.
-func TestNoFirecrackerWithoutKVM(t *testing.T) {
-	dir := t.TempDir()
-	for name, out := range map[string]string{"firecracker": "Firecracker v1.16.1", "jailer": "Jailer v1.16.1"} {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte("#!/bin/sh\necho '"+out+"'\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, dev := range []string{filepath.Join(dir, "kvm"), "/dev/null"} {
-		a := &Agent{Opts: Options{KVMDevice: dev, Firecracker: filepath.Join(dir, "firecracker"), Jailer: filepath.Join(dir, "jailer"), Accel: "tcg"}}
-		caps := a.probeVMMs(context.Background())
-		if len(caps) != 1 || caps[0].Kind != "qemu" || caps[0].Acceleration != "tcg" {
-			t.Errorf("KVM device %s: capabilities %+v, want qemu (tcg) only", dev, caps)
-		}
 	}
 }
 
@@ -71,7 +53,8 @@ func TestNoFirecrackerWithoutKVM(t *testing.T) {
 // the host's root, another file system.
 func TestVMBytesCountsWhatPlacementCounts(t *testing.T) {
 	state := t.TempDir()
-	a := &Agent{Opts: Options{StateDir: state, Firecracker: "/usr/local/bin/firecracker"}}
+	cfg := vmmdriver.Config{StateDir: state, Firecracker: "/usr/local/bin/firecracker"}
+	r := &Reporter{StateDir: state, JailRoot: func(uid types.UID) string { return vmmdriver.JailRoot(cfg, uid) }}
 	write := func(p string, n int) {
 		t.Helper()
 		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
@@ -87,7 +70,7 @@ func TestVMBytesCountsWhatPlacementCounts(t *testing.T) {
 	write(filepath.Join(state, "vms", "qemu-vm", "console.log"), 5*mib) // not placement's
 	write(filepath.Join(state, "vms", "fc-vm", "rw.ext4"), mib)
 	write(filepath.Join(state, "vms", "fc-vm", "vol-data.img"), 2*mib) // a disk volume
-	jail := a.jailRoot("fc-vm")
+	jail := r.JailRoot("fc-vm")
 	write(filepath.Join(jail, "snapshot", "vm.mem"), 4*mib)
 	// What a VMM may plant in its jail: the base disk, linked in as the driver links it; a link
 	// to the host's root; the writable disk's link (counted once).
@@ -102,7 +85,7 @@ func TestVMBytesCountsWhatPlacementCounts(t *testing.T) {
 	if err := os.Symlink("/", filepath.Join(jail, "host")); err != nil {
 		t.Fatal(err)
 	}
-	got := a.vmBytes()
+	got := r.vmBytes()
 	if want := int64(3+2+1+2+4) * mib; got < want || got > want+mib {
 		t.Errorf("vmBytes %d MiB; want %d MiB (writable disks, disk volumes and saved memory alone)", got/mib, want/mib)
 	}
@@ -112,34 +95,7 @@ func TestVMBytesCountsWhatPlacementCounts(t *testing.T) {
 		t.Fatal(err)
 	}
 	write(filepath.Join(state, "images", "vm.mem"), 8*mib)
-	if got := a.vmBytes(); got >= int64(9)*mib {
+	if got := r.vmBytes(); got >= int64(9)*mib {
 		t.Errorf("vmBytes %d MiB through a jail's link", got/mib)
-	}
-}
-
-// TestRuntimePatchReplacesTheWholeReport: every field of status.runtime the report leaves unset
-// is named null in the patch, so nothing of an earlier run's report (its readiness, its exit)
-// survives into the next.
-func TestRuntimePatchReplacesTheWholeReport(t *testing.T) {
-	p, err := RuntimePatch(impv1.RuntimeStatus{Instance: 1, Run: 2, State: impv1.RuntimeRunning})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got struct {
-		Status struct {
-			Runtime map[string]any `json:"runtime"`
-		} `json:"status"`
-	}
-	if err := json.Unmarshal(p, &got); err != nil {
-		t.Fatal(err)
-	}
-	rt := reflect.TypeFor[impv1.RuntimeStatus]()
-	if len(got.Status.Runtime) != rt.NumField() {
-		t.Fatalf("the patch names %d fields of %d: %s", len(got.Status.Runtime), rt.NumField(), p)
-	}
-	for _, f := range []string{"ready", "exitCode", "guestReady", "reason"} {
-		if v, ok := got.Status.Runtime[f]; !ok || v != nil {
-			t.Errorf("%s: %v, %v; want null", f, v, ok)
-		}
 	}
 }

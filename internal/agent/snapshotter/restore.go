@@ -1,4 +1,4 @@
-package agent
+package snapshotter
 
 import (
 	"context"
@@ -16,43 +16,16 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/steps"
-	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
-// restores reports whether the VM's run starts by restoring its snapshot: a VM with a
-// snapshotRef, or a copy of a template, whose placement has not had a run restored yet (none
-// recorded of this placement, or one whose guest never took on its identity). Once one was,
-// later runs of the placement boot from the VM's disk, as a restarted machine does: their meta
-// records no restore.
-func restores(vm *impv1.ImpVM, old *meta) bool {
-	if vm.RestoreFrom() == "" {
-		return false
-	}
-	return old == nil || old.Instance != vm.Status.Instance || (old.Restore != nil && !old.Restore.Done)
-}
-
-// finishRestorePlan finishes a restore an agent began and did not see through (it stopped
-// after the VMM started): the guest run on, and given its identity.
-func (a *Agent) finishRestorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
-	var ss []steps.Step
-	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks})
-	}
-	ss = append(ss, steps.Resumed{Resumer: launcher{a}}, steps.Reidentify{Guests: guests{a}})
-	return plan.Plan[*vmrun.Run]{Name: "restore", Reason: impv1.ReasonRestoreFailed, Steps: ss}
-}
-
-// snapshotFinder finds a restore's snapshot: the ImpVMSnapshot as the API server has it now,
-// and its files on this node.
-type snapshotFinder struct{ a *Agent }
-
-func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snapshot, error) {
-	a := f.a
+// Find finds a restore's snapshot: the ImpVMSnapshot as the API server has it now, and its
+// files on this node (pulled first when another node's).
+func (s *Snapshotter) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snapshot, error) {
 	name := vm.RestoreFrom()
 	snap := &impv1.ImpVMSnapshot{}
-	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: name}, snap); err != nil {
+	if err := s.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: name}, snap); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("ImpVMSnapshot %q does not exist in namespace %s", name, vm.Namespace))
 		}
@@ -65,44 +38,44 @@ func (f snapshotFinder) Find(ctx context.Context, vm *impv1.ImpVM) (*vmrun.Snaps
 		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("ImpVMSnapshot %s is being deleted", name))
 	case snap.Status.Phase != impv1.SnapshotReady:
 		return nil, plan.Fail(impv1.ReasonSnapshotNotReady, fmt.Errorf("ImpVMSnapshot %s is not Ready", name))
-	case snap.Status.NodeName != a.Opts.NodeName && (snap.Spec.Registry == nil || snap.Status.Digest == ""):
-		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s is on node %s, not %s, and not pushed to a registry", name, snap.Status.NodeName, a.Opts.NodeName))
-	case snap.Status.NodeName != a.Opts.NodeName:
+	case snap.Status.NodeName != s.NodeName && (snap.Spec.Registry == nil || snap.Status.Digest == ""):
+		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s is on node %s, not %s, and not pushed to a registry", name, snap.Status.NodeName, s.NodeName))
+	case snap.Status.NodeName != s.NodeName:
 		// Another node's, pushed: pulled into this node's store first.
-		if err := a.pulled(vm, snap); err != nil {
+		if err := s.pulled(vm, snap); err != nil {
 			if errors.Is(err, plan.ErrWait) {
 				return nil, err
 			}
 			return nil, plan.Fail(impv1.ReasonRestoreFailed, err)
 		}
 	}
-	m, err := a.snapshots.Read(snap.UID)
+	m, err := s.Store.Read(snap.UID)
 	if err != nil {
-		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("ImpVMSnapshot %s has no files on node %s: %w", name, a.Opts.NodeName, err))
+		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("ImpVMSnapshot %s has no files on node %s: %w", name, s.NodeName, err))
 	}
 	// The files say whose they are: never another namespace's memory, whatever the API says.
 	if m.Namespace != vm.Namespace || m.Name != snap.Name {
-		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("the files of ImpVMSnapshot %s on node %s are of %s/%s, not of namespace %s", name, a.Opts.NodeName, m.Namespace, m.Name, vm.Namespace))
+		return nil, plan.Fail(impv1.ReasonSnapshotNotFound, fmt.Errorf("the files of ImpVMSnapshot %s on node %s are of %s/%s, not of namespace %s", name, s.NodeName, m.Namespace, m.Name, vm.Namespace))
 	}
-	if err := f.fits(vm, m); err != nil {
+	if err := s.fits(vm, m); err != nil {
 		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s: %w", name, err))
 	}
-	base := a.snapshots.File(snap.UID, snapshot.BaseFile)
+	base := s.Store.File(snap.UID, snapshot.BaseFile)
 	if _, err := os.Stat(base); err != nil {
 		// Its memory knows a base disk it did not keep: no node's disk of the image stands in.
-		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s has no base disk on node %s (taken by an older agent: take it again): %w", name, a.Opts.NodeName, err))
+		return nil, plan.Fail(impv1.ReasonSnapshotIncompatible, fmt.Errorf("ImpVMSnapshot %s has no base disk on node %s (taken by an older agent: take it again): %w", name, s.NodeName, err))
 	}
-	return &vmrun.Snapshot{Name: name, Manifest: m, Dir: a.snapshots.Path(snap.UID), Disk: a.snapshots.File(snap.UID, snapshot.DiskFile), Base: base}, nil
+	return &vmrun.Snapshot{Name: name, Manifest: m, Dir: s.Store.Path(snap.UID), Disk: s.Store.File(snap.UID, snapshot.DiskFile), Base: base}, nil
 }
 
 // fits says why the snapshot m cannot run as vm on this node, or nil: its host (VMM, version,
 // acceleration, kernel, initramfs, CPU), its resources and its devices must be the VM's.
-func (f snapshotFinder) fits(vm *impv1.ImpVM, m *snapshot.Manifest) error {
-	kind, err := f.a.chooseVMM(vm)
+func (s *Snapshotter) fits(vm *impv1.ImpVM, m *snapshot.Manifest) error {
+	kind, err := s.Drivers.ChooseVMM(vm)
 	if err != nil {
 		return err
 	}
-	host, err := f.a.snapshotHost(kind)
+	host, err := s.host(kind)
 	if err != nil {
 		return err
 	}
@@ -123,19 +96,19 @@ func (f snapshotFinder) fits(vm *impv1.ImpVM, m *snapshot.Manifest) error {
 	return nil
 }
 
-// snapshotHost is what a snapshot taken under kind on this node depends on.
-func (a *Agent) snapshotHost(kind impv1.VMMKind) (snapshot.Host, error) {
+// host is what a snapshot taken under kind on this node depends on.
+func (s *Snapshotter) host(kind impv1.VMMKind) (snapshot.Host, error) {
 	h := snapshot.Host{VMM: kind}
-	for _, c := range a.vmms {
+	for _, c := range s.Drivers.Capabilities() {
 		if c.Kind == kind {
 			h.VMMVersion, h.Accel = c.Version, c.Acceleration
 		}
 	}
 	var err error
-	if h.Kernel, err = a.hashes.Of(a.Opts.Kernel); err != nil {
+	if h.Kernel, err = s.hashes.Of(s.Kernel); err != nil {
 		return h, fmt.Errorf("hashing the guest kernel: %w", err)
 	}
-	if h.Initramfs, err = a.hashes.Of(a.Opts.Initramfs); err != nil {
+	if h.Initramfs, err = s.hashes.Of(s.Initramfs); err != nil {
 		return h, fmt.Errorf("hashing the initramfs: %w", err)
 	}
 	cpuinfo, err := os.ReadFile("/proc/cpuinfo")
@@ -146,14 +119,12 @@ func (a *Agent) snapshotHost(kind impv1.VMMKind) (snapshot.Host, error) {
 	return h, nil
 }
 
-// guests give restored guests their identity over the guest channel.
-type guests struct{ a *Agent }
-
 // restoreTimeout bounds a restored guest's taking on its identity.
 const restoreTimeout = 20 * time.Second
 
-func (g guests) Reidentify(ctx context.Context, r *vmrun.Run) error {
-	conn, err := g.a.driver(string(r.Meta.VMM)).dial(r.Dir)
+// Reidentify gives a restored guest its identity over its guest channel.
+func (s *Snapshotter) Reidentify(ctx context.Context, r *vmrun.Run) error {
+	conn, err := s.Drivers.For(string(r.Meta.VMM)).Dial(r.Dir)
 	if err != nil {
 		return fmt.Errorf("connecting to the restored guest's channel: %w", err)
 	}
@@ -189,23 +160,6 @@ func (g guests) Reidentify(ctx context.Context, r *vmrun.Run) error {
 }
 
 var (
-	_ steps.Snapshots = snapshotFinder{}
-	_ steps.Guests    = guests{}
+	_ steps.Snapshots = (*Snapshotter)(nil)
+	_ steps.Guests    = (*Snapshotter)(nil)
 )
-
-// finishRestore runs finishRestorePlan on the run's live VMM; a failure ends the run. (The
-// guest channel the identity was given on is closed with the plan: the monitor of this rare
-// path connects anew.)
-func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, m *meta, rec *vmm.Record) error {
-	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, Record: rec}
-	defer r.Done()
-	err := a.finishRestorePlan(vm).Run(ctx, r)
-	var failed *plan.Failed
-	if errors.As(err, &failed) {
-		if rec.Alive() {
-			_ = a.driver(string(m.VMM)).quit(ctx, vm.UID)
-		}
-		return a.startFailed(ctx, vm, failed.Reason, failed.Err)
-	}
-	return err
-}

@@ -1,4 +1,10 @@
-package agent
+// Package monitor follows the runs of a node's VMs: for each run, its guest channel (a
+// guestchan.Session: only what the guest says with its run's token counts), its VMM process,
+// its console input and session channel, and what it learns is reported as status.runtime, with
+// retries. A Registry holds the node's monitors, one per VM, under its own lock; the agent asks
+// it to follow a run, to stop following, to have a guest stop or freeze its workload, and it
+// serves exec and the console to the access server.
+package monitor
 
 import (
 	"context"
@@ -6,27 +12,22 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/utils/ptr"
-	ctrl "sigs.k8s.io/controller-runtime"
-
-	"github.com/go-logr/logr"
-	"github.com/prometheus/client_golang/prometheus"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
-	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestinit"
 	"github.com/syscode-labs/imp/internal/guestinit/probe"
 	"github.com/syscode-labs/imp/internal/guestsession"
@@ -146,99 +147,8 @@ func (m *monitor) guestFroze() {
 	}
 }
 
-func (a *Agent) stopMonitor(uid types.UID) {
-	a.mu.Lock()
-	m := a.monitors[uid]
-	delete(a.monitors, uid)
-	a.mu.Unlock()
-	if m != nil {
-		m.cancel()
-		<-m.done
-	}
-}
-
-// ensureMonitor starts following the VM's current run unless it is followed already. The
-// monitor of an earlier run (which ended by itself: its workload exited) is replaced. conn,
-// when not nil, is a connection to the run's guest channel to follow first (the monitor's to
-// close); else the monitor connects.
-func (a *Agent) ensureMonitor(vm *impv1.ImpVM, dir string, meta *meta, rec *vmm.Record, conn net.Conn) {
-	a.mu.Lock()
-	if old, ok := a.monitors[vm.UID]; ok {
-		if old.instance == meta.Instance && old.run == meta.Run {
-			a.mu.Unlock()
-			if conn != nil {
-				conn.Close()
-			}
-			return
-		}
-		a.mu.Unlock()
-		a.stopMonitor(vm.UID)
-		a.mu.Lock()
-	}
-	defer a.mu.Unlock()
-	if _, ok := a.monitors[vm.UID]; ok {
-		if conn != nil {
-			conn.Close()
-		}
-		return // another caller started it meanwhile
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
-	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key, instance: meta.Instance, run: meta.Run}
-	a.monitors[vm.UID] = m
-	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
-	drv := a.driver(recKind(rec))
-	if meta.Session {
-		m.session = guestsession.NewClient(meta.Token, func(context.Context) (net.Conn, error) { return drv.dialSession(dir) })
-	}
-	m.console = &console{open: func() (consoleWriter, error) { return drv.openConsole(dir) }}
-	w := watch{
-		dial:  func() (net.Conn, error) { return drv.dial(dir) },
-		conn:  conn,
-		alive: rec.Alive,
-		report: func(ctx context.Context, rt impv1.RuntimeStatus) {
-			if err := retryReport(ctx, reportBackoff, func(ctx context.Context) error {
-				vm := &impv1.ImpVM{}
-				vm.Namespace, vm.Name = key.Namespace, key.Name
-				return a.report(ctx, vm, rt)
-			}); err != nil {
-				log.Error(err, "reporting the VM's state", "state", rt.State)
-			}
-		},
-		capLogs:     func() error { return drv.capLogs(dir, a.Opts.ConsoleLogBytes) },
-		ended:       func() { a.endRun(meta.UID) },
-		tail:        func() string { return drv.logTail(dir) },
-		ready:       reportedReady(vm, meta),
-		booted:      reportedBooted(vm, meta),
-		bootTimeout: a.Opts.BootTimeout,
-		kill: func() {
-			vm := &impv1.ImpVM{}
-			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID
-			a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonBootTimeout, "Kill",
-				"The guest was not ready %v after its VMM started; its VMM is ended (its console: kubectl imp logs)", a.Opts.BootTimeout)
-			if rec.Alive() {
-				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
-			}
-		},
-		unhealthy: func(ev guestchan.Event) {
-			vm := &impv1.ImpVM{}
-			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID
-			a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "Unhealthy", "Kill",
-				"The %s probe failed, so the guest kills the workload: %s", ev.Probe, ev.Message)
-		},
-	}
-	go func() {
-		defer close(m.done)
-		defer m.console.end()
-		if m.session != nil {
-			defer m.session.Close()
-		}
-		m.follow(ctx, w, meta, log)
-	}()
-}
-
 // reportedReady is the readiness verdict vm's status holds for the run of meta, if any.
-func reportedReady(vm *impv1.ImpVM, meta *meta) *bool {
+func reportedReady(vm *impv1.ImpVM, meta *vmrun.Meta) *bool {
 	if reportedBooted(vm, meta) {
 		return vm.Status.Runtime.Ready
 	}
@@ -270,36 +180,9 @@ func refused(err error) bool {
 }
 
 // reportedBooted says whether vm's status has the run of meta's guest ready.
-func reportedBooted(vm *impv1.ImpVM, meta *meta) bool {
+func reportedBooted(vm *impv1.ImpVM, meta *vmrun.Meta) bool {
 	rt := vm.Status.Runtime
 	return rt != nil && rt.Instance == meta.Instance && rt.Run == meta.Run && rt.GuestReady
-}
-
-// ErrNotRunning: the VM has no run this agent follows.
-var ErrNotRunning = errors.New("the VM is not running on this node")
-
-// running is the monitor of the run of the VM key with uid, or ErrNotRunning: the UID alone
-// never reaches another VM's run.
-func (a *Agent) running(key types.NamespacedName, uid types.UID) (*monitor, error) {
-	a.mu.Lock()
-	m := a.monitors[uid]
-	a.mu.Unlock()
-	if m == nil || m.key != key {
-		return nil, ErrNotRunning
-	}
-	return m, nil
-}
-
-// Session is the session channel (exec, port-forward) of the running VM key with uid.
-func (a *Agent) Session(key types.NamespacedName, uid types.UID) (*guestsession.Client, error) {
-	m, err := a.running(key, uid)
-	if err != nil {
-		return nil, err
-	}
-	if m.session == nil {
-		return nil, errors.New("this run of the VM has no session channel: an agent before exec started it; restart the VM")
-	}
-	return m.session, nil
 }
 
 // watch is what a monitor follows of a run: how to reach its guest channel, whether its VMM
@@ -332,7 +215,7 @@ const probeReportInterval = 500 * time.Millisecond
 // follow reports the run's state until its VMM is gone (or ctx ends): Running once the guest
 // says ready, then how it ended. Everything the guest sends goes through a guestchan.Session;
 // the console and the VMM's logs are capped on a ticker of their own, whatever the channel does.
-func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logger) {
+func (m *monitor) follow(ctx context.Context, w watch, meta *vmrun.Meta, log logr.Logger) {
 	base := meta.Status()
 	started := metav1.NewTime(meta.Started)
 	base.StartedAt = &started
@@ -568,14 +451,4 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *meta, log logr.Logg
 			return
 		}
 	}
-}
-
-// ConsoleLog opens the console log of the VM key with uid, running or finished on this node.
-func (a *Agent) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, error) {
-	dir := a.vmDir(uid)
-	m, err := readMeta(dir)
-	if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
-		return nil, ErrNotRunning
-	}
-	return a.driver(string(m.VMM)).consoleLog(dir)
 }

@@ -1,4 +1,4 @@
-package agent
+package monitor
 
 import (
 	"bufio"
@@ -26,6 +26,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
@@ -55,7 +56,7 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 		},
 		capLogs: func() error { return qemu.CapConsole(dir, capBytes) },
 	}
-	guest, done := followChannel(t, w, &meta{Token: token, Started: time.Now()})
+	guest, done := followChannel(t, w, &vmrun.Meta{Token: token, Started: time.Now()})
 	send := func(lines ...string) {
 		t.Helper()
 		for _, line := range lines {
@@ -140,13 +141,13 @@ func TestMonitorUnderAHostileGuest(t *testing.T) {
 
 // followChannel follows the run of m as w says, its guest channel a unix socket whose guest end
 // it returns, with a channel closed when the monitor ends. What w leaves unset does nothing.
-func followChannel(t *testing.T, w watch, m *meta) (net.Conn, <-chan struct{}) {
+func followChannel(t *testing.T, w watch, m *vmrun.Meta) (net.Conn, <-chan struct{}) {
 	t.Helper()
 	return followChannelOn(t, &monitor{token: m.Token}, w, m)
 }
 
 // followChannelOn is followChannel with the monitor mon.
-func followChannelOn(t *testing.T, mon *monitor, w watch, m *meta) (net.Conn, <-chan struct{}) {
+func followChannelOn(t *testing.T, mon *monitor, w watch, m *vmrun.Meta) (net.Conn, <-chan struct{}) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "channel.sock")
 	l, err := net.Listen("unix", sock)
@@ -206,7 +207,7 @@ func handedWatch(conn net.Conn, alive func() bool, report func(context.Context, 
 
 // follow runs a monitor of m's run with w until ctx ends or the run does; the channel closes
 // then.
-func follow(ctx context.Context, w watch, m *meta) <-chan struct{} {
+func follow(ctx context.Context, w watch, m *vmrun.Meta) <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -249,26 +250,6 @@ func wantReady(t *testing.T, reports <-chan impv1.RuntimeStatus, from string) {
 	}
 }
 
-// TestEveryLogIsCapped: the console and QEMU's own log of a VM are held under the one cap.
-func TestEveryLogIsCapped(t *testing.T) {
-	dir := t.TempDir()
-	const capBytes = 4096
-	for _, f := range []string{qemu.ConsoleLog, qemu.LogFile} {
-		if err := os.WriteFile(filepath.Join(dir, f), []byte(strings.Repeat("x", 100*capBytes)), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	a := &Agent{Opts: Options{ConsoleLogBytes: capBytes}}
-	if err := a.driver("qemu").capLogs(dir, a.Opts.ConsoleLogBytes); err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range []string{qemu.ConsoleLog, qemu.LogFile} {
-		if fi, err := os.Stat(filepath.Join(dir, f)); err != nil || fi.Size() > capBytes {
-			t.Errorf("%s: %v, %v bytes; want at most %d", f, err, fi.Size(), capBytes)
-		}
-	}
-}
-
 // TestProbeVerdictsReachTheAPIBounded: a guest that flips its readiness verdict thousands of
 // times a second gets at most one report per probeReportInterval, the latest verdict winning;
 // a run with a readiness probe starts not ready; a liveness failure ends the run as
@@ -289,7 +270,7 @@ func TestProbeVerdictsReachTheAPIBounded(t *testing.T) {
 		},
 		unhealthy: func(guestchan.Event) { unhealthy.Add(1) },
 	}
-	guest, done := followChannel(t, w, &meta{Token: token, Started: time.Now(), Readiness: true})
+	guest, done := followChannel(t, w, &vmrun.Meta{Token: token, Started: time.Now(), Readiness: true})
 	send := func(lines ...string) {
 		t.Helper()
 		for _, line := range lines {
@@ -350,7 +331,7 @@ func TestAFollowedRunKeepsItsReadiness(t *testing.T) {
 	var alive atomic.Bool
 	alive.Store(true)
 	reports := make(chan impv1.RuntimeStatus, 16)
-	m := &meta{Token: token, Started: time.Now(), Readiness: true, Instance: 1, Run: 2}
+	m := &vmrun.Meta{Token: token, Started: time.Now(), Readiness: true, Instance: 1, Run: 2}
 	vm := &impv1.ImpVM{Status: impv1.ImpVMStatus{Runtime: &impv1.RuntimeStatus{Instance: 1, Run: 2, GuestReady: true, Ready: ptr.To(true)}}}
 	w := watch{alive: alive.Load, report: func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt }, ready: reportedReady(vm, m)}
 	guest, done := followChannel(t, w, m)
@@ -397,7 +378,7 @@ func TestAStuckBootIsEnded(t *testing.T) {
 			alive.Store(true)
 			var kills atomic.Int32
 			reports := make(chan impv1.RuntimeStatus, 16)
-			m := &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
+			m := &vmrun.Meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
 			vm := &impv1.ImpVM{}
 			if tc.booted {
 				vm.Status.Runtime = &impv1.RuntimeStatus{Instance: 1, Run: 1, GuestReady: true}
@@ -457,7 +438,7 @@ func TestARestoredGuestThatSaysItsReplayFollowsThenNothing(t *testing.T) {
 	reports := make(chan impv1.RuntimeStatus, 16)
 	w := handedWatch(answered, alive.Load, func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt })
 	w.bootTimeout, w.kill = timeout, func() { kills.Add(1); alive.Store(false) }
-	done := follow(context.Background(), w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1})
+	done := follow(context.Background(), w, &vmrun.Meta{Token: token, Started: time.Now(), Instance: 1, Run: 1})
 	select {
 	case <-done:
 	case <-time.After(30 * time.Second):
@@ -517,7 +498,7 @@ func TestAStoppedMonitorTriesNoMore(t *testing.T) {
 		_ = retryReport(ctx, reportBackoff, func(context.Context) error { tried <- struct{}{}; return unavailable })
 	})
 	ctx, stop := context.WithCancel(context.Background())
-	done := follow(ctx, w, &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1})
+	done := follow(ctx, w, &vmrun.Meta{Token: token, Started: time.Now(), Instance: 1, Run: 1})
 	_ = guest.SetDeadline(time.Now().Add(30 * time.Second))
 	if _, err := bufio.NewReader(guest).ReadString('\n'); err != nil { // its request for the replay
 		t.Fatal(err)
@@ -555,7 +536,7 @@ func TestAHandedConnectionIsFollowedFirst(t *testing.T) {
 	defer guest.Close()
 	w := handedWatch(agentEnd, alive.Load, func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt })
 	w.dial = func() (net.Conn, error) { dials.Add(1); return nil, errors.New("no new connection in this test") }
-	m := &meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
+	m := &vmrun.Meta{Token: token, Started: time.Now(), Instance: 1, Run: 1}
 	done := follow(context.Background(), w, m)
 	// The guest reads the monitor's request for its history, then tells it.
 	_ = guest.SetDeadline(time.Now().Add(30 * time.Second))
@@ -645,7 +626,7 @@ func TestFreezeTakesTheGuestsWordOnly(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		mon.follow(ctx, w, &meta{Token: token, Started: time.Now()}, logr.Discard())
+		mon.follow(ctx, w, &vmrun.Meta{Token: token, Started: time.Now()}, logr.Discard())
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 

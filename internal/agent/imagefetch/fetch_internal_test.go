@@ -1,4 +1,4 @@
-package agent
+package imagefetch
 
 import (
 	"testing"
@@ -8,7 +8,7 @@ import (
 )
 
 // A start takes its fetch once done; it waits for it only as long as it is told to (the pass
-// that begins a fetch waits up to fetchWait, later passes not at all).
+// that begins a fetch waits up to FetchWait, later passes not at all).
 func TestTakeFetch(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
@@ -24,7 +24,7 @@ func TestTakeFetch(t *testing.T) {
 		{name: "not done within the wait", doneIn: -1, wait: 50 * time.Millisecond, want: false, atLeast: 50 * time.Millisecond, atMost: time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			fs := &fetches{byVM: map[types.UID]*fetch{}}
+			fs := &Fetches{byVM: map[types.UID]*fetch{}}
 			f := &fetch{done: make(chan struct{})}
 			fs.byVM["vm"] = f
 			switch {

@@ -1,4 +1,4 @@
-package agent
+package monitor
 
 import (
 	"errors"
@@ -7,13 +7,15 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 )
 
 // A guest that reads nothing of its console holds a writer for the write timeout, no longer;
 // the console opens again for the next write, and refuses every write once the run ended.
 func TestConsoleOfAGuestThatDoesNotRead(t *testing.T) {
 	guests := make(chan net.Conn, 2)
-	c := &console{timeout: 200 * time.Millisecond, open: func() (consoleWriter, error) {
+	c := &console{timeout: 200 * time.Millisecond, open: func() (vmmdriver.ConsoleWriter, error) {
 		host, guest := net.Pipe() // unbuffered: a write waits for a read
 		guests <- guest
 		return host, nil

@@ -1,4 +1,7 @@
-package agent
+// Package nodereport keeps the node's ImpNode report current (what the node offers VMs, which
+// VMMs it runs, the artifacts it boots them with, its networks, its overlay address), collects
+// the base disks no VM uses, and renews the agent's heartbeat Lease.
+package nodereport
 
 import (
 	"bufio"
@@ -7,13 +10,14 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -29,57 +33,82 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/agent/volume"
 )
 
-// sweeper runs Agent.sweep when the agent starts and every five minutes.
-type sweeper struct{ a *Agent }
+// Reporter keeps the node's ImpNode report current: what the node offers VMs, which VMMs it
+// runs, and the artifacts it boots them with. It is a manager's Runnable.
+type Reporter struct {
+	Client    client.Client
+	APIReader client.Reader // uncached: the Node
+	NodeName  string
+	// StateDir is the agent's state directory: its file system holds the VMs' disks.
+	StateDir string
+	// What is kept for the host, and the vCPU overcommit (agent.Options).
+	ReserveVCPUs   int32
+	ReserveMemory  int64
+	ReserveDisk    int64
+	VCPUOvercommit float64
+	// Held is memory the node holds for itself beyond ReserveMemory (the snapshot memory cache).
+	Held int64
+	// Accel is QEMU's accelerator, said in the Ready condition.
+	Accel string
+	// Kernel and Initramfs are reported with their hashes.
+	Kernel, Initramfs string
+	OverlayAddress    netip.Addr
+	VMMs              []impv1.VMMCapability
+	// Interval is how often the report is refreshed and written if it changed (and unused base
+	// disks collected).
+	Interval time.Duration
+	Images   *disk.BaseStore
+	Networks Networks
+	// JailRoot is the root of a VM's Firecracker jail; nil on a node without Firecracker.
+	JailRoot func(uid types.UID) string
 
-// NeedLeaderElection: every agent sweeps its own node.
-func (sweeper) NeedLeaderElection() bool { return false }
+	once sync.Once
+	now  chan struct{} // Soon's
+}
 
-func (s sweeper) Start(ctx context.Context) error {
-	t := time.NewTicker(5 * time.Minute)
-	defer t.Stop()
-	for {
-		if err := s.a.sweep(ctx); err != nil {
-			ctrl.LoggerFrom(ctx).Error(err, "sweeping VMs no longer on this node")
-		}
-		if err := s.a.sweepSnapshots(ctx); err != nil {
-			ctrl.LoggerFrom(ctx).Error(err, "sweeping snapshots no longer in the cluster")
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-		}
+// Networks report the networks plumbed on the node.
+type Networks interface {
+	Report() []impv1.NodeNetwork
+}
+
+// Soon asks for a report now rather than at the next tick.
+func (r *Reporter) Soon() {
+	select {
+	case r.nowChan() <- struct{}{}:
+	default:
 	}
 }
 
-// reporter keeps the node's ImpNode report current: what the node offers VMs, which VMMs it
-// runs, and the artifacts it boots them with.
-type reporter struct{ a *Agent }
+func (r *Reporter) nowChan() chan struct{} {
+	r.once.Do(func() { r.now = make(chan struct{}, 1) })
+	return r.now
+}
 
 // NeedLeaderElection: every agent reports its own node.
-func (reporter) NeedLeaderElection() bool { return false }
+func (*Reporter) NeedLeaderElection() bool { return false }
 
-func (r reporter) Start(ctx context.Context) error {
-	kernel := artifact(r.a.Opts.Kernel)
-	initrd := artifact(r.a.Opts.Initramfs)
-	vmms := r.a.vmms
-	t := time.NewTicker(r.a.Opts.ReportInterval)
+// Start reports until ctx ends.
+func (r *Reporter) Start(ctx context.Context) error {
+	kernel := artifact(r.Kernel)
+	initrd := artifact(r.Initramfs)
+	now := r.nowChan()
+	t := time.NewTicker(r.Interval)
 	defer t.Stop()
 	collect := true
 	for {
-		if err := r.a.reportNode(ctx, vmms, kernel, initrd); err != nil {
+		if err := r.report(ctx, kernel, initrd); err != nil {
 			ctrl.LoggerFrom(ctx).Error(err, "reporting the node")
 		}
 		// Unused base disks on the interval only, not on every report a change asks for.
 		if collect {
-			if removed, err := r.a.collectImages(imageRetention); err != nil {
+			if removed, err := r.collectImages(imageRetention); err != nil {
 				ctrl.LoggerFrom(ctx).Error(err, "collecting unused base disks")
 			} else if len(removed) > 0 {
 				ctrl.LoggerFrom(ctx).Info("removed unused base disks", "disks", removed)
@@ -90,36 +119,36 @@ func (r reporter) Start(ctx context.Context) error {
 			return nil
 		case <-t.C:
 			collect = true
-		case <-r.a.reportNow:
+		case <-now:
 			collect = false
 		}
 	}
 }
 
-func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kernel, initrd *impv1.Artifact) error {
+func (r *Reporter) report(ctx context.Context, kernel, initrd *impv1.Artifact) error {
 	// The report is garbage-collected with its Node: it names the Node as its owner.
 	var n corev1.Node
-	if err := a.APIReader.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, &n); err != nil {
-		return fmt.Errorf("reading Node %s: %w", a.Opts.NodeName, err)
+	if err := r.APIReader.Get(ctx, types.NamespacedName{Name: r.NodeName}, &n); err != nil {
+		return fmt.Errorf("reading Node %s: %w", r.NodeName, err)
 	}
 	owner := metav1.OwnerReference{APIVersion: "v1", Kind: "Node", Name: n.Name, UID: n.UID}
 	node := &impv1.ImpNode{}
-	err := a.Client.Get(ctx, types.NamespacedName{Name: a.Opts.NodeName}, node)
+	err := r.Client.Get(ctx, types.NamespacedName{Name: r.NodeName}, node)
 	switch {
 	case apierrors.IsNotFound(err):
-		node = &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: a.Opts.NodeName, OwnerReferences: []metav1.OwnerReference{owner}}}
-		if err := a.Client.Create(ctx, node); err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("creating ImpNode %s: %w", a.Opts.NodeName, err)
+		node = &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: r.NodeName, OwnerReferences: []metav1.OwnerReference{owner}}}
+		if err := r.Client.Create(ctx, node); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("creating ImpNode %s: %w", r.NodeName, err)
 		}
 	case err != nil:
-		return fmt.Errorf("reading ImpNode %s: %w", a.Opts.NodeName, err)
+		return fmt.Errorf("reading ImpNode %s: %w", r.NodeName, err)
 	case !slices.ContainsFunc(node.OwnerReferences, func(o metav1.OwnerReference) bool { return o.UID == n.UID }):
 		// Made without its owner (by an agent whose reads of Nodes were refused), or its Node
 		// was made again under the same name.
 		orig := node.DeepCopy()
 		node.OwnerReferences = []metav1.OwnerReference{owner}
-		if err := a.Client.Patch(ctx, node, client.MergeFrom(orig)); err != nil {
-			return fmt.Errorf("setting the owner of ImpNode %s: %w", a.Opts.NodeName, err)
+		if err := r.Client.Patch(ctx, node, client.MergeFrom(orig)); err != nil {
+			return fmt.Errorf("setting the owner of ImpNode %s: %w", r.NodeName, err)
 		}
 	}
 	orig := node.DeepCopy()
@@ -128,8 +157,8 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	now := metav1.Now()
 	node.Status.Capacity = &impv1.NodeResources{VCPUs: cpus, Memory: *resource.NewQuantity(mem, resource.BinarySI)}
 	node.Status.Allocatable = &impv1.NodeResources{
-		VCPUs:  int32(float64(max(cpus-a.Opts.ReserveVCPUs, 0)) * max(a.Opts.VCPUOvercommit, 1)),
-		Memory: *resource.NewQuantity(max(mem-a.Opts.ReserveMemory-a.memoryCacheBytes(), 0), resource.BinarySI),
+		VCPUs:  int32(float64(max(cpus-r.ReserveVCPUs, 0)) * max(r.VCPUOvercommit, 1)),
+		Memory: *resource.NewQuantity(max(mem-r.ReserveMemory-r.Held, 0), resource.BinarySI),
 	}
 	// Disk: the file system of the state directory, where the VMs' writable disks and
 	// suspended memory live. Placement sums the VMs' diskSize (and suspended memory) against
@@ -137,34 +166,34 @@ func (a *Agent) reportNode(ctx context.Context, vmms []impv1.VMMCapability, kern
 	// else fills the file system (base disks, builds, logs, the node's own files) is not
 	// offered, so placement never counts on space that something else took.
 	var fs unix.Statfs_t
-	if err := unix.Statfs(a.Opts.StateDir, &fs); err == nil {
+	if err := unix.Statfs(r.StateDir, &fs); err == nil {
 		total := int64(fs.Blocks) * fs.Bsize
 		free := int64(fs.Bavail) * fs.Bsize
 		node.Status.Capacity.Disk = resource.NewQuantity(total, resource.BinarySI)
-		offered := min(total, free+a.vmBytes()) - a.Opts.ReserveDisk
+		offered := min(total, free+r.vmBytes()) - r.ReserveDisk
 		node.Status.Allocatable.Disk = resource.NewQuantity(max(offered, 0)&^(reportGranule-1), resource.BinarySI)
 	}
-	if u, err := a.images.Usage(); err == nil {
+	if u, err := r.Images.Usage(); err == nil {
 		node.Status.Images = &impv1.NodeImages{Disks: int32(u.Disks), Builds: int32(u.Builds),
 			Bytes: *resource.NewQuantity(u.DiskBytes&^(1<<20-1), resource.BinarySI)}
 	}
-	node.Status.VMMs = vmms
+	node.Status.VMMs = r.VMMs
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
 	node.Status.OverlayAddress = ""
-	if a.Opts.OverlayAddress.IsValid() {
-		node.Status.OverlayAddress = a.Opts.OverlayAddress.String()
+	if r.OverlayAddress.IsValid() {
+		node.Status.OverlayAddress = r.OverlayAddress.String()
 	}
-	node.Status.Networks = a.networks.report()
+	node.Status.Networks = r.Networks.Report()
 	apimeta.SetStatusCondition(&node.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue,
-		Reason: impv1.ReasonAgentReady, Message: fmt.Sprintf("qemu (%s) available", a.Opts.Accel)})
+		Reason: impv1.ReasonAgentReady, Message: fmt.Sprintf("qemu (%s) available", r.Accel)})
 	// Written only when it changed: every agent watches ImpNodes, so a write reaches every
 	// node. The heartbeat is the agent's Lease; heartbeatTime says when the report was written.
 	if equality.Semantic.DeepEqual(orig.Status, node.Status) {
 		return nil
 	}
 	node.Status.HeartbeatTime = &now
-	if err := a.Client.Status().Patch(ctx, node, client.MergeFrom(orig)); err != nil {
-		return fmt.Errorf("reporting ImpNode %s: %w", a.Opts.NodeName, err)
+	if err := r.Client.Status().Patch(ctx, node, client.MergeFrom(orig)); err != nil {
+		return fmt.Errorf("reporting ImpNode %s: %w", r.NodeName, err)
 	}
 	return nil
 }
@@ -178,9 +207,9 @@ const reportGranule = 256 << 20
 // those are looked at, without following a link (a jail belongs to its VMM, which may have
 // planted any), on the state file system alone, a file linked twice counted once: nothing a VMM
 // makes can add the base disks it shares, or the host's files, to what the node offers.
-func (a *Agent) vmBytes() int64 {
+func (r *Reporter) vmBytes() int64 {
 	var stateFS unix.Stat_t
-	if unix.Stat(a.Opts.StateDir, &stateFS) != nil {
+	if unix.Stat(r.StateDir, &stateFS) != nil {
 		return 0
 	}
 	type fileID struct{ dev, ino uint64 }
@@ -194,7 +223,7 @@ func (a *Agent) vmBytes() int64 {
 		seen[fileID{st.Dev, st.Ino}] = true
 		n += st.Blocks * 512
 	}
-	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	dirs, _ := filepath.Glob(filepath.Join(r.StateDir, "vms", "*"))
 	for _, dir := range dirs {
 		files := []string{vmrun.WritableDisk, qemu.StateFile}
 		vols, _ := filepath.Glob(filepath.Join(dir, volume.DiskFile("*"))) // disk volumes, counted as placement counts them
@@ -206,10 +235,10 @@ func (a *Agent) vmBytes() int64 {
 				count(fi)
 			}
 		}
-		if a.Opts.Firecracker == "" {
+		if r.JailRoot == nil {
 			continue
 		}
-		root, err := os.OpenRoot(a.jailRoot(types.UID(filepath.Base(dir))))
+		root, err := os.OpenRoot(r.JailRoot(types.UID(filepath.Base(dir))))
 		if err != nil {
 			continue
 		}
@@ -252,31 +281,22 @@ func memTotal() int64 {
 	return 0
 }
 
-func qemuVersion() string {
-	out, err := exec.Command("qemu-system-x86_64", "--version").Output()
-	if err != nil {
-		return ""
-	}
-	first, _, _ := strings.Cut(string(out), "\n")
-	return strings.TrimPrefix(first, "QEMU emulator version ")
-}
-
 // imageRetention is how long an unused base disk is kept, for a VM that comes back soon.
 const imageRetention = 10 * time.Minute
 
 // collectImages removes the base disks no VM of this node uses and none uses within minAge.
 // A VM being started holds a lease on its disk (BaseStore.Ensure) until its meta records the
 // digest; the metas are read under the lock leases take, so no start falls between the two.
-func (a *Agent) collectImages(minAge time.Duration) ([]string, error) {
-	return a.images.GC(func() map[string]bool {
+func (r *Reporter) collectImages(minAge time.Duration) ([]string, error) {
+	return r.Images.GC(func() map[string]bool {
 		keep := map[string]bool{}
-		dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+		dirs, _ := filepath.Glob(filepath.Join(r.StateDir, "vms", "*"))
 		for _, d := range dirs {
-			if m, err := readMeta(d); err == nil && m.Digest != "" {
+			if m, err := vmrun.ReadMeta(d); err == nil && m.Digest != "" {
 				keep[m.Digest] = true
 			}
 		}
-		disks, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "images", "sha256-*.ext4"))
+		disks, _ := filepath.Glob(filepath.Join(r.StateDir, "images", "sha256-*.ext4"))
 		for _, p := range disks {
 			if fi, err := os.Stat(p); err == nil && time.Since(fi.ModTime()) < minAge {
 				keep[strings.Replace(strings.TrimSuffix(filepath.Base(p), ".ext4"), "-", ":", 1)] = true

@@ -1,4 +1,8 @@
-package agent
+// Package imagefetch fetches the runs' images, off the reconcile workers: each run's image
+// resolved (its tag's digest), pulled and built into a base disk of the node's store, with its
+// run Secret's pull credentials, within a timeout; the start that waits for it is woken when it
+// is done.
+package imagefetch
 
 import (
 	"context"
@@ -21,12 +25,12 @@ import (
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
-// fetches are the runs' images being resolved and built into base disks, off the reconcile
+// Fetches are the runs' images being resolved and built into base disks, off the reconcile
 // workers: the registry is the tenant's choice and may be slow, and no worker waits on it
-// longer than fetchWait, once per run. The reconcile that starts the run finds its fetch done
+// longer than FetchWait, once per run. The reconcile that starts the run finds its fetch done
 // then, or on a later pass (a done fetch sends its VM to done, which requeues it at once).
 // One fetch per VM, of its current run; its own lock, taken for the map alone.
-type fetches struct {
+type Fetches struct {
 	images    *disk.BaseStore
 	apiReader client.Reader
 	secretNS  string // the run Secrets' namespace
@@ -37,8 +41,8 @@ type fetches struct {
 	byVM map[types.UID]*fetch
 }
 
-var _ steps.Fetches = (*fetches)(nil)
-var _ steps.FetchState = (*fetches)(nil)
+var _ steps.Fetches = (*Fetches)(nil)
+var _ steps.FetchState = (*Fetches)(nil)
 
 // fetch is one run's image being fetched.
 type fetch struct {
@@ -63,7 +67,7 @@ func runID(vm *impv1.ImpVM) string {
 
 // Begin starts the fetch of the VM's current run unless it runs already, and says whether it
 // started it; a fetch for another run of the VM is cancelled.
-func (fs *fetches) Begin(vm *impv1.ImpVM, ref name.Reference) bool {
+func (fs *Fetches) Begin(vm *impv1.ImpVM, ref name.Reference) bool {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if f := fs.byVM[vm.UID]; f != nil {
@@ -88,9 +92,9 @@ func (fs *fetches) Begin(vm *impv1.ImpVM, ref name.Reference) bool {
 	return true
 }
 
-func (fs *fetches) do(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
+func (fs *Fetches) do(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, f *fetch) (string, error) {
 	var err error
-	step := stepTimer()
+	step := steps.Timer()
 	if f.secrets, err = runsecret.Read(ctx, fs.apiReader, fs.secretNS, vm); err != nil {
 		return "StartFailed", err
 	}
@@ -129,7 +133,7 @@ func (fs *fetches) do(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, 
 }
 
 // Fetching says whether the fetch of the VM's current run began and has not finished.
-func (fs *fetches) Fetching(vm *impv1.ImpVM) bool {
+func (fs *Fetches) Fetching(vm *impv1.ImpVM) bool {
 	fs.mu.Lock()
 	f := fs.byVM[vm.UID]
 	fs.mu.Unlock()
@@ -145,16 +149,16 @@ func (f *fetch) finished() bool {
 	}
 }
 
-// fetchWait is how long the pass that begins a fetch waits for it before it lets its worker
+// FetchWait is how long the pass that begins a fetch waits for it before it lets its worker
 // go: a fetch that needs no registry (an image pinned by digest whose disk is on the node) is
 // done within it, and its start goes on in the same pass instead of queueing again behind other
 // VMs'. Later passes do not wait, so a registry that never answers costs a worker this once.
-const fetchWait = 100 * time.Millisecond
+const FetchWait = 100 * time.Millisecond
 
 // Take hands the finished fetch of the VM's current run to its start and forgets it, waiting
 // up to wait for it to finish: plan.ErrWait while it runs (or none began), a plan failure with
 // its reason when it failed.
-func (fs *fetches) Take(vm *impv1.ImpVM, wait time.Duration) (*vmrun.Image, error) {
+func (fs *Fetches) Take(vm *impv1.ImpVM, wait time.Duration) (*vmrun.Image, error) {
 	fs.mu.Lock()
 	f := fs.byVM[vm.UID]
 	fs.mu.Unlock()
@@ -169,7 +173,7 @@ func (fs *fetches) Take(vm *impv1.ImpVM, wait time.Duration) (*vmrun.Image, erro
 }
 
 // take forgets f, once finished, waiting up to wait for it; nil while it runs.
-func (fs *fetches) take(uid types.UID, f *fetch, wait time.Duration) *fetch {
+func (fs *Fetches) take(uid types.UID, f *fetch, wait time.Duration) *fetch {
 	if !f.finished() {
 		if wait <= 0 {
 			return nil
@@ -191,13 +195,13 @@ func (fs *fetches) take(uid types.UID, f *fetch, wait time.Duration) *fetch {
 }
 
 // Drop cancels the VM's fetch, if any, and lets go of what it holds.
-func (fs *fetches) Drop(uid types.UID) {
+func (fs *Fetches) Drop(uid types.UID) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	fs.dropLocked(uid)
 }
 
-func (fs *fetches) dropLocked(uid types.UID) {
+func (fs *Fetches) dropLocked(uid types.UID) {
 	f := fs.byVM[uid]
 	if f == nil {
 		return
@@ -205,4 +209,10 @@ func (fs *fetches) dropLocked(uid types.UID) {
 	delete(fs.byVM, uid)
 	f.cancel()
 	go func() { <-f.done; f.release() }()
+}
+
+// New is the fetches of images into images, with the run Secrets of namespace secretNS read by
+// apiReader, each within timeout; a VM whose fetch is done is sent to done.
+func New(images *disk.BaseStore, apiReader client.Reader, secretNS string, timeout time.Duration, done chan<- event.GenericEvent) *Fetches {
+	return &Fetches{images: images, apiReader: apiReader, secretNS: secretNS, timeout: timeout, done: done, byVM: map[types.UID]*fetch{}}
 }

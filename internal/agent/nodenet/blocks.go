@@ -1,4 +1,4 @@
-package agent
+package nodenet
 
 import (
 	"context"
@@ -16,24 +16,29 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
 )
 
-// blocks routes the other nodes' endpoint blocks (ImpNode spec.endpointCIDR) via their
+// Blocks routes the other nodes' endpoint blocks (ImpNode spec.endpointCIDR) via their
 // addresses (status.overlayAddress, the node's underlay address), so that this node and its
 // pods reach VMs of every node at their endpoint addresses, as a CNI routes the pod CIDRs of
 // other nodes. A node without an overlay address gets no route: its VMs are reachable from its
 // own node only.
-type blocks struct{ a *Agent }
+type Blocks struct {
+	Client   client.Client
+	NodeName string
+	Net      *hostnet.Host
+}
 
 // Reconcile makes the routes match every ImpNode, whichever changed.
-func (b blocks) Reconcile(ctx context.Context, _ ctrl.Request) (ctrl.Result, error) {
+func (b Blocks) Reconcile(ctx context.Context, _ ctrl.Request) (ctrl.Result, error) {
 	var nodes impv1.ImpNodeList
-	if err := b.a.Client.List(ctx, &nodes); err != nil {
+	if err := b.Client.List(ctx, &nodes); err != nil {
 		return ctrl.Result{}, fmt.Errorf("listing ImpNodes: %w", err)
 	}
 	want := map[netip.Prefix]netip.Addr{}
 	for _, n := range nodes.Items {
-		if n.Name == b.a.Opts.NodeName || !n.DeletionTimestamp.IsZero() {
+		if n.Name == b.NodeName || !n.DeletionTimestamp.IsZero() {
 			continue
 		}
 		p, perr := netip.ParsePrefix(n.Spec.EndpointCIDR)
@@ -43,7 +48,7 @@ func (b blocks) Reconcile(ctx context.Context, _ ctrl.Request) (ctrl.Result, err
 		}
 		want[p.Masked()] = via
 	}
-	failed, err := b.a.net.SyncBlocks(want)
+	failed, err := b.Net.SyncBlocks(want)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
@@ -53,7 +58,8 @@ func (b blocks) Reconcile(ctx context.Context, _ ctrl.Request) (ctrl.Result, err
 	return ctrl.Result{RequeueAfter: time.Minute}, nil // heals routes someone removed
 }
 
-func (b blocks) setup(mgr ctrl.Manager) error {
+// SetupWithManager has mgr keep the routes.
+func (b Blocks) SetupWithManager(mgr ctrl.Manager) error {
 	changed := predicate.Funcs{
 		UpdateFunc: func(e event.UpdateEvent) bool {
 			o, n := e.ObjectOld.(*impv1.ImpNode), e.ObjectNew.(*impv1.ImpNode)

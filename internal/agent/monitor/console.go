@@ -1,22 +1,15 @@
-package agent
+package monitor
 
 import (
 	"cmp"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"sync"
 	"time"
 
-	"k8s.io/apimachinery/pkg/types"
+	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 )
-
-// consoleWriter is a serial console's input as a driver opens it.
-type consoleWriter interface {
-	io.WriteCloser
-	SetWriteDeadline(time.Time) error
-}
 
 // consoleWriteTimeout bounds one write to a console's input: a guest that reads none of it
 // ends the writer's attachment, and holds nothing of the agent's longer.
@@ -26,11 +19,11 @@ const consoleWriteTimeout = 10 * time.Second
 // serves one connection at a time. It is opened with the first attachment and closed with
 // the last, or when the run ends.
 type console struct {
-	open    func() (consoleWriter, error)
+	open    func() (vmmdriver.ConsoleWriter, error)
 	timeout time.Duration // consoleWriteTimeout if zero
 
 	mu    sync.Mutex
-	w     consoleWriter
+	w     vmmdriver.ConsoleWriter
 	users int
 	ended bool
 }
@@ -100,16 +93,4 @@ func (i *consoleInput) Write(p []byte) (int, error) { return i.c.write(p) }
 func (i *consoleInput) Close() error {
 	i.once.Do(i.c.detach)
 	return nil
-}
-
-// ConsoleInput attaches to the serial console's input of the running VM key with uid: what is
-// written reaches the guest (the workload, when the ImpVM has stdin). ended is closed when the
-// run ends. Close the input to detach.
-func (a *Agent) ConsoleInput(key types.NamespacedName, uid types.UID) (io.WriteCloser, <-chan struct{}, error) {
-	m, err := a.running(key, uid)
-	if err != nil {
-		return nil, nil, err
-	}
-	m.console.attach()
-	return &consoleInput{c: m.console}, m.done, nil
 }

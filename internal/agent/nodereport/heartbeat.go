@@ -1,4 +1,4 @@
-package agent
+package nodereport
 
 import (
 	"context"
@@ -16,11 +16,17 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
-// heartbeat renews the node's agent Lease in IMP's namespace every HeartbeatInterval: what
+// Heartbeat renews the node's agent Lease in IMP's namespace every HeartbeatInterval: what
 // says the agent lives. It goes to the operator only (no agent watches Leases), where an
 // ImpNode status write would reach every agent of the cluster.
-type heartbeat struct {
-	a *Agent
+type Heartbeat struct {
+	Client    client.Client
+	APIReader client.Reader
+	// Namespace is IMP's, where the Lease is.
+	Namespace string
+	NodeName  string
+	Interval  time.Duration
+
 	// lease is the last Lease written.
 	lease *coordinationv1.Lease
 	// reported is when the fallback last wrote the ImpNode's heartbeatTime.
@@ -28,13 +34,13 @@ type heartbeat struct {
 }
 
 // NeedLeaderElection: every agent beats for its own node.
-func (*heartbeat) NeedLeaderElection() bool { return false }
+func (*Heartbeat) NeedLeaderElection() bool { return false }
 
-func (h *heartbeat) Start(ctx context.Context) error {
-	t := time.NewTicker(h.a.Opts.HeartbeatInterval)
+func (h *Heartbeat) Start(ctx context.Context) error {
+	t := time.NewTicker(h.Interval)
 	defer t.Stop()
 	for {
-		l, err := RenewHeartbeat(ctx, h.a.Client, h.a.APIReader, h.a.Opts.RunSecretNamespace, h.a.Opts.NodeName, h.a.Opts.HeartbeatInterval, h.lease)
+		l, err := RenewHeartbeat(ctx, h.Client, h.APIReader, h.Namespace, h.NodeName, h.Interval, h.lease)
 		if err != nil && ctx.Err() == nil {
 			ctrl.LoggerFrom(ctx).Error(err, "renewing the agent's heartbeat Lease; beating in the ImpNode instead")
 			h.fallback(ctx)
@@ -51,13 +57,13 @@ func (h *heartbeat) Start(ctx context.Context) error {
 // fallback beats in the ImpNode's heartbeatTime, as agents before the Lease did, every third
 // interval at most, when the Lease cannot be written (IMP's namespace missing, its Role not
 // granted): the node must not look dead because of that.
-func (h *heartbeat) fallback(ctx context.Context) {
-	if time.Since(h.reported) < 3*h.a.Opts.HeartbeatInterval {
+func (h *Heartbeat) fallback(ctx context.Context) {
+	if time.Since(h.reported) < 3*h.Interval {
 		return
 	}
 	now := metav1.Now()
 	patch := client.RawPatch(types.MergePatchType, fmt.Appendf(nil, `{"status":{"heartbeatTime":%q}}`, now.UTC().Format(time.RFC3339)))
-	if err := h.a.Client.Status().Patch(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: h.a.Opts.NodeName}}, patch); err != nil {
+	if err := h.Client.Status().Patch(ctx, &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: h.NodeName}}, patch); err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "beating in the ImpNode")
 		return
 	}

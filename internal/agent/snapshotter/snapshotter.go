@@ -1,4 +1,8 @@
-package agent
+// Package snapshotter is the agent's snapshot subsystem: the ImpVMSnapshots of its node taken,
+// pushed and removed, the snapshots restores start from found (pulled from a registry when
+// another node took them) and checked, the restored guests given their identity, the node's
+// cache of snapshots' memory, and the sweep of files no snapshot owns.
+package snapshotter
 
 import (
 	"context"
@@ -16,17 +20,22 @@ import (
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
+	"github.com/syscode-labs/imp/internal/agent/guestmem"
+	"github.com/syscode-labs/imp/internal/agent/monitor"
+	"github.com/syscode-labs/imp/internal/agent/pullnet"
 	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
-	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
-	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
@@ -43,35 +52,98 @@ var (
 
 func init() { metrics.Registry.MustRegister(snapshotPauseSeconds, snapshotFailures) }
 
-// snapshotter takes the ImpVMSnapshots the operator gave this node and removes their files when
-// they are deleted. It only ever writes a snapshot's status.
-type snapshotter struct{ a *Agent }
+// Snapshotter is the node's snapshots: it takes the ImpVMSnapshots the operator gave this node
+// and removes their files when they are deleted (it only ever writes a snapshot's status),
+// pushes them to their registries, finds and pulls the snapshot a restore starts from, gives a
+// restored guest its identity, and sweeps the files of snapshots that are no more. It holds the
+// node's store and the cache of snapshots' memory that restores share.
+type Snapshotter struct {
+	Client    client.Client
+	APIReader client.Reader // uncached: what the API server says now
+	Recorder  EventRecorder
+	NodeName  string
+	// SecretNamespace is IMP's namespace, where each snapshot's key Secret is.
+	SecretNamespace string
+	// PullTimeout bounds a push or a pull.
+	PullTimeout time.Duration
+	// MaxImageBytes bounds an image's files, and so a pulled snapshot's base disk.
+	MaxImageBytes int64
+	// Kernel and Initramfs boot the guests, and a snapshot records their hashes.
+	Kernel, Initramfs string
+	// InsecureRegistries may be reached over plain HTTP.
+	InsecureRegistries []string
+	Store              *snapshot.Store
+	// Images is the node's base disks: a snapshot keeps the one its VM runs on, and is reached
+	// with their registry options.
+	Images   *disk.BaseStore
+	Drivers  Drivers
+	Runs     Runs
+	Memories *guestmem.Cache
+	// Wake has a VM's start looked at again: the snapshot it waits for was pulled (or not).
+	Wake func(*impv1.ImpVM)
+
+	hashes snapshot.Hashes // of the guest kernel and initramfs
+	pulls  snapshotPulls
+	taking sync.Map // VM UID → a snapshot of it is being taken: a suspension waits
+}
+
+// Drivers are the node's VMM drivers, as the snapshots use them.
+type Drivers interface {
+	For(kind string) vmmdriver.Driver
+	ChooseVMM(vm *impv1.ImpVM) (impv1.VMMKind, error)
+	Capabilities() []impv1.VMMCapability
+	VMDir(uid types.UID) string
+	Continue(ctx context.Context, uid types.UID, rec *vmm.Record) error
+}
+
+// Runs freeze a running VM's workload (monitor.Registry).
+type Runs interface {
+	Freeze(key types.NamespacedName, uid types.UID) (thaw func(), err error)
+}
+
+// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
+type EventRecorder interface {
+	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
+}
+
+// SetupWithManager has mgr run the snapshots of the node, four at once: a push to a slow
+// registry holds one worker, not every snapshot of the node.
+func (s *Snapshotter) SetupWithManager(mgr ctrl.Manager) error {
+	return ctrl.NewControllerManagedBy(mgr).For(&impv1.ImpVMSnapshot{}).Named("imp-agent-snapshots").
+		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).Complete(s)
+}
+
+// Busy says whether a snapshot of the VM is being taken: a suspension waits for it (QEMU saves
+// one state at a time).
+func (s *Snapshotter) Busy(uid types.UID) bool {
+	_, busy := s.taking.Load(uid)
+	return busy
+}
 
 // Reconcile takes, or removes, one snapshot of this node.
-func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
-	a := s.a
+func (s *Snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	snap := &impv1.ImpVMSnapshot{}
-	if err := a.Client.Get(ctx, req.NamespacedName, snap); err != nil {
+	if err := s.Client.Get(ctx, req.NamespacedName, snap); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
-	if snap.Status.NodeName != a.Opts.NodeName {
+	if snap.Status.NodeName != s.NodeName {
 		return ctrl.Result{}, nil
 	}
 	if !snap.DeletionTimestamp.IsZero() {
 		if snap.Status.FilesRemoved {
 			return ctrl.Result{}, nil
 		}
-		if err := a.removeSnapshot(snap.UID); err != nil {
+		if err := s.remove(snap.UID); err != nil {
 			return ctrl.Result{}, fmt.Errorf("removing the files of ImpVMSnapshot %s: %w", snap.Name, err)
 		}
 		return ctrl.Result{}, s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) { st.FilesRemoved = true })
 	}
 	// What to do is decided on what the API server says now: the cache may not have this
 	// agent's last report yet, and a snapshot is taken once.
-	if err := a.APIReader.Get(ctx, req.NamespacedName, snap); err != nil {
+	if err := s.APIReader.Get(ctx, req.NamespacedName, snap); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
-	if snap.Status.NodeName != a.Opts.NodeName || !snap.DeletionTimestamp.IsZero() {
+	if snap.Status.NodeName != s.NodeName || !snap.DeletionTimestamp.IsZero() {
 		return ctrl.Result{Requeue: true}, nil
 	}
 	switch snap.Status.Phase {
@@ -87,7 +159,7 @@ func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		if err := s.unpause(ctx, snap); err != nil {
 			return ctrl.Result{}, err
 		}
-		if man, err := a.snapshots.Read(snap.UID); err == nil {
+		if man, err := s.Store.Read(snap.UID); err == nil {
 			return ctrl.Result{}, s.ready(ctx, snap, nil, man) // taken, not yet reported
 		}
 	}
@@ -96,8 +168,7 @@ func (s snapshotter) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 
 // take snapshots the VM: a running one paused for the time it takes, a suspended one from its
 // saved state. A snapshot that cannot be taken fails with its reason; the VM runs on.
-func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
-	a := s.a
+func (s *Snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
 	vm, m, running, why := s.source(ctx, snap)
 	if why != "" {
 		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMNotRunning, errors.New(why))
@@ -109,22 +180,22 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	// One snapshot of a VM at a time, and no suspension meanwhile (QEMU saves one state at a
 	// time; two freezes of one workload would thaw it under each other): from here until its
 	// VM runs on.
-	if _, busy := a.taking.LoadOrStore(vm.UID, struct{}{}); busy {
+	if _, busy := s.taking.LoadOrStore(vm.UID, struct{}{}); busy {
 		return fmt.Errorf("another snapshot of VM %s is being taken", vm.Name) // tried again
 	}
-	release := sync.OnceFunc(func() { a.taking.Delete(vm.UID) })
+	release := sync.OnceFunc(func() { s.taking.Delete(vm.UID) })
 	defer release()
 	// Taking, with the optimistic lock: of two passes on one version, one takes it.
 	orig := snap.DeepCopy()
 	snap.Status.Phase, snap.Status.Reason, snap.Status.Message = impv1.SnapshotTaking, "", "saving the VM's memory, devices and disk"
-	if err := a.Client.Status().Patch(ctx, snap, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+	if err := s.Client.Status().Patch(ctx, snap, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 		return fmt.Errorf("reporting ImpVMSnapshot %s taking: %w", snap.Name, err)
 	}
-	host, err := a.snapshotHost(m.VMM)
+	host, err := s.host(m.VMM)
 	if err != nil {
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
-	tmp, err := a.snapshots.Begin(snap.UID)
+	tmp, err := s.Store.Begin(snap.UID)
 	if err != nil {
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
@@ -132,27 +203,27 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 	// large guest, while its probes would wait on it), and in any case.
 	thaw := sync.OnceFunc(s.freeze(vm, running))
 	taken := time.Now()
-	pause, err := a.driver(string(m.VMM)).snapshot(ctx, vm, a.vmDir(vm.UID), m, running, tmp, thaw)
+	pause, err := s.Drivers.For(string(m.VMM)).Snapshot(ctx, vm, s.Drivers.VMDir(vm.UID), m, running, tmp, thaw)
 	thaw()
 	release()
 	if err != nil {
-		_ = a.removeSnapshot(snap.UID)
+		_ = s.remove(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
-	image, err := a.imageByDigest(vm.Workload().Image, m.Digest)
+	image, err := s.imageByDigest(vm.Workload().Image, m.Digest)
 	if err == nil {
-		err = a.keepBase(vm, m, tmp)
+		err = s.keepBase(vm, m, tmp)
 	}
 	if err != nil {
-		_ = a.removeSnapshot(snap.UID)
+		_ = s.remove(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
 	res := vm.Status.Resources
 	man := &snapshot.Manifest{Namespace: snap.Namespace, Name: snap.Name, UID: snap.UID, VMUID: vm.UID, Host: host,
 		Image: image, VCPUs: res.VCPUs, MemoryMiB: res.Memory.Value() >> 20, DiskBytes: res.DiskSize.Value(),
 		Network: vm.Spec.NetworkRef != nil, Session: m.Session, Token: m.Token, Taken: taken, Pause: pause}
-	if err := a.snapshots.Commit(tmp, man); err != nil {
-		_ = a.removeSnapshot(snap.UID)
+	if err := s.Store.Commit(tmp, man); err != nil {
+		_ = s.remove(snap.UID)
 		return s.fail(ctx, snap, vm, impv1.ReasonSnapshotTakeFailed, err)
 	}
 	if running {
@@ -163,16 +234,15 @@ func (s snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error 
 
 // ready reports a snapshot taken (its files in the store, described by man) Ready, with an
 // Event on its VM when it has it, and pushes it when it has a registry.
-func (s snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *impv1.ImpVM, man *snapshot.Manifest) error {
-	a := s.a
-	size, err := a.snapshots.Size(snap.UID)
+func (s *Snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *impv1.ImpVM, man *snapshot.Manifest) error {
+	size, err := s.Store.Size(snap.UID)
 	if err != nil {
 		return err
 	}
 	t := metav1.NewTime(man.Taken)
 	if err := s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
 		st.Phase, st.Reason = impv1.SnapshotReady, ""
-		st.Message = fmt.Sprintf("taken of VM %s on node %s", snap.Spec.VMName, a.Opts.NodeName)
+		st.Message = fmt.Sprintf("taken of VM %s on node %s", snap.Spec.VMName, s.NodeName)
 		st.TakenAt, st.PauseMilliseconds, st.Size = &t, man.Pause.Milliseconds(), resource.NewQuantity(size, resource.BinarySI)
 		st.Source = &impv1.SnapshotSource{VMUID: man.VMUID, Image: man.Image, VMM: man.Host.VMM, VMMVersion: man.Host.VMMVersion,
 			VCPUs: man.VCPUs, Memory: *resource.NewQuantity(man.MemoryMiB<<20, resource.BinarySI),
@@ -183,7 +253,7 @@ func (s snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *i
 		return err
 	}
 	if vm != nil {
-		a.Recorder.Eventf(vm, snap, corev1.EventTypeNormal, "Snapshotted", "Snapshot", "ImpVMSnapshot %s taken (%s; the VM was paused %v)",
+		s.Recorder.Eventf(vm, snap, corev1.EventTypeNormal, "Snapshotted", "Snapshot", "ImpVMSnapshot %s taken (%s; the VM was paused %v)",
 			snap.Name, resource.NewQuantity(size, resource.BinarySI), man.Pause.Round(time.Millisecond))
 	}
 	if snap.Spec.Registry != nil {
@@ -192,87 +262,77 @@ func (s snapshotter) ready(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *i
 	return nil
 }
 
-// reasonNotFrozen is the Event of a snapshot or a suspension whose workload the guest did not
+// ReasonNotFrozen is the Event of a snapshot or a suspension whose workload the guest did not
 // freeze.
-const reasonNotFrozen = "WorkloadNotFrozen"
+const ReasonNotFrozen = "WorkloadNotFrozen"
 
 // freeze has a running VM's guest freeze its workload for the snapshot (a suspended VM's was
 // frozen when it was suspended) and returns what thaws it. A copy's guest thaws it only once it
 // is the copy (guestinit), so no copy runs a step of the workload with the source's identity
 // and random state. A workload that could not be frozen is told in an Event.
-func (s snapshotter) freeze(vm *impv1.ImpVM, running bool) (thaw func()) {
+func (s *Snapshotter) freeze(vm *impv1.ImpVM, running bool) (thaw func()) {
 	if !running {
 		return func() {}
 	}
-	m, err := s.a.running(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID)
-	if err != nil {
-		return func() {}
-	}
-	if err := m.freeze(freezeTimeout); err != nil {
-		s.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reasonNotFrozen, "Snapshot",
+	thaw, err := s.Runs.Freeze(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID)
+	if err != nil && !errors.Is(err, monitor.ErrNotRunning) {
+		s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, ReasonNotFrozen, "Snapshot",
 			"The snapshot is taken with the workload running (%v): its copies run it as this VM, with what it drew, until each takes on its identity", err)
 	}
-	return m.thaw
+	return thaw
 }
 
 // source is the snapshot's VM on this node, its meta and whether it runs (else it is
 // suspended), or why there is none to take.
-func (s snapshotter) source(ctx context.Context, snap *impv1.ImpVMSnapshot) (*impv1.ImpVM, *meta, bool, string) {
-	a := s.a
+func (s *Snapshotter) source(ctx context.Context, snap *impv1.ImpVMSnapshot) (*impv1.ImpVM, *vmrun.Meta, bool, string) {
 	vm := &impv1.ImpVM{}
-	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
+	if err := s.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
 		return nil, nil, false, fmt.Sprintf("ImpVM %s: %v", snap.Spec.VMName, err)
 	}
 	rt, st := vm.Status.Runtime, vm.Status
-	if st.NodeName != a.Opts.NodeName || rt == nil || st.Resources == nil || !vm.DeletionTimestamp.IsZero() {
-		return nil, nil, false, fmt.Sprintf("ImpVM %s does not run on node %s", vm.Name, a.Opts.NodeName)
+	if st.NodeName != s.NodeName || rt == nil || st.Resources == nil || !vm.DeletionTimestamp.IsZero() {
+		return nil, nil, false, fmt.Sprintf("ImpVM %s does not run on node %s", vm.Name, s.NodeName)
 	}
-	dir := a.vmDir(vm.UID)
-	m, err := readMeta(dir)
+	dir := s.Drivers.VMDir(vm.UID)
+	m, err := vmrun.ReadMeta(dir)
 	if err != nil || m.Instance != st.Instance || m.Run != st.RestartCount {
-		return nil, nil, false, fmt.Sprintf("ImpVM %s has no current run on node %s", vm.Name, a.Opts.NodeName)
+		return nil, nil, false, fmt.Sprintf("ImpVM %s has no current run on node %s", vm.Name, s.NodeName)
 	}
 	rec, _ := vmm.ReadRecord(dir)
 	switch {
 	case rt.State == impv1.RuntimeRunning && rec != nil && rec.Alive() && rt.GuestReady:
 		return vm, m, true, ""
-	case rt.State == impv1.RuntimeSuspended && a.driver(string(m.VMM)).saved(vm, dir, m):
+	case rt.State == impv1.RuntimeSuspended && s.Drivers.For(string(m.VMM)).Saved(vm, dir, m):
 		return vm, m, false, ""
 	}
 	return nil, nil, false, fmt.Sprintf("ImpVM %s is neither running with its guest ready nor suspended (%s)", vm.Name, rt.State)
 }
 
 // unpause runs on the VM of a snapshot whose taking an agent did not see through.
-func (s snapshotter) unpause(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
-	a := s.a
+func (s *Snapshotter) unpause(ctx context.Context, snap *impv1.ImpVMSnapshot) error {
 	vm := &impv1.ImpVM{}
-	if err := a.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
+	if err := s.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
 		return client.IgnoreNotFound(err)
 	}
-	if _, busy := a.taking.Load(vm.UID); busy {
+	if _, busy := s.taking.Load(vm.UID); busy {
 		return nil // another snapshot of it is being taken, and runs it on itself
 	}
-	dir := a.vmDir(vm.UID)
+	dir := s.Drivers.VMDir(vm.UID)
 	rec, err := vmm.ReadRecord(dir)
 	if err != nil || !rec.Alive() {
 		return nil
 	}
-	if rec.Kind == string(impv1.VMMFirecracker) {
-		err = firecracker.Continue(ctx, a.jailRoot(vm.UID))
-	} else {
-		err = qemu.Continue(dir)
-	}
-	if err != nil {
+	if err := s.Drivers.Continue(ctx, vm.UID, rec); err != nil {
 		return fmt.Errorf("running on VM %s after a snapshot left unfinished: %w", vm.Name, err)
 	}
 	return nil
 }
 
-func (s snapshotter) fail(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *impv1.ImpVM, reason string, err error) error {
+func (s *Snapshotter) fail(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *impv1.ImpVM, reason string, err error) error {
 	snapshotFailures.Inc()
 	msg := guestchan.Sanitize(err.Error())
 	if vm != nil {
-		s.a.Recorder.Eventf(vm, snap, corev1.EventTypeWarning, reason, "Snapshot", "ImpVMSnapshot %s failed; the VM runs on: %s", snap.Name, msg)
+		s.Recorder.Eventf(vm, snap, corev1.EventTypeWarning, reason, "Snapshot", "ImpVMSnapshot %s failed; the VM runs on: %s", snap.Name, msg)
 	}
 	return s.patch(ctx, snap, func(st *impv1.ImpVMSnapshotStatus) {
 		st.Phase, st.Reason, st.Message = impv1.SnapshotFailed, reason, msg
@@ -282,10 +342,10 @@ func (s snapshotter) fail(ctx context.Context, snap *impv1.ImpVMSnapshot, vm *im
 }
 
 // patch changes the snapshot's status with change, as a merge patch.
-func (s snapshotter) patch(ctx context.Context, snap *impv1.ImpVMSnapshot, change func(*impv1.ImpVMSnapshotStatus)) error {
+func (s *Snapshotter) patch(ctx context.Context, snap *impv1.ImpVMSnapshot, change func(*impv1.ImpVMSnapshotStatus)) error {
 	orig := snap.DeepCopy()
 	change(&snap.Status)
-	if err := s.a.Client.Status().Patch(ctx, snap, client.MergeFrom(orig)); err != nil {
+	if err := s.Client.Status().Patch(ctx, snap, client.MergeFrom(orig)); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
@@ -294,23 +354,23 @@ func (s snapshotter) patch(ctx context.Context, snap *impv1.ImpVMSnapshot, chang
 	return nil
 }
 
-// runBase is the base disk the VM's current run runs on: the snapshot's it was restored from
+// RunBase is the base disk the VM's current run runs on: the snapshot's it was restored from
 // (never the node's disk of the image in its place: its memory knows the snapshot's blocks), or
 // the node's disk of its image.
-func (a *Agent) runBase(vm *impv1.ImpVM, dir string, m *meta) (string, error) {
+func (s *Snapshotter) RunBase(vm *impv1.ImpVM, dir string, m *vmrun.Meta) (string, error) {
 	if m.Restore != nil {
 		return filepath.Join(dir, vmrun.RestoredBase), nil
 	}
-	ref, err := a.digestRef(vm.Workload().Image, m.Digest)
+	ref, err := s.digestRef(vm.Workload().Image, m.Digest)
 	if err != nil {
 		return "", err
 	}
-	return a.images.Path(ref), nil
+	return s.Images.Path(ref), nil
 }
 
 // keepBase puts the base disk the VM runs on in the snapshot being taken in tmp, read-only.
-func (a *Agent) keepBase(vm *impv1.ImpVM, m *meta, tmp string) error {
-	base, err := a.runBase(vm, a.vmDir(vm.UID), m)
+func (s *Snapshotter) keepBase(vm *impv1.ImpVM, m *vmrun.Meta, tmp string) error {
+	base, err := s.RunBase(vm, s.Drivers.VMDir(vm.UID), m)
 	if err != nil {
 		return err
 	}
@@ -321,8 +381,8 @@ func (a *Agent) keepBase(vm *impv1.ImpVM, m *meta, tmp string) error {
 }
 
 // imageByDigest is image's repository at digest.
-func (a *Agent) imageByDigest(image, digest string) (string, error) {
-	ref, err := a.digestRef(image, digest)
+func (s *Snapshotter) imageByDigest(image, digest string) (string, error) {
+	ref, err := s.digestRef(image, digest)
 	if err != nil {
 		return "", err
 	}
@@ -330,8 +390,8 @@ func (a *Agent) imageByDigest(image, digest string) (string, error) {
 }
 
 // digestRef is image's repository at digest.
-func (a *Agent) digestRef(image, digest string) (name.Digest, error) {
-	ref, err := name.ParseReference(image, a.nameOptions(image)...)
+func (s *Snapshotter) digestRef(image, digest string) (name.Digest, error) {
+	ref, err := name.ParseReference(image, pullnet.NameOptions(image, s.InsecureRegistries)...)
 	if err != nil {
 		return name.Digest{}, err
 	}

@@ -1,4 +1,4 @@
-package agent
+package steps
 
 import (
 	"time"
@@ -26,9 +26,14 @@ var startStepBuckets = []float64{.001, .0025, .005, .01, .025, .05, .075, .1, .1
 
 func init() { metrics.Registry.MustRegister(startStepSeconds) }
 
-// stepTimer returns a function that observes, as the step it names, the time since its
-// previous call or, the first time, since stepTimer.
-func stepTimer() func(step string) {
+// ObserveStart records that the start step took took (a plan's Observe).
+func ObserveStart(step string, took time.Duration) {
+	startStepSeconds.WithLabelValues(step).Observe(took.Seconds())
+}
+
+// Timer returns a function that observes, as the start step it names, the time since its
+// previous call or, the first time, since Timer.
+func Timer() func(step string) {
 	last := time.Now()
 	return func(step string) {
 		now := time.Now()

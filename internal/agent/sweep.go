@@ -1,0 +1,163 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+)
+
+// sweeper runs Agent.sweep when the agent starts and every five minutes.
+type sweeper struct{ a *Agent }
+
+// NeedLeaderElection: every agent sweeps its own node.
+func (sweeper) NeedLeaderElection() bool { return false }
+
+func (s sweeper) Start(ctx context.Context) error {
+	t := time.NewTicker(5 * time.Minute)
+	defer t.Stop()
+	for {
+		if err := s.a.sweep(ctx); err != nil {
+			ctrl.LoggerFrom(ctx).Error(err, "sweeping VMs no longer on this node")
+		}
+		if err := s.a.snapshots.Sweep(ctx); err != nil {
+			ctrl.LoggerFrom(ctx).Error(err, "sweeping snapshots no longer in the cluster")
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// removeLeftovers removes the local VM that a request named when the API server says it is
+// gone (vm empty) or placed elsewhere.
+func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, vm *impv1.ImpVM) error {
+	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	for _, dir := range dirs {
+		m, err := vmrun.ReadMeta(dir)
+		if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
+			continue
+		}
+		if vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName {
+			continue
+		}
+		if err := a.removeLocal(ctx, dir, m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sweep checks every VM recorded on this node against the API server and removes those it says
+// are gone (by UID) or placed on another node. Watches cannot report a VM that disappeared
+// while the agent was down; this does, at start and then periodically.
+func (a *Agent) sweep(ctx context.Context) error {
+	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	for _, dir := range dirs {
+		m, err := vmrun.ReadMeta(dir)
+		if err != nil {
+			if err := a.recoverState(ctx, dir, err); err != nil {
+				return err
+			}
+			continue
+		}
+		vm := &impv1.ImpVM{}
+		err = a.APIReader.Get(ctx, types.NamespacedName{Namespace: m.Namespace, Name: m.Name}, vm)
+		switch {
+		case err != nil && !apierrors.IsNotFound(err):
+			return fmt.Errorf("looking up VM %s/%s: %w", m.Namespace, m.Name, err)
+		case err == nil && vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName:
+			continue
+		}
+		if err := a.removeLocal(ctx, dir, m); err != nil {
+			return err
+		}
+	}
+	// Taps of VMs without a state directory, and networks left without taps.
+	return a.net.Prune(func(uid string) bool {
+		_, err := os.Stat(a.vmDir(types.UID(uid)))
+		return err == nil
+	})
+}
+
+// recoverState deals with a VM directory whose meta cannot be read (a crash while it was first
+// written, a damaged disk): the directory is named by the VM's UID, which the API server is
+// asked about. A VM of this node with that UID keeps its writable disk and console; its VMM is
+// stopped and what described it removed, so that the VM's runStrategy starts it afresh, and an
+// Event says so. Anything else is removed whole.
+func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error {
+	uid := types.UID(filepath.Base(dir))
+	var list impv1.ImpVMList
+	if err := a.APIReader.List(ctx, &list, client.MatchingFields{"status.nodeName": a.Opts.NodeName}); err != nil {
+		return fmt.Errorf("looking up the VM of %s: %w", dir, err)
+	}
+	var vm *impv1.ImpVM
+	for i := range list.Items {
+		if list.Items[i].UID == uid {
+			vm = &list.Items[i]
+		}
+	}
+	log := ctrl.LoggerFrom(ctx).WithValues("dir", dir, "cause", cause.Error())
+	if vm == nil {
+		if err := a.teardownPlan().Run(ctx, &vmrun.Teardown{UID: uid, Dir: dir, Name: dir}); err != nil {
+			return err
+		}
+		log.Info("removed the unreadable state of a VM that is not on this node")
+		return nil
+	}
+	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
+		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+		rec.WaitGone(5 * time.Second)
+	}
+	vmm.KillMarked(string(uid), 5*time.Second)
+	a.Runs.Stop(uid)
+	for _, f := range []string{"meta.json", vmm.RecordFile, vmm.IntentFile, vmrun.ConfigDisk, qemu.StateFile} {
+		if err := os.Remove(filepath.Join(dir, f)); err != nil && !os.IsNotExist(err) {
+			return fmt.Errorf("removing %s of %s: %w", f, dir, err)
+		}
+	}
+	a.endRun(uid)
+	a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "StateRecovered", "Recover",
+		"The node's record of the VM was unreadable (%v); its VMM was stopped and it starts again with its writable disk", cause)
+	log.Info("recovered a VM whose state was unreadable", "vm", vm.Namespace+"/"+vm.Name)
+	// Its current run ended here: the operator's runStrategy decides about the next.
+	st := vm.Status
+	if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount {
+		switch rt.State {
+		case impv1.RuntimeExited, impv1.RuntimeStopped, impv1.RuntimeGone:
+			return nil
+		}
+		ended := *rt
+		now := metav1.Now()
+		ended.State, ended.FinishedAt, ended.GuestReady, ended.ExitCode = impv1.RuntimeExited, &now, false, nil
+		ended.Reason, ended.Message = "StateRecovered", "the node's record of the VM was unreadable; its VMM was stopped"
+		return a.reports.Report(ctx, vm, ended)
+	}
+	return nil
+}
+
+// removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
+func (a *Agent) removeLocal(ctx context.Context, dir string, m *vmrun.Meta) error {
+	t := &vmrun.Teardown{UID: m.UID, Dir: dir, Name: m.Namespace + "/" + m.Name}
+	if err := a.teardownPlan().Run(ctx, t); err != nil {
+		return err
+	}
+	ctrl.LoggerFrom(ctx).Info("removed a VM that is no longer on this node", "vm", t.Name, "uid", m.UID)
+	return nil
+}
