@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-volumes images chart-push
 
 all: build
 
@@ -50,6 +50,9 @@ RUNS ?= 3
 bench-controlplane: ## N VMs over M simulated nodes, RUNS runs: create→Scheduled/Running, VMs/s, requests/VM, memory.
 	go build -o bin/ ./cmd/imp-operator
 	go run ./test/bench/controlplane -n $(N) -m $(M) -runs $(RUNS)
+
+bench-compare: ## The control-plane bench of BASE (a commit) and HEAD alternated, RUNS runs each (N VMs, M nodes): each figure's median on both and the ratio.
+	go run ./test/bench/compare -base $(BASE) -runs $(RUNS) -- -n $(N) -m $(M)
 
 bench-pool: ## An ImpVMPool scaled 0 → 50 on simulated nodes: scale → guest ready P50/P99 per VM and in all, against 50 plain ImpVMs created at once.
 	go build -o bin/ ./cmd/imp-operator

@@ -19,12 +19,18 @@
 // each figure's median and range.
 //
 //	go run ./test/bench/controlplane -n 1000 -m 100 -runs 3      (make bench-controlplane)
+//
+// BENCH_OPERATOR_PROFILE=<dir> keeps the operator's CPU profile of the placement and run phases
+// and its allocations over each (profileOperator); BENCH_APISERVER_PROFILE=<file> the API
+// server's CPU profile of the run phase's first ten seconds.
 package main
 
 import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -267,6 +273,7 @@ func run(o options) (figures, error) {
 	agentRSSIdle, _ := memory(child.Process.Pid)
 
 	// Placement alone.
+	stopProfile := profileOperator(ctx, "place")
 	from, cpu0 := size(auditLog), cpuSeconds(op.Process.Pid)
 	start := time.Now()
 	createdIn, err := create(ctx, c, "place", o.n, o, tr)
@@ -277,6 +284,7 @@ func run(o options) (figures, error) {
 		return f, err
 	}
 	elapsed := time.Since(start)
+	stopProfile()
 	time.Sleep(2 * time.Second) // Events in flight
 	reqs, err := countRequests(auditLog, from, size(auditLog))
 	if err != nil {
@@ -307,6 +315,7 @@ func run(o options) (figures, error) {
 		go profile(ctx, cl.Config, path, 10*time.Second)
 	}
 	cpuRun := machineCPU(op.Process.Pid, child.Process.Pid)
+	stopProfile = profileOperator(ctx, "run")
 	start = time.Now()
 	createdIn, err = create(ctx, c, "run", o.runN, o, tr)
 	if err != nil {
@@ -316,6 +325,7 @@ func run(o options) (figures, error) {
 		return f, err
 	}
 	elapsed = time.Since(start)
+	stopProfile()
 	cpuRun = machineCPU(op.Process.Pid, child.Process.Pid).since(cpuRun)
 	time.Sleep(2 * time.Second)
 	reqs, err = countRequests(auditLog, from, size(auditLog))
@@ -721,6 +731,9 @@ func startOperator(cl *testcluster.Cluster, dir string, o options) (*exec.Cmd, e
 	if o.concurrency > 0 {
 		args = append(args, "--vm-concurrency", strconv.Itoa(o.concurrency))
 	}
+	if os.Getenv("BENCH_OPERATOR_PROFILE") != "" {
+		args = append(args, "--pprof-bind-address", operatorPprof)
+	}
 	args = append(args, strings.Fields(o.operatorArgs)...)
 	op := exec.Command(o.operator, args...)
 	op.Stderr = os.Stderr
@@ -949,6 +962,55 @@ func profile(ctx context.Context, cfg *rest.Config, path string, d time.Duration
 		return
 	}
 	_ = os.WriteFile(path, raw, 0o600)
+}
+
+// operatorPprof is where the operator serves /debug/pprof when BENCH_OPERATOR_PROFILE is set.
+const operatorPprof = "127.0.0.1:16061"
+
+// profileOperator, when BENCH_OPERATOR_PROFILE names a directory, takes the operator's CPU
+// profile in chunks of two seconds from now until stop, into <dir>/<phase>-cpu-<i>.pprof (go
+// tool pprof merges the chunks it is given), and its allocations at the start and at stop
+// (<phase>-allocs-{0,1}.pprof: go tool pprof -diff_base 0 1). Runs add to the same files'
+// numbering, so that the chunks of every run are kept.
+func profileOperator(ctx context.Context, phase string) (stop func()) {
+	dir := os.Getenv("BENCH_OPERATOR_PROFILE")
+	if dir == "" {
+		return func() {}
+	}
+	_ = os.MkdirAll(dir, 0o755)
+	get := func(path, file string) {
+		resp, err := http.Get("http://" + operatorPprof + path)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "profiling the operator:", err)
+			return
+		}
+		defer resp.Body.Close()
+		raw, err := io.ReadAll(resp.Body)
+		if err == nil && resp.StatusCode == http.StatusOK {
+			err = os.WriteFile(filepath.Join(dir, file), raw, 0o644)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "profiling the operator:", err, resp.Status)
+		}
+	}
+	next := func(kind string) string {
+		n, _ := filepath.Glob(filepath.Join(dir, phase+"-"+kind+"-*.pprof"))
+		return fmt.Sprintf("%s-%s-%03d.pprof", phase, kind, len(n))
+	}
+	get("/debug/pprof/allocs", next("allocs"))
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			get("/debug/pprof/profile?seconds=2", next("cpu"))
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+		get("/debug/pprof/allocs", next("allocs"))
+	}
 }
 
 // checkPlacement counts the VMs placed and the nodes whose VMs ask for more vCPUs than the
