@@ -136,7 +136,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		return fmt.Errorf("setting up the ImpQuota reconciler: %w", err)
 	}
 	if o.EndpointRange.IsValid() {
-		blocks := &impnode.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Range: o.EndpointRange, BlockBits: o.EndpointBlockBits}
+		blocks := &impnode.Reconciler{Client: mgr.GetClient(), Range: o.EndpointRange, BlockBits: o.EndpointBlockBits}
 		if err := blocks.SetupWithManager(mgr); err != nil {
 			return fmt.Errorf("setting up the ImpNode reconciler: %w", err)
 		}

@@ -2,6 +2,7 @@ package impnode
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"os"
 	"testing"
@@ -42,7 +43,7 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	rng := netip.MustParsePrefix("100.73.0.0/20")
-	if err := (&Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Range: rng, BlockBits: 24}).SetupWithManager(mgr); err != nil {
+	if err := (&Reconciler{Client: mgr.GetClient(), Range: rng, BlockBits: 24}).SetupWithManager(mgr); err != nil {
 		t.Fatal(err)
 	}
 	create := func(o client.Object) {
@@ -108,5 +109,63 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	for _, n := range []struct{ name, want string }{{"c", "100.73.1.0/24"}, {"d", "100.73.2.0/24"}, {"e", "100.73.5.0/24"}} {
 		node(n.name, "")
 		g.Eventually(block(n.name)).WithTimeout(30 * time.Second).Should(Equal(n.want))
+	}
+}
+
+// TestNodesJoiningAtOnceGetBlocksOfTheirOwn: a fleet's ImpNodes made at once each get a block
+// of their own, though the blocks taken are read from the cache, which lags the assignments
+// that come one after another.
+func TestNodesJoiningAtOnceGetBlocksOfTheirOwn(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	mgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), ctrl.Options{
+		Scheme: c.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
+		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := (&Reconciler{Client: mgr.GetClient(), Range: netip.MustParsePrefix("100.74.0.0/20"), BlockBits: 24}).SetupWithManager(mgr); err != nil {
+		t.Fatal(err)
+	}
+	mctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := mgr.Start(mctx); err != nil {
+			t.Errorf("manager: %v", err)
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	const n = 12
+	for i := range n {
+		node := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", ns, i)}}
+		if err := c.Client.Create(ctx, node); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Client.Delete(context.Background(), node) })
+	}
+	blocks := func() map[string]string {
+		got := map[string]string{}
+		for i := range n {
+			node := &impv1.ImpNode{}
+			if err := c.Client.Get(ctx, types.NamespacedName{Name: fmt.Sprintf("%s-%d", ns, i)}, node); err == nil && node.Spec.EndpointCIDR != "" {
+				got[node.Name] = node.Spec.EndpointCIDR
+			}
+		}
+		return got
+	}
+	NewWithT(t).Eventually(func() int { return len(blocks()) }).WithTimeout(30 * time.Second).Should(Equal(n))
+	// A second assignment to a node (a pass on a stale copy) would show as a change: give
+	// the passes woken by the assignments time to run, then look again.
+	first := blocks()
+	NewWithT(t).Consistently(blocks).WithTimeout(2 * time.Second).Should(Equal(first))
+	owners := map[string]string{}
+	for name, b := range first {
+		if other, taken := owners[b]; taken {
+			t.Errorf("nodes %s and %s both have block %s", other, name, b)
+		}
+		owners[b] = name
 	}
 }
