@@ -295,7 +295,15 @@ func sliceName(svc, key string) string {
 // EndpointSlices (anyone's change to one is undone).
 func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 	c := mgr.GetClient()
-	servicesOf := func(ctx context.Context, vms ...client.Object) []reconcile.Request {
+	servicesOf := func(ctx context.Context, objs ...client.Object) []reconcile.Request {
+		// Only a VM that declares ports or has an endpoint address can be in a slice: the
+		// others' changes wake no Service, and list nothing.
+		var vms []client.Object
+		for _, o := range objs {
+			if vm, ok := o.(*impv1.ImpVM); ok && (len(vm.Spec.Ports) > 0 || vm.Status.Runtime != nil && vm.Status.Runtime.Endpoint != "") {
+				vms = append(vms, vm)
+			}
+		}
 		if len(vms) == 0 {
 			return nil
 		}
