@@ -28,38 +28,67 @@ import (
 // Each watch records its event before it enqueues the VMs the event concerns, so a reconcile
 // that an event causes sees that event. The objects are the cache's own: never modified.
 type fleet struct {
-	mu      sync.RWMutex
-	nodes   map[string]*corev1.Node
-	reports map[string]*impv1.ImpNode
-	renewed map[string]*metav1.MicroTime // by node
+	mu     sync.RWMutex
+	byName map[string]*fleetEntry
+	// list is the entries that have a Node, made again when one comes or goes: placing a VM
+	// walks it, with no lookup per node.
+	list []*fleetEntry
+}
+
+// fleetEntry is one node's: its Node, its agent's report and its Lease's last renewal, each
+// nil when there is none.
+type fleetEntry struct {
+	node    *corev1.Node
+	report  *impv1.ImpNode
+	renewed *metav1.MicroTime
+}
+
+// update changes node's entry with set under the write lock, then drops an entry left empty
+// and makes the list again when the entry gained or lost its Node.
+func (f *fleet) update(node string, set func(e *fleetEntry)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.byName == nil {
+		f.byName = map[string]*fleetEntry{}
+	}
+	e := f.byName[node]
+	if e == nil {
+		e = &fleetEntry{}
+		f.byName[node] = e
+	}
+	had := e.node != nil
+	set(e)
+	if e.node == nil && e.report == nil && e.renewed == nil {
+		delete(f.byName, node)
+	}
+	if had != (e.node != nil) {
+		f.list = f.list[:0:0]
+		for _, e := range f.byName {
+			if e.node != nil {
+				f.list = append(f.list, e)
+			}
+		}
+	}
 }
 
 func (f *fleet) recordNode(o client.Object, gone bool) {
 	if n, ok := o.(*corev1.Node); ok {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		put(&f.nodes, n.Name, n, gone)
+		f.update(n.Name, func(e *fleetEntry) { e.node = unlessGone(n, gone) })
 	}
 }
 
 func (f *fleet) recordReport(o client.Object, gone bool) {
 	if r, ok := o.(*impv1.ImpNode); ok {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		put(&f.reports, r.Name, r, gone)
+		f.update(r.Name, func(e *fleetEntry) { e.report = unlessGone(r, gone) })
 	}
 }
 
-// put sets (*m)[name], or deletes it when gone; it makes *m when nil.
-func put[V any](m *map[string]V, name string, v V, gone bool) {
-	switch {
-	case gone:
-		delete(*m, name)
-	case *m == nil:
-		*m = map[string]V{name: v}
-	default:
-		(*m)[name] = v
+// unlessGone is v, or nil when gone.
+func unlessGone[V any](v *V, gone bool) *V {
+	if gone {
+		return nil
 	}
+	return v
 }
 
 // recordLease keeps the renewal of a node's heartbeat Lease in namespace ns.
@@ -76,9 +105,7 @@ func (f *fleet) recordLease(ns string) func(client.Object, bool) {
 			}
 			gone = true
 		}
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		put(&f.renewed, node, l.Spec.RenewTime, gone)
+		f.update(node, func(e *fleetEntry) { e.renewed = unlessGone(l.Spec.RenewTime, gone) })
 	}
 }
 
@@ -87,8 +114,8 @@ func (f *fleet) recordLease(ns string) func(client.Object, bool) {
 func (f *fleet) each(fn func(n *corev1.Node, report *impv1.ImpNode, renewed *metav1.MicroTime)) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	for name, n := range f.nodes {
-		fn(n, f.reports[name], f.renewed[name])
+	for _, e := range f.list {
+		fn(e.node, e.report, e.renewed)
 	}
 }
 
@@ -96,14 +123,17 @@ func (f *fleet) each(fn func(n *corev1.Node, report *impv1.ImpNode, renewed *met
 func (f *fleet) agent(node string) (*impv1.ImpNode, *metav1.MicroTime) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	return f.reports[node], f.renewed[node]
+	if e := f.byName[node]; e != nil {
+		return e.report, e.renewed
+	}
+	return nil, nil
 }
 
 // len is the number of nodes.
 func (f *fleet) len() int {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	return len(f.nodes)
+	return len(f.list)
 }
 
 // candidates lists every node with its agent's report, and whether that agent went silent.

@@ -169,7 +169,9 @@ func (r *Reconciler) unplaced(ctx context.Context, _ client.Object) []reconcile.
 // list returns requests for the VMs opts select; with onlyUnplaced, for those without a node.
 func (r *Reconciler) list(ctx context.Context, onlyUnplaced bool, opts ...client.ListOption) []reconcile.Request {
 	var list impv1.ImpVMList
-	if err := r.Client.List(ctx, &list, opts...); err != nil {
+	// Read only for their names and nodes: the cache's own objects, not copies of every one
+	// (a Lease's creation lists every unplaced VM).
+	if err := r.Client.List(ctx, &list, append(opts, client.UnsafeDisableDeepCopy)...); err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "listing VMs to reconcile")
 		return nil
 	}
