@@ -26,6 +26,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"flag"
 	"fmt"
@@ -273,6 +274,7 @@ func run(o options) (figures, error) {
 	agentRSSIdle, _ := memory(child.Process.Pid)
 
 	// Placement alone.
+	rec0 := reconciles()
 	stopProfile := profileOperator(ctx, "place")
 	from, cpu0 := size(auditLog), cpuSeconds(op.Process.Pid)
 	start := time.Now()
@@ -301,6 +303,7 @@ func run(o options) (figures, error) {
 	writes, events := reqs.writes("operator")
 	f.set("place: operator writes/VM", "", float64(writes)/float64(o.n))
 	f.set("place: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
+	reportReconciles(&f, "place", rec0, reconciles(), o.n)
 	fmt.Printf("  %-34s %.0f VMs/s; operator writes/VM %.2f (Events %.2f): %s\n", "place: throughput", float64(o.n)/elapsed.Seconds(),
 		float64(writes)/float64(o.n), float64(events)/float64(o.n), reqs.describe("operator", o.n))
 
@@ -315,6 +318,7 @@ func run(o options) (figures, error) {
 		go profile(ctx, cl.Config, path, 10*time.Second)
 	}
 	cpuRun := machineCPU(op.Process.Pid, child.Process.Pid)
+	rec0 = reconciles()
 	stopProfile = profileOperator(ctx, "run")
 	start = time.Now()
 	createdIn, err = create(ctx, c, "run", o.runN, o, tr)
@@ -354,6 +358,7 @@ func run(o options) (figures, error) {
 		fmt.Printf("  run: %-29s writes/VM %.2f (Events %.2f); all requests/VM: %s\n", who, float64(writes)/float64(o.runN), float64(events)/float64(o.runN), reqs.describe(who, o.runN))
 	}
 	f.set("run: operator CPU", "s", cpuSeconds(op.Process.Pid)-cpu0)
+	reportReconciles(&f, "run", rec0, reconciles(), o.runN)
 	busy := cpuRun.total() / (elapsed.Seconds() * float64(runtime.NumCPU()))
 	f.set("run: machine CPU busy", "%", 100*busy)
 	fmt.Printf("  %-34s %.0f%% of %d CPUs over %v: %s\n", "run: CPU", 100*busy, runtime.NumCPU(), elapsed.Round(time.Second), cpuRun)
@@ -726,7 +731,7 @@ func startOperator(cl *testcluster.Cluster, dir string, o options) (*exec.Cmd, e
 	if err != nil {
 		return nil, err
 	}
-	args := []string{"--kubeconfig", kubeconfig, "--leader-elect=false", "--metrics-bind-address", "0",
+	args := []string{"--kubeconfig", kubeconfig, "--leader-elect=false", "--metrics-bind-address", operatorMetrics,
 		"--health-probe-bind-address", "0", "--log-level", "error"}
 	if o.concurrency > 0 {
 		args = append(args, "--vm-concurrency", strconv.Itoa(o.concurrency))
@@ -962,6 +967,60 @@ func profile(ctx context.Context, cfg *rest.Config, path string, d time.Duration
 		return
 	}
 	_ = os.WriteFile(path, raw, 0o600)
+}
+
+// operatorMetrics is where the operator serves its metrics (plain HTTP, on loopback).
+const operatorMetrics = "127.0.0.1:18080"
+
+// reconciles are the operator's reconciles so far by controller
+// (controller_runtime_reconcile_total, every result).
+func reconciles() map[string]float64 {
+	resp, err := http.Get("http://" + operatorMetrics + "/metrics")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), "controller_runtime_reconcile_total{")
+		if !ok {
+			continue
+		}
+		labels, value, ok := strings.Cut(line, "} ")
+		if !ok {
+			continue
+		}
+		_, name, _ := strings.Cut(labels, `controller="`)
+		name, _, _ = strings.Cut(name, `"`)
+		v, _ := strconv.ParseFloat(value, 64)
+		out[name] += v
+	}
+	return out
+}
+
+// reportReconciles prints the reconciles per VM of each controller over a phase of n VMs, and
+// keeps their sum.
+func reportReconciles(f *figures, phase string, before, after map[string]float64, n int) {
+	if after == nil {
+		return
+	}
+	var names []string
+	total := 0.0
+	for name := range after {
+		if d := after[name] - before[name]; d > 0 {
+			names = append(names, name)
+			total += d
+		}
+	}
+	sort.Strings(names)
+	var parts []string
+	for _, name := range names {
+		parts = append(parts, fmt.Sprintf("%s %.2f", name, (after[name]-before[name])/float64(n)))
+	}
+	f.set(phase+": operator reconciles/VM", "", total/float64(n))
+	fmt.Printf("  %-34s %.2f: %s\n", phase+": operator reconciles/VM", total/float64(n), strings.Join(parts, ", "))
 }
 
 // operatorPprof is where the operator serves /debug/pprof when BENCH_OPERATOR_PROFILE is set.
