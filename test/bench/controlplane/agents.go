@@ -141,7 +141,7 @@ func (a *simAgent) poke() {
 	}
 }
 
-// beat renews the agent's heartbeat Lease as the real agent does (agent.RenewHeartbeat), and
+// beat renews the agent's heartbeat Lease as the real agent does (nodereport.RenewHeartbeat), and
 // every third beat reads the Node as its report does (30 s against 10 s); the report itself
 // writes nothing, as nothing changed.
 func (a *simAgent) beat(ctx context.Context) error {
