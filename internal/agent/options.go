@@ -4,20 +4,17 @@ import (
 	"net/netip"
 	"time"
 
-	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/tools/events"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/disk"
-	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
 
 // EventRecorder records Events about objects (k8s.io/client-go/tools/events).
-type EventRecorder interface {
-	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
-}
+type EventRecorder = events.EventRecorder
 
 // Options configure an agent.
 type Options struct {
@@ -154,9 +151,6 @@ func (o *Options) defaults() {
 	}
 	if o.BootTimeout == 0 {
 		o.BootTimeout = DefaultBootTimeout
-	}
-	if o.KVMDevice == "" {
-		o.KVMDevice = kvm.Device
 	}
 	if o.PullTimeout == 0 {
 		o.PullTimeout = 5 * time.Minute

@@ -104,7 +104,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 				return ctrl.Result{}, err
 			}
 		}
-		if st.Suspension != nil && !suspendFailed(st.Runtime) {
+		if st.Suspension != nil && st.Runtime != nil && !suspendFailed(st.Runtime) { // with no report yet, the report comes first
 			if a.snapshots.Busy(vm.UID) {
 				return ctrl.Result{RequeueAfter: time.Second}, nil // QEMU saves one state at a time
 			}

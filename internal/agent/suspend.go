@@ -61,7 +61,9 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmr
 	}
 	if s.Took > 0 {
 		suspendSeconds.Observe(s.Took.Seconds())
-		memoryReclaimed.Add(float64(vm.Status.Resources.Memory.Value()))
+		if res := vm.Status.Resources; res != nil {
+			memoryReclaimed.Add(float64(res.Memory.Value()))
+		}
 	}
 	return nil
 }

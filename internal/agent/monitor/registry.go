@@ -11,8 +11,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -29,15 +29,10 @@ type Drivers interface {
 	VMDir(uid types.UID) string
 }
 
-// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
-type EventRecorder interface {
-	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
-}
-
 // Registry is the node's monitors, one per VM with a run followed.
 type Registry struct {
 	Drivers  Drivers
-	Recorder EventRecorder
+	Recorder events.EventRecorder
 	// Report writes a run's state (runreport.Reporter.Report); a monitor retries it.
 	Report func(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error
 	// EndRun removes what only an ended run needed, once its VMM is gone.

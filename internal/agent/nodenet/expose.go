@@ -12,6 +12,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -27,7 +28,7 @@ import (
 // the VMs' metas, and has the network namespaces forward the VMs' declared ports there.
 type Exposer struct {
 	Client   client.Client
-	Recorder EventRecorder
+	Recorder events.EventRecorder
 	NodeName string
 	StateDir string
 	Net      *hostnet.Host

@@ -16,8 +16,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -46,7 +46,7 @@ const networkIndex = "spec.network"
 type Networks struct {
 	Client    client.Client
 	APIReader client.Reader
-	Recorder  EventRecorder
+	Recorder  events.EventRecorder
 	NodeName  string
 	Net       *hostnet.Host
 	// Changed is told when the networks plumbed here change (the node report says them).
@@ -61,11 +61,6 @@ type Networks struct {
 	mu    sync.Mutex
 	known map[types.NamespacedName]hostnet.Network // plumbed here, for removal after deletion
 	state map[types.NamespacedName]impv1.NodeNetwork
-}
-
-// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
-type EventRecorder interface {
-	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
 }
 
 // SetupWithManager has mgr run the networks' controller.

@@ -20,8 +20,8 @@ import (
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
@@ -60,7 +60,7 @@ func init() { metrics.Registry.MustRegister(snapshotPauseSeconds, snapshotFailur
 type Snapshotter struct {
 	Client    client.Client
 	APIReader client.Reader // uncached: what the API server says now
-	Recorder  EventRecorder
+	Recorder  events.EventRecorder
 	NodeName  string
 	// SecretNamespace is IMP's namespace, where each snapshot's key Secret is.
 	SecretNamespace string
@@ -99,11 +99,6 @@ type Drivers interface {
 // Runs freeze a running VM's workload (monitor.Registry).
 type Runs interface {
 	Freeze(key types.NamespacedName, uid types.UID) (thaw func(), err error)
-}
-
-// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
-type EventRecorder interface {
-	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
 }
 
 // SetupWithManager has mgr run the snapshots of the node, four at once: a push to a slow

@@ -454,3 +454,52 @@ func TestDrainBeforeAsking(t *testing.T) {
 		t.Fatalf("after the drain: %v, asked %d", err, f.asked)
 	}
 }
+
+// Report is the fake's report at once (the suspend plan's).
+func (f *fakeReports) Report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	return f.ReportLater(ctx, vm, rt)
+}
+
+type fakeSavers struct{ proc *os.Process }
+
+func (f fakeSavers) Save(context.Context, *vmrun.Suspend) error { return f.proc.Kill() }
+
+// TestSuspendSteps: the suspend plan's steps measure what is done: a run reported Suspending is
+// not reported again, a VMM gone is neither frozen nor saved, and the end is reported whatever
+// the VM's status holds (no resources recorded: no panic, the message says less).
+func TestSuspendSteps(t *testing.T) {
+	ctx := context.Background()
+	sleep := exec.Command("sleep", "60")
+	if err := sleep.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = sleep.Wait() }()
+	st, err := vmm.StartTime(sleep.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vm := &impv1.ImpVM{}
+	s := &vmrun.Suspend{VM: vm, Record: &vmm.Record{Pid: sleep.Process.Pid, StartTime: st},
+		Runtime: impv1.RuntimeStatus{Instance: 1, State: impv1.RuntimeSuspending}}
+	reports := &fakeReports{}
+	if do, _ := (Suspending{Reports: reports}).ShouldDo(ctx, s); do {
+		t.Error("a run reported Suspending is reported again")
+	}
+	if do, _ := (Save{}).ShouldDo(ctx, s); !do {
+		t.Fatal("a live VMM is not saved")
+	}
+	if err := (Save{Savers: fakeSavers{sleep.Process}}).Do(ctx, s); err != nil || s.Took <= 0 || s.Alive() {
+		t.Fatalf("save: %v, took %v, alive %v", err, s.Took, s.Alive())
+	}
+	for _, step := range []SuspendStep{Freeze{}, Save{}} {
+		if do, _ := step.ShouldDo(ctx, s); do {
+			t.Errorf("%s runs on a VMM that is gone", step.Name())
+		}
+	}
+	if err := (Suspended{Reports: reports}).Do(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	if len(reports.reported) != 1 || reports.reported[0].State != impv1.RuntimeSuspended || !strings.HasPrefix(reports.reported[0].Message, "state saved in ") {
+		t.Errorf("reports %+v", reports.reported)
+	}
+}

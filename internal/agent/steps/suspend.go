@@ -95,7 +95,10 @@ func (st Suspended) Do(ctx context.Context, s *vmrun.Suspend) error {
 	rt := s.Runtime
 	rt.State, rt.GuestReady, rt.Reason, rt.Message = impv1.RuntimeSuspended, false, "", "state saved"
 	if s.Took > 0 {
-		rt.Message = fmt.Sprintf("state saved in %v; %s of memory freed", s.Took.Round(time.Millisecond), s.VM.Status.Resources.Memory.String())
+		rt.Message = fmt.Sprintf("state saved in %v", s.Took.Round(time.Millisecond))
+		if res := s.VM.Status.Resources; res != nil {
+			rt.Message += fmt.Sprintf("; %s of memory freed", res.Memory.String())
+		}
 	}
 	if err := st.Reports.Report(ctx, s.VM, rt); err != nil {
 		return plan.Retry(err)

@@ -35,17 +35,6 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
 	ns := c.Namespace(t)
-	mgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), ctrl.Options{
-		Scheme: c.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
-		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rng := netip.MustParsePrefix("100.73.0.0/20")
-	if err := (&Reconciler{Client: mgr.GetClient(), Range: rng, BlockBits: 24}).SetupWithManager(mgr); err != nil {
-		t.Fatal(err)
-	}
 	create := func(o client.Object) {
 		t.Helper()
 		if err := c.Client.Create(ctx, o); err != nil {
@@ -85,15 +74,7 @@ func TestReportedAddressesOutsideTheirBlockHoldNothing(t *testing.T) {
 	node("b", "")
 	vm("b-old", "b", "100.73.4.7")
 
-	mctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := mgr.Start(mctx); err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	startBlocks(t, c, "100.73.0.0/20")
 
 	block := func(name string) func() string {
 		return func() string {
@@ -119,25 +100,7 @@ func TestNodesJoiningAtOnceGetBlocksOfTheirOwn(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
 	ns := c.Namespace(t)
-	mgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), ctrl.Options{
-		Scheme: c.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
-		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := (&Reconciler{Client: mgr.GetClient(), Range: netip.MustParsePrefix("100.74.0.0/20"), BlockBits: 24}).SetupWithManager(mgr); err != nil {
-		t.Fatal(err)
-	}
-	mctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := mgr.Start(mctx); err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	startBlocks(t, c, "100.74.0.0/20")
 	const n = 12
 	for i := range n {
 		node := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", ns, i)}}
@@ -168,4 +131,29 @@ func TestNodesJoiningAtOnceGetBlocksOfTheirOwn(t *testing.T) {
 		}
 		owners[b] = name
 	}
+}
+
+// startBlocks runs the reconciler, in a manager of its own, over the endpoint range rng with
+// blocks of /24, until the test ends.
+func startBlocks(t *testing.T, c *testcluster.Cluster, rng string) {
+	t.Helper()
+	mgr, err := ctrl.NewManager(c.As(t, testcluster.Operator), ctrl.Options{
+		Scheme: c.Scheme, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0",
+		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := (&Reconciler{Client: mgr.GetClient(), Range: netip.MustParsePrefix(rng), BlockBits: 24}).SetupWithManager(mgr); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := mgr.Start(ctx); err != nil {
+			t.Errorf("manager: %v", err)
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
 }

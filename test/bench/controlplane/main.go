@@ -26,7 +26,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"flag"
 	"fmt"
@@ -980,22 +979,16 @@ func reconciles() map[string]float64 {
 		return nil
 	}
 	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil
+	}
 	out := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "controller_runtime_reconcile_total{")
-		if !ok {
-			continue
+	for _, line := range strings.Split(string(raw), "\n") {
+		if strings.HasPrefix(line, "controller_runtime_reconcile_total{") {
+			v, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+			out[label(line, "controller")] += v
 		}
-		labels, value, ok := strings.Cut(line, "} ")
-		if !ok {
-			continue
-		}
-		_, name, _ := strings.Cut(labels, `controller="`)
-		name, _, _ = strings.Cut(name, `"`)
-		v, _ := strconv.ParseFloat(value, 64)
-		out[name] += v
 	}
 	return out
 }
