@@ -27,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -262,6 +263,22 @@ func (w *world) get(name string) *impv1.ImpVM {
 		return nil
 	}
 	return v
+}
+
+// update changes the world's VM name with change and writes it, read afresh and changed again
+// when the write conflicts: the operator and the agent write the VM's status meanwhile.
+func (w *world) update(t *testing.T, name string, change func(*impv1.ImpVM)) {
+	t.Helper()
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := w.get(name)
+		if v == nil {
+			return fmt.Errorf("ImpVM %s is gone", name)
+		}
+		change(v)
+		return w.c.Client.Update(context.Background(), v)
+	}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // watchReports returns the runtime reports of the world's VMs, in order, from a watch that
@@ -1059,25 +1076,19 @@ func TestWorkloadChangesReachTheGuest(t *testing.T) {
 	if err := c.Client.Update(ctx, secret); err != nil {
 		t.Fatal(err)
 	}
-	v := w.get("rotates")
-	v.Spec.Env = append(v.Spec.Env, impv1.EnvVar{Name: "EXTRA", Value: "x"})
-	v.Spec.Args = []string{"serve", "again"}
-	if v.Annotations == nil {
-		v.Annotations = map[string]string{}
-	}
-	v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Format(time.RFC3339Nano)
-	if err := c.Client.Update(ctx, v); err != nil {
-		t.Fatal(err)
-	}
+	w.update(t, "rotates", func(v *impv1.ImpVM) {
+		v.Spec.Env = append(v.Spec.Env, impv1.EnvVar{Name: "EXTRA", Value: "x"})
+		v.Spec.Args = []string{"serve", "again"}
+		if v.Annotations == nil {
+			v.Annotations = map[string]string{}
+		}
+		v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Format(time.RFC3339Nano)
+	})
 	g.Eventually(console).WithTimeout(9 * time.Minute).Should(ContainSubstring("GREETING=second-s3cret"))
 	g.Eventually(func() int32 { return w.get("rotates").Status.RestartCount }).Should(BeNumerically(">=", 1))
 
 	// Stopped: the run's configuration is gone from the node; nothing of the VM keeps the values.
-	v = w.get("rotates")
-	v.Spec.RunStrategy = impv1.RunStrategyHalted
-	if err := c.Client.Update(ctx, v); err != nil {
-		t.Fatal(err)
-	}
+	w.update(t, "rotates", func(v *impv1.ImpVM) { v.Spec.RunStrategy = impv1.RunStrategyHalted })
 	g.Eventually(func() impv1.VMPhase { return w.get("rotates").Status.Phase }).WithTimeout(6 * time.Minute).Should(Equal(impv1.VMStopped))
 	if _, err := os.Stat(filepath.Join(dir, "config.img")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the stopped VM's configuration disk remains: %v", err)

@@ -145,14 +145,12 @@ func TestFirecrackerVM(t *testing.T) {
 		// A restart asked for after the run began (second precision).
 		started := w.get("fc").Status.Runtime.StartedAt.Time
 		time.Sleep(time.Until(started.Truncate(time.Second).Add(1100 * time.Millisecond)))
-		v := w.get("fc")
-		if v.Annotations == nil {
-			v.Annotations = map[string]string{}
-		}
-		v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Format(time.RFC3339Nano)
-		if err := w.c.Client.Update(ctx, v); err != nil {
-			t.Fatal(err)
-		}
+		w.update(t, "fc", func(v *impv1.ImpVM) {
+			if v.Annotations == nil {
+				v.Annotations = map[string]string{}
+			}
+			v.Annotations[impv1.RestartRequestedAnnotation] = time.Now().Format(time.RFC3339Nano)
+		})
 		g.Eventually(func() bool { return w.get("fc").Status.RestartCount == i && ready() }).WithTimeout(3*time.Minute).
 			Should(BeTrue(), func() string { return fmt.Sprintf("restart %d: %+v", i, w.get("fc").Status) })
 		rec = kept(fmt.Sprintf("restart %d", i), rec)

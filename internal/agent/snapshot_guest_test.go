@@ -246,11 +246,9 @@ func TestSnapshotRestore(t *testing.T) {
 		v := w.get("copy-a")
 		started, want := v.Status.Runtime.StartedAt.Time, v.Status.RestartCount+1
 		time.Sleep(time.Until(started.Truncate(time.Second).Add(1100 * time.Millisecond)))
-		v = w.get("copy-a")
-		v.Annotations = map[string]string{impv1.RestartRequestedAnnotation: time.Now().Format(time.RFC3339Nano)}
-		if err := c.Client.Update(ctx, v); err != nil {
-			t.Fatal(err)
-		}
+		w.update(t, "copy-a", func(v *impv1.ImpVM) {
+			v.Annotations = map[string]string{impv1.RestartRequestedAnnotation: time.Now().Format(time.RFC3339Nano)}
+		})
 		g.Eventually(func() string {
 			v := w.get("copy-a")
 			if v.Status.RestartCount < want {

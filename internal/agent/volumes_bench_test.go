@@ -66,10 +66,7 @@ func TestBenchVolumes(t *testing.T) {
 	}
 
 	// The node, on the volume's file, once the VM has stopped.
-	v.Spec.RunStrategy = impv1.RunStrategyHalted
-	if err := w.c.Client.Update(ctx, v); err != nil {
-		t.Fatal(err)
-	}
+	w.update(t, "io", func(v *impv1.ImpVM) { v.Spec.RunStrategy = impv1.RunStrategyHalted })
 	g.Eventually(func() impv1.VMPhase { return w.get("io").Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMStopped))
 	root, err := testcluster.RepoRoot()
 	if err != nil {

@@ -148,11 +148,9 @@ func TestVolumesInTheGuest(t *testing.T) {
 	if err := c.Client.Update(ctx, secret); err != nil {
 		t.Fatal(err)
 	}
-	v := w.get("vols")
-	v.Annotations = map[string]string{impv1.RestartRequestedAnnotation: time.Now().Format(time.RFC3339Nano)}
-	if err := c.Client.Update(ctx, v); err != nil {
-		t.Fatal(err)
-	}
+	w.update(t, "vols", func(v *impv1.ImpVM) {
+		v.Annotations = map[string]string{impv1.RestartRequestedAnnotation: time.Now().Format(time.RFC3339Nano)}
+	})
 	g.Eventually(func() int32 { return w.get("vols").Status.RestartCount }).WithTimeout(3 * time.Minute).Should(BeNumerically(">=", 1))
 	waitReady("vols")
 	// The new run's session (the old run's may still be the one the agent holds a moment).
