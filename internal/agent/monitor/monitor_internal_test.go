@@ -619,7 +619,8 @@ func TestFreezeTakesTheGuestsWordOnly(t *testing.T) {
 	alive.Store(true)
 	t.Cleanup(func() { alive.Store(false) })
 	mon := &monitor{token: token}
-	w := watch{alive: alive.Load, report: func(context.Context, impv1.RuntimeStatus) {},
+	reported := make(chan impv1.RuntimeStatus, 16)
+	w := watch{alive: alive.Load, report: func(_ context.Context, rt impv1.RuntimeStatus) { reported <- rt },
 		dial:    func() (net.Conn, error) { return net.Dial("unix", sock) },
 		capLogs: func() error { return nil }, ended: func() {}, tail: func() string { return "" }, unhealthy: func(guestchan.Event) {}}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -674,6 +675,14 @@ func TestFreezeTakesTheGuestsWordOnly(t *testing.T) {
 	}
 	say(guest, `{"event":"hello","token":"`+token+`","freezes":true}`)
 	say(guest, `{"event":"frozen"}`) // unasked
+	// A marker: the monitor reads the lines in order, so once it reports the guest ready it has
+	// taken the unasked frozen before the freeze below asks.
+	say(guest, `{"event":"ready"}`)
+	select {
+	case <-reported:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the guest's ready was never reported")
+	}
 	waitFor(t, "the offer", mon.freezes.Load)
 	start := time.Now()
 	if err := mon.freeze(300 * time.Millisecond); err == nil {
