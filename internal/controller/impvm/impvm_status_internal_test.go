@@ -1,11 +1,14 @@
 package impvm
 
 import (
+	"strings"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
@@ -74,5 +77,55 @@ func TestAWaitIsToldOnce(t *testing.T) {
 	phase(impv1.VMRunning, impv1.VMStopped)
 	if got := rec["Stopped"]; got != 3 {
 		t.Fatalf("a VM of the name made anew: %d Stopped Events in all, want 3", got)
+	}
+}
+
+// TestStatusPatchIsMergeFroms: the status patch built from the statuses alone is the patch
+// client.MergeFrom makes of the whole objects, for each kind of change a reconcile makes
+// (a field set, one cleared, a condition added and one changed, a list emptied), with the
+// agent's status.runtime and the metadata and spec, which differ from nothing, left out.
+func TestStatusPatchIsMergeFroms(t *testing.T) {
+	now := metav1.Now()
+	base := &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "a", UID: "1", Labels: map[string]string{"app": "x"}, Finalizers: []string{impv1.VMFinalizer}},
+		Spec:       impv1.ImpVMSpec{Image: "example.com/img@sha256:" + strings.Repeat("a", 64)},
+		Status: impv1.ImpVMStatus{Phase: impv1.VMPending, Runtime: &impv1.RuntimeStatus{State: impv1.RuntimeRunning, Message: "the agent's"},
+			Conditions: []metav1.Condition{{Type: impv1.ScheduledCondition, Status: metav1.ConditionFalse, Reason: "NoRoom", LastTransitionTime: now}}},
+	}
+	for name, change := range map[string]func(vm *impv1.ImpVM){
+		"placed": func(vm *impv1.ImpVM) {
+			vm.Status.NodeName = "node-1"
+			meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed"})
+		},
+		"running": func(vm *impv1.ImpVM) {
+			vm.Status.Phase = impv1.VMRunning
+			meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady})
+		},
+		"conditions emptied": func(vm *impv1.ImpVM) { vm.Status.Conditions = nil },
+		"phase cleared":      func(vm *impv1.ImpVM) { vm.Status.Phase = "" },
+		"nothing":            func(*impv1.ImpVM) {},
+	} {
+		t.Run(name, func(t *testing.T) {
+			vm := base.DeepCopy()
+			change(vm)
+			want, err := client.MergeFrom(base).Data(vm)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := statusPatch(base, vm)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := p.Data(vm)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(got) != string(want) {
+				t.Errorf("status patch %s, MergeFrom's %s", got, want)
+			}
+			if p.Type() != types.MergePatchType {
+				t.Errorf("patch type %s", p.Type())
+			}
+		})
 	}
 }

@@ -22,7 +22,8 @@
 //
 // BENCH_OPERATOR_PROFILE=<dir> keeps the operator's CPU profile of the placement and run phases
 // and its allocations over each (profileOperator); BENCH_APISERVER_PROFILE=<file> the API
-// server's CPU profile of the run phase's first ten seconds.
+// server's CPU profile of the run phase's first ten seconds, and <file>.bare-run that of its
+// floor's.
 package main
 
 import (
@@ -690,6 +691,9 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	}
 	if !o.bareRun {
 		return nil
+	}
+	if path := os.Getenv("BENCH_APISERVER_PROFILE"); path != "" {
+		go profile(ctx, cl.Config, path+".bare-run", 10*time.Second)
 	}
 	cpu := machineCPU(0, 0)
 	start = time.Now()
