@@ -129,3 +129,40 @@ func TestStatusPatchIsMergeFroms(t *testing.T) {
 		})
 	}
 }
+
+// BenchmarkStatusPatch: the placement's status patch of a VM as the API server returns it
+// (managed fields of its creator, the operator and its agent), built from the statuses
+// (statusPatch) and from the whole objects (client.MergeFrom, which it replaced).
+func BenchmarkStatusPatch(b *testing.B) {
+	orig := &impv1.ImpVM{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "run", Name: "vm-0001", UID: "6a1f0c1e-3f1d-4c59-9d0e-0d3c9d1e2f3a", ResourceVersion: "123456",
+			Labels: map[string]string{"app": "bench"}, Finalizers: []string{impv1.VMFinalizer}},
+		Spec: impv1.ImpVMSpec{Image: "127.0.0.1:5000/hello@sha256:" + strings.Repeat("a", 64), Command: []string{"/bin/hello"}, Args: []string{"serve"}},
+	}
+	for _, m := range []string{"kubectl-client-side-apply", "imp-operator", "imp-agent"} {
+		orig.ManagedFields = append(orig.ManagedFields, metav1.ManagedFieldsEntry{Manager: m, Operation: metav1.ManagedFieldsOperationUpdate, APIVersion: "imp.dev/v1alpha1",
+			FieldsType: "FieldsV1", FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:metadata":{"f:labels":{".":{},"f:app":{}}},"f:spec":{".":{},"f:args":{},"f:command":{},"f:image":{},"f:resources":{".":{},"f:memory":{},"f:vcpus":{}}},"f:status":{".":{},"f:conditions":{".":{},"k:{\"type\":\"Scheduled\"}":{".":{},"f:lastTransitionTime":{},"f:message":{},"f:reason":{},"f:status":{},"f:type":{}}},"f:phase":{}}}`)}})
+	}
+	vm := orig.DeepCopy()
+	vm.Status.NodeName = "node-042"
+	vm.Status.Phase = impv1.VMScheduled
+	meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed on node node-042"})
+	b.Run("statuses", func(b *testing.B) {
+		for b.Loop() {
+			p, err := statusPatch(orig, vm)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := p.Data(vm); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("MergeFrom", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := client.MergeFrom(orig).Data(vm); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
