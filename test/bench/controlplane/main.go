@@ -21,13 +21,13 @@
 //	go run ./test/bench/controlplane -n 1000 -m 100 -runs 3      (make bench-controlplane)
 //
 // BENCH_OPERATOR_PROFILE=<dir> keeps the operator's CPU profile of the placement and run phases
-// and its allocations over each (profileOperator); BENCH_APISERVER_PROFILE=<file> the API
-// server's CPU profile of the run phase's first ten seconds, and <file>.bare-run that of its
-// floor's.
+// and its allocations over each (profileOperator); BENCH_APISERVER_PROFILE=<dir> the API
+// server's CPU profile of the run phase and of its floor's (profileAPIServer).
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -48,7 +48,6 @@ import (
 	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -314,9 +313,7 @@ func run(o options) (figures, error) {
 		return f, err
 	}
 	ev0 := ev.snapshot()
-	if path := os.Getenv("BENCH_APISERVER_PROFILE"); path != "" {
-		go profile(ctx, cl.Config, path, 10*time.Second)
-	}
+	stopAPIProfile := profileAPIServer(ctx, cl.Config, "run")
 	cpuRun := machineCPU(op.Process.Pid, child.Process.Pid)
 	rec0 = reconciles()
 	stopProfile = profileOperator(ctx, "run")
@@ -330,6 +327,7 @@ func run(o options) (figures, error) {
 	}
 	elapsed = time.Since(start)
 	stopProfile()
+	stopAPIProfile()
 	cpuRun = machineCPU(op.Process.Pid, child.Process.Pid).since(cpuRun)
 	time.Sleep(2 * time.Second)
 	reqs, err = countRequests(auditLog, from, size(auditLog))
@@ -344,6 +342,7 @@ func run(o options) (figures, error) {
 	fmt.Printf("  run (agents start the VMs): %d created in %v\n", o.runN, createdIn.Round(time.Millisecond))
 	f.latencies("run: create→Scheduled", tr.latencies("run", "created", "scheduled"))
 	f.latencies("run: create→Running, guest ready", tr.latencies("run", "created", "ready"))
+	vmSize(ctx, c, "run", &f)
 	if bare, ok := f.values["bare: create→Running, guest ready P50"]; ok && bare > 0 {
 		ratio := f.values["run: create→Running, guest ready P50"] / bare
 		f.set("run: P50 over the bare floor's", "×", ratio)
@@ -584,6 +583,8 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	if err != nil {
 		return err
 	}
+	// Each writer its own field manager, as IMP's (the managed fields each write carries).
+	opCfg.UserAgent, agCfg.UserAgent = "imp-operator", "imp-agent-sim/"+nodeName(0)
 	opc, err := client.New(opCfg, client.Options{Scheme: cl.Scheme})
 	if err != nil {
 		return err
@@ -612,7 +613,7 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		time.Sleep(o.start + o.boot)
 		boot := (o.start + o.boot).Milliseconds()
 		started := metav1.Now()
-		p, err := runreport.RuntimePatch(impv1.RuntimeStatus{State: impv1.RuntimeRunning, StartedAt: &started, GuestReady: true, BootMilliseconds: &boot, Message: "the guest is ready"})
+		p, err := runreport.RuntimePatch(impv1.RuntimeStatus{Instance: 1, State: impv1.RuntimeRunning, StartedAt: &started, GuestReady: true, BootMilliseconds: &boot, Message: "the guest is ready"})
 		if err == nil {
 			_ = agc.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name}}, client.RawPatch(types.MergePatchType, p))
 		}
@@ -649,18 +650,21 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 				case <-bctx.Done():
 					return
 				case st := <-operator:
-					vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: st.key.Namespace, Name: st.key.Name}}
-					orig := vm.DeepCopy()
+					// The statuses IMP's operator writes, field for field (floorStatus): the
+					// floor's writes carry what IMP's do through admission, validation, etcd
+					// and the watches.
 					node := nodeName(0)
+					orig := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: st.key.Namespace, Name: st.key.Name}}
 					if st.running {
-						vm.Status.Phase = impv1.VMRunning
-						meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "the guest is ready"})
+						orig.Status = floorStatus(node, false, time.Now())
+						vm := orig.DeepCopy()
+						vm.Status = floorStatus(node, true, time.Now())
 						_ = opc.Status().Patch(bctx, vm, client.MergeFrom(orig))
 						event(st.key, "Started", "The guest is ready")
 						continue
 					}
-					vm.Status.NodeName = node
-					meta.SetStatusCondition(&vm.Status.Conditions, metav1.Condition{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonPlaced, Message: "placed on node " + node})
+					vm := orig.DeepCopy()
+					vm.Status = floorStatus(node, false, time.Now())
 					_ = opc.Status().Patch(bctx, vm, client.MergeFrom(orig))
 					event(st.key, "Scheduled", "Placed on node "+node)
 				}
@@ -692,9 +696,7 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	if !o.bareRun {
 		return nil
 	}
-	if path := os.Getenv("BENCH_APISERVER_PROFILE"); path != "" {
-		go profile(ctx, cl.Config, path+".bare-run", 10*time.Second)
-	}
+	stopAPIProfile := profileAPIServer(ctx, cl.Config, "bare-run")
 	cpu := machineCPU(0, 0)
 	start = time.Now()
 	if _, err := create(ctx, c, "bare-run", o.runN, o, tr); err != nil {
@@ -704,9 +706,11 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		return err
 	}
 	elapsed = time.Since(start)
+	stopAPIProfile()
 	cpu = machineCPU(0, 0).since(cpu)
 	fmt.Printf("  bare API server, the run's writes (create; placement patch and Event; a patch with the guest ready %v later; Running patch and Event; no IMP):\n", o.start+o.boot)
 	f.latencies("bare: create→Running, guest ready", tr.latencies("bare-run", "created", "ready"))
+	vmSize(ctx, c, "bare-run", f)
 	f.set("bare: run throughput", "VMs/s", float64(o.runN)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f VMs/s\n", "bare: run throughput", float64(o.runN)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f%% of %d CPUs over %v: API server %.1f s, etcd %.1f s, this process %.1f s\n", "bare: run CPU",
@@ -715,6 +719,24 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 		return err
 	}
 	return tr.wait(ctx, "bare-run", "gone", o.runN, nil)
+}
+
+// floorStatus is the status IMP's operator writes for a VM of the bench (create's) placed on
+// node, before its guest is ready and once it is (the fields a merge patch from one to the
+// other changes: the phase, the Ready condition, the start).
+func floorStatus(node string, running bool, now time.Time) impv1.ImpVMStatus {
+	t := metav1.NewTime(now.Truncate(time.Second))
+	st := impv1.ImpVMStatus{ObservedGeneration: 1, Phase: impv1.VMScheduled, NodeName: node, Instance: 1,
+		Resources: &impv1.ResolvedResources{VCPUs: 1, Memory: resource.MustParse("256Mi"), DiskSize: resource.MustParse("1Gi"), MemoryOverhead: ptr.To(resource.MustParse("0"))},
+		Conditions: []metav1.Condition{
+			{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, ObservedGeneration: 1, LastTransitionTime: t, Reason: impv1.ReasonPlaced, Message: "placed on node " + node},
+			{Type: impv1.ReadyCondition, Status: metav1.ConditionFalse, ObservedGeneration: 1, LastTransitionTime: t, Reason: impv1.ReasonStarting, Message: fmt.Sprintf("waiting for node %s to start the VM", node)},
+		}}
+	if running {
+		st.Phase, st.StartedAt = impv1.VMRunning, &t
+		st.Conditions[1] = metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, ObservedGeneration: 1, LastTransitionTime: t, Reason: impv1.ReasonGuestReady, Message: "the guest reported ready"}
+	}
+	return st
 }
 
 // bareEvent is an Event like the operator's about the VM key.
@@ -957,19 +979,60 @@ func memory(pid int) (rss, hwm int64) {
 	return rss, hwm
 }
 
-// profile writes the API server's CPU profile over d to path (BENCH_APISERVER_PROFILE): where
-// its time goes during the run phase.
-func profile(ctx context.Context, cfg *rest.Config, path string, d time.Duration) {
+// vmSize prints the size of one of the phase's VMs as the API server stores it, once ready
+// (managed fields included), and its status's: what each of its writes carries through
+// admission, validation, etcd and every watch.
+func vmSize(ctx context.Context, c client.Client, phase string, f *figures) {
+	var list impv1.ImpVMList
+	if err := c.List(ctx, &list, client.InNamespace(phase), client.Limit(1)); err != nil || len(list.Items) == 0 {
+		return
+	}
+	vm := &list.Items[0]
+	all, err := json.Marshal(vm)
+	if err != nil {
+		return
+	}
+	status, _ := json.Marshal(vm.Status)
+	managed, _ := json.Marshal(vm.ManagedFields)
+	name := strings.TrimSuffix(phase, "-run") + ": a VM ready, bytes"
+	if phase == "run" {
+		name = "run: a VM ready, bytes"
+	}
+	f.set(name, "B", float64(len(all)))
+	fmt.Printf("  %-34s %d (status %d, managed fields %d)\n", name, len(all), len(status), len(managed))
+}
+
+// profileAPIServer keeps the API server's CPU profile of a phase in BENCH_APISERVER_PROFILE, a
+// directory, in two-second chunks (<phase>-cpu-*.pprof, merged by go tool pprof), until stop:
+// where its time goes over the whole phase, IMP's run beside its floor's.
+func profileAPIServer(ctx context.Context, cfg *rest.Config, phase string) (stop func()) {
+	dir := os.Getenv("BENCH_APISERVER_PROFILE")
+	if dir == "" {
+		return func() {}
+	}
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
-		return
-	}
-	raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", strconv.Itoa(int(d.Seconds()))).Timeout(d + 30*time.Second).DoRaw(ctx)
-	if err != nil {
 		fmt.Fprintln(os.Stderr, "profiling the API server:", err)
-		return
+		return func() {}
 	}
-	_ = os.WriteFile(path, raw, 0o600)
+	_ = os.MkdirAll(dir, 0o755)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ctx.Err() == nil; i++ {
+			raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", "2").Timeout(time.Minute).DoRaw(context.WithoutCancel(ctx))
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "profiling the API server:", err)
+				return
+			}
+			_ = os.WriteFile(filepath.Join(dir, fmt.Sprintf("%s-cpu-%03d.pprof", phase, i)), raw, 0o600)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
 }
 
 // operatorMetrics is where the operator serves its metrics (plain HTTP, on loopback).
