@@ -98,9 +98,14 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	recorder := mgr.GetEventRecorder("imp-operator")
 	alloc := ipam.New(mgr.GetAPIReader(), mgr.GetClient(), mgr.GetScheme())
+	status, err := impvm.NewStatusPatcher(mgr.GetConfig(), mgr.GetHTTPClient(), mgr.GetScheme())
+	if err != nil {
+		return err
+	}
 	vms := &impvm.Reconciler{
 		Client:    mgr.GetClient(),
 		APIReader: mgr.GetAPIReader(),
+		Status:    status,
 		Scheme:    mgr.GetScheme(),
 		Recorder:  recorder,
 		Clock:     o.Clock,

@@ -5,14 +5,12 @@ package impvm
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
 	"sync"
 	"time"
 
-	jsonpatch "github.com/evanphx/json-patch/v5"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -100,6 +98,7 @@ func DefaultOptions() Options {
 type Reconciler struct {
 	Client    client.Client
 	APIReader client.Reader // uncached reads, for the ledger's first load
+	Status    StatusPatcher // the VMs' status writes
 	Scheme    *runtime.Scheme
 	Recorder  EventRecorder
 	Clock     clock.PassiveClock
@@ -231,7 +230,7 @@ func (r *Reconciler) patchStatus(ctx context.Context, orig, vm *impv1.ImpVM) err
 	if err != nil {
 		return err
 	}
-	if err := r.Client.Status().Patch(ctx, vm, patch); err != nil {
+	if err := r.Status.PatchStatus(ctx, client.ObjectKeyFromObject(vm), patch); err != nil {
 		if vm.Status.NodeName != orig.Status.NodeName && vm.Status.NodeName != "" {
 			// The placement did not commit; the ledger keeps the VM's hold so the retry makes
 			// the same decision.
@@ -243,28 +242,6 @@ func (r *Reconciler) patchStatus(ctx context.Context, orig, vm *impv1.ImpVM) err
 		return fmt.Errorf("patching status: %w", err)
 	}
 	return nil
-}
-
-// statusPatch is the JSON merge patch from orig's status to vm's: what client.MergeFrom makes
-// for a status write, built from the statuses alone (MergeFrom marshals and compares the whole
-// objects, metadata and spec too, for every write).
-func statusPatch(orig, vm *impv1.ImpVM) (client.Patch, error) {
-	type status struct {
-		Status *impv1.ImpVMStatus `json:"status"`
-	}
-	from, err := json.Marshal(status{&orig.Status})
-	if err != nil {
-		return nil, fmt.Errorf("marshalling the VM's status: %w", err)
-	}
-	to, err := json.Marshal(status{&vm.Status})
-	if err != nil {
-		return nil, fmt.Errorf("marshalling the VM's status: %w", err)
-	}
-	p, err := jsonpatch.CreateMergePatch(from, to)
-	if err != nil {
-		return nil, fmt.Errorf("computing the VM's status patch: %w", err)
-	}
-	return client.RawPatch(types.MergePatchType, p), nil
 }
 
 // loadLedger fills the ledger, once, with every placed VM in the API: before its first
