@@ -155,7 +155,8 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 
 func (r *Reconciler) forVM(ctx context.Context, o client.Object) []reconcile.Request {
 	var list impv1.ImpQuotaList
-	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace())); err != nil {
+	// Read for their names only: the cache's objects, not copies (this runs on every VM event).
+	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace()), client.UnsafeDisableDeepCopy); err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "listing ImpQuotas")
 		return nil
 	}

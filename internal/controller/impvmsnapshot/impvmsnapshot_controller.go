@@ -213,7 +213,8 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) err
 // forVM: the snapshots of the VM that wait for it.
 func (r *Reconciler) forVM(ctx context.Context, o client.Object) []reconcile.Request {
 	var list impv1.ImpVMSnapshotList
-	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexVM: o.GetName()}); err != nil {
+	// Read for their names only: the cache's objects, not copies (this runs on every VM event).
+	if err := r.Client.List(ctx, &list, client.InNamespace(o.GetNamespace()), client.MatchingFields{indexVM: o.GetName()}, client.UnsafeDisableDeepCopy); err != nil {
 		ctrl.LoggerFrom(ctx).Error(err, "listing the VM's snapshots")
 		return nil
 	}
