@@ -626,6 +626,17 @@ type ImpVMStatus struct {
 //
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
+// +kubebuilder:validation:XValidation:rule="has(self.spec.templateRef) == has(oldSelf.spec.templateRef) && (!has(self.spec.templateRef) || self.spec.templateRef == oldSelf.spec.templateRef)",message="templateRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.templateRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.nodeName) == has(oldSelf.spec.nodeName) && (!has(self.spec.nodeName) || self.spec.nodeName == oldSelf.spec.nodeName)",message="nodeName is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.nodeName"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.classRef) == has(oldSelf.spec.classRef) && (!has(self.spec.classRef) || self.spec.classRef == oldSelf.spec.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.classRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.resources) == has(oldSelf.spec.resources) && (!has(self.spec.resources) || self.spec.resources == oldSelf.spec.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.resources"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.diskSize) == has(oldSelf.spec.diskSize) && (!has(self.spec.diskSize) || self.spec.diskSize == oldSelf.spec.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.diskSize"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.networkRef) == has(oldSelf.spec.networkRef) && (!has(self.spec.networkRef) || self.spec.networkRef == oldSelf.spec.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.networkRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.vmm) == has(oldSelf.spec.vmm) && (!has(self.spec.vmm) || self.spec.vmm == oldSelf.spec.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.vmm"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.snapshotRef) == has(oldSelf.spec.snapshotRef) && (!has(self.spec.snapshotRef) || self.spec.snapshotRef == oldSelf.spec.snapshotRef)",message="snapshotRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.snapshotRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.volumes) == has(oldSelf.spec.volumes) && (!has(self.spec.volumes) || self.spec.volumes == oldSelf.spec.volumes)",message="volumes are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.volumes"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.volumeMounts) == has(oldSelf.spec.volumeMounts) && (!has(self.spec.volumeMounts) || self.spec.volumeMounts == oldSelf.spec.volumeMounts)",message="volumeMounts are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.volumeMounts"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.volumeDevices) == has(oldSelf.spec.volumeDevices) && (!has(self.spec.volumeDevices) || self.spec.volumeDevices == oldSelf.spec.volumeDevices)",message="volumeDevices are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.volumeDevices"
 // +kubebuilder:resource:shortName=impvm,categories=imp
 // +kubebuilder:selectablefield:JSONPath=`.status.nodeName`
 // +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
@@ -641,22 +652,6 @@ type ImpVM struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata,omitempty"`
 
-	// The spec's immutable fields, checked here, at the spec (its own rules, on ImpVMSpec, are
-	// also a template's and a pool's, whose VMs may change): every status write evaluates them
-	// too, and a rule at the spec reads each field without first reading the spec from the
-	// object (a third less of the API server's work per status write than the same rules at the
-	// root: docs/operator.md).
-	// +kubebuilder:validation:XValidation:rule="has(self.templateRef) == has(oldSelf.templateRef) && (!has(self.templateRef) || self.templateRef == oldSelf.templateRef)",message="templateRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".templateRef"
-	// +kubebuilder:validation:XValidation:rule="has(self.nodeName) == has(oldSelf.nodeName) && (!has(self.nodeName) || self.nodeName == oldSelf.nodeName)",message="nodeName is immutable; delete and recreate the ImpVM to change it",fieldPath=".nodeName"
-	// +kubebuilder:validation:XValidation:rule="has(self.classRef) == has(oldSelf.classRef) && (!has(self.classRef) || self.classRef == oldSelf.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".classRef"
-	// +kubebuilder:validation:XValidation:rule="has(self.resources) == has(oldSelf.resources) && (!has(self.resources) || self.resources == oldSelf.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".resources"
-	// +kubebuilder:validation:XValidation:rule="has(self.diskSize) == has(oldSelf.diskSize) && (!has(self.diskSize) || self.diskSize == oldSelf.diskSize)",message="diskSize is immutable; delete and recreate the ImpVM to change it",fieldPath=".diskSize"
-	// +kubebuilder:validation:XValidation:rule="has(self.networkRef) == has(oldSelf.networkRef) && (!has(self.networkRef) || self.networkRef == oldSelf.networkRef)",message="networkRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".networkRef"
-	// +kubebuilder:validation:XValidation:rule="has(self.vmm) == has(oldSelf.vmm) && (!has(self.vmm) || self.vmm == oldSelf.vmm)",message="vmm is immutable; delete and recreate the ImpVM to change it",fieldPath=".vmm"
-	// +kubebuilder:validation:XValidation:rule="has(self.snapshotRef) == has(oldSelf.snapshotRef) && (!has(self.snapshotRef) || self.snapshotRef == oldSelf.snapshotRef)",message="snapshotRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".snapshotRef"
-	// +kubebuilder:validation:XValidation:rule="has(self.volumes) == has(oldSelf.volumes) && (!has(self.volumes) || self.volumes == oldSelf.volumes)",message="volumes are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumes"
-	// +kubebuilder:validation:XValidation:rule="has(self.volumeMounts) == has(oldSelf.volumeMounts) && (!has(self.volumeMounts) || self.volumeMounts == oldSelf.volumeMounts)",message="volumeMounts are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeMounts"
-	// +kubebuilder:validation:XValidation:rule="has(self.volumeDevices) == has(oldSelf.volumeDevices) && (!has(self.volumeDevices) || self.volumeDevices == oldSelf.volumeDevices)",message="volumeDevices are immutable; delete and recreate the ImpVM to change them",fieldPath=".volumeDevices"
 	// +required
 	Spec ImpVMSpec `json:"spec"`
 	// +optional
