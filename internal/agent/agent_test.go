@@ -74,22 +74,6 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// run starts a manager until the test ends; it returns a function that stops it earlier.
-func run(t *testing.T, mgr ctrl.Manager) func() {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := mgr.Start(ctx); err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	}()
-	var once sync.Once
-	stop := func() { once.Do(func() { cancel(); <-done }) }
-	t.Cleanup(stop)
-	return stop
-}
-
 // killVMMs, at the end of the test, kills every VMM of a VM under stateDir, recorded or only
 // marked (a failed test must not leave guests running), and removes the cgroups of node's
 // agent.
@@ -160,7 +144,7 @@ func startOperatorWith(t *testing.T, c *testcluster.Cluster, o operator.Options)
 	if err := operator.Setup(opCtx, opMgr, o); err != nil {
 		t.Fatal(err)
 	}
-	run(t, opMgr)
+	testcluster.RunManager(t, opMgr)
 }
 
 // world is a real control plane with the operator and an in-process agent for one Node that
@@ -219,7 +203,7 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 	if err := ag.SetupWithManager(agMgr); err != nil {
 		t.Fatal(err)
 	}
-	run(t, agMgr)
+	testcluster.RunManager(t, agMgr)
 	return ag
 }
 

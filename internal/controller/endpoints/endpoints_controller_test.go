@@ -47,15 +47,7 @@ func start(t *testing.T, c *testcluster.Cluster) {
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := mgr.Start(ctx); err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	testcluster.RunManager(t, mgr)
 }
 
 type world struct {

@@ -147,13 +147,5 @@ func startBlocks(t *testing.T, c *testcluster.Cluster, rng string) {
 	if err := (&Reconciler{Client: mgr.GetClient(), Range: netip.MustParsePrefix(rng), BlockBits: 24}).SetupWithManager(mgr); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := mgr.Start(ctx); err != nil {
-			t.Errorf("manager: %v", err)
-		}
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	testcluster.RunManager(t, mgr)
 }

@@ -78,20 +78,11 @@ func (e *env) startOperator() (stop func()) {
 		e.t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	e.t.Cleanup(cancel)
 	if err := operator.Setup(ctx, mgr, e.opts); err != nil {
 		e.t.Fatal(err)
 	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := mgr.Start(ctx); err != nil {
-			e.t.Errorf("operator: %v", err)
-		}
-	}()
-	var once sync.Once
-	stop = func() { once.Do(func() { cancel(); <-done }) }
-	e.t.Cleanup(stop)
-	return stop
+	return testcluster.RunManager(e.t, mgr)
 }
 
 type nodeOpt func(*corev1.Node)
