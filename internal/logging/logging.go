@@ -52,8 +52,8 @@ func (o *Options) logger(w io.Writer) (logr.Logger, error) {
 // deferred is a logr.LogSink that keeps what WithValues gives it and hands it to its sink only
 // for a line it writes. controller-runtime gives each reconcile a logger with the controller,
 // the object and a reconcile ID, and zap encodes such values as it is given them: a cost paid
-// by every reconcile of every object (3 % of the operator's CPU placing VMs), for lines that
-// are rarely written.
+// by every reconcile of every object (3 % of the operator's CPU placing and running VMs, in its
+// profile), for lines that are rarely written.
 type deferred struct {
 	sink logr.LogSink
 	kv   []any

@@ -26,17 +26,14 @@ type StatusPatcher interface {
 // the object it patched: a second decode of every VM the operator writes.)
 type restStatusPatcher struct{ rc rest.Interface }
 
-// NewStatusPatcher is a StatusPatcher through the API server cfg names, on the HTTP client hc
-// (the manager's, so its connection is shared). It writes as cfg's user agent, the field
-// manager of the operator's other writes.
+// NewStatusPatcher is a StatusPatcher through the API server cfg names, on the HTTP client hc:
+// the manager's, so its connection is shared and its user agent, the field manager of the
+// operator's other writes, is this one's too (the control-plane bench prints a VM's managers).
 func NewStatusPatcher(cfg *rest.Config, hc *http.Client, scheme *runtime.Scheme) (StatusPatcher, error) {
 	c := rest.CopyConfig(cfg)
 	c.GroupVersion = &impv1.GroupVersion
 	c.APIPath = "/apis"
 	c.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
-	if c.UserAgent == "" {
-		c.UserAgent = rest.DefaultKubernetesUserAgent()
-	}
 	rc, err := rest.RESTClientForConfigAndClient(c, hc)
 	if err != nil {
 		return nil, fmt.Errorf("making the VM status client: %w", err)
