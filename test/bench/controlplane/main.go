@@ -342,7 +342,7 @@ func run(o options) (figures, error) {
 	fmt.Printf("  run (agents start the VMs): %d created in %v\n", o.runN, createdIn.Round(time.Millisecond))
 	f.latencies("run: create→Scheduled", tr.latencies("run", "created", "scheduled"))
 	f.latencies("run: create→Running, guest ready", tr.latencies("run", "created", "ready"))
-	vmSize(ctx, c, "run", &f)
+	vmSize(ctx, c, "run", "run: a VM ready, bytes", &f)
 	if bare, ok := f.values["bare: create→Running, guest ready P50"]; ok && bare > 0 {
 		ratio := f.values["run: create→Running, guest ready P50"] / bare
 		f.set("run: P50 over the bare floor's", "×", ratio)
@@ -710,7 +710,7 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	cpu = machineCPU(0, 0).since(cpu)
 	fmt.Printf("  bare API server, the run's writes (create; placement patch and Event; a patch with the guest ready %v later; Running patch and Event; no IMP):\n", o.start+o.boot)
 	f.latencies("bare: create→Running, guest ready", tr.latencies("bare-run", "created", "ready"))
-	vmSize(ctx, c, "bare-run", f)
+	vmSize(ctx, c, "bare-run", "bare: a VM ready, bytes", f)
 	f.set("bare: run throughput", "VMs/s", float64(o.runN)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f VMs/s\n", "bare: run throughput", float64(o.runN)/elapsed.Seconds())
 	fmt.Printf("  %-34s %.0f%% of %d CPUs over %v: API server %.1f s, etcd %.1f s, this process %.1f s\n", "bare: run CPU",
@@ -979,12 +979,12 @@ func memory(pid int) (rss, hwm int64) {
 	return rss, hwm
 }
 
-// vmSize prints the size of one of the phase's VMs as the API server stores it, once ready
-// (managed fields included), and its status's: what each of its writes carries through
-// admission, validation, etcd and every watch.
-func vmSize(ctx context.Context, c client.Client, phase string, f *figures) {
+// vmSize prints the size of one of namespace ns's VMs as the API server stores it, once ready
+// (managed fields included), its status's and its field managers: what each of its writes
+// carries through admission, validation, etcd and every watch. It is figure.
+func vmSize(ctx context.Context, c client.Client, ns, figure string, f *figures) {
 	var list impv1.ImpVMList
-	if err := c.List(ctx, &list, client.InNamespace(phase), client.Limit(1)); err != nil || len(list.Items) == 0 {
+	if err := c.List(ctx, &list, client.InNamespace(ns), client.Limit(1)); err != nil || len(list.Items) == 0 {
 		return
 	}
 	vm := &list.Items[0]
@@ -994,12 +994,12 @@ func vmSize(ctx context.Context, c client.Client, phase string, f *figures) {
 	}
 	status, _ := json.Marshal(vm.Status)
 	managed, _ := json.Marshal(vm.ManagedFields)
-	name := strings.TrimSuffix(phase, "-run") + ": a VM ready, bytes"
-	if phase == "run" {
-		name = "run: a VM ready, bytes"
+	var managers []string
+	for _, m := range vm.ManagedFields {
+		managers = append(managers, m.Manager)
 	}
-	f.set(name, "B", float64(len(all)))
-	fmt.Printf("  %-34s %d (status %d, managed fields %d)\n", name, len(all), len(status), len(managed))
+	f.set(figure, "B", float64(len(all)))
+	fmt.Printf("  %-34s %d (status %d, managed fields %d: %s)\n", figure, len(all), len(status), len(managed), strings.Join(managers, ", "))
 }
 
 // profileAPIServer keeps the API server's CPU profile of a phase in BENCH_APISERVER_PROFILE, a
@@ -1016,23 +1016,42 @@ func profileAPIServer(ctx context.Context, cfg *rest.Config, phase string) (stop
 		return func() {}
 	}
 	_ = os.MkdirAll(dir, 0o755)
+	return inChunks(ctx, func(ctx context.Context) error {
+		raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", "2").Timeout(time.Minute).DoRaw(ctx)
+		if err == nil {
+			err = os.WriteFile(nextProfile(dir, phase, "cpu"), raw, 0o600)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "profiling the API server:", err)
+		}
+		return err
+	})
+}
+
+// inChunks calls take, a profile of two seconds, again and again until stop (which waits for the
+// one under way) or its first error.
+func inChunks(ctx context.Context, take func(context.Context) error) (stop func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		for i := 0; ctx.Err() == nil; i++ {
-			raw, err := cs.RESTClient().Get().AbsPath("/debug/pprof/profile").Param("seconds", "2").Timeout(time.Minute).DoRaw(context.WithoutCancel(ctx))
-			if err != nil {
-				fmt.Fprintln(os.Stderr, "profiling the API server:", err)
+		for ctx.Err() == nil {
+			if take(context.WithoutCancel(ctx)) != nil {
 				return
 			}
-			_ = os.WriteFile(filepath.Join(dir, fmt.Sprintf("%s-cpu-%03d.pprof", phase, i)), raw, 0o600)
 		}
 	}()
 	return func() {
 		cancel()
 		<-done
 	}
+}
+
+// nextProfile is the path of the next <phase>-<kind>-<n>.pprof in dir: runs add to the same
+// numbering, so that the chunks of every run are kept.
+func nextProfile(dir, phase, kind string) string {
+	n, _ := filepath.Glob(filepath.Join(dir, phase+"-"+kind+"-*.pprof"))
+	return filepath.Join(dir, fmt.Sprintf("%s-%s-%03d.pprof", phase, kind, len(n)))
 }
 
 // operatorMetrics is where the operator serves its metrics (plain HTTP, on loopback).
@@ -1097,38 +1116,32 @@ func profileOperator(ctx context.Context, phase string) (stop func()) {
 		return func() {}
 	}
 	_ = os.MkdirAll(dir, 0o755)
-	get := func(path, file string) {
+	get := func(path, file string) error {
 		resp, err := http.Get("http://" + operatorPprof + path)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "profiling the operator:", err)
-			return
+			return err
 		}
 		defer resp.Body.Close()
 		raw, err := io.ReadAll(resp.Body)
-		if err == nil && resp.StatusCode == http.StatusOK {
-			err = os.WriteFile(filepath.Join(dir, file), raw, 0o644)
+		if err == nil && resp.StatusCode != http.StatusOK {
+			err = fmt.Errorf("%s", resp.Status)
+		}
+		if err == nil {
+			err = os.WriteFile(file, raw, 0o644)
 		}
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "profiling the operator:", err, resp.Status)
+			fmt.Fprintln(os.Stderr, "profiling the operator:", err)
 		}
+		return err
 	}
-	next := func(kind string) string {
-		n, _ := filepath.Glob(filepath.Join(dir, phase+"-"+kind+"-*.pprof"))
-		return fmt.Sprintf("%s-%s-%03d.pprof", phase, kind, len(n))
-	}
-	get("/debug/pprof/allocs", next("allocs"))
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for ctx.Err() == nil {
-			get("/debug/pprof/profile?seconds=2", next("cpu"))
-		}
-	}()
+	_ = get("/debug/pprof/allocs", nextProfile(dir, phase, "allocs"))
+	stopCPU := inChunks(ctx, func(context.Context) error {
+		return get("/debug/pprof/profile?seconds=2", nextProfile(dir, phase, "cpu"))
+	})
 	return func() {
-		cancel()
-		<-done
-		get("/debug/pprof/allocs", next("allocs"))
+		stopCPU()
+		_ = get("/debug/pprof/allocs", nextProfile(dir, phase, "allocs"))
 	}
 }
 
