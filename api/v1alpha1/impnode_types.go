@@ -111,6 +111,27 @@ type ImpNodeStatus struct {
 	// +listType=map
 	// +listMapKey=type
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+	// features are what the node's agent can do beyond running VMs, for the operator to ask
+	// only of nodes that can (an agent upgraded node by node): WarmHandover.
+	// +optional
+	// +listType=set
+	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:items:MaxLength=63
+	Features []string `json:"features,omitempty"`
+}
+
+// FeatureWarmHandover: the agent hands a running warm pool member to a claim (the member's
+// guest takes the claim's identity). The operator binds claims to members on such nodes only.
+const FeatureWarmHandover = "WarmHandover"
+
+// HasFeature is true when the node's agent reports feature.
+func (n *ImpNode) HasFeature(feature string) bool {
+	for _, f := range n.Status.Features {
+		if f == feature {
+			return true
+		}
+	}
+	return false
 }
 
 // NodeNetwork is one ImpNetwork as a node plumbs it.

@@ -219,8 +219,9 @@ type Probe struct {
 // args, env, workingDir, stdin, tty) take effect at the VM's next start.
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.tty) || !self.tty || (has(self.stdin) && self.stdin)",message="tty requires stdin",fieldPath=".tty"
-// +kubebuilder:validation:XValidation:rule="has(self.classRef) || has(self.snapshotRef) || has(self.templateRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
-// +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef)",message="image is required (a copy of a template, with templateRef, takes its template's)",fieldPath=".image"
+// +kubebuilder:validation:XValidation:rule="has(self.classRef) || has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
+// +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef) || has(self.warmPoolRef)",message="image is required (a copy of a template, with templateRef or warmPoolRef, takes its template's)",fieldPath=".image"
+// +kubebuilder:validation:XValidation:rule="!has(self.warmPoolRef) || [has(self.templateRef), has(self.snapshotRef), has(self.image), has(self.command), has(self.args), has(self.workingDir), has(self.classRef), has(self.resources), has(self.diskSize), has(self.vmm), has(self.nodeName)].all(x, !x)",message="a claim of a warm pool is a copy of the pool's template: it takes its image, command, args, workingDir, class, resources, disk size and VMM from the template and its node from the pool: set none of them, nor templateRef, snapshotRef or nodeName",fieldPath=".warmPoolRef"
 // +kubebuilder:validation:XValidation:rule="!has(self.templateRef) || !has(self.snapshotRef)",message="set snapshotRef or templateRef, not both",fieldPath=".templateRef"
 // +kubebuilder:validation:XValidation:rule="!has(self.templateRef) || [has(self.image), has(self.command), has(self.args), has(self.workingDir), has(self.classRef), has(self.resources), has(self.diskSize), has(self.vmm)].all(x, !x)",message="a copy of a template takes its image, command, args, workingDir, class, resources, disk size and VMM from the template: set none of them",fieldPath=".templateRef"
 // +kubebuilder:validation:XValidation:rule="!has(self.startupProbe) || !has(self.startupProbe.httpGet) || type(self.startupProbe.httpGet.port) == int || (has(self.ports) && self.ports.exists(p, has(p.name) && p.name == self.startupProbe.httpGet.port))",message="startupProbe.httpGet.port names no port of spec.ports",fieldPath=".startupProbe.httpGet.port"
@@ -235,7 +236,7 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeMounts) || self.volumeMounts.all(m, !has(m.subPath) || size(m.subPath) == 0 || !has(self.volumes) || !self.volumes.exists(v, v.name == m.name && (has(v.emptyDisk) || has(v.persistentVolumeClaim))))",message="subPath is for volumes of files (secret, configMap, downwardAPI), not disks",fieldPath=".volumeMounts"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || self.volumeDevices.all(d, has(self.volumes) && self.volumes.exists(v, v.name == d.name && (has(v.emptyDisk) || has(v.persistentVolumeClaim))))",message="every volumeDevice names a disk volume (emptyDisk, persistentVolumeClaim) of spec.volumes",fieldPath=".volumeDevices"
 // +kubebuilder:validation:XValidation:rule="!has(self.volumeDevices) || !has(self.volumeMounts) || !self.volumeDevices.exists(d, self.volumeMounts.exists(m, m.name == d.name))",message="a volume is mounted (volumeMounts) or a raw device (volumeDevices), not both",fieldPath=".volumeDevices"
-// +kubebuilder:validation:XValidation:rule="!(has(self.snapshotRef) || has(self.templateRef)) || !has(self.volumes) || self.volumes.all(v, !has(v.emptyDisk) && !has(v.persistentVolumeClaim))",message="a VM started from a snapshot or template cannot have disk volumes (emptyDisk, persistentVolumeClaim): a snapshot holds no disk volume",fieldPath=".volumes"
+// +kubebuilder:validation:XValidation:rule="!(has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef)) || !has(self.volumes) || self.volumes.all(v, !has(v.emptyDisk) && !has(v.persistentVolumeClaim))",message="a VM started from a snapshot or template cannot have disk volumes (emptyDisk, persistentVolumeClaim): a snapshot holds no disk volume",fieldPath=".volumes"
 type ImpVMSpec struct {
 	// classRef names the ImpVMClass giving the VM's default vCPUs, memory, disk size and VMM.
 	// +optional
@@ -390,6 +391,14 @@ type ImpVMSpec struct {
 	// docs/snapshots.md.
 	// +optional
 	TemplateRef *TemplateReference `json:"templateRef,omitempty"`
+
+	// warmPoolRef names an ImpWarmPool of the VM's namespace: the VM is a claim. When the pool
+	// has an idle member (and the claim its network), the member is handed to the VM and becomes
+	// it: its running guest takes the VM's name, identity and configuration, in place of a
+	// restore. Otherwise the VM is a copy of the pool's template, restored as with templateRef;
+	// it never waits on the pool. status.start says which it was. See docs/warmpools.md.
+	// +optional
+	WarmPoolRef *WarmPoolReference `json:"warmPoolRef,omitempty"`
 
 	// nodeName places the VM on this node, as a Pod's nodeName does, instead of letting IMP
 	// choose; the node must still carry imp/enabled=true, match nodeSelector and have room.
@@ -620,6 +629,21 @@ type ImpVMStatus struct {
 	// run starts once it is ready. Operator-owned.
 	// +optional
 	VolumeHolder *VolumeHolderStatus `json:"volumeHolder,omitempty"`
+
+	// image is the image the VM runs: spec.image, or for a copy of a template (or a claim) its
+	// template's as its placement found it (empty until it is placed).
+	// +optional
+	Image string `json:"image,omitempty"`
+
+	// start is how the VM's placement starts: warm (a warm pool's idle member was handed to
+	// it), restored (from a snapshot or a template's) or booted. Set at placement.
+	// +optional
+	Start VMStart `json:"start,omitempty"`
+
+	// warm is, for a claim served warm, the member it was handed. Set with the placement, in
+	// the same write.
+	// +optional
+	Warm *WarmStatus `json:"warm,omitempty"`
 }
 
 // ImpVM is a Firecracker (or QEMU) microVM run from an OCI image.
@@ -627,6 +651,7 @@ type ImpVMStatus struct {
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
 // +kubebuilder:validation:XValidation:rule="has(self.spec.templateRef) == has(oldSelf.spec.templateRef) && (!has(self.spec.templateRef) || self.spec.templateRef == oldSelf.spec.templateRef)",message="templateRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.templateRef"
+// +kubebuilder:validation:XValidation:rule="has(self.spec.warmPoolRef) == has(oldSelf.spec.warmPoolRef) && (!has(self.spec.warmPoolRef) || self.spec.warmPoolRef == oldSelf.spec.warmPoolRef)",message="warmPoolRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.warmPoolRef"
 // +kubebuilder:validation:XValidation:rule="has(self.spec.nodeName) == has(oldSelf.spec.nodeName) && (!has(self.spec.nodeName) || self.spec.nodeName == oldSelf.spec.nodeName)",message="nodeName is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.nodeName"
 // +kubebuilder:validation:XValidation:rule="has(self.spec.classRef) == has(oldSelf.spec.classRef) && (!has(self.spec.classRef) || self.spec.classRef == oldSelf.spec.classRef)",message="classRef is immutable; delete and recreate the ImpVM to change it",fieldPath=".spec.classRef"
 // +kubebuilder:validation:XValidation:rule="has(self.spec.resources) == has(oldSelf.spec.resources) && (!has(self.spec.resources) || self.spec.resources == oldSelf.spec.resources)",message="resources are immutable; delete and recreate the ImpVM to change them",fieldPath=".spec.resources"
@@ -646,7 +671,8 @@ type ImpVMStatus struct {
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 // +kubebuilder:printcolumn:name="VCPUs",type=integer,JSONPath=`.status.resources.vcpus`,priority=1
 // +kubebuilder:printcolumn:name="Memory",type=string,JSONPath=`.status.resources.memory`,priority=1
-// +kubebuilder:printcolumn:name="Image",type=string,JSONPath=`.spec.image`,priority=1
+// +kubebuilder:printcolumn:name="Image",type=string,JSONPath=`.status.image`,priority=1
+// +kubebuilder:printcolumn:name="Start",type=string,JSONPath=`.status.start`,priority=1
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 type ImpVM struct {
 	metav1.TypeMeta   `json:",inline"`

@@ -41,7 +41,7 @@ type SnapshotWhen struct {
 }
 
 // ImpVMTemplateSpec is a VM booted once and snapshotted, for copies to start from.
-// +kubebuilder:validation:XValidation:rule="!has(self.vm.snapshotRef) && !has(self.vm.templateRef)",message="a template's VM boots: it has no snapshotRef or templateRef",fieldPath=".vm"
+// +kubebuilder:validation:XValidation:rule="!has(self.vm.snapshotRef) && !has(self.vm.templateRef) && !has(self.vm.warmPoolRef)",message="a template's VM boots: it has no snapshotRef, templateRef or warmPoolRef",fieldPath=".vm"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.nodeName)",message="a template's VM is placed on each node that needs it: it has no nodeName (use nodeSelector)",fieldPath=".vm.nodeName"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.expireAfter)",message="a template's VM lives until it is snapshotted: it has no expireAfter",fieldPath=".vm.expireAfter"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.runStrategy) || self.vm.runStrategy == 'Always'",message="a template's VM runs until it is snapshotted: its runStrategy is Always",fieldPath=".vm.runStrategy"
@@ -166,9 +166,12 @@ type TemplateReference struct {
 	Name string `json:"name"`
 }
 
-// TemplateStatus is the template a copy (spec.templateRef) was placed from: written by the
+// TemplateStatus is the template a copy (spec.templateRef, or a claim's pool's) was placed from: written by the
 // operator at placement, so that a later change of the template never changes a placed copy.
 type TemplateStatus struct {
+	// name is the ImpVMTemplate (a claim's, spec.warmPoolRef, is its pool's template).
+	// +optional
+	Name string `json:"name,omitempty"`
 	// revision is the template revision the copy is of.
 	Revision string `json:"revision"`
 	// snapshot is the ImpVMSnapshot the copy's first run restores; unset while the template's
@@ -199,7 +202,7 @@ type Workload struct {
 // Workload is the VM's own workload, or, for a copy of a template, its template's as its
 // placement found it (status.template).
 func (vm *ImpVM) Workload() Workload {
-	if t := vm.Status.Template; vm.Spec.TemplateRef != nil && t != nil {
+	if t := vm.Status.Template; vm.IsCopy() && t != nil {
 		return Workload{Image: t.Image, Command: t.Command, Args: t.Args, WorkingDir: t.WorkingDir}
 	}
 	return Workload{Image: vm.Spec.Image, Command: vm.Spec.Command, Args: vm.Spec.Args, WorkingDir: vm.Spec.WorkingDir}
@@ -212,7 +215,7 @@ func (vm *ImpVM) RestoreFrom() string {
 	switch {
 	case vm.Spec.SnapshotRef != nil:
 		return vm.Spec.SnapshotRef.Name
-	case vm.Spec.TemplateRef != nil && vm.Status.Template != nil:
+	case vm.IsCopy() && vm.Status.Template != nil:
 		return vm.Status.Template.Snapshot
 	}
 	return ""

@@ -147,7 +147,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			return ctrl.Result{RequeueAfter: again}, nil
 		}
 	}
-	if vm.Spec.TemplateRef != nil && vm.RestoreFrom() == "" {
+	if vm.IsCopy() && vm.RestoreFrom() == "" {
 		return ctrl.Result{}, nil // a copy whose template's snapshot is being made: it starts from it
 	}
 	if !volume.HolderReady(vm) {

@@ -36,12 +36,14 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impvmpool"
 	"github.com/syscode-labs/imp/internal/controller/impvmsnapshot"
 	"github.com/syscode-labs/imp/internal/controller/impvmtemplate"
+	"github.com/syscode-labs/imp/internal/controller/impwarmpool"
 	"github.com/syscode-labs/imp/internal/controller/pressure"
 	"github.com/syscode-labs/imp/internal/controller/volumeholder"
 	"github.com/syscode-labs/imp/internal/ipam"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/placement"
 	"github.com/syscode-labs/imp/internal/runsecret"
+	"github.com/syscode-labs/imp/internal/warmpool"
 )
 
 // Options configure the operator.
@@ -102,6 +104,12 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err != nil {
 		return err
 	}
+	// Warm pools' members and their claims, from the cache's VMs: the VM controller binds
+	// claims through it, the pool controller asks it before deleting a member.
+	warm := warmpool.NewLedger()
+	if err := warm.Watch(ctx, mgr.GetCache()); err != nil {
+		return err
+	}
 	vms := &impvm.Reconciler{
 		Client:    mgr.GetClient(),
 		APIReader: mgr.GetAPIReader(),
@@ -111,6 +119,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		Clock:     o.Clock,
 		Ledger:    placement.NewLedger(),
 		IPAM:      alloc,
+		Warm:      warm,
 		Options:   o.VM,
 	}
 	// Addresses made before they named their node get it, once, by the leader.
@@ -157,6 +166,10 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		CreatesPerSecond: o.PoolCreatesPerSecond, CreateBurst: o.PoolCreateBurst}
 	if err := pools.SetupWithManager(mgr, o.Concurrency); err != nil {
 		return fmt.Errorf("setting up the ImpVMPool reconciler: %w", err)
+	}
+	warmPools := &impwarmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Members: warm}
+	if err := warmPools.SetupWithManager(mgr, o.Concurrency); err != nil {
+		return fmt.Errorf("setting up the ImpWarmPool reconciler: %w", err)
 	}
 	if err := (&volumeholder.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Image: o.VolumeHolderImage}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the volume holders: %w", err)

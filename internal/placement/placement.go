@@ -419,6 +419,26 @@ func (l *Ledger) release(uid types.UID) {
 	}
 }
 
+// Hand moves what VM from holds to VM to, named vm (a warm pool's member handed to a claim:
+// the same guest, now the claim's). The namespace's usage and the node's do not change. It
+// returns the node to holds, and false when neither holds anything. A retry (to holds already)
+// returns to's node.
+func (l *Ledger) Hand(from, to types.UID, vm string) (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if have, ok := l.byVM[to]; ok {
+		return have.node, true
+	}
+	h, ok := l.byVM[from]
+	if !ok {
+		return "", false
+	}
+	l.release(from)
+	h.vm = vm
+	l.hold(to, h)
+	return h.node, true
+}
+
 // NodeOf returns the node VM uid holds resources on.
 func (l *Ledger) NodeOf(uid types.UID) (string, bool) {
 	l.mu.Lock()

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -48,6 +49,8 @@ type env struct {
 	ns   string
 	pool string
 	opts operator.Options
+	// holdMembers: the agent double starts no warm pool member while set.
+	holdMembers atomic.Bool
 }
 
 func newEnv(t *testing.T) *env {
@@ -323,8 +326,13 @@ func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
 		if st.RestartCount == 0 {
 			next.RestoredFrom = vm.RestoreFrom()
 		}
-		if vm.Spec.TemplateRef != nil && next.RestoredFrom == "" {
+		switch {
+		case st.Warm != nil:
+			next.RestoredFrom = "" // a claim handed a member: the member's guest, now the claim's
+		case vm.IsCopy() && next.RestoredFrom == "":
 			return // a copy waits for its template's snapshot, as the agent does
+		case impv1.WarmPoolOf(vm) != "" && a.e.holdMembers.Load():
+			return
 		}
 		if !volume.HolderReady(vm) {
 			return // its claims are not held on its node yet, as the agent waits

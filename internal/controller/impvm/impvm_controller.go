@@ -104,7 +104,10 @@ type Reconciler struct {
 	Clock     clock.PassiveClock
 	Ledger    *placement.Ledger
 	IPAM      *ipam.Allocator
-	Options   Options
+	// Warm is the warm pool ledger: claims are bound to idle members through it. Nil: claims
+	// are restored from their pools' templates.
+	Warm    WarmMembers
+	Options Options
 
 	ledgerOnce  sync.Mutex
 	ledgerReady bool
@@ -132,6 +135,8 @@ type scope struct {
 	oldSuspReason  string
 	expired        bool // deleted by this reconcile: nothing else to do
 	requeue        time.Duration
+	pool           *impv1.ImpWarmPool // a claim's pool
+	warmMsg        string             // why a claim was not handed a member of its pool
 }
 
 func (s *scope) requeueAfter(d time.Duration) {
@@ -257,8 +262,11 @@ func (r *Reconciler) loadLedger(ctx context.Context) error {
 	if err := r.APIReader.List(ctx, &list); err != nil {
 		return fmt.Errorf("loading placed VMs into the ledger: %w", err)
 	}
+	bound := boundInList(&list)
 	for i := range list.Items {
-		r.holdIfPlaced(&list.Items[i])
+		if !bound[list.Items[i].UID] { // a member handed to a claim: what it held is the claim's
+			r.holdIfPlaced(&list.Items[i])
+		}
 	}
 	r.ledgerReady = true
 	log.FromContext(ctx).Info("placement ledger loaded", "vms", len(list.Items))
@@ -268,7 +276,7 @@ func (r *Reconciler) loadLedger(ctx context.Context) error {
 // holdIfPlaced records what a VM holds on its node, if it is placed: all it asked for while
 // it may run, its disk alone once it ended, until its node removed that.
 func (r *Reconciler) holdIfPlaced(vm *impv1.ImpVM) {
-	if vm.Status.NodeName == "" || vm.Status.Resources == nil || (isTerminal(vm.Status.Phase) && disksRemoved(vm)) {
+	if vm.Status.NodeName == "" || vm.Status.Resources == nil || (isTerminal(vm.Status.Phase) && disksRemoved(vm)) || r.boundMember(vm) {
 		return
 	}
 	res := vm.Status.Resources
@@ -341,7 +349,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	// Template: a copy is placed as its template's VM.
 	spec := &vm.Spec
 	var tmpl *impv1.ImpVMTemplate
-	if vm.Spec.TemplateRef != nil {
+	if vm.IsCopy() {
 		t, ok, err := r.template(ctx, s)
 		if !ok || err != nil {
 			return err
@@ -441,7 +449,11 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		Claims:      claims,
 	}
 	var node string
-	if tmpl != nil {
+	taken := r.takeMember(s, req, nodes)
+	if taken != nil {
+		node = taken.Node
+	}
+	if tmpl != nil && node == "" {
 		// A copy goes to a node holding its template's snapshot if one has room; else to any,
 		// where the snapshot is made first.
 		if prefer := preferTemplateNodes(tmpl, nodes); len(prefer) > 0 {
@@ -481,7 +493,11 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		addr, err = r.IPAM.Allocate(ctx, net, vm, node)
 		failpoint.Crash("operator-address-claimed")
 		if err != nil {
-			r.Ledger.Release(vm.UID)
+			if taken != nil {
+				r.giveBack(vm, taken)
+			} else {
+				r.Ledger.Release(vm.UID)
+			}
 			if errors.Is(err, ipam.ErrExhausted) {
 				s.schedReason, s.schedMsg = impv1.ReasonNetworkExhausted, fmt.Sprintf("ImpNetwork %s (%s) has no free address", net.Name, net.Spec.CIDR)
 				return nil
@@ -506,6 +522,10 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 				ts.Snapshot = "" // a snapshot of another size: made again, or the copy waits
 			}
 		}
+	}
+	vm.Status.Start, vm.Status.Warm = startOf(vm), nil
+	if taken != nil {
+		warmStatus(vm, s.pool.Name, taken)
 	}
 	vm.Status.Instance++
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)

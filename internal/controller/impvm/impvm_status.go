@@ -19,6 +19,7 @@ func computeStatus(s *scope, now time.Time) {
 	vm := s.vm
 	st := &vm.Status
 	gen := vm.Generation
+	st.Image = vm.Workload().Image // a copy's, a claim's: its template's once placed
 
 	// Scheduled.
 	switch {

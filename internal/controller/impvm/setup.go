@@ -56,11 +56,13 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 			}
 			return []string{vm.Spec.SnapshotRef.Name}
 		},
-		indexTemplate: func(vm *impv1.ImpVM) []string {
-			if vm.Spec.TemplateRef == nil {
+		indexTemplate: func(vm *impv1.ImpVM) []string { return nonEmpty(vm.TemplateName()) },
+		// A claim is indexed by its pool: a pool made or changed wakes its claims waiting.
+		indexWarmPool: func(vm *impv1.ImpVM) []string {
+			if vm.Spec.WarmPoolRef == nil {
 				return nil
 			}
-			return []string{vm.Spec.TemplateRef.Name}
+			return []string{vm.Spec.WarmPoolRef.Name}
 		},
 		indexUnplaced: func(vm *impv1.ImpVM) []string {
 			if vm.Status.NodeName == "" && !isTerminal(vm.Status.Phase) && vm.DeletionTimestamp.IsZero() {
@@ -96,6 +98,8 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		Watches(&impv1.ImpVMSnapshot{}, handler.EnqueueRequestsFromMapFunc(r.forSnapshot)).
 		// A template's snapshot Ready: its copies waiting for one.
 		Watches(&impv1.ImpVMTemplate{}, handler.EnqueueRequestsFromMapFunc(r.forTemplate)).
+		// A warm pool made or changed: its claims waiting.
+		Watches(&impv1.ImpWarmPool{}, handler.EnqueueRequestsFromMapFunc(r.forWarmPool)).
 		// A quota raised or removed: the namespace's waiting VMs may fit; a suspension it
 		// held back may go ahead.
 		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.forQuota)).

@@ -24,13 +24,21 @@ const indexTemplate = "spec.templateRef.name"
 // none, or when the VM cannot be a copy of it.
 func (r *Reconciler) template(ctx context.Context, s *scope) (*impv1.ImpVMTemplate, bool, error) {
 	vm := s.vm
+	name := vm.TemplateName()
+	if vm.IsClaim() {
+		pool, ok, err := r.warmPool(ctx, s)
+		if !ok || err != nil {
+			return nil, false, err
+		}
+		name = pool.Spec.TemplateRef.Name
+	}
 	t := &impv1.ImpVMTemplate{}
-	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.TemplateRef.Name}, t); err != nil {
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: name}, t); err != nil {
 		if apierrors.IsNotFound(err) {
-			s.schedReason, s.schedMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %q does not exist in namespace %s", vm.Spec.TemplateRef.Name, vm.Namespace)
+			s.schedReason, s.schedMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %q does not exist in namespace %s", name, vm.Namespace)
 			return nil, false, nil
 		}
-		return nil, false, fmt.Errorf("getting ImpVMTemplate %s: %w", vm.Spec.TemplateRef.Name, err)
+		return nil, false, fmt.Errorf("getting ImpVMTemplate %s: %w", name, err)
 	}
 	if !t.DeletionTimestamp.IsZero() {
 		s.schedReason, s.schedMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %s is being deleted", t.Name)
@@ -76,7 +84,7 @@ func snapshotFor(t *impv1.ImpVMTemplate, node string) string {
 // templateStatus is what a copy of t placed on node records of it.
 func templateStatus(t *impv1.ImpVMTemplate, node string) *impv1.TemplateStatus {
 	vm := &t.Spec.VM
-	return &impv1.TemplateStatus{Revision: t.Status.Revision, Snapshot: snapshotFor(t, node), Image: vm.Image,
+	return &impv1.TemplateStatus{Name: t.Name, Revision: t.Status.Revision, Snapshot: snapshotFor(t, node), Image: vm.Image,
 		Command: vm.Command, Args: vm.Args, WorkingDir: vm.WorkingDir}
 }
 
@@ -115,16 +123,17 @@ func templateNodes(t *impv1.ImpVMTemplate, vmm impv1.VMMKind, nodes []placement.
 func (r *Reconciler) reconcileTemplate(ctx context.Context, s *scope) error {
 	vm := s.vm
 	ts := vm.Status.Template
-	if vm.Spec.TemplateRef == nil || vm.Status.NodeName == "" || ts == nil || ts.Snapshot != "" || isTerminal(vm.Status.Phase) {
+	if !vm.IsCopy() || vm.Status.NodeName == "" || ts == nil || ts.Snapshot != "" || isTerminal(vm.Status.Phase) {
 		return nil
 	}
+	name := vm.TemplateName()
 	t := &impv1.ImpVMTemplate{}
-	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: vm.Spec.TemplateRef.Name}, t); err != nil {
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: name}, t); err != nil {
 		if apierrors.IsNotFound(err) {
-			s.waitReason, s.waitMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %q does not exist in namespace %s", vm.Spec.TemplateRef.Name, vm.Namespace)
+			s.waitReason, s.waitMsg = impv1.ReasonTemplateNotFound, fmt.Sprintf("ImpVMTemplate %q does not exist in namespace %s", name, vm.Namespace)
 			return nil
 		}
-		return fmt.Errorf("getting ImpVMTemplate %s: %w", vm.Spec.TemplateRef.Name, err)
+		return fmt.Errorf("getting ImpVMTemplate %s: %w", name, err)
 	}
 	if now := templateStatus(t, vm.Status.NodeName); now.Snapshot != "" {
 		// The copy was placed with the size its template had then: it restores a snapshot of
@@ -182,5 +191,5 @@ func (r *Reconciler) forTemplate(ctx context.Context, o client.Object) []reconci
 			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(vm)})
 		}
 	}
-	return out
+	return append(out, r.claimsOfTemplate(ctx, o)...)
 }

@@ -231,7 +231,7 @@ func (r *Reconciler) copies(ctx context.Context, t *impv1.ImpVMTemplate) ([]impv
 	}
 	out := vms.Items[:0]
 	for _, vm := range vms.Items {
-		if vm.Spec.TemplateRef != nil && vm.Spec.TemplateRef.Name == t.Name {
+		if vm.TemplateName() == t.Name {
 			out = append(out, vm)
 		}
 	}
@@ -523,10 +523,10 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 // forCopy: the template of a copy.
 func forCopy(_ context.Context, o client.Object) []reconcile.Request {
 	vm, ok := o.(*impv1.ImpVM)
-	if !ok || vm.Spec.TemplateRef == nil {
+	if !ok || vm.TemplateName() == "" {
 		return nil
 	}
-	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: vm.Namespace, Name: vm.Spec.TemplateRef.Name}}}
+	return []reconcile.Request{{NamespacedName: client.ObjectKey{Namespace: vm.Namespace, Name: vm.TemplateName()}}}
 }
 
 // ahead: the templates with a nodeSelector.

@@ -477,7 +477,7 @@ func benchVM(ns, name string) *impv1.ImpVM {
 	vm := &impv1.ImpVM{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
 		Spec: impv1.ImpVMSpec{
-			Image:     "registry.test/app@sha256:" + strings.Repeat("ab", 32),
+			Image:     benchImage,
 			Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("256Mi"))},
 		},
 	}
@@ -724,9 +724,12 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 // floorStatus is the status IMP's operator writes for a VM of the bench (create's) placed on
 // node, before its guest is ready and once it is (the fields a merge patch from one to the
 // other changes: the phase, the Ready condition, the start).
+// benchImage is every bench VM's image.
+var benchImage = "registry.test/app@sha256:" + strings.Repeat("ab", 32)
+
 func floorStatus(node string, running bool, now time.Time) impv1.ImpVMStatus {
 	t := metav1.NewTime(now.Truncate(time.Second))
-	st := impv1.ImpVMStatus{ObservedGeneration: 1, Phase: impv1.VMScheduled, NodeName: node, Instance: 1,
+	st := impv1.ImpVMStatus{ObservedGeneration: 1, Phase: impv1.VMScheduled, NodeName: node, Instance: 1, Image: benchImage, Start: impv1.StartBooted,
 		Resources: &impv1.ResolvedResources{VCPUs: 1, Memory: resource.MustParse("256Mi"), DiskSize: resource.MustParse("1Gi"), MemoryOverhead: ptr.To(resource.MustParse("0"))},
 		Conditions: []metav1.Condition{
 			{Type: impv1.ScheduledCondition, Status: metav1.ConditionTrue, ObservedGeneration: 1, LastTransitionTime: t, Reason: impv1.ReasonPlaced, Message: "placed on node " + node},

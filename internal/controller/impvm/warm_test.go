@@ -1,0 +1,262 @@
+package impvm_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+
+	. "github.com/onsi/gomega"
+	autoscalingv1 "k8s.io/api/autoscaling/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// handsOver makes the node's agent report that it hands warm members to claims.
+func (e *env) handsOver(node string) {
+	e.t.Helper()
+	rep := &impv1.ImpNode{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Name: e.ns + "-" + node}, rep); err != nil {
+		e.t.Fatal(err)
+	}
+	rep.Status.Features = []string{impv1.FeatureWarmHandover}
+	if err := e.c.Status().Update(context.Background(), rep); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) warmPool(name, template string, replicas int32) *impv1.ImpWarmPool {
+	return &impv1.ImpWarmPool{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}, Spec: impv1.ImpWarmPoolSpec{
+		TemplateRef: impv1.TemplateReference{Name: template}, Replicas: ptr.To(replicas),
+		NodeSelector: map[string]string{"imp.test/pool": e.pool}}}
+}
+
+func (e *env) claim(name, pool string) *impv1.ImpVM {
+	return &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}, Spec: impv1.ImpVMSpec{
+		WarmPoolRef:  &impv1.WarmPoolReference{Name: pool},
+		NodeSelector: map[string]string{"imp.test/pool": e.pool},
+		Env:          []impv1.EnvVar{{Name: "WHO", Value: name}}}}
+}
+
+func (e *env) getWarmPool(name string) *impv1.ImpWarmPool {
+	p := &impv1.ImpWarmPool{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Namespace: e.ns, Name: name}, p); err != nil {
+		return nil
+	}
+	return p
+}
+
+// members are the names of the pool's members (its controller's, not being deleted).
+func (e *env) members(pool string) []string {
+	var out []string
+	for _, vm := range e.list() {
+		if impv1.WarmPoolOf(&vm) == pool && vm.DeletionTimestamp.IsZero() {
+			out = append(out, vm.Name)
+		}
+	}
+	return out
+}
+
+// scale sets the pool's replicas through its scale subresource, as kubectl scale does.
+func (e *env) scale(pool string, n int32) {
+	e.t.Helper()
+	p := e.getWarmPool(pool)
+	sc := &autoscalingv1.Scale{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: pool}, Spec: autoscalingv1.ScaleSpec{Replicas: n}}
+	if err := e.c.SubResource("scale").Update(context.Background(), p, client.WithSubResourceBody(sc)); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// TestWarmPoolClaims: a pool of 3 keeps 3 members idle; of 4 claims made at once 3 are handed
+// a member each (warm: the member's node, resources and template, its own name and address),
+// the 4th is restored from the pool's template; the members handed over are deleted once their
+// claims run, and the pool is back to 3 idle. kubectl scale grows it and empties it. A claim of
+// a pool that does not exist waits; a node whose agent does not hand members over serves
+// claims by restore.
+func TestWarmPoolClaims(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 32, 32)
+	e.handsOver("a")
+	e.startOperator()
+	e.startAgent(nil)
+	g := NewWithT(t)
+
+	e.create(e.template("web"), e.warmPool("p", "web", 3))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(3)))
+	p := e.getWarmPool("p")
+	g.Expect(p.Status.Replicas).To(Equal(int32(3)))
+	g.Expect(p.Status.Selector).To(Equal(impv1.WarmPoolLabel + "=p"))
+	g.Expect(p.Status.Revision).To(Equal(e.getTemplate("web").Status.Revision))
+	idle := map[string]bool{}
+	for _, m := range e.members("p") {
+		idle[m] = true
+		vm := e.get(m)
+		g.Expect(vm.Status.Start).To(Equal(impv1.StartRestored))
+		g.Expect(vm.Status.Image).To(Equal("registry.test/app:1"))
+	}
+
+	// 4 claims at once, no member refilled meanwhile.
+	e.holdMembers.Store(true)
+	for i := range 4 {
+		e.create(e.claim(name("c", i), "p"))
+	}
+	eventually(t, func() int {
+		n := 0
+		for i := range 4 {
+			if vm := e.get(name("c", i)); vm != nil && vm.Status.NodeName != "" {
+				n++
+			}
+		}
+		return n
+	}).Should(Equal(4))
+	took := map[string]string{}
+	starts := map[impv1.VMStart]int{}
+	for i := range 4 {
+		vm := e.get(name("c", i))
+		starts[vm.Status.Start]++
+		g.Expect(vm.Status.Image).To(Equal("registry.test/app:1"), "a claim's image is its template's")
+		if vm.Status.Start != impv1.StartWarm {
+			g.Expect(vm.Status.Warm).To(BeNil())
+			continue
+		}
+		w := vm.Status.Warm
+		g.Expect(idle).To(HaveKey(w.Member), "a claim was handed a VM that was not an idle member")
+		g.Expect(took).NotTo(HaveKey(w.Member), "two claims were handed member %s", w.Member)
+		took[w.Member] = vm.Name
+		g.Expect(vm.Status.NodeName).To(Equal(e.ns + "-a"))
+		g.Expect(vm.Status.Resources.VCPUs).To(Equal(int32(2)))
+		g.Expect(vm.Status.Template.Name).To(Equal("web"))
+		g.Expect(vm.OwnerReferences).To(BeEmpty(), "a claim is its claimant's, not the pool's")
+	}
+	g.Expect(starts).To(Equal(map[impv1.VMStart]int{impv1.StartWarm: 3, impv1.StartRestored: 1}))
+
+	// Handed over (the claims run): the members go; the pool refills to 3 idle.
+	for i := range 4 {
+		eventually(t, func() string { return readyReason(e.get(name("c", i))) }).Should(Equal(impv1.ReasonGuestReady))
+	}
+	for m := range took {
+		eventually(t, func() *impv1.ImpVM { return e.get(m) }).Should(BeNil())
+	}
+	e.holdMembers.Store(false)
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(3)))
+	g.Expect(e.getWarmPool("p").Status.Claimed).To(BeZero())
+
+	// Scale.
+	e.scale("p", 5)
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(5)))
+	e.scale("p", 0)
+	eventually(t, func() []string { return e.members("p") }).Should(BeEmpty())
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Replicas }).Should(BeZero())
+	for i := range 4 {
+		g.Expect(e.get(name("c", i))).NotTo(BeNil(), "a claimed VM went with the pool's members")
+	}
+
+	// An empty pool: a claim is restored, never waits.
+	e.create(e.claim("late", "p"))
+	eventually(t, func() impv1.VMStart { return e.get("late").Status.Start }).Should(Equal(impv1.StartRestored))
+
+	// No such pool.
+	e.create(e.claim("nopool", "nothing"))
+	eventually(t, func() string { return scheduled(e.get("nopool")) }).Should(Equal(impv1.ReasonWarmPoolNotFound))
+}
+
+// TestWarmClaimsOnlyWhereTheAgentHandsOver: a node whose agent does not report WarmHandover (an
+// agent not upgraded yet) keeps its members idle; claims are restored.
+func TestWarmClaimsOnlyWhereTheAgentHandsOver(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 32, 32)
+	e.startOperator()
+	e.startAgent(nil)
+	e.create(e.template("web"), e.warmPool("p", "web", 2))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(2)))
+	e.create(e.claim("c", "p"))
+	eventually(t, func() impv1.VMStart { return e.get("c").Status.Start }).Should(Equal(impv1.StartRestored))
+	NewWithT(t).Expect(e.getWarmPool("p").Status.Idle).To(Equal(int32(2)))
+}
+
+// TestWarmClaimsNeverShareAMember: 50 claims made at once against a pool of 50 idle members,
+// the operator killed (SIGKILL) while it binds them and started again: no member is bound to
+// two claims, every member is bound to one claim or idle (none lost), and every claim is
+// placed, warm or restored.
+func TestWarmClaimsNeverShareAMember(t *testing.T) {
+	e := newEnv(t)
+	for _, n := range []string{"a", "b"} {
+		e.node(n, 128, 128)
+		e.handsOver(n)
+	}
+	kill := e.startOperatorProcess()
+	e.startAgent(nil)
+	const n = 50
+	e.create(e.template("web"), e.warmPool("p", "web", n))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(n)))
+	e.holdMembers.Store(true)
+
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			if err := e.c.Create(context.Background(), e.claim(name("c", i), "p")); err != nil {
+				t.Errorf("creating claim %d: %v", i, err)
+			}
+		})
+	}
+	// Killed once some claims are bound, most not yet.
+	eventually(t, func() int {
+		bound := 0
+		for _, vm := range e.list() {
+			if vm.Status.Warm != nil {
+				bound++
+			}
+		}
+		return bound
+	}).Should(BeNumerically(">=", 5))
+	kill()
+	wg.Wait()
+	e.startOperator()
+
+	eventually(t, func() int {
+		placed := 0
+		for _, vm := range e.list() {
+			if vm.IsClaim() && vm.Status.NodeName != "" {
+				placed++
+			}
+		}
+		return placed
+	}).Should(Equal(n))
+	byMember := map[string][]string{}
+	warm := 0
+	for _, vm := range e.list() {
+		if w := vm.Status.Warm; vm.IsClaim() && w != nil {
+			byMember[w.MemberUID] = append(byMember[w.MemberUID], vm.Name)
+			warm++
+		}
+	}
+	for m, claims := range byMember {
+		if len(claims) > 1 {
+			t.Errorf("member %s was handed to %d claims: %v", m, len(claims), claims)
+		}
+	}
+	t.Logf("%d of %d claims served warm", warm, n)
+	// None lost: a member not bound to a claim is idle again (its binding, if the killed
+	// operator made one, never reached the API).
+	e.holdMembers.Store(false)
+	eventually(t, func() error {
+		vms := e.list()
+		for _, vm := range vms {
+			if impv1.WarmPoolOf(&vm) != "p" || !vm.DeletionTimestamp.IsZero() {
+				continue
+			}
+			if _, bound := byMember[string(vm.UID)]; bound {
+				continue // handed over: deleted once its claim runs
+			}
+			if vm.Status.Phase != impv1.VMRunning {
+				return fmt.Errorf("member %s is %s", vm.Name, vm.Status.Phase)
+			}
+		}
+		return nil
+	}).Should(Succeed())
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(n)))
+}

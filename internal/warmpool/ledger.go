@@ -1,0 +1,241 @@
+// Package warmpool is the operator's memory of warm pools' members and of the claims they are
+// bound to: which members are idle, and which claim holds which member. A member is handed to
+// at most one claim, ever: the binding is recorded here the moment it is decided, before the
+// API write that commits it (so that concurrent claims, and a cache that has not seen the
+// write yet, never get the same member), and it is rebuilt from the claims' status.warm when
+// the operator starts. A member once bound is never idle again, whatever its labels say later:
+// it is consumed, handed over or deleted.
+package warmpool
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+
+	"k8s.io/apimachinery/pkg/types"
+	toolscache "k8s.io/client-go/tools/cache"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// Member is an idle member as the ledger knows it.
+type Member struct {
+	UID       types.UID
+	Name      string
+	Node      string
+	Network   string // the member's ImpNetwork, "" for none
+	Revision  string // of the pool's template
+	Resources *impv1.ResolvedResources
+	Template  *impv1.TemplateStatus
+	Instance  int64
+}
+
+// Claim names a claim bound to a member.
+type Claim struct {
+	UID  types.UID
+	Name string
+}
+
+type member struct {
+	Member
+	pool types.NamespacedName
+	idle bool
+}
+
+// Ledger is safe for concurrent use. Feed it every ImpVM the operator's cache sees (Observe)
+// and every deletion (Forget).
+type Ledger struct {
+	mu      sync.Mutex
+	members map[types.UID]*member                       // live members, by UID
+	byPool  map[types.NamespacedName]map[types.UID]bool // pool → its live members
+	holder  map[types.UID]Claim                         // member → the claim bound to it
+	held    map[types.UID]types.UID                     // claim → its member
+	retired map[types.UID]bool                          // members their pool is removing
+	synced  func() bool                                 // the informer's first list was observed
+}
+
+// NewLedger returns an empty ledger.
+func NewLedger() *Ledger {
+	return &Ledger{members: map[types.UID]*member{}, byPool: map[types.NamespacedName]map[types.UID]bool{},
+		holder: map[types.UID]Claim{}, held: map[types.UID]types.UID{}, retired: map[types.UID]bool{}}
+}
+
+// Watch feeds the ledger from the cache's ImpVM informer: every VM added or changed is
+// observed, every VM deleted forgotten.
+func (l *Ledger) Watch(ctx context.Context, c cache.Cache) error {
+	inf, err := c.GetInformer(ctx, &impv1.ImpVM{})
+	if err != nil {
+		return fmt.Errorf("getting the ImpVM informer for the warm pool ledger: %w", err)
+	}
+	reg, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { observe(l, o) },
+		UpdateFunc: func(_, o any) { observe(l, o) },
+		DeleteFunc: func(o any) {
+			if d, ok := o.(toolscache.DeletedFinalStateUnknown); ok {
+				o = d.Obj
+			}
+			if vm, ok := o.(*impv1.ImpVM); ok {
+				l.Forget(vm)
+			}
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("watching ImpVMs for the warm pool ledger: %w", err)
+	}
+	l.mu.Lock()
+	l.synced = reg.HasSynced
+	l.mu.Unlock()
+	return nil
+}
+
+func observe(l *Ledger, o any) {
+	if vm, ok := o.(*impv1.ImpVM); ok {
+		l.Observe(vm)
+	}
+}
+
+// Synced is true once the ledger observed every VM of its informer's first list (and for a
+// ledger fed by hand).
+func (l *Ledger) Synced() bool {
+	l.mu.Lock()
+	synced := l.synced
+	l.mu.Unlock()
+	return synced == nil || synced()
+}
+
+// Idle is true for a member that can be handed out as it is: placed, its current run running
+// with its guest ready, not suspended, not being deleted.
+func Idle(vm *impv1.ImpVM) bool {
+	rt := vm.Status.Runtime
+	return vm.DeletionTimestamp.IsZero() && vm.Status.NodeName != "" && vm.Status.Phase == impv1.VMRunning &&
+		vm.Status.Suspension == nil && rt != nil && rt.Instance == vm.Status.Instance && rt.State == impv1.RuntimeRunning && rt.GuestReady
+}
+
+// Observe records what vm says: a claim's binding (status.warm), a member's state.
+func (l *Ledger) Observe(vm *impv1.ImpVM) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if w := vm.Status.Warm; vm.IsClaim() && w != nil && w.MemberUID != "" {
+		l.bind(types.UID(w.MemberUID), Claim{UID: vm.UID, Name: vm.Name})
+	}
+	pool := impv1.WarmPoolOf(vm)
+	if pool == "" || !vm.DeletionTimestamp.IsZero() {
+		l.drop(vm.UID)
+		return
+	}
+	key := types.NamespacedName{Namespace: vm.Namespace, Name: pool}
+	if m, ok := l.members[vm.UID]; ok && m.pool != key {
+		l.drop(vm.UID) // relabelled to another pool: it is that pool's now (unless bound)
+	}
+	m := &member{pool: key, idle: Idle(vm), Member: Member{UID: vm.UID, Name: vm.Name, Node: vm.Status.NodeName,
+		Revision: vm.Labels[impv1.WarmPoolRevisionLabel], Resources: vm.Status.Resources, Template: vm.Status.Template, Instance: vm.Status.Instance}}
+	if vm.Spec.NetworkRef != nil {
+		m.Network = vm.Spec.NetworkRef.Name
+	}
+	l.members[vm.UID] = m
+	if l.byPool[key] == nil {
+		l.byPool[key] = map[types.UID]bool{}
+	}
+	l.byPool[key][vm.UID] = true
+}
+
+// Forget is vm's deletion: a member gone is forgotten with its binding; a claim gone leaves
+// its member consumed (its pool deletes it).
+func (l *Ledger) Forget(vm *impv1.ImpVM) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.drop(vm.UID)
+	if c, ok := l.holder[vm.UID]; ok {
+		delete(l.holder, vm.UID)
+		if l.held[c.UID] == vm.UID {
+			delete(l.held, c.UID)
+		}
+	}
+	delete(l.retired, vm.UID)
+	delete(l.held, vm.UID)
+}
+
+func (l *Ledger) drop(uid types.UID) {
+	if m, ok := l.members[uid]; ok {
+		delete(l.byPool[m.pool], uid)
+		if len(l.byPool[m.pool]) == 0 {
+			delete(l.byPool, m.pool)
+		}
+		delete(l.members, uid)
+	}
+}
+
+func (l *Ledger) bind(memberUID types.UID, claim Claim) bool {
+	if c, ok := l.holder[memberUID]; ok && c.UID != claim.UID {
+		return false
+	}
+	l.holder[memberUID] = claim
+	l.held[claim.UID] = memberUID
+	return true
+}
+
+// Take binds claim to an idle member of pool that accept accepts, and returns it; false when
+// there is none. A claim that holds a member already gets that one again (a retried write);
+// a member is bound to one claim only, for good.
+func (l *Ledger) Take(pool types.NamespacedName, claim Claim, accept func(Member) bool) (Member, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if uid, ok := l.held[claim.UID]; ok {
+		if m, ok := l.members[uid]; ok {
+			return m.Member, true
+		}
+		return Member{}, false // bound to a member that is gone: the claim's status says so
+	}
+	uids := make([]types.UID, 0, len(l.byPool[pool]))
+	for uid := range l.byPool[pool] {
+		uids = append(uids, uid)
+	}
+	sort.Slice(uids, func(i, j int) bool { return uids[i] < uids[j] })
+	for _, uid := range uids {
+		m := l.members[uid]
+		if !m.idle || l.retired[uid] {
+			continue
+		}
+		if _, bound := l.holder[uid]; bound || !accept(m.Member) {
+			continue
+		}
+		l.bind(uid, claim)
+		return m.Member, true
+	}
+	return Member{}, false
+}
+
+// Retire takes member out of the idle ones for good, unless a claim is bound to it: its pool
+// deletes it. False when a claim holds it.
+func (l *Ledger) Retire(memberUID types.UID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, bound := l.holder[memberUID]; bound {
+		return false
+	}
+	l.retired[memberUID] = true
+	return true
+}
+
+// Claim is the claim bound to member, if any.
+func (l *Ledger) Claim(memberUID types.UID) (Claim, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	c, ok := l.holder[memberUID]
+	return c, ok
+}
+
+// Idle is the number of pool's members that can be handed out now.
+func (l *Ledger) Idle(pool types.NamespacedName) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for uid := range l.byPool[pool] {
+		if _, bound := l.holder[uid]; l.members[uid].idle && !bound && !l.retired[uid] {
+			n++
+		}
+	}
+	return n
+}
