@@ -167,7 +167,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err := pools.SetupWithManager(mgr, o.Concurrency); err != nil {
 		return fmt.Errorf("setting up the ImpVMPool reconciler: %w", err)
 	}
-	warmPools := &impwarmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Members: warm}
+	warmPools := &impwarmpool.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Members: warm, Clock: o.Clock}
 	if err := warmPools.SetupWithManager(mgr, o.Concurrency); err != nil {
 		return fmt.Errorf("setting up the ImpWarmPool reconciler: %w", err)
 	}
@@ -189,7 +189,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 			return fmt.Errorf("setting up the pressure lifecycle: %w", err)
 		}
 	}
-	for _, c := range []prometheus.Collector{impvm.Collector(mgr.GetCache()), impnetwork.Collector(mgr.GetCache()), impquota.Collector(mgr.GetCache())} {
+	for _, c := range []prometheus.Collector{impvm.Collector(mgr.GetCache()), impnetwork.Collector(mgr.GetCache()), impquota.Collector(mgr.GetCache()), impwarmpool.Collector(mgr.GetCache())} {
 		register(c)
 	}
 	return nil

@@ -12,13 +12,31 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/apimachinery/pkg/types"
 	toolscache "k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
+
+// Metrics; docs/metrics.md documents them.
+var (
+	claimsServed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "imp_warmpool_claims_total",
+		Help: "Claims (ImpVMs with spec.warmPoolRef) placed, by namespace, pool and how they start: warm (handed an idle member) or restored.",
+	}, []string{"namespace", "pool", "start"})
+	claimPlacement = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "imp_warmpool_claim_placement_seconds",
+		Help:    "Time from the operator's first sight of a claim to its placement (bound to a member, or placed to be restored), by start.",
+		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+	}, []string{"start"})
+)
+
+func init() { metrics.Registry.MustRegister(claimsServed, claimPlacement) }
 
 // Member is an idle member as the ledger knows it.
 type Member struct {
@@ -54,12 +72,15 @@ type Ledger struct {
 	held    map[types.UID]types.UID                     // claim → its member
 	retired map[types.UID]bool                          // members their pool is removing
 	synced  func() bool                                 // the informer's first list was observed
+	seen    map[types.UID]time.Time                     // unplaced claims: when the watch first showed them
+	now     func() time.Time
 }
 
 // NewLedger returns an empty ledger.
 func NewLedger() *Ledger {
 	return &Ledger{members: map[types.UID]*member{}, byPool: map[types.NamespacedName]map[types.UID]bool{},
-		holder: map[types.UID]Claim{}, held: map[types.UID]types.UID{}, retired: map[types.UID]bool{}}
+		holder: map[types.UID]Claim{}, held: map[types.UID]types.UID{}, retired: map[types.UID]bool{},
+		seen: map[types.UID]time.Time{}, now: time.Now}
 }
 
 // Watch feeds the ledger from the cache's ImpVM informer: every VM added or changed is
@@ -70,8 +91,20 @@ func (l *Ledger) Watch(ctx context.Context, c cache.Cache) error {
 		return fmt.Errorf("getting the ImpVM informer for the warm pool ledger: %w", err)
 	}
 	reg, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-		AddFunc:    func(o any) { observe(l, o) },
-		UpdateFunc: func(_, o any) { observe(l, o) },
+		AddFunc: func(o any) {
+			if vm, ok := o.(*impv1.ImpVM); ok {
+				l.Observe(vm)
+				l.claimSeen(vm)
+			}
+		},
+		UpdateFunc: func(old, o any) {
+			if vm, ok := o.(*impv1.ImpVM); ok {
+				l.Observe(vm)
+				if was, ok := old.(*impv1.ImpVM); ok {
+					l.claimPlaced(was, vm)
+				}
+			}
+		},
 		DeleteFunc: func(o any) {
 			if d, ok := o.(toolscache.DeletedFinalStateUnknown); ok {
 				o = d.Obj
@@ -90,10 +123,35 @@ func (l *Ledger) Watch(ctx context.Context, c cache.Cache) error {
 	return nil
 }
 
-func observe(l *Ledger, o any) {
-	if vm, ok := o.(*impv1.ImpVM); ok {
-		l.Observe(vm)
+// claimSeen notes when the watch first showed an unplaced claim.
+func (l *Ledger) claimSeen(vm *impv1.ImpVM) {
+	if !vm.IsClaim() || vm.Status.NodeName != "" {
+		return
 	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.seen[vm.UID]; !ok {
+		l.seen[vm.UID] = l.now()
+	}
+}
+
+// claimPlaced counts a claim's placement, once: the watch shows each change of the API's
+// object once (a reconcile that placed it again from a stale cache wrote nothing new).
+func (l *Ledger) claimPlaced(was, vm *impv1.ImpVM) {
+	if !vm.IsClaim() || was.Status.NodeName != "" || vm.Status.NodeName == "" {
+		return
+	}
+	l.mu.Lock()
+	since, ok := l.seen[vm.UID]
+	delete(l.seen, vm.UID)
+	now := l.now()
+	l.mu.Unlock()
+	if !ok {
+		since = vm.CreationTimestamp.Time
+	}
+	start := string(vm.Status.Start)
+	claimsServed.WithLabelValues(vm.Namespace, vm.Spec.WarmPoolRef.Name, start).Inc()
+	claimPlacement.WithLabelValues(start).Observe(now.Sub(since).Seconds())
 }
 
 // Synced is true once the ledger observed every VM of its informer's first list (and for a
@@ -155,6 +213,7 @@ func (l *Ledger) Forget(vm *impv1.ImpVM) {
 	}
 	delete(l.retired, vm.UID)
 	delete(l.held, vm.UID)
+	delete(l.seen, vm.UID)
 }
 
 func (l *Ledger) drop(uid types.UID) {

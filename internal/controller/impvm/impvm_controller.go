@@ -457,7 +457,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		// A copy goes to a node holding its template's snapshot if one has room; else to any,
 		// where the snapshot is made first.
 		if prefer := preferTemplateNodes(tmpl, nodes); len(prefer) > 0 {
-			node, err = r.Ledger.Place(vm.UID, req, prefer)
+			node, err = r.place(ctx, s, req, prefer)
 		}
 	}
 	if node == "" {
@@ -465,7 +465,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 			// The template's snapshot is made where the copy goes: room for its VM too.
 			req.Room = &placement.Room{VCPUs: int64(res.VCPUs), MemoryBytes: res.Memory.Value(), DiskBytes: res.DiskSize.Value()}
 		}
-		node, err = r.Ledger.Place(vm.UID, req, nodes)
+		node, err = r.place(ctx, s, req, nodes)
 	}
 	var unsched *placement.Unschedulable
 	if errors.As(err, &unsched) {
@@ -533,6 +533,14 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	// One Event tells the placement and the address: each Event is a write to the API server.
 	if addr.IsValid() {
 		vm.Status.IP = addr.String()
+	}
+	if w := vm.Status.Warm; w != nil {
+		at := ""
+		if addr.IsValid() {
+			at = fmt.Sprintf(", with address %s on ImpNetwork %s", addr, net.Name)
+		}
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Handed idle member %s of ImpWarmPool %s on node %s%s", w.Member, w.Pool, node, at)
+	} else if addr.IsValid() {
 		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory) with address %s on ImpNetwork %s",
 			node, res.VCPUs, res.Memory.String(), addr, net.Name)
 	} else {

@@ -225,7 +225,11 @@ func (r *Reconciler) recordTransition(s *scope) {
 		}
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Started", "Start", "The VM runs on node %s", vm.Status.NodeName)
 		if vm.Status.Instance == 1 && vm.Status.RestartCount == 0 {
-			createToRunning.Observe(r.Clock.Since(vm.CreationTimestamp.Time).Seconds())
+			took := r.Clock.Since(vm.CreationTimestamp.Time).Seconds()
+			createToRunning.Observe(took)
+			if vm.IsClaim() {
+				claimToRunning.WithLabelValues(string(vm.Status.Start)).Observe(took)
+			}
 		}
 	case impv1.VMStopping:
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Stopping", "Stop", "Stopping the VM")

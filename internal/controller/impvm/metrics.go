@@ -26,6 +26,11 @@ var (
 		Name: "imp_vm_placement_failures_total",
 		Help: "Placement attempts that did not place an ImpVM, by reason (the Scheduled condition's reason).",
 	}, []string{"reason"})
+	claimToRunning = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "imp_warmpool_claim_running_seconds",
+		Help:    "Time from a claim's creation to its first Running phase (its guest ready as the claim), by start.",
+		Buckets: []float64{.025, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60},
+	}, []string{"start"})
 	vmsDesc       = prometheus.NewDesc("imp_vms", "ImpVMs by phase and node (empty node: not placed).", []string{"phase", "node"}, nil)
 	suspendedDesc = prometheus.NewDesc("imp_vms_suspended", "ImpVMs suspended (or being suspended), by reason (PressureLifecycle, User) and node.", []string{"reason", "node"}, nil)
 )
@@ -63,7 +68,7 @@ func (c vmCollector) Collect(ch chan<- prometheus.Metric) {
 }
 
 func init() {
-	metrics.Registry.MustRegister(placementLatency, createToRunning, placementFailures)
+	metrics.Registry.MustRegister(placementLatency, createToRunning, placementFailures, claimToRunning)
 }
 
 // Collector returns the package's scrape-time collector, reading objects through reader (the

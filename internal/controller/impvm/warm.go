@@ -2,7 +2,9 @@ package impvm
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
@@ -134,6 +136,69 @@ func (r *Reconciler) boundMember(vm *impv1.ImpVM) bool {
 	}
 	_, bound := r.Warm.Claim(vm.UID)
 	return bound
+}
+
+// place places the VM among nodes. A warm pool's member whose pool spreads over nodes goes to a
+// node holding fewest of the pool's members among those with room: nodes are tried by how many
+// the pool has there, fewest first.
+func (r *Reconciler) place(ctx context.Context, s *scope, req placement.Request, nodes []placement.Node) (string, error) {
+	vm := s.vm
+	groups := [][]placement.Node{nodes}
+	if name := impv1.WarmPoolOf(vm); name != "" {
+		groups = r.spread(ctx, vm, name, nodes)
+	}
+	var node string
+	var err error
+	for _, g := range groups {
+		node, err = r.Ledger.Place(vm.UID, req, g)
+		var unsched *placement.Unschedulable
+		if !errors.As(err, &unsched) {
+			break
+		}
+	}
+	return node, err
+}
+
+// spread groups nodes by how many members of the pool each holds (placed, or decided and not
+// yet written, not being deleted), fewest first; one group of all when the pool does not spread (or cannot be read).
+func (r *Reconciler) spread(ctx context.Context, vm *impv1.ImpVM, pool string, nodes []placement.Node) [][]placement.Node {
+	p := &impv1.ImpWarmPool{}
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: pool}, p); err != nil || p.Spec.Spread == impv1.WarmPoolSpreadNone {
+		return [][]placement.Node{nodes}
+	}
+	var members impv1.ImpVMList
+	if err := r.Client.List(ctx, &members, client.InNamespace(vm.Namespace), client.MatchingLabels{impv1.WarmPoolLabel: pool}, client.UnsafeDisableDeepCopy); err != nil {
+		return [][]placement.Node{nodes}
+	}
+	held := map[string]int{}
+	for i := range members.Items {
+		m := &members.Items[i]
+		if impv1.WarmPoolOf(m) != pool || !m.DeletionTimestamp.IsZero() || m.UID == vm.UID {
+			continue
+		}
+		node := m.Status.NodeName
+		if node == "" { // placed by a reconcile whose write the cache has not seen yet
+			node, _ = r.Ledger.NodeOf(m.UID)
+		}
+		if node != "" {
+			held[node]++
+		}
+	}
+	byCount := map[int][]placement.Node{}
+	var counts []int
+	for _, n := range nodes {
+		c := held[n.Node.Name]
+		if _, ok := byCount[c]; !ok {
+			counts = append(counts, c)
+		}
+		byCount[c] = append(byCount[c], n)
+	}
+	slices.Sort(counts)
+	out := make([][]placement.Node, 0, len(counts))
+	for _, c := range counts {
+		out = append(out, byCount[c])
+	}
+	return out
 }
 
 // forWarmPool: the claims of the pool that wait for a placement.

@@ -8,12 +8,15 @@ import (
 
 	. "github.com/onsi/gomega"
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
 // handsOver makes the node's agent report that it hands warm members to claims.
@@ -144,6 +147,14 @@ func TestWarmPoolClaims(t *testing.T) {
 	e.holdMembers.Store(false)
 	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(3)))
 	g.Expect(e.getWarmPool("p").Status.Claimed).To(BeZero())
+	served := func(start string) float64 {
+		return metric(t, "imp_warmpool_claims_total", "namespace", e.ns, "pool", "p", "start", start)
+	}
+	g.Expect(served("warm")).To(Equal(3.0))
+	g.Expect(served("restored")).To(Equal(1.0))
+	eventually(t, func() float64 {
+		return metric(t, "imp_warmpool_members", "namespace", e.ns, "pool", "p", "state", "idle")
+	}).Should(Equal(3.0))
 
 	// Scale.
 	e.scale("p", 5)
@@ -259,4 +270,129 @@ func TestWarmClaimsNeverShareAMember(t *testing.T) {
 		return nil
 	}).Should(Succeed())
 	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(n)))
+}
+
+// TestWarmPoolMembersCannotBeStolen: a tenant of the namespace (the chart's imp-edit) relabels
+// an idle member into another pool, or takes the pool's owner reference off another: neither is
+// handed to anyone any more (a member is its pool's label and its pool's controller), and the
+// pool makes members in their place. A tenant cannot write a claim's status.warm to name a
+// member, and a claim naming a pool that exists only in another namespace waits
+// (WarmPoolNotFound) and is never handed that namespace's member.
+func TestWarmPoolMembersCannotBeStolen(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 64, 64)
+	e.handsOver("a")
+	e.startOperator()
+	e.startAgent(nil)
+	ctx := context.Background()
+	g := NewWithT(t)
+	_ = e.cl.As(t, testcluster.Operator) // the chart's roles, imp-edit included
+	tenant := e.tenant("ClusterRole", "imp-edit")
+
+	e.create(e.template("web"), e.warmPool("p", "web", 2), e.warmPool("q", "web", 0))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(2)))
+	ms := e.members("p")
+	relabelled, orphaned := ms[0], ms[1]
+	patch := func(name string, p string) {
+		t.Helper()
+		if err := tenant.Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}}, client.RawPatch(types.MergePatchType, []byte(p))); err != nil {
+			t.Fatalf("the tenant's patch of %s: %v", name, err)
+		}
+	}
+	patch(relabelled, `{"metadata":{"labels":{"`+impv1.WarmPoolLabel+`":"q"}}}`)
+	patch(orphaned, `{"metadata":{"ownerReferences":null}}`)
+	// The pool makes two others; the two taken out are no member of p's nor q's.
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(2)))
+	g.Expect(e.members("p")).NotTo(ContainElements(relabelled, orphaned))
+	g.Expect(e.members("q")).To(BeEmpty())
+	g.Expect(e.getWarmPool("q").Status.Idle).To(BeZero())
+
+	// Claims of q (which has no member) are restored; claims of p get p's new members only.
+	e.create(e.claim("cq", "q"), e.claim("cp1", "p"), e.claim("cp2", "p"))
+	for _, c := range []string{"cq", "cp1", "cp2"} {
+		eventually(t, func() string { return e.get(c).Status.NodeName }).ShouldNot(BeEmpty())
+		if w := e.get(c).Status.Warm; w != nil && (w.Member == relabelled || w.Member == orphaned) {
+			t.Errorf("claim %s was handed %s, which was taken out of the pool", c, w.Member)
+		}
+	}
+	g.Expect(e.get("cq").Status.Start).To(Equal(impv1.StartRestored))
+
+	// status.warm is the operator's to write.
+	e.create(e.claim("forged", "p"))
+	err := tenant.Status().Patch(ctx, e.get("forged"), client.RawPatch(types.MergePatchType,
+		[]byte(`{"status":{"warm":{"pool":"p","member":"`+relabelled+`","memberUID":"x"}}}`)))
+	g.Expect(apierrors.IsForbidden(err)).To(BeTrue(), "a tenant wrote a claim's status.warm: %v", err)
+
+	// Another namespace's pool of the same name.
+	other := e.cl.Namespace(t)
+	c := e.claim("elsewhere", "p")
+	c.Namespace = other
+	e.create(c)
+	eventually(t, func() string {
+		vm := &impv1.ImpVM{}
+		_ = e.c.Get(ctx, types.NamespacedName{Namespace: other, Name: "elsewhere"}, vm)
+		return scheduled(vm)
+	}).Should(Equal(impv1.ReasonWarmPoolNotFound))
+}
+
+// TestWarmPoolSpreadsOverNodes: members go to the node holding fewest of the pool's members
+// (spread Nodes, the default), not where there is most free memory as any VM does (spread
+// None).
+func TestWarmPoolSpreadsOverNodes(t *testing.T) {
+	e := newEnv(t)
+	e.node("big", 64, 64)
+	e.node("small", 8, 8)
+	e.startOperator()
+	e.startAgent(nil)
+	perNode := func(pool string) map[string]int {
+		out := map[string]int{}
+		for _, m := range e.members(pool) {
+			if n := e.get(m).Status.NodeName; n != "" {
+				out[n]++
+			}
+		}
+		return out
+	}
+	big, small := e.ns+"-big", e.ns+"-small"
+	e.create(e.template("web"), e.warmPool("spread", "web", 4))
+	eventually(t, func() int32 { return e.getWarmPool("spread").Status.Idle }).Should(Equal(int32(4)))
+	NewWithT(t).Expect(perNode("spread")).To(Equal(map[string]int{big: 2, small: 2}))
+
+	packed := e.warmPool("packed", "web", 4)
+	packed.Spec.Spread = impv1.WarmPoolSpreadNone
+	e.create(packed)
+	eventually(t, func() int32 { return e.getWarmPool("packed").Status.Idle }).Should(Equal(int32(4)))
+	NewWithT(t).Expect(perNode("packed")).To(Equal(map[string]int{big: 4}))
+}
+
+// metric is the value of the operator's metric name (a counter or gauge) with the labels given
+// as name, value pairs; 0 when there is none.
+func metric(t *testing.T, name string, labels ...string) float64 {
+	t.Helper()
+	families, err := ctrlmetrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range f.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i+1 < len(labels); i += 2 {
+				if have[labels[i]] != labels[i+1] {
+					continue next
+				}
+			}
+			if c := m.GetCounter(); c != nil {
+				return c.GetValue()
+			}
+			return m.GetGauge().GetValue()
+		}
+	}
+	return 0
 }

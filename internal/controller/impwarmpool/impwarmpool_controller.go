@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
@@ -72,6 +73,10 @@ type Reconciler struct {
 	APIReader client.Reader
 	Recorder  EventRecorder
 	Members   Members
+	// Clock times refills (the real clock when nil).
+	Clock clock.PassiveClock
+
+	refills refills
 }
 
 // member is one of a pool's VMs as the controller sees it.
@@ -124,6 +129,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 			requeue = CreateRetry
 		}
 	}
+	now := clock.PassiveClock(clock.RealClock{})
+	if r.Clock != nil {
+		now = r.Clock
+	}
+	r.refills.observe(req.NamespacedName, members, now.Now())
 	r.computeStatus(pool, tmpl, members, failure)
 	if err := r.writeStatus(ctx, orig, pool); apierrors.IsConflict(err) {
 		return ctrl.Result{Requeue: true}, nil
