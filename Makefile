@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-volumes images chart-push
 
 all: build
 
@@ -51,6 +51,10 @@ bench-controlplane: ## N VMs over M simulated nodes, RUNS runs: create→Schedul
 	go build -o bin/ ./cmd/imp-operator
 	go run ./test/bench/controlplane -n $(N) -m $(M) -runs $(RUNS)
 
+bench-warmpool: ## An ImpWarmPool of 50 over 10 simulated nodes: claim → guest ready (one, ten at once) beside the API server's floor, claims/s, API writes per claim.
+	go build -o bin/ ./cmd/imp-operator
+	go run ./test/bench/controlplane -n 200 -m 10 -runs 1 -warm 50 | grep -E '^run|warm|bare:|^  (place|run): create'
+
 bench-compare: ## The control-plane bench of BASE (a commit) and HEAD alternated, RUNS runs each (N VMs, M nodes): each figure's median on both and the ratio.
 	go run ./test/bench/compare -base $(BASE) -runs $(RUNS) -- -n $(N) -m $(M)
 
@@ -82,6 +86,9 @@ bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 
 
 bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs restored from a snapshot (1 VM, 10 at once); snapshot pause and size.
 	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore|start steps)|^(ok|FAIL|---)'
+
+bench-idle: ## A warm pool's idle member (QEMU/TCG, 256 MiB): VMM CPU and PSS running idle against paused; cont and the first exec after it.
+	IMP_BENCH=idle go test -count=1 -v -timeout 30m -run '^TestBenchIdle$$' ./internal/agent/ | grep -E '^(idle|  )|^(ok|FAIL|---)'
 
 bench-volumes: ## A QEMU/TCG guest's raw disk volume: sequential MB/s and 4 KiB random IOPS in the guest against the same file on the node, through the page cache and direct.
 	IMP_BENCH=volumes go test -count=1 -v -timeout 30m -run '^TestBenchVolumes$$' ./internal/agent/ | grep -E '^volume |^(ok|FAIL|---)'

@@ -49,6 +49,7 @@ type options struct {
 	all      bool
 	message  string
 	wait     bool
+	env      []string
 	// timeout bounds a command (a minute when 0).
 	timeout time.Duration
 }
@@ -61,7 +62,7 @@ func NewCommand(in io.Reader, out, errOut io.Writer) *cobra.Command {
 		Short: "Act on IMP microVMs",
 		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, exec,
 port-forward, console, suspend, resume, snapshot, stop, start and restart; rollout status, history
-and undo follow and reverse the updates of ImpVMPools. Suspending creates an
+and undo follow and reverse the updates of ImpVMPools; claim takes a VM of an ImpWarmPool. Suspending creates an
 ImpVMSuspension of the VM's name (RBAC grants it apart from editing VMs; the audit log says who);
 resuming deletes it. logs, exec, port-forward and console are the VM's subresources in the API
 group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
@@ -83,6 +84,11 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 	snapshot := &cobra.Command{Use: "snapshot VM [NAME]", Short: "Snapshot a VM (an ImpVMSnapshot: named NAME, or after the VM and the time)",
 		Args: cobra.RangeArgs(1, 2), RunE: o.run(o.snapshot)}
 	snapshot.Flags().BoolVar(&o.wait, "wait", false, "wait until the snapshot is ready (or failed)")
+	claim := &cobra.Command{Use: "claim POOL [NAME] [--env KEY=VALUE...] [--wait]",
+		Short: "Claim a VM of an ImpWarmPool: an ImpVM with warmPoolRef (named NAME, or after the pool), handed an idle member or restored",
+		Args:  cobra.RangeArgs(1, 2), RunE: o.run(o.claim)}
+	claim.Flags().BoolVar(&o.wait, "wait", false, "wait until the VM is Ready, and say how it started")
+	claim.Flags().StringArrayVar(&o.env, "env", nil, "an environment variable of the claim, KEY=VALUE (repeatable)")
 	a := &accessOptions{}
 	logs := &cobra.Command{Use: "logs NAME [-f]", Short: "Print a VM's console log (its newest part), and follow it with -f", Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -97,6 +103,7 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 	logs.Flags().Int64Var(&o.bytes, "limit-bytes", 256<<10, "print at most this many bytes, the newest")
 	logs.Flags().BoolVarP(&a.follow, "follow", "f", false, "follow the log until interrupted")
 	logs.Flags().BoolVar(&a.raw, "raw", false, "print the guest's output as it is: escape sequences included (default: shown, not interpreted)")
+	root.AddCommand(claim)
 	root.AddCommand(list, logs,
 		&cobra.Command{Use: "status NAME", Short: "Show a VM's state", Args: cobra.ExactArgs(1), RunE: o.run(o.status)},
 		suspend, resume, snapshot,
@@ -232,6 +239,16 @@ func (o *options) status(ctx context.Context, c client.Client, ns string, args [
 	fmt.Fprintf(w, "IP:\t%s\n", dash(st.IP))
 	if r := st.Resources; r != nil {
 		fmt.Fprintf(w, "Resources:\t%d vCPUs, %s memory, %s disk\n", r.VCPUs, r.Memory.String(), r.DiskSize.String())
+	}
+	if st.Image != "" {
+		fmt.Fprintf(w, "Image:\t%s\n", st.Image)
+	}
+	if st.Start != "" {
+		started := string(st.Start)
+		if wm := st.Warm; wm != nil {
+			started += fmt.Sprintf(" (member %s of impwarmpool/%s)", wm.Member, wm.Pool)
+		}
+		fmt.Fprintf(w, "Started:\t%s\n", started)
 	}
 	fmt.Fprintf(w, "Instance:\t%d (restarts %d)\n", st.Instance, st.RestartCount)
 	if rt := st.Runtime; rt != nil {

@@ -420,7 +420,7 @@ network:
 	if !strings.HasPrefix(ip, "10.100.0.") {
 		t.Errorf("the VM's address %s is not from ImpNetwork default (10.100.0.0/24)", ip)
 	}
-	must("kubectl get impvm -A -o wide", "hello", "Running", realNode, "docker.io/library/busybox:1.36", "booted")
+	must("kubectl get impvm -A -o wide", "hello", "Running", realNode, "/hello@sha256:", "booted")
 	// Through the API server's aggregation layer to the operator, then the node's agent, which
 	// serves once it has read the certificate the operator issued (every 5 s until then).
 	eventually("kubectl imp logs", 3*time.Minute, func() error {

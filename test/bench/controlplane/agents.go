@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"sync"
@@ -38,6 +39,7 @@ type simAgent struct {
 	start     time.Duration // placement seen → VMM started
 	boot      time.Duration // VMM started → guest ready
 	delay     time.Duration // the real agent's StartingReportDelay
+	handover  time.Duration // a claim seen → its member's guest took on the claim's identity
 	vcpus     int32         // the node's allocatable vCPUs
 	heartbeat time.Duration
 	lease     *coordinationv1.Lease // the heartbeat Lease written last
@@ -101,6 +103,16 @@ func (a *simAgent) run(ctx context.Context, fleet bool) error {
 		return err
 	}
 	if _, err := inf.AddEventHandler(counted(&a.events.vms, a.poke)); err != nil {
+		return err
+	}
+	// The snapshots given to the node (a template's, for warm pools).
+	sinf, err := a.informers.GetInformer(ctx, &impv1.ImpVMSnapshot{})
+	if err != nil {
+		return err
+	}
+	if _, err := sinf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc: func(any) { a.poke() }, UpdateFunc: func(any, any) { a.poke() },
+	}); err != nil {
 		return err
 	}
 	if fleet {
@@ -185,6 +197,7 @@ func (a *simAgent) report(ctx context.Context) error {
 		Capacity:      &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
 		Allocatable:   &impv1.NodeResources{VCPUs: a.vcpus, Memory: resource.MustParse("256Gi")},
 		VMMs:          []impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm"}},
+		Features:      []string{impv1.FeatureWarmHandover},
 		Conditions:    []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, Message: "simulated", LastTransitionTime: now}},
 		HeartbeatTime: &now,
 	}
@@ -215,9 +228,48 @@ func (a *simAgent) sync(ctx context.Context) {
 				go a.patch(ctx, vm, base, 0)
 			}
 		case vm.Labels[noStartLabel] == "true":
+		case st.Warm != nil && st.Start == impv1.StartWarm:
+			// Handed a member: its guest takes on the claim's identity, then one report.
+			if a.answer(vm.UID, key+"/start") {
+				now := metav1.Now()
+				rt := base
+				rt.State, rt.StartedAt, rt.GuestReady, rt.Message = impv1.RuntimeRunning, &now, true, "handed member "+st.Warm.Member
+				go a.patch(ctx, vm, rt, a.handover)
+			}
+		case vm.IsCopy() && vm.RestoreFrom() == "":
+			// A copy waits for its template's snapshot, as the real agent does.
 		case a.answer(vm.UID, key+"/start"):
 			go a.startRun(ctx, vm, base)
 		}
+	}
+	a.snapshots(ctx)
+}
+
+// snapshots takes the snapshots given to the node at once, as of the VM they are of.
+func (a *simAgent) snapshots(ctx context.Context) {
+	var list impv1.ImpVMSnapshotList
+	if err := a.informers.List(ctx, &list); err != nil {
+		return
+	}
+	for i := range list.Items {
+		s := &list.Items[i]
+		if s.Status.NodeName != a.node || s.Status.Phase != impv1.SnapshotPending || !s.DeletionTimestamp.IsZero() {
+			continue
+		}
+		vm := &impv1.ImpVM{}
+		if err := a.informers.Get(ctx, types.NamespacedName{Namespace: s.Namespace, Name: s.Spec.VMName}, vm); err != nil || vm.Status.Resources == nil {
+			continue
+		}
+		if !a.answer(s.UID, "taken") {
+			continue
+		}
+		res := vm.Status.Resources
+		st := impv1.ImpVMSnapshotStatus{Phase: impv1.SnapshotReady, NodeName: a.node, Source: &impv1.SnapshotSource{VMUID: vm.UID, Image: benchImage,
+			VMM: impv1.VMMFirecracker, VCPUs: res.VCPUs, Memory: res.Memory, DiskSize: res.DiskSize, Network: vm.Spec.NetworkRef != nil}}
+		p, _ := json.Marshal(map[string]any{"status": st})
+		go func() {
+			_ = a.c.Status().Patch(ctx, s.DeepCopy(), client.RawPatch(types.MergePatchType, p))
+		}()
 	}
 }
 

@@ -23,6 +23,7 @@ type auditEvent struct {
 	ObjectRef *struct {
 		Resource    string `json:"resource"`
 		Subresource string `json:"subresource"`
+		Name        string `json:"name"`
 	} `json:"objectRef"`
 }
 
@@ -44,17 +45,7 @@ func countRequests(path string, from, to int64) (requests, error) {
 		if json.Unmarshal(sc.Bytes(), &ev) != nil || ev.ObjectRef == nil {
 			continue
 		}
-		user := ev.User.Username
-		if ev.ImpersonatedUser != nil {
-			user = ev.ImpersonatedUser.Username
-		}
-		who := "bench"
-		switch {
-		case strings.HasSuffix(user, ":"+testcluster.Operator):
-			who = "operator"
-		case strings.HasSuffix(user, ":"+testcluster.Agent):
-			who = "agents"
-		}
+		who := whoOf(ev)
 		what := ev.ObjectRef.Resource
 		if ev.ObjectRef.Subresource != "" {
 			what += "/" + ev.ObjectRef.Subresource
@@ -65,6 +56,21 @@ func countRequests(path string, from, to int64) (requests, error) {
 		out[who][ev.Verb+" "+what]++
 	}
 	return out, sc.Err()
+}
+
+// whoOf is who made ev: "operator", "agents" or "bench".
+func whoOf(ev auditEvent) string {
+	user := ev.User.Username
+	if ev.ImpersonatedUser != nil {
+		user = ev.ImpersonatedUser.Username
+	}
+	switch {
+	case strings.HasSuffix(user, ":"+testcluster.Operator):
+		return "operator"
+	case strings.HasSuffix(user, ":"+testcluster.Agent):
+		return "agents"
+	}
+	return "bench"
 }
 
 func size(path string) int64 {
@@ -108,4 +114,33 @@ func (r requests) describe(who string, vms int) string {
 		parts = append(parts, fmt.Sprintf("%s %.2f", k, float64(r[who][k])/float64(vms)))
 	}
 	return strings.Join(parts, ", ")
+}
+
+// countNamedWrites counts, by who, the writes from offset from to offset to on objects of
+// resource (its subresources included) named one of names.
+func countNamedWrites(path string, from, to int64, resource string, names []string) (map[string]int, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	want := map[string]bool{}
+	for _, n := range names {
+		want[n] = true
+	}
+	out := map[string]int{}
+	sc := bufio.NewScanner(io.NewSectionReader(f, from, to-from))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var ev auditEvent
+		if json.Unmarshal(sc.Bytes(), &ev) != nil || ev.ObjectRef == nil || ev.ObjectRef.Resource != resource || !isWrite(ev.Verb+" ") {
+			continue
+		}
+		name := ev.ObjectRef.Name
+		if name == "" || !want[name] {
+			continue
+		}
+		out[whoOf(ev)]++
+	}
+	return out, sc.Err()
 }

@@ -70,6 +70,8 @@ import (
 type options struct {
 	n, m, creators, runs, concurrency int
 	nodeVCPUs, runN, pool             int
+	warm, warmRounds                  int
+	handover                          time.Duration
 	start, boot, heartbeat, delay     time.Duration
 	idle                              time.Duration
 	fleet, bare, bareEvents, bareRun  bool
@@ -88,6 +90,9 @@ func main() {
 	flag.DurationVar(&o.boot, "boot", 150*time.Millisecond, "a simulated guest's VMM started → ready")
 	flag.IntVar(&o.runN, "run-n", 0, "VMs of the run phase (0: n), for a scale run whose placement phase fills the cluster")
 	flag.IntVar(&o.pool, "pool", 0, "after the delete phase, scale an ImpVMPool from 0 to this many members: scale → Running, guest ready, against the run phase's VMs created at once (0: no pool phase)")
+	flag.IntVar(&o.warm, "warm", 0, "after the other phases, an ImpWarmPool of this many members: claims one at a time, ten at once and this many at once (0: no warm phase)")
+	flag.IntVar(&o.warmRounds, "warm-rounds", 20, "claims made one at a time in the warm phase")
+	flag.DurationVar(&o.handover, "handover", 20*time.Millisecond, "a simulated agent's claim seen → the member's guest took on the claim's identity (the real agent's reidentify)")
 	flag.IntVar(&o.nodeVCPUs, "node-vcpus", 64, "each node's allocatable vCPUs (each VM has 1): with 2N/M close to it, placement must spread and may not overbook")
 	flag.DurationVar(&o.delay, "report-delay", time.Second, "the agents' --starting-report-delay")
 	flag.DurationVar(&o.heartbeat, "heartbeat", 10*time.Second, "the agents' heartbeat interval (the real agent's default; they read their Node every third beat, as their 30 s report does)")
@@ -133,6 +138,8 @@ type figures struct {
 	names  []string
 	values map[string]float64
 	units  map[string]string
+	// warmFloor is the floor of one claim (warmFloor), measured before IMP starts.
+	warmFloor []time.Duration
 }
 
 func (f *figures) set(name, unit string, v float64) {
@@ -207,7 +214,7 @@ func run(o options) (figures, error) {
 			return f, err
 		}
 	}
-	for _, ns := range []string{"bare", "bare-run", "place", "run", "pool"} {
+	for _, ns := range []string{"bare", "bare-run", "place", "run", "pool", "warm", "warm-floor"} {
 		if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
 			return f, err
 		}
@@ -224,6 +231,11 @@ func run(o options) (figures, error) {
 		}
 		if err := bareRun(ctx, cl, o, tr, &f); err != nil {
 			return f, err
+		}
+		if o.warm > 0 {
+			if f.warmFloor, err = warmFloor(ctx, cl, o.warmRounds); err != nil {
+				return f, err
+			}
 		}
 	}
 
@@ -250,7 +262,7 @@ func run(o options) (figures, error) {
 		if err != nil {
 			return f, err
 		}
-		a.start, a.boot, a.delay, a.heartbeat, a.vcpus = o.start, o.boot, o.delay, jitter(o.heartbeat, i), int32(o.nodeVCPUs)
+		a.start, a.boot, a.delay, a.heartbeat, a.vcpus, a.handover = o.start, o.boot, o.delay, jitter(o.heartbeat, i), int32(o.nodeVCPUs), o.handover
 		if o.impNodeBeats {
 			a.impNodeBeats, a.heartbeat = true, jitter(30*time.Second, i)
 		}
@@ -415,6 +427,11 @@ func run(o options) (figures, error) {
 	fmt.Printf("  %-34s operator writes/VM %.2f (%s); agents %.2f\n", "delete", float64(writes)/float64(o.n+o.runN), reqs.describe("operator", o.n+o.runN), float64(awrites)/float64(o.n+o.runN))
 	if o.pool > 0 {
 		if err := poolRun(ctx, c, o, tr, &f, agentErr); err != nil {
+			return f, err
+		}
+	}
+	if o.warm > 0 {
+		if err := warmRun(ctx, cl, o, tr, &f, auditLog, agentErr); err != nil {
 			return f, err
 		}
 	}
