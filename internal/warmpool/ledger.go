@@ -266,6 +266,14 @@ func (l *Ledger) Take(pool types.NamespacedName, claim Claim, accept func(Member
 	return Member{}, false
 }
 
+// Holds is true when claim is bound to a member.
+func (l *Ledger) Holds(claim types.UID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.held[claim]
+	return ok
+}
+
 // Retire takes member out of the idle ones for good, unless a claim is bound to it: its pool
 // deletes it. False when a claim holds it.
 func (l *Ledger) Retire(memberUID types.UID) bool {

@@ -525,7 +525,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 	}
 	vm.Status.Start, vm.Status.Warm = startOf(vm), nil
 	if taken != nil {
-		warmStatus(vm, s.pool.Name, taken)
+		warmStatus(vm, s.pool, taken)
 	}
 	vm.Status.Instance++
 	r.holders.Store(client.ObjectKeyFromObject(vm), vm.UID)

@@ -29,6 +29,8 @@ type WarmMembers interface {
 	Take(pool types.NamespacedName, claim warmpool.Claim, accept func(warmpool.Member) bool) (warmpool.Member, bool)
 	// Claim is the claim bound to member, if any.
 	Claim(member types.UID) (warmpool.Claim, bool)
+	// Holds is true when claim is bound to a member.
+	Holds(claim types.UID) bool
 	// Synced: the ledger has seen every VM of the operator's first list. Until then no claim
 	// is bound (a binding it has not seen yet could be made twice).
 	Synced() bool
@@ -64,6 +66,9 @@ func (r *Reconciler) takeMember(s *scope, req placement.Request, nodes []placeme
 	vm, pool := s.vm, s.pool
 	if r.Warm == nil || pool == nil || !r.Warm.Synced() {
 		return nil
+	}
+	if _, placed := r.Ledger.NodeOf(vm.UID); placed && !r.Warm.Holds(vm.UID) {
+		return nil // placed to be restored by a reconcile whose write did not land: the same decision
 	}
 	network := ""
 	if vm.Spec.NetworkRef != nil {
@@ -112,12 +117,15 @@ func (r *Reconciler) giveBack(vm *impv1.ImpVM, m *warmpool.Member) {
 
 // warmStatus records, in the claim's placement, the member it became: the member's resources
 // and template as the member was placed with them (the guest is the member's).
-func warmStatus(vm *impv1.ImpVM, pool string, m *warmpool.Member) {
+func warmStatus(vm *impv1.ImpVM, pool *impv1.ImpWarmPool, m *warmpool.Member) {
 	vm.Status.Resources = m.Resources.DeepCopy()
 	vm.Status.Resources.Claims = nil
 	vm.Status.Template = m.Template.DeepCopy()
+	if vm.Status.Template.Name == "" { // a member placed before templates were named
+		vm.Status.Template.Name = pool.Spec.TemplateRef.Name
+	}
 	vm.Status.Start = impv1.StartWarm
-	vm.Status.Warm = &impv1.WarmStatus{Pool: pool, Member: m.Name, MemberUID: string(m.UID)}
+	vm.Status.Warm = &impv1.WarmStatus{Pool: pool.Name, Member: m.Name, MemberUID: string(m.UID)}
 }
 
 // startOf is how a VM placed otherwise than warm starts.

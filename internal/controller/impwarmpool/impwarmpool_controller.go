@@ -146,7 +146,6 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 // failure is why the pool cannot make members.
 type failure struct {
 	reason, message string
-	terminal        bool
 }
 
 // template is the pool's template, when members can be made of it.
@@ -160,7 +159,7 @@ func (r *Reconciler) template(ctx context.Context, pool *impv1.ImpWarmPool) (*im
 		return nil, nil, fmt.Errorf("getting ImpVMTemplate %s: %w", pool.Spec.TemplateRef.Name, err)
 	case (pool.Spec.NetworkRef != nil) != (t.Spec.VM.NetworkRef != nil):
 		has := map[bool]string{true: "has a network interface", false: "has no network interface"}
-		return nil, &failure{reason: impv1.ReasonTemplateIncompatible, terminal: true,
+		return nil, &failure{reason: impv1.ReasonTemplateIncompatible,
 			message: fmt.Sprintf("the VM of ImpVMTemplate %s %s: the pool's networkRef must be set if, and only if, it has one", t.Name, has[t.Spec.VM.NetworkRef != nil])}, nil
 	case t.Status.Revision == "":
 		return nil, &failure{reason: impv1.ReasonTemplateNotReady, message: fmt.Sprintf("ImpVMTemplate %s has not been looked at yet", t.Name)}, nil
@@ -209,7 +208,7 @@ func (r *Reconciler) deleteHandedOver(ctx context.Context, pool *impv1.ImpWarmPo
 				return fmt.Errorf("getting claim %s: %w", m.claim.Name, err)
 			}
 			gone := apierrors.IsNotFound(err) || claim.UID != m.claim.UID || !claim.DeletionTimestamp.IsZero()
-			if !gone && !handedOver(claim) {
+			if !gone && !handedOver(claim, m.vm.UID) {
 				continue
 			}
 		default:
@@ -223,11 +222,19 @@ func (r *Reconciler) deleteHandedOver(ctx context.Context, pool *impv1.ImpWarmPo
 	return nil
 }
 
-// handedOver: the claim's node reported on the claim's placement: it took the member over, or
-// failed to and the claim is placed again.
-func handedOver(claim *impv1.ImpVM) bool {
+// handedOver: the member is the claim's no more to wait for. The claim's node reported on the
+// placement that names the member (it took the member over, or failed to); or the claim was
+// placed otherwise since (restored, after a handover that failed). A claim whose status does not
+// name the member yet is being bound to it: the binding's write is on its way.
+func handedOver(claim *impv1.ImpVM, member types.UID) bool {
 	rt, w := claim.Status.Runtime, claim.Status.Warm
-	return w == nil || (rt != nil && rt.Instance == claim.Status.Instance)
+	switch {
+	case w != nil && w.MemberUID == string(member):
+		return rt != nil && rt.Instance == claim.Status.Instance
+	case w != nil:
+		return true
+	}
+	return claim.Status.Start != ""
 }
 
 func (r *Reconciler) delete(ctx context.Context, vm *impv1.ImpVM) error {
