@@ -59,6 +59,10 @@ const (
 	// is being deleted); the claim is restored from the template it would have had, if known,
 	// else waits.
 	ReasonWarmPoolNotFound = "WarmPoolNotFound"
+	// ReasonWarmHandoverFailed: the claim's node could not hand it the member it was bound to
+	// (the member's guest refused the claim's identity, or did not answer): the member is
+	// destroyed, never handed out with its old identity, and the claim is placed again, restored.
+	ReasonWarmHandoverFailed = "WarmHandoverFailed"
 	// ReasonWarmPoolIncompatible: the claim cannot take the pool's members (its network is not
 	// the pool's): it is restored from the pool's template instead.
 	ReasonWarmPoolIncompatible = "WarmPoolIncompatible"

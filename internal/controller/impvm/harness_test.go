@@ -51,6 +51,8 @@ type env struct {
 	opts operator.Options
 	// holdMembers: the agent double starts no warm pool member while set.
 	holdMembers atomic.Bool
+	// failHandover: the agent double fails every handover of a member to a claim.
+	failHandover atomic.Bool
 }
 
 func newEnv(t *testing.T) *env {
@@ -327,6 +329,10 @@ func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
 			next.RestoredFrom = vm.RestoreFrom()
 		}
 		switch {
+		case st.Warm != nil && a.e.failHandover.Load():
+			next.State, next.StartedAt, next.GuestReady = impv1.RuntimeExited, nil, false
+			next.FinishedAt, next.Reason, next.Message = &now, impv1.ReasonWarmHandoverFailed, "the member's guest did not take on the claim's identity"
+			next.RestoredFrom = ""
 		case st.Warm != nil:
 			next.RestoredFrom = "" // a claim handed a member: the member's guest, now the claim's
 		case vm.IsCopy() && next.RestoredFrom == "":

@@ -339,7 +339,7 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		}
 		return nil
 	}
-	if vm.Status.NodeName != "" {
+	if vm.Status.NodeName != "" && !r.handoverFailed(s) {
 		return r.checkNode(ctx, s)
 	}
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -67,6 +68,9 @@ func (r *Reconciler) takeMember(s *scope, req placement.Request, nodes []placeme
 	if r.Warm == nil || pool == nil || !r.Warm.Synced() {
 		return nil
 	}
+	if vm.Status.Instance != 0 {
+		return nil // a member is handed at a claim's first placement only (not after a failed handover, nor a lost node)
+	}
 	if _, placed := r.Ledger.NodeOf(vm.UID); placed && !r.Warm.Holds(vm.UID) {
 		return nil // placed to be restored by a reconcile whose write did not land: the same decision
 	}
@@ -105,6 +109,24 @@ func (r *Reconciler) takeMember(s *scope, req placement.Request, nodes []placeme
 		r.Ledger.Hold(vm.UID, h)
 	}
 	return &m
+}
+
+// handoverFailed: the claim's node could not hand it the member it was bound to: it reported
+// the placement's run WarmHandoverFailed. The claim leaves the node, to be placed again, restored
+// (a member is handed at a first placement only); the member, bound for good, is its pool's to
+// delete.
+func (r *Reconciler) handoverFailed(s *scope) bool {
+	vm := s.vm
+	rt, w := vm.Status.Runtime, vm.Status.Warm
+	if !vm.IsClaim() || w == nil || rt == nil || rt.Instance != vm.Status.Instance || rt.Reason != impv1.ReasonWarmHandoverFailed {
+		return false
+	}
+	r.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, impv1.ReasonWarmHandoverFailed, "Place", "Node %s could not hand member %s of ImpWarmPool %s to the VM (%s): placing it again, restored",
+		vm.Status.NodeName, w.Member, w.Pool, rt.Message)
+	vm.Status.NodeName, vm.Status.NextRestartAt, vm.Status.Warm = "", nil, nil
+	r.Ledger.Release(vm.UID)
+	r.signalFreed()
+	return true
 }
 
 // giveBack returns a claim's holding to the member it was bound to, when the claim's placement

@@ -417,3 +417,32 @@ func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
 	}
 	return out.String()
 }
+
+// TestFailedHandoverIsRestored: a node that cannot hand the member to its claim (the member's
+// guest refused the claim's identity) reports WarmHandoverFailed: the claim is placed again and
+// restored from the pool's template, never handed a member again; the member, bound for good,
+// is deleted, and the pool makes another.
+func TestFailedHandoverIsRestored(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 32, 32)
+	e.handsOver("a")
+	e.startOperator()
+	e.startAgent(nil)
+	g := NewWithT(t)
+	e.create(e.template("web"), e.warmPool("p", "web", 1))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(1)))
+	member := e.members("p")[0]
+
+	e.failHandover.Store(true)
+	e.create(e.claim("c", "p"))
+	eventually(t, func() string { return readyReason(e.get("c")) }).Should(Equal(impv1.ReasonGuestReady))
+	c := e.get("c")
+	g.Expect(c.Status.Start).To(Equal(impv1.StartRestored))
+	g.Expect(c.Status.Warm).To(BeNil())
+	g.Expect(c.Status.Instance).To(Equal(int64(2)))
+	g.Expect(c.Status.Runtime.RestoredFrom).NotTo(BeEmpty(), "the claim was not restored from the template's snapshot")
+	g.Expect(e.events()).To(HaveKey(impv1.ReasonWarmHandoverFailed))
+	eventually(t, func() *impv1.ImpVM { return e.get(member) }).Should(BeNil())
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(1)))
+	g.Expect(e.members("p")).NotTo(ContainElement(member))
+}
