@@ -11,6 +11,7 @@ import (
 	. "github.com/onsi/gomega"
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
@@ -445,4 +446,59 @@ func TestFailedHandoverIsRestored(t *testing.T) {
 	eventually(t, func() *impv1.ImpVM { return e.get(member) }).Should(BeNil())
 	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(1)))
 	g.Expect(e.members("p")).NotTo(ContainElement(member))
+}
+
+// TestWarmPoolMembersCountInTheQuota: idle members hold the namespace's ImpQuota as any VM. A
+// claim handed a member takes over what the member held (the namespace holds no more than
+// before); the member made to refill the pool then waits for room, and the pool says so
+// (ReplicaFailure, QuotaExceeded); a claim with no idle member left is restored, and waits for
+// room as any VM; a higher quota lets both through.
+func TestWarmPoolMembersCountInTheQuota(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 32, 32)
+	e.handsOver("a")
+	e.startOperator()
+	e.startAgent(nil)
+	g := NewWithT(t)
+	e.create(e.quota("team", 6, "6Gi")) // the template's builder and two members, of 2 vCPUs each
+	e.create(e.template("web"), e.warmPool("p", "web", 2))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(2)))
+	eventually(t, func() int { return len(e.list()) }).Should(Equal(2)) // the builder gone
+	e.setQuota("team", 4, "4Gi")                                        // what the two members hold
+
+	e.create(e.claim("c1", "p"))
+	eventually(t, func() impv1.VMStart { return e.get("c1").Status.Start }).Should(Equal(impv1.StartWarm))
+	replicaFailure := func() string {
+		c := apimeta.FindStatusCondition(e.getWarmPool("p").Status.Conditions, impv1.WarmPoolReplicaFailureCondition)
+		if c == nil || c.Status != metav1.ConditionTrue {
+			return ""
+		}
+		return c.Reason
+	}
+	eventually(t, replicaFailure).Should(Equal(impv1.ReasonQuotaExceeded))
+	g.Expect(e.getWarmPool("p").Status.Idle).To(Equal(int32(1)))
+
+	e.create(e.claim("c2", "p"), e.claim("c3", "p"))
+	eventually(t, func() int {
+		n := 0
+		for _, c := range []string{"c2", "c3"} {
+			if v := e.get(c); v.Status.NodeName != "" || scheduled(v) == impv1.ReasonQuotaExceeded {
+				n++
+			}
+		}
+		return n
+	}).Should(Equal(2))
+	starts := map[string]int{}
+	for _, c := range []string{"c2", "c3"} {
+		v := e.get(c)
+		starts[string(v.Status.Start)+"/"+scheduled(v)]++
+	}
+	g.Expect(starts).To(Equal(map[string]int{"warm/True": 1, "/QuotaExceeded": 1}))
+
+	e.setQuota("team", 12, "12Gi")
+	for _, c := range []string{"c1", "c2", "c3"} {
+		eventually(t, func() string { return readyReason(e.get(c)) }).Should(Equal(impv1.ReasonGuestReady))
+	}
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(2)))
+	eventually(t, replicaFailure).Should(BeEmpty())
 }

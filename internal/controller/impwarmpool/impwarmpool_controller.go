@@ -412,10 +412,24 @@ func (r *Reconciler) computeStatus(pool *impv1.ImpWarmPool, tmpl *impv1.ImpVMTem
 	meta.SetStatusCondition(&st.Conditions, ready)
 	rf := metav1.Condition{Type: impv1.WarmPoolReplicaFailureCondition, Status: metav1.ConditionFalse, Reason: impv1.ReasonMembersCreated,
 		Message: "no member creation is failing", ObservedGeneration: pool.Generation}
+	if f == nil {
+		f = waitingForQuota(members)
+	}
 	if f != nil {
 		rf.Status, rf.Reason, rf.Message = metav1.ConditionTrue, f.reason, f.message
 	}
 	meta.SetStatusCondition(&st.Conditions, rf)
+}
+
+// waitingForQuota is a member made but not placed because the namespace's ImpQuota is full
+// (idle members count in it as any VM): the pool is short for that reason.
+func waitingForQuota(members []*member) *failure {
+	for _, m := range live(members) {
+		if c := meta.FindStatusCondition(m.vm.Status.Conditions, impv1.ScheduledCondition); !m.placed && c != nil && c.Status == metav1.ConditionFalse && c.Reason == impv1.ReasonQuotaExceeded {
+			return &failure{reason: impv1.ReasonQuotaExceeded, message: fmt.Sprintf("member %s waits for room in the namespace's quota: %s", m.vm.Name, c.Message)}
+		}
+	}
+	return nil
 }
 
 func (r *Reconciler) writeStatus(ctx context.Context, orig, pool *impv1.ImpWarmPool) error {
