@@ -90,6 +90,9 @@ func (l *Ledger) Watch(ctx context.Context, c cache.Cache) error {
 	if err != nil {
 		return fmt.Errorf("getting the ImpVM informer for the warm pool ledger: %w", err)
 	}
+	l.mu.Lock()
+	l.synced = func() bool { return false } // until the handler is registered and has seen the first list
+	l.mu.Unlock()
 	reg, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
 		AddFunc: func(o any) {
 			if vm, ok := o.(*impv1.ImpVM); ok {

@@ -541,10 +541,10 @@ func (r *Reconciler) reconcilePlacement(ctx context.Context, s *scope) error {
 		}
 		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Handed idle member %s of ImpWarmPool %s on node %s%s", w.Member, w.Pool, node, at)
 	} else if addr.IsValid() {
-		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory) with address %s on ImpNetwork %s",
-			node, res.VCPUs, res.Memory.String(), addr, net.Name)
+		r.Recorder.Eventf(vm, net, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory) with address %s on ImpNetwork %s%s",
+			node, res.VCPUs, res.Memory.String(), addr, net.Name, s.warmNote())
 	} else {
-		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory)", node, res.VCPUs, res.Memory.String())
+		r.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Scheduled", "Place", "Placed on node %s (%d vCPUs, %s memory)%s", node, res.VCPUs, res.Memory.String(), s.warmNote())
 	}
 	log.FromContext(ctx).V(1).Info("placed", "node", klog.KRef("", node), "instance", vm.Status.Instance)
 	return nil

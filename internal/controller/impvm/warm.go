@@ -68,8 +68,9 @@ func (r *Reconciler) takeMember(s *scope, req placement.Request, nodes []placeme
 	if r.Warm == nil || pool == nil || !r.Warm.Synced() {
 		return nil
 	}
-	if vm.Status.Instance != 0 {
-		return nil // a member is handed at a claim's first placement only (not after a failed handover, nor a lost node)
+	if vm.Status.Instance != 0 { // not after a failed handover, nor a lost node
+		s.warmMsg = "a member is handed at a claim's first placement only: restored from its template"
+		return nil
 	}
 	if _, placed := r.Ledger.NodeOf(vm.UID); placed && !r.Warm.Holds(vm.UID) {
 		return nil // placed to be restored by a reconcile whose write did not land: the same decision
@@ -127,6 +128,18 @@ func (r *Reconciler) handoverFailed(s *scope) bool {
 	r.Ledger.Release(vm.UID)
 	r.signalFreed()
 	return true
+}
+
+// warmNote is, for a claim placed to be restored, why it was not handed a member, for its
+// placement's Event.
+func (s *scope) warmNote() string {
+	switch {
+	case s.warmMsg != "":
+		return "; " + s.warmMsg
+	case s.pool != nil && s.vm.IsClaim():
+		return "; no idle member of ImpWarmPool " + s.pool.Name + " it can become: restored from its template"
+	}
+	return ""
 }
 
 // giveBack returns a claim's holding to the member it was bound to, when the claim's placement

@@ -97,6 +97,10 @@ func warmRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	if err != nil {
 		return err
 	}
+	all, err := countRequests(auditLog, from, size(auditLog))
+	if err != nil {
+		return err
+	}
 	var list impv1.ImpVMList
 	if err := c.List(ctx, &list, client.InNamespace(ns)); err != nil {
 		return err
@@ -128,6 +132,8 @@ func warmRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	fmt.Printf("  %-34s %d claims at once against %d idle members: %.1f claims/s (target ≥ 20) to guest ready; served warm %d, restored %d\n",
 		"warm: burst", o.warm, idleBefore, float64(o.warm)/elapsed.Seconds(), served[impv1.StartWarm], served[impv1.StartRestored])
 	fmt.Printf("  %-34s %.2f besides its create (target ≤ 3):%s\n", "warm: API writes per claim", float64(total)/float64(o.warm), byWho)
+	fmt.Printf("  %-34s every request of the burst per claim, its member's deletion and the pool's refill included: operator %s\n",
+		"warm: requests per claim", all.describe("operator", o.warm))
 	return nil
 }
 
