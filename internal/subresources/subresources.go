@@ -199,6 +199,12 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is not placed on a node (phase %q)", vm.Status.Phase)))
 		return
 	}
+	if pool := impv1.WarmPoolOf(vm); pool != "" && sub != "log" {
+		// An idle member is the pool's, to be handed to a claim as it was made: nothing is run
+		// or typed in it before then (its console log may be read).
+		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is an idle member of ImpWarmPool %s: it takes no %s until it is handed to a claim (kubectl imp claim %s)", pool, sub, pool)))
+		return
+	}
 	addr, err := s.agentAddress(ctx, vm.Status.NodeName)
 	if err != nil {
 		writeStatus(w, apierrors.NewServiceUnavailable(err.Error()))

@@ -292,6 +292,41 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 	}
 }
 
+// TestIdleMembersTakeNoAccess: a warm pool's idle member is handed to a claim as its pool made
+// it: exec, console and port-forward are refused (409) while it is one; its log may be read.
+// A VM that carries the label without the pool as its controller is no member.
+func TestIdleMembersTakeNoAccess(t *testing.T) {
+	w := newWorld(t)
+	alice := w.user(t, "alice", "imp-edit", "imp-view")
+	ctx := context.Background()
+	setMember := func(labels map[string]string, owners []metav1.OwnerReference) {
+		t.Helper()
+		vm := &impv1.ImpVM{}
+		if err := w.cl.Client.Get(ctx, types.NamespacedName{Namespace: w.nsA, Name: "vm"}, vm); err != nil {
+			t.Fatal(err)
+		}
+		vm.Labels, vm.OwnerReferences = labels, owners
+		if err := w.cl.Client.Update(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	owner := metav1.OwnerReference{APIVersion: impv1.GroupVersion.String(), Kind: "ImpWarmPool", Name: "p", UID: "pool-uid", Controller: ptr.To(true)}
+	setMember(map[string]string{impv1.WarmPoolLabel: "p"}, []metav1.OwnerReference{owner})
+	if _, err := w.exec(alice, w.nsA, "", "true"); err == nil || !strings.Contains(err.Error(), "idle member of ImpWarmPool p") {
+		t.Errorf("exec in an idle member: %v, want refused", err)
+	}
+	if _, err := w.console(alice, w.nsA, "hi"); err == nil || !strings.Contains(err.Error(), "idle member") {
+		t.Errorf("the console of an idle member: %v, want refused", err)
+	}
+	if log, err := w.log(alice, w.nsA); err != nil || log != "boot\n" {
+		t.Errorf("an idle member's log: %q, %v", log, err)
+	}
+	setMember(map[string]string{impv1.WarmPoolLabel: "p"}, nil) // the label alone
+	if out, err := w.exec(alice, w.nsA, "", "sh", "-c", "echo not a member"); err != nil || out != "not a member\n" {
+		t.Errorf("exec in a VM with the label and no pool as controller: %q, %v", out, err)
+	}
+}
+
 // audited is the audit log's accesses to the subresources, as "user verb resource/sub A|B code"
 // (A: namespace nsA).
 func audited(t *testing.T, nsA string) map[string]bool {
