@@ -355,8 +355,8 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, concurrency int) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		For(&impv1.ImpWarmPool{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Named("impwarmpool").
-		Owns(&impv1.ImpVM{}).
-		Watches(&impv1.ImpVM{}, handler.EnqueueRequestsFromMapFunc(claimsPool)).
+		// One handler for its members and its claims: every VM event passes through it.
+		Watches(&impv1.ImpVM{}, handler.EnqueueRequestsFromMapFunc(poolOf)).
 		Watches(&impv1.ImpVMTemplate{}, handler.EnqueueRequestsFromMapFunc(r.poolsOfNamespace)).
 		Watches(&impv1.ImpQuota{}, handler.EnqueueRequestsFromMapFunc(r.poolsOfNamespace),
 			builder.WithPredicates(predicate.GenerationChangedPredicate{})).
@@ -364,13 +364,21 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager, concurrency int) error {
 		Complete(r)
 }
 
-// claimsPool is the pool a claim served warm names: its member is deleted once handed over.
-func claimsPool(_ context.Context, o client.Object) []reconcile.Request {
+// poolOf is the pool of a member (its label, with the pool as its controller), or the pool a
+// claim served warm names (its member is deleted once handed over); none for any other VM.
+func poolOf(_ context.Context, o client.Object) []reconcile.Request {
 	vm, ok := o.(*impv1.ImpVM)
-	if !ok || vm.Status.Warm == nil || !vm.IsClaim() {
+	if !ok {
 		return nil
 	}
-	return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: vm.Namespace, Name: vm.Status.Warm.Pool}}}
+	pool := impv1.WarmPoolOf(vm)
+	if w := vm.Status.Warm; pool == "" && w != nil && vm.IsClaim() {
+		pool = w.Pool
+	}
+	if pool == "" {
+		return nil
+	}
+	return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: vm.Namespace, Name: pool}}}
 }
 
 func (r *Reconciler) poolsOfNamespace(ctx context.Context, o client.Object) []reconcile.Request {
