@@ -95,6 +95,11 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 		// A copy's snapshot is the operator's choice: an agent naming another would restore
 		// whatever snapshot it liked into the VM.
 		`{"status":{"template":{"revision":"r","image":"registry.example/app:v1","snapshot":"snap-b"}}}`,
+		// The warm pool member a claim was handed is read by the operator's ledger: an agent
+		// naming one would take it from its pool (another namespace's included), whose
+		// controller would delete it.
+		`{"status":{"start":"warm","warm":{"pool":"p","member":"p-x","memberUID":"00000000-0000-0000-0000-000000000001"}}}`,
+		`{"status":{"image":"registry.example/other:v1"}}`,
 	} {
 		err := asA.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "on-a"}}, client.RawPatch(types.MergePatchType, []byte(patch)))
 		if !refused(err, "may write status.runtime of on-a only") {

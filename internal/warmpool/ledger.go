@@ -52,8 +52,8 @@ type Member struct {
 
 // Claim names a claim bound to a member.
 type Claim struct {
-	UID  types.UID
-	Name string
+	UID             types.UID
+	Namespace, Name string
 }
 
 type member struct {
@@ -179,7 +179,7 @@ func (l *Ledger) Observe(vm *impv1.ImpVM) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if w := vm.Status.Warm; vm.IsClaim() && w != nil && w.MemberUID != "" {
-		l.bind(types.UID(w.MemberUID), Claim{UID: vm.UID, Name: vm.Name})
+		l.bind(types.UID(w.MemberUID), Claim{UID: vm.UID, Namespace: vm.Namespace, Name: vm.Name})
 	}
 	pool := impv1.WarmPoolOf(vm)
 	if pool == "" || !vm.DeletionTimestamp.IsZero() {
@@ -229,9 +229,23 @@ func (l *Ledger) drop(uid types.UID) {
 	}
 }
 
+// boundTo is the claim bound to a member. A binding of a claim of another namespace than the
+// member's counts for nothing (a claim's status names a member by UID alone): a claim takes
+// members of its own namespace's pools only.
+func (l *Ledger) boundTo(memberUID types.UID) (Claim, bool) {
+	c, ok := l.holder[memberUID]
+	if m, known := l.members[memberUID]; ok && known && m.pool.Namespace != c.Namespace {
+		return Claim{}, false
+	}
+	return c, ok
+}
+
 func (l *Ledger) bind(memberUID types.UID, claim Claim) bool {
-	if c, ok := l.holder[memberUID]; ok && c.UID != claim.UID {
+	if c, ok := l.boundTo(memberUID); ok && c.UID != claim.UID {
 		return false
+	}
+	if old, ok := l.holder[memberUID]; ok && old.UID != claim.UID && l.held[old.UID] == memberUID {
+		delete(l.held, old.UID) // a binding that counted for nothing
 	}
 	l.holder[memberUID] = claim
 	l.held[claim.UID] = memberUID
@@ -260,7 +274,7 @@ func (l *Ledger) Take(pool types.NamespacedName, claim Claim, accept func(Member
 		if !m.idle || l.retired[uid] {
 			continue
 		}
-		if _, bound := l.holder[uid]; bound || !accept(m.Member) {
+		if _, bound := l.boundTo(uid); bound || !accept(m.Member) {
 			continue
 		}
 		l.bind(uid, claim)
@@ -282,7 +296,7 @@ func (l *Ledger) Holds(claim types.UID) bool {
 func (l *Ledger) Retire(memberUID types.UID) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if _, bound := l.holder[memberUID]; bound {
+	if _, bound := l.boundTo(memberUID); bound {
 		return false
 	}
 	l.retired[memberUID] = true
@@ -293,7 +307,7 @@ func (l *Ledger) Retire(memberUID types.UID) bool {
 func (l *Ledger) Claim(memberUID types.UID) (Claim, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	c, ok := l.holder[memberUID]
+	c, ok := l.boundTo(memberUID)
 	return c, ok
 }
 
@@ -303,7 +317,7 @@ func (l *Ledger) Idle(pool types.NamespacedName) int {
 	defer l.mu.Unlock()
 	n := 0
 	for uid := range l.byPool[pool] {
-		if _, bound := l.holder[uid]; l.members[uid].idle && !bound && !l.retired[uid] {
+		if _, bound := l.boundTo(uid); l.members[uid].idle && !bound && !l.retired[uid] {
 			n++
 		}
 	}

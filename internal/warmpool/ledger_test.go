@@ -39,7 +39,7 @@ func TestConcurrentClaimsNeverShareAMember(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			claim := warmpool.Claim{UID: types.UID(fmt.Sprintf("c%d", c))}
+			claim := warmpool.Claim{UID: types.UID(fmt.Sprintf("c%d", c)), Namespace: "ns"}
 			m, ok := l.Take(pool, claim, anyMember)
 			if !ok {
 				return
@@ -65,8 +65,8 @@ func TestATakeIsRepeatedForItsClaim(t *testing.T) {
 	l := warmpool.NewLedger()
 	l.Observe(member(1))
 	l.Observe(member(2))
-	a, _ := l.Take(pool, warmpool.Claim{UID: "c"}, anyMember)
-	b, ok := l.Take(pool, warmpool.Claim{UID: "c"}, anyMember)
+	a, _ := l.Take(pool, warmpool.Claim{UID: "c", Namespace: "ns"}, anyMember)
+	b, ok := l.Take(pool, warmpool.Claim{UID: "c", Namespace: "ns"}, anyMember)
 	if !ok || a.UID != b.UID {
 		t.Fatalf("the claim's retry got %v, want %v again", b, a)
 	}
@@ -79,7 +79,7 @@ func TestABoundMemberIsNeverIdleAgain(t *testing.T) {
 	m := member(1)
 	l.Observe(m)
 	claim := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "c", UID: "c"}, Spec: impv1.ImpVMSpec{WarmPoolRef: &impv1.WarmPoolReference{Name: "p"}}}
-	if _, ok := l.Take(pool, warmpool.Claim{UID: claim.UID, Name: claim.Name}, anyMember); !ok {
+	if _, ok := l.Take(pool, warmpool.Claim{UID: claim.UID, Namespace: claim.Namespace, Name: claim.Name}, anyMember); !ok {
 		t.Fatal("no member taken")
 	}
 	l.Forget(claim) // the claim deleted before the handover
@@ -88,7 +88,7 @@ func TestABoundMemberIsNeverIdleAgain(t *testing.T) {
 	relabelled.OwnerReferences[0].Name = "q"
 	l.Observe(relabelled)
 	l.Observe(m)
-	if _, ok := l.Take(pool, warmpool.Claim{UID: "other"}, anyMember); ok {
+	if _, ok := l.Take(pool, warmpool.Claim{UID: "other", Namespace: "ns"}, anyMember); ok {
 		t.Error("a consumed member was handed out again")
 	}
 	if l.Retire(m.UID) {
@@ -100,7 +100,7 @@ func TestABoundMemberIsNeverIdleAgain(t *testing.T) {
 	claim.Status.Warm = &impv1.WarmStatus{Pool: "p", Member: m.Name, MemberUID: string(m.UID)}
 	l.Observe(m)
 	l.Observe(claim)
-	if _, ok := l.Take(pool, warmpool.Claim{UID: "other"}, anyMember); ok {
+	if _, ok := l.Take(pool, warmpool.Claim{UID: "other", Namespace: "ns"}, anyMember); ok {
 		t.Error("after a restart, a member bound in a claim's status was handed out again")
 	}
 }
@@ -120,20 +120,55 @@ func TestOnlyIdleMembersOfThePoolAreTaken(t *testing.T) {
 			m := member(1)
 			change(m)
 			l.Observe(m)
-			if _, ok := l.Take(pool, warmpool.Claim{UID: "c"}, anyMember); ok {
+			if _, ok := l.Take(pool, warmpool.Claim{UID: "c", Namespace: "ns"}, anyMember); ok {
 				t.Error("taken")
 			}
 		})
 	}
 	l := warmpool.NewLedger()
 	l.Observe(member(1))
-	if _, ok := l.Take(types.NamespacedName{Namespace: "other", Name: "p"}, warmpool.Claim{UID: "c"}, anyMember); ok {
+	if _, ok := l.Take(types.NamespacedName{Namespace: "other", Name: "p"}, warmpool.Claim{UID: "c", Namespace: "ns"}, anyMember); ok {
 		t.Error("a member of a pool of the same name in another namespace was taken")
 	}
 	if !l.Retire("m001") {
 		t.Fatal("an idle member could not be retired")
 	}
-	if _, ok := l.Take(pool, warmpool.Claim{UID: "c"}, anyMember); ok {
+	if _, ok := l.Take(pool, warmpool.Claim{UID: "c", Namespace: "ns"}, anyMember); ok {
 		t.Error("a retired member was taken")
+	}
+}
+
+// A claim's status names its member by UID alone: a claim of another namespace naming a member
+// (written by no one who may: status is the operator's, and an agent's policy refuses it) takes
+// nothing from the member's pool, and the member's own namespace's claims still get it.
+func TestAClaimOfAnotherNamespaceTakesNothing(t *testing.T) {
+	for _, order := range []string{"member first", "claim first"} {
+		t.Run(order, func(t *testing.T) {
+			l := warmpool.NewLedger()
+			m := member(1)
+			foreign := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "other", Name: "c", UID: "foreign"},
+				Spec:   impv1.ImpVMSpec{WarmPoolRef: &impv1.WarmPoolReference{Name: "p"}},
+				Status: impv1.ImpVMStatus{Warm: &impv1.WarmStatus{Pool: "p", Member: m.Name, MemberUID: string(m.UID)}}}
+			if order == "member first" {
+				l.Observe(m)
+				l.Observe(foreign)
+			} else {
+				l.Observe(foreign)
+				l.Observe(m)
+			}
+			if _, ok := l.Claim(m.UID); ok {
+				t.Error("the member counts as bound to another namespace's claim")
+			}
+			if n := l.Idle(pool); n != 1 {
+				t.Errorf("%d idle, want 1", n)
+			}
+			got, ok := l.Take(pool, warmpool.Claim{UID: "mine", Namespace: "ns"}, anyMember)
+			if !ok || got.UID != m.UID {
+				t.Fatalf("the namespace's own claim got %v, %v", got, ok)
+			}
+			if c, ok := l.Claim(m.UID); !ok || c.UID != "mine" {
+				t.Errorf("bound to %v, want mine", c)
+			}
+		})
 	}
 }

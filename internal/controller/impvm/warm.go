@@ -88,7 +88,7 @@ func (r *Reconciler) takeMember(s *scope, req placement.Request, nodes []placeme
 		byName[n.Node.Name] = n
 	}
 	fits := placement.Request{Labels: req.Labels, Tolerations: req.Tolerations}
-	m, ok := r.Warm.Take(client.ObjectKeyFromObject(pool), warmpool.Claim{UID: vm.UID, Name: vm.Name}, func(m warmpool.Member) bool {
+	m, ok := r.Warm.Take(client.ObjectKeyFromObject(pool), warmpool.Claim{UID: vm.UID, Namespace: vm.Namespace, Name: vm.Name}, func(m warmpool.Member) bool {
 		n, ok := byName[m.Node]
 		if !ok || n.Report == nil || !n.Report.HasFeature(impv1.FeatureWarmHandover) || m.Network != network || m.Resources == nil || m.Template == nil {
 			return false
