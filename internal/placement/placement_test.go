@@ -479,3 +479,35 @@ func TestClaimsAreHeldAlone(t *testing.T) {
 		t.Errorf("after the holder was released: %v", err)
 	}
 }
+
+// TestHandMovesAHolding: a warm pool member's holding becomes its claim's, on its node: the
+// node's and the namespace's usage do not change; a retry returns the claim's node; a VM that
+// holds nothing hands nothing.
+func TestHandMovesAHolding(t *testing.T) {
+	l := NewLedger()
+	l.Hold("member", Holding{Node: "n1", Namespace: "ns", VCPUs: 2, Memory: 512 << 20, Overhead: 32 << 20, Disk: 1 << 30, VM: "p-x"})
+	vcpus, mem := l.Used("n1")
+	usage := l.NamespaceUsage("ns")
+	node, ok := l.Hand("member", "claim", "c")
+	if !ok || node != "n1" {
+		t.Fatalf("Hand = %q, %v; want n1", node, ok)
+	}
+	if v, m := l.Used("n1"); v != vcpus || m != mem {
+		t.Errorf("the node's usage went from %d vCPUs, %d B to %d, %d", vcpus, mem, v, m)
+	}
+	if u := l.NamespaceUsage("ns"); u != usage {
+		t.Errorf("the namespace's usage went from %+v to %+v", usage, u)
+	}
+	if _, held := l.NodeOf("member"); held {
+		t.Error("the member still holds its node")
+	}
+	if n, held := l.NodeOf("claim"); !held || n != "n1" {
+		t.Errorf("the claim holds %q, %v", n, held)
+	}
+	if node, ok := l.Hand("member", "claim", "c"); !ok || node != "n1" {
+		t.Errorf("a retry: %q, %v", node, ok)
+	}
+	if _, ok := l.Hand("nobody", "other", "o"); ok {
+		t.Error("a VM that holds nothing handed something")
+	}
+}

@@ -311,6 +311,18 @@ func (l *Ledger) Claim(memberUID types.UID) (Claim, bool) {
 	return c, ok
 }
 
+// Nodes is, for each member of pool (bound or not, not being deleted), the node it is placed on
+// as the cache has it ("" while it is not, or the cache has not seen its placement yet).
+func (l *Ledger) Nodes(pool types.NamespacedName) map[types.UID]string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make(map[types.UID]string, len(l.byPool[pool]))
+	for uid := range l.byPool[pool] {
+		out[uid] = l.members[uid].Node
+	}
+	return out
+}
+
 // Idle is the number of pool's members that can be handed out now.
 func (l *Ledger) Idle(pool types.NamespacedName) int {
 	l.mu.Lock()

@@ -32,6 +32,8 @@ type WarmMembers interface {
 	Claim(member types.UID) (warmpool.Claim, bool)
 	// Holds is true when claim is bound to a member.
 	Holds(claim types.UID) bool
+	// Nodes is where each member of pool is placed, as the cache has it.
+	Nodes(pool types.NamespacedName) map[types.UID]string
 	// Synced: the ledger has seen every VM of the operator's first list. Until then no claim
 	// is bound (a binding it has not seen yet could be made twice).
 	Synced() bool
@@ -203,25 +205,20 @@ func (r *Reconciler) place(ctx context.Context, s *scope, req placement.Request,
 }
 
 // spread groups nodes by how many members of the pool each holds (placed, or decided and not
-// yet written, not being deleted), fewest first; one group of all when the pool does not spread (or cannot be read).
+// yet written, not being deleted), fewest first; one group of all when the pool does not spread
+// (or cannot be read).
 func (r *Reconciler) spread(ctx context.Context, vm *impv1.ImpVM, pool string, nodes []placement.Node) [][]placement.Node {
 	p := &impv1.ImpWarmPool{}
-	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: pool}, p); err != nil || p.Spec.Spread == impv1.WarmPoolSpreadNone {
-		return [][]placement.Node{nodes}
-	}
-	var members impv1.ImpVMList
-	if err := r.Client.List(ctx, &members, client.InNamespace(vm.Namespace), client.MatchingLabels{impv1.WarmPoolLabel: pool}, client.UnsafeDisableDeepCopy); err != nil {
+	if err := r.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: pool}, p); err != nil || p.Spec.Spread == impv1.WarmPoolSpreadNone || r.Warm == nil {
 		return [][]placement.Node{nodes}
 	}
 	held := map[string]int{}
-	for i := range members.Items {
-		m := &members.Items[i]
-		if impv1.WarmPoolOf(m) != pool || !m.DeletionTimestamp.IsZero() || m.UID == vm.UID {
+	for uid, node := range r.Warm.Nodes(client.ObjectKeyFromObject(p)) {
+		if uid == vm.UID {
 			continue
 		}
-		node := m.Status.NodeName
 		if node == "" { // placed by a reconcile whose write the cache has not seen yet
-			node, _ = r.Ledger.NodeOf(m.UID)
+			node, _ = r.Ledger.NodeOf(uid)
 		}
 		if node != "" {
 			held[node]++

@@ -79,6 +79,13 @@ type Reconciler struct {
 	refills refills
 }
 
+func (r *Reconciler) clock() clock.PassiveClock {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
+}
+
 // member is one of a pool's VMs as the controller sees it.
 type member struct {
 	vm      *impv1.ImpVM
@@ -129,11 +136,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 			requeue = CreateRetry
 		}
 	}
-	now := clock.PassiveClock(clock.RealClock{})
-	if r.Clock != nil {
-		now = r.Clock
-	}
-	r.refills.observe(req.NamespacedName, members, now.Now())
+	r.refills.observe(req.NamespacedName, members, r.clock().Now())
 	r.computeStatus(pool, tmpl, members, failure)
 	if err := r.writeStatus(ctx, orig, pool); apierrors.IsConflict(err) {
 		return ctrl.Result{Requeue: true}, nil
@@ -259,16 +262,14 @@ func live(members []*member) []*member {
 // scale deletes members beyond replicas (and, with Recreate, those of an older revision), in
 // this order: unplaced, not idle, stale, newest. A member a claim took meanwhile is skipped.
 func (r *Reconciler) scale(ctx context.Context, pool *impv1.ImpWarmPool, members []*member) error {
-	ms := live(members)
-	var doomed []*member
-	if pool.Spec.UpdateStrategy.Type == impv1.WarmPoolRecreate {
-		for _, m := range ms {
-			if m.stale {
-				doomed = append(doomed, m)
-			}
+	var doomed, keep []*member
+	for _, m := range live(members) {
+		if m.stale && pool.Spec.UpdateStrategy.Type == impv1.WarmPoolRecreate {
+			doomed = append(doomed, m)
+		} else {
+			keep = append(keep, m)
 		}
 	}
-	keep := slices.DeleteFunc(slices.Clone(ms), func(m *member) bool { return slices.Contains(doomed, m) })
 	if surplus := len(keep) - int(ptr.Deref(pool.Spec.Replicas, 1)); surplus > 0 {
 		slices.SortStableFunc(keep, func(a, b *member) int {
 			for _, less := range []func(*member) bool{
@@ -441,23 +442,11 @@ func waitingForQuota(members []*member) *failure {
 }
 
 func (r *Reconciler) writeStatus(ctx context.Context, orig, pool *impv1.ImpWarmPool) error {
-	if statusEqual(orig.Status, pool.Status) {
+	if equality.Semantic.DeepEqual(orig.Status, pool.Status) { // a condition unchanged keeps its time
 		return nil
 	}
 	if err := r.Client.Status().Patch(ctx, pool, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 		return fmt.Errorf("writing the status of ImpWarmPool %s: %w", pool.Name, err)
 	}
 	return nil
-}
-
-func statusEqual(a, b impv1.ImpWarmPoolStatus) bool {
-	ca, cb := a.Conditions, b.Conditions
-	a.Conditions, b.Conditions = nil, nil
-	return equality.Semantic.DeepEqual(a, b) && conditionsEqual(ca, cb)
-}
-
-func conditionsEqual(a, b []metav1.Condition) bool {
-	return slices.EqualFunc(a, b, func(x, y metav1.Condition) bool {
-		return x.Type == y.Type && x.Status == y.Status && x.Reason == y.Reason && x.Message == y.Message && x.ObservedGeneration == y.ObservedGeneration
-	})
 }
