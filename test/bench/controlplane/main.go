@@ -738,12 +738,12 @@ func bareRun(ctx context.Context, cl *testcluster.Cluster, o options, tr *tracke
 	return tr.wait(ctx, "bare-run", "gone", o.runN, nil)
 }
 
-// floorStatus is the status IMP's operator writes for a VM of the bench (create's) placed on
-// node, before its guest is ready and once it is (the fields a merge patch from one to the
-// other changes: the phase, the Ready condition, the start).
 // benchImage is every bench VM's image.
 var benchImage = "registry.test/app@sha256:" + strings.Repeat("ab", 32)
 
+// floorStatus is the status IMP's operator writes for a VM of the bench (create's) placed on
+// node, before its guest is ready and once it is (the fields a merge patch from one to the
+// other changes: the phase, the Ready condition, the start).
 func floorStatus(node string, running bool, now time.Time) impv1.ImpVMStatus {
 	t := metav1.NewTime(now.Truncate(time.Second))
 	st := impv1.ImpVMStatus{ObservedGeneration: 1, Phase: impv1.VMScheduled, NodeName: node, Instance: 1, Image: benchImage, Start: impv1.StartBooted,
