@@ -3,6 +3,7 @@ package v1alpha1
 import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // WarmPoolLabel is set on an ImpWarmPool's members to the pool's name; the pool's
@@ -234,6 +235,18 @@ func (vm *ImpVM) TemplateName() string {
 		return vm.Status.Template.Name
 	}
 	return ""
+}
+
+// HostUID is the UID the VM's run is kept under on its node (its state directory, VMM, jail,
+// tap, endpoint): for a claim served warm, the member's whose running guest it was handed
+// (status.warm.memberUID: status is the operator's to write, so a tenant never points a VM at
+// another's run); the VM's own UID otherwise. What is said of the VM to the API server is
+// always the VM's own.
+func (vm *ImpVM) HostUID() types.UID {
+	if w := vm.Status.Warm; w != nil && w.MemberUID != "" && vm.Status.Start == StartWarm && vm.IsClaim() {
+		return types.UID(w.MemberUID)
+	}
+	return vm.UID
 }
 
 // WarmPoolOf is the pool a VM is a member of: the pool named by its label, when the pool is

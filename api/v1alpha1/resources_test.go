@@ -101,3 +101,25 @@ func TestRequiredNodeLabels(t *testing.T) {
 		})
 	}
 }
+
+// TestHostUID: a claim served warm keeps its run under its member's UID; any other VM, a
+// claim restored included, under its own.
+func TestHostUID(t *testing.T) {
+	warm := &WarmStatus{Pool: "p", Member: "p-x", MemberUID: "member"}
+	for _, tc := range []struct {
+		name string
+		vm   ImpVM
+		want string
+	}{
+		{"a VM", ImpVM{}, "own"},
+		{"a claim served warm", ImpVM{Spec: ImpVMSpec{WarmPoolRef: &WarmPoolReference{Name: "p"}}, Status: ImpVMStatus{Start: StartWarm, Warm: warm}}, "member"},
+		{"a claim restored", ImpVM{Spec: ImpVMSpec{WarmPoolRef: &WarmPoolReference{Name: "p"}}, Status: ImpVMStatus{Start: StartRestored}}, "own"},
+		{"a claim whose handover failed", ImpVM{Spec: ImpVMSpec{WarmPoolRef: &WarmPoolReference{Name: "p"}}, Status: ImpVMStatus{Start: StartWarm}}, "own"},
+		{"not a claim", ImpVM{Status: ImpVMStatus{Start: StartWarm, Warm: warm}}, "own"},
+	} {
+		tc.vm.UID = "own"
+		if got := tc.vm.HostUID(); string(got) != tc.want {
+			t.Errorf("%s: %s, want %s", tc.name, got, tc.want)
+		}
+	}
+}

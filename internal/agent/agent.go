@@ -20,6 +20,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
@@ -34,6 +35,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/imagefetch"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
@@ -43,6 +45,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/runreport"
 	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/snapshotter"
+	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/agent/volume"
@@ -79,6 +82,10 @@ type Agent struct {
 	net       *hostnet.Host
 	writables *disk.Writables
 	volumes   volume.Maker
+	handovers *handover.Handovers
+	// hosts serialise the reconciles of the VMs whose runs one state directory keeps (a warm
+	// pool member's and its claim's).
+	hosts handover.Locks
 
 	// stops are the stops in progress, by VM, under mu (for the map's operations alone). A
 	// VM's own reconcile is never concurrent with itself (controller-runtime), so a stop's
@@ -134,7 +141,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.node = &nodereport.Reporter{Client: a.Client, APIReader: a.APIReader, NodeName: o.NodeName, StateDir: o.StateDir,
 		ReserveVCPUs: o.ReserveVCPUs, ReserveMemory: o.ReserveMemory, ReserveDisk: o.ReserveDisk, VCPUOvercommit: o.VCPUOvercommit,
 		Accel: o.Accel, Kernel: o.Kernel, Initramfs: o.Initramfs, OverlayAddress: o.OverlayAddress, VMMs: a.drivers.Capabilities(),
-		Interval: o.ReportInterval, Images: images}
+		Interval: o.ReportInterval, Images: images, Features: []string{impv1.FeatureWarmHandover}}
 	if memories != nil {
 		a.node.Held = o.SnapshotMemoryCache // the cache's memory is not offered to VMs
 	}
@@ -154,6 +161,16 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err := a.snapshots.SetupWithManager(mgr); err != nil {
 		return err
 	}
+	insecure := o.InsecureRegistries
+	a.handovers = &handover.Handovers{Reports: a.reports, Runs: a.Runs, Recorder: a.Recorder, Quit: stoppers{a.Runs, a.drivers}.Quit,
+		Steps: handover.Steps{
+			Member: handover.Member{Cache: a.Client, API: a.APIReader, Node: o.NodeName, Runs: a.Runs},
+			Image: steps.Image{Fetches: a.fetches, Reports: a.reports, FetchWait: imagefetch.FetchWait,
+				NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }},
+			Volumes: steps.Volumes{Maker: a.volumes}, Identity: handover.Identity{IDs: a.drivers},
+			Readdress: steps.Readdress{Networks: a.networks}, Expose: steps.Expose{Exposer: a.exposer},
+			Continue: steps.Continue{Continuers: a.drivers}, Reidentify: steps.Reidentify{Guests: a.snapshots},
+		}}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}
 	for _, r := range []manager.Runnable{a.node, heartbeat, sweeper{a},
 		// The spare writable disks being made are finished before the agent stops.

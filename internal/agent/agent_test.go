@@ -228,7 +228,7 @@ func (w *world) tryExec(name string, args ...string) (string, error) {
 	if v == nil {
 		return "", fmt.Errorf("no ImpVM %s", name)
 	}
-	s, err := w.agent.Runs.Session(types.NamespacedName{Namespace: w.ns, Name: name}, v.UID)
+	s, err := w.agent.Runs.Session(types.NamespacedName{Namespace: w.ns, Name: name}, v.HostUID())
 	if err != nil {
 		return "", err
 	}
@@ -320,7 +320,7 @@ func diagnose(c client.Client, vm *impv1.ImpVM, stateDirOf func(node string) str
 }
 
 func (w *world) console(vm *impv1.ImpVM) string {
-	b, _ := os.ReadFile(filepath.Join(w.stateDir, "vms", string(vm.UID), qemu.ConsoleLog))
+	b, _ := os.ReadFile(filepath.Join(w.stateDir, "vms", string(vm.HostUID()), qemu.ConsoleLog))
 	return string(b)
 }
 

@@ -85,11 +85,15 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 }
 
 // finishRestorePlan finishes a restore an agent began and did not see through (it stopped
-// after the VMM started): the guest run on, and given its identity.
+// after the VMM started, or a warm pool member handed to its claim): the guest run on, and
+// given its identity. The VMM runs and holds its tap: only the tap's rules are made the VM's.
 func (a *Agent) finishRestorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	var ss []steps.Step
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks})
+		ss = append(ss, steps.Readdress{Networks: a.networks})
+	}
+	if vm.HostUID() != vm.UID {
+		ss = append(ss, steps.Continue{Continuers: a.drivers}) // a member waits paused
 	}
 	ss = append(ss, steps.Resumed{Resumer: launcher{a.drivers}}, steps.Reidentify{Guests: a.snapshots})
 	return plan.Plan[*vmrun.Run]{Name: "restore", Reason: impv1.ReasonRestoreFailed, Steps: ss}
@@ -166,7 +170,7 @@ func (s stoppers) Quit(ctx context.Context, kind string, uid types.UID) error {
 type freezer struct{ a *Agent }
 
 func (f freezer) FreezeWorkload(vm *impv1.ImpVM, action string) {
-	_, err := f.a.Runs.Freeze(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID)
+	_, err := f.a.Runs.Freeze(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.HostUID())
 	if err != nil && !errors.Is(err, monitor.ErrNotRunning) {
 		f.a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, snapshotter.ReasonNotFrozen, action,
 			"The VM is suspended with its workload running (%v): a snapshot of its saved state would be too", err)
@@ -180,7 +184,7 @@ type savers struct {
 }
 
 func (s savers) Save(ctx context.Context, su *vmrun.Suspend) error {
-	s.runs.Stop(su.VM.UID)
+	s.runs.Stop(su.VM.HostUID())
 	return s.drivers.For(string(su.Meta.VMM)).Suspend(ctx, su.VM, su.Dir, su.Meta, su.Record)
 }
 
@@ -241,7 +245,9 @@ var (
 	_ steps.Jails          = (*vmmdriver.Drivers)(nil)
 	_ steps.Launcher       = launcher{}
 	_ steps.Resumer        = launcher{}
+	_ steps.Continuers     = (*vmmdriver.Drivers)(nil)
 	_ steps.Attacher       = (*nodenet.Networks)(nil)
+	_ steps.Readdressers   = (*nodenet.Networks)(nil)
 	_ steps.Disks          = (*disk.Writables)(nil)
 	_ steps.Memory         = teardowns{}
 	_ steps.Detacher       = teardowns{}

@@ -17,6 +17,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
+	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -41,21 +42,34 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		a.reports.Forget(req.NamespacedName)
 		return ctrl.Result{}, a.removeLeftovers(ctx, req.NamespacedName, vm)
 	}
+	// One reconcile at a time of the VMs whose runs one directory keeps: a warm pool member's
+	// and the claim it is handed to.
+	defer a.hosts.Lock(vm.HostUID())()
 	if !vm.DeletionTimestamp.IsZero() {
 		return a.teardown(ctx, vm)
 	}
 	if vm.Status.Phase == impv1.VMSucceeded || vm.Status.Phase == impv1.VMFailed {
 		return a.retire(ctx, vm) // final: no fresh read needed
 	}
-	dir := a.vmDir(vm.UID)
+	dir := a.vmDir(vm.HostUID())
 	m, _ := vmrun.ReadMeta(dir)
 	rec, _ := vmm.ReadRecord(dir)
 	alive := rec != nil && rec.Alive()
+	hosted := vm.HostUID() != vm.UID // a claim served warm: its run is its member's
+	if !hosted && (handover.Pending(dir) || (m != nil && m.UID != vm.UID)) {
+		return ctrl.Result{}, nil // a member handed to its claim: the run is the claim's
+	}
 	if !alive {
 		// About to start, resume or report an end: decide on what the API server says now,
 		// not on a cache that may not have seen this agent's last report yet.
+		host := vm.HostUID()
 		if err := a.APIReader.Get(ctx, req.NamespacedName, vm); err != nil {
 			return ctrl.Result{}, client.IgnoreNotFound(err)
+		}
+		if vm.HostUID() != host {
+			// A claim whose handover failed, placed again to be restored: its run is kept
+			// under its own UID now, not the directory read above.
+			return ctrl.Result{Requeue: true}, nil
 		}
 		if !vm.DeletionTimestamp.IsZero() {
 			return a.teardown(ctx, vm)
@@ -68,10 +82,19 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if st.Phase == impv1.VMSucceeded || st.Phase == impv1.VMFailed {
 		return ctrl.Result{}, nil
 	}
+	if hosted && (m == nil || m.UID != vm.UID) {
+		// Handed a warm pool member: the member's running guest becomes this VM.
+		if err := a.handovers.Hand(ctx, vm, dir, m, rec); errors.Is(err, plan.ErrWait) {
+			return ctrl.Result{RequeueAfter: 250 * time.Millisecond}, nil
+		} else if err != nil {
+			return ctrl.Result{}, err
+		}
+		return ctrl.Result{}, nil
+	}
 	current := m != nil && m.Instance == st.Instance && m.Run == st.RestartCount
 
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
-		a.fetches.Drop(vm.UID) // a start under way is not wanted any more
+		a.fetches.Drop(vm.HostUID()) // a start under way is not wanted any more
 		if alive {
 			if again := a.stopVMM(ctx, vm, rec); again > 0 {
 				return ctrl.Result{RequeueAfter: again}, nil
@@ -79,7 +102,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		}
 		// The VMM is gone: its run's configuration goes before the run is reported stopped,
 		// not whenever its monitor sees the exit.
-		a.endRun(vm.UID)
+		a.endRun(vm.HostUID())
 		return ctrl.Result{}, a.reports.Report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
@@ -105,14 +128,21 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			}
 		}
 		if st.Suspension != nil && st.Runtime != nil && !suspendFailed(st.Runtime) { // with no report yet, the report comes first
-			if a.snapshots.Busy(vm.UID) {
+			if a.snapshots.Busy(vm.HostUID()) {
 				return ctrl.Result{RequeueAfter: time.Second}, nil // QEMU saves one state at a time
 			}
 			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
 		}
+		if rt := st.Runtime; impv1.WarmPoolOf(vm) != "" && rt != nil && rt.GuestReady && (m.Restore == nil || m.Restore.Done) {
+			// An idle member waits paused, taking no CPU: its handover runs it on
+			// (docs/warmpools.md).
+			if err := a.drivers.Pause(ctx, vm.HostUID(), rec); err != nil {
+				ctrl.LoggerFrom(ctx).Error(err, "pausing an idle warm pool member")
+			}
+		}
 		a.Runs.Ensure(vm, dir, m, rec, nil) // re-attach after an agent restart
 		a.mu.Lock()
-		delete(a.stops, vm.UID) // a stop given up (the VM runs again): the next one starts afresh
+		delete(a.stops, vm.HostUID()) // a stop given up (the VM runs again): the next one starts afresh
 		a.mu.Unlock()
 		return ctrl.Result{}, nil
 	}
@@ -135,7 +165,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			now := metav1.Now()
 			ended.State, ended.FinishedAt, ended.GuestReady = impv1.RuntimeExited, &now, false
 			ended.Reason, ended.Message = "VMMExited", "the VMM exited while the agent was not watching"
-			a.endRun(vm.UID)
+			a.endRun(vm.HostUID())
 			if tail := a.drivers.For(vmmdriver.RecKind(rec)).LogTail(dir); tail != "" {
 				ended.Message += ": " + tail
 			}
@@ -172,7 +202,7 @@ func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error
 	if left := a.Opts.FinishedDiskRetention - time.Since(rt.FinishedAt.Time); left > 0 {
 		return ctrl.Result{RequeueAfter: left}, nil
 	}
-	dir := a.vmDir(vm.UID)
+	dir := a.vmDir(vm.HostUID())
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		return ctrl.Result{}, nil // never under a running VMM
 	}
@@ -184,7 +214,7 @@ func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error
 	if err := volume.Remove(dir, vm); err != nil {
 		return ctrl.Result{}, fmt.Errorf("removing the disk volumes of finished VM %s: %w", vm.Name, err)
 	}
-	if err := a.drivers.RemoveJail(vm.UID); err != nil {
+	if err := a.drivers.RemoveJail(vm.HostUID()); err != nil {
 		return ctrl.Result{}, err
 	}
 	// The operator counts the disks against the node and the quota until this says they are
@@ -247,7 +277,10 @@ func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, 
 	var failed *plan.Failed
 	if errors.As(err, &failed) {
 		if rec.Alive() {
-			_ = a.drivers.For(string(m.VMM)).Quit(ctx, vm.UID)
+			_ = a.drivers.For(string(m.VMM)).Quit(ctx, vm.HostUID())
+		}
+		if vm.HostUID() != vm.UID {
+			failed.Reason = impv1.ReasonWarmHandoverFailed // the claim is placed again, restored
 		}
 		return a.startFailed(ctx, vm, failed.Reason, failed.Err)
 	}

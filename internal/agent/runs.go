@@ -32,13 +32,13 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) t
 		grace = time.Duration(*g) * time.Second
 	}
 	a.mu.Lock()
-	st := a.stops[vm.UID]
+	st := a.stops[vm.HostUID()]
 	if st == nil {
 		st = &vmrun.Stop{Deadline: time.Now().Add(grace)}
 		if vm.Status.Runtime != nil && vm.Status.Runtime.Endpoint != "" {
 			st.DrainUntil = time.Now().Add(min(a.Opts.EndpointDrain, grace))
 		}
-		a.stops[vm.UID] = st
+		a.stops[vm.HostUID()] = st
 	}
 	a.mu.Unlock()
 	st.VM, st.Record = vm, rec // one reconcile of a VM at a time: the stop is this pass's
@@ -48,7 +48,7 @@ func (a *Agent) stopVMM(ctx context.Context, vm *impv1.ImpVM, rec *vmm.Record) t
 		ctrl.LoggerFrom(ctx).Error(err, "stopping the VMM")
 		return time.Second
 	}
-	a.stopped(vm.UID, rec)
+	a.stopped(vm.HostUID(), rec)
 	return 0
 }
 
@@ -66,9 +66,18 @@ func (a *Agent) stopped(uid types.UID, rec *vmm.Record) {
 // teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone
 // for the operator to release the VM.
 func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
-	a.fetches.Drop(vm.UID)
-	dir := a.vmDir(vm.UID)
+	a.fetches.Drop(vm.HostUID())
+	dir := a.vmDir(vm.HostUID())
+	if m, err := vmrun.ReadMeta(dir); err == nil && m.UID != vm.UID {
+		// The run kept here is another VM's: a warm pool member's run, handed to its claim (or
+		// a claim's whose handover had not begun). It is that VM's to remove.
+		return ctrl.Result{}, a.reports.Report(ctx, vm, impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeGone})
+	}
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
+		if impv1.WarmPoolOf(vm) != "" {
+			// An idle member waits paused: run on, its guest can be asked to stop.
+			_ = a.drivers.Continue(ctx, vm.HostUID(), rec)
+		}
 		if again := a.stopVMM(ctx, vm, rec); again > 0 {
 			return ctrl.Result{RequeueAfter: again}, nil
 		}
@@ -78,7 +87,7 @@ func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, err
 
 // remove removes what is left of a deleted VM whose VMM is gone, and reports it Gone.
 func (a *Agent) remove(ctx context.Context, vm *impv1.ImpVM, dir string) error {
-	t := &vmrun.Teardown{UID: vm.UID, Dir: dir, Name: vm.Namespace + "/" + vm.Name}
+	t := &vmrun.Teardown{UID: vm.HostUID(), Dir: dir, Name: vm.Namespace + "/" + vm.Name}
 	if err := a.teardownPlan().Run(ctx, t); err != nil {
 		return err
 	}

@@ -88,7 +88,7 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmru
 	cur := *vm.Status.Runtime
 	end := func(reason string, err error) error {
 		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Resume", "%v", err)
-		a.endRun(vm.UID)
+		a.endRun(vm.HostUID())
 		ended := cur
 		now := metav1.Now()
 		ended.State, ended.FinishedAt, ended.GuestReady, ended.Reason, ended.Message = impv1.RuntimeExited, &now, false, reason, err.Error()

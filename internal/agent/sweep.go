@@ -45,6 +45,13 @@ func (s sweeper) Start(ctx context.Context) error {
 	}
 }
 
+// keeps says whether the run recorded in dir (meta m) is vm's, on node: the VM the meta
+// names, the same UID, placed here, and keeping its run under that directory (a claim served
+// warm keeps it under its member's UID; re-placed, it keeps it there no more).
+func keeps(vm *impv1.ImpVM, node, dir string, m *vmrun.Meta) bool {
+	return vm.UID == m.UID && vm.Status.NodeName == node && string(vm.HostUID()) == filepath.Base(dir)
+}
+
 // removeLeftovers removes the local VM that a request named when the API server says it is
 // gone (vm empty) or placed elsewhere.
 func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, vm *impv1.ImpVM) error {
@@ -54,7 +61,7 @@ func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, v
 		if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
 			continue
 		}
-		if vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName {
+		if keeps(vm, a.Opts.NodeName, dir, m) {
 			continue
 		}
 		if err := a.removeLocal(ctx, dir, m); err != nil {
@@ -82,7 +89,7 @@ func (a *Agent) sweep(ctx context.Context) error {
 		switch {
 		case err != nil && !apierrors.IsNotFound(err):
 			return fmt.Errorf("looking up VM %s/%s: %w", m.Namespace, m.Name, err)
-		case err == nil && vm.UID == m.UID && vm.Status.NodeName == a.Opts.NodeName:
+		case err == nil && keeps(vm, a.Opts.NodeName, dir, m):
 			continue
 		}
 		if err := a.removeLocal(ctx, dir, m); err != nil {
@@ -109,7 +116,7 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 	}
 	var vm *impv1.ImpVM
 	for i := range list.Items {
-		if list.Items[i].UID == uid {
+		if list.Items[i].HostUID() == uid {
 			vm = &list.Items[i]
 		}
 	}
@@ -154,7 +161,7 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 
 // removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
 func (a *Agent) removeLocal(ctx context.Context, dir string, m *vmrun.Meta) error {
-	t := &vmrun.Teardown{UID: m.UID, Dir: dir, Name: m.Namespace + "/" + m.Name}
+	t := &vmrun.Teardown{UID: m.HostUID(), Dir: dir, Name: m.Namespace + "/" + m.Name}
 	if err := a.teardownPlan().Run(ctx, t); err != nil {
 		return err
 	}

@@ -281,23 +281,59 @@ func isVolumeDevice(dev string) bool {
 	return strings.HasPrefix(blockSerial(filepath.Base(dev)), VolumeSerialPrefix)
 }
 
-// refreshVolumes rewrites, in a guest restored from a snapshot, its volumes of files with the
-// restored VM's own (cfg), which must mount the same volumes at the same places as the
-// snapshot's VM (old): its mounts are in the snapshot's memory.
+// refreshVolumes rewrites, in a guest restored from a snapshot (or a warm pool's member handed
+// to its claim), its volumes of files with the restored VM's own (cfg). Every volume and mount
+// of the snapshot's VM (old) must be the restored VM's too, at the same places (its mounts are
+// in the snapshot's memory), and its devices the same; the restored VM may add volumes of
+// files and mounts of them, which are staged and mounted now (a disk cannot be added: the VMM
+// has the disks it was started with).
 func refreshVolumes(old, cfg Config) error {
-	if !slices.Equal(old.Mounts, cfg.Mounts) || !slices.Equal(old.Devices, cfg.Devices) || len(old.Volumes) != len(cfg.Volumes) {
-		return fmt.Errorf("the VM's volumes, mounts or devices differ from those of the VM its snapshot was taken of")
+	if !slices.Equal(old.Devices, cfg.Devices) {
+		return fmt.Errorf("the VM's devices differ from those of the VM its snapshot was taken of")
+	}
+	had := make(map[string]*Volume, len(old.Volumes))
+	for i := range old.Volumes {
+		had[old.Volumes[i].Name] = &old.Volumes[i]
+	}
+	vols := make(map[string]*Volume, len(cfg.Volumes))
+	for i := range cfg.Volumes {
+		vols[cfg.Volumes[i].Name] = &cfg.Volumes[i]
+	}
+	for name, o := range had {
+		if v := vols[name]; v == nil || (v.Serial == "") != (o.Serial == "") {
+			return fmt.Errorf("the VM's volume %s differs from that of the VM its snapshot was taken of, or is missing", name)
+		}
+	}
+	for _, m := range old.Mounts {
+		if !slices.Contains(cfg.Mounts, m) {
+			return fmt.Errorf("the VM does not mount volume %s at %s as the VM its snapshot was taken of did", m.Volume, m.Path)
+		}
 	}
 	for i := range cfg.Volumes {
-		v, o := &cfg.Volumes[i], &old.Volumes[i]
-		if v.Name != o.Name || (v.Serial == "") != (o.Serial == "") {
-			return fmt.Errorf("the VM's volume %s differs from the snapshot's VM's %s", v.Name, o.Name)
+		v := &cfg.Volumes[i]
+		switch {
+		case had[v.Name] == nil && v.Serial != "":
+			return fmt.Errorf("disk volume %s was not the snapshot's VM's: a restored VM cannot add a disk", v.Name)
+		case had[v.Name] == nil:
+			if err := stageFiles(v); err != nil {
+				return fmt.Errorf("volume %s: %w", v.Name, err)
+			}
+		case v.Serial == "":
+			if err := writeFiles(stageDir(v), v.Files); err != nil {
+				return fmt.Errorf("volume %s: %w", v.Name, err)
+			}
 		}
-		if v.Serial != "" {
+	}
+	for _, m := range cfg.Mounts {
+		if slices.Contains(old.Mounts, m) {
 			continue
 		}
-		if err := writeFiles(stageDir(v), v.Files); err != nil {
-			return fmt.Errorf("volume %s: %w", v.Name, err)
+		v := vols[m.Volume]
+		if v == nil || v.Serial != "" {
+			return fmt.Errorf("mount %s names no volume of files %q", m.Path, m.Volume)
+		}
+		if err := mountOne(v, m, 0); err != nil {
+			return fmt.Errorf("mounting volume %s at %s: %w", v.Name, m.Path, err)
 		}
 	}
 	return nil

@@ -211,7 +211,7 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		return
 	}
 	target := &url.URL{Scheme: "https", Host: addr,
-		Path:     "/vms/" + ns + "/" + name + "/" + string(vm.UID) + "/" + sub,
+		Path:     "/vms/" + ns + "/" + name + "/" + string(vm.HostUID()) + "/" + sub,
 		RawQuery: r.URL.RawQuery}
 	log.Info("proxying to the agent", "node", vm.Status.NodeName)
 	// The front proxy's identity headers and credentials stay here: the agent learns the user

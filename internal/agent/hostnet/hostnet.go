@@ -270,6 +270,33 @@ func (h *Host) Attach(n Network, vmUID string, ip netip.Addr) (Attachment, error
 	return Attachment{Tap: f, NetNS: s.path, Network: n, IP: ip}, nil
 }
 
+// Readdress moves the anti-spoofing rules of the tap of the VM kept under vmUID, which a
+// running VMM holds, to address ip (and its MAC): from then on what the guest sends from its
+// former address or MAC is dropped. The tap is not opened (its VMM holds it): the returned
+// attachment has none.
+func (h *Host) Readdress(n Network, vmUID string, ip netip.Addr) (Attachment, error) {
+	if !n.Prefix.Contains(ip) || ip == n.Gateway {
+		return Attachment{}, fmt.Errorf("address %s is not a host address of %s", ip, n.Prefix)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return Attachment{}, err
+	}
+	tapName := TapName(vmUID)
+	if s == nil {
+		return Attachment{}, fmt.Errorf("network %s has no namespace on the node for tap %s", n.Key(), tapName)
+	}
+	if _, err := s.nl.LinkByName(tapName); err != nil {
+		return Attachment{}, fmt.Errorf("looking up tap %s: %w", tapName, err)
+	}
+	if err := s.ensureTapRules(tapName, ip); err != nil {
+		return Attachment{}, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
+	}
+	return Attachment{NetNS: s.path, Network: n, IP: ip}, nil
+}
+
 // ensureNetwork makes n's transit link and rules, and the node's rules, match n. The
 // overlay's device is Sync's: its rules stay while the device is there.
 func (h *Host) ensureNetwork(s *space, n Network, overlay bool) error {

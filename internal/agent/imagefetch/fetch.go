@@ -70,15 +70,15 @@ func runID(vm *impv1.ImpVM) string {
 func (fs *Fetches) Begin(vm *impv1.ImpVM, ref name.Reference) bool {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
-	if f := fs.byVM[vm.UID]; f != nil {
+	if f := fs.byVM[vm.HostUID()]; f != nil {
 		if f.run == runID(vm) {
 			return false
 		}
-		fs.dropLocked(vm.UID)
+		fs.dropLocked(vm.HostUID())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), fs.timeout)
 	f := &fetch{run: runID(vm), began: time.Now(), cancel: cancel, done: make(chan struct{}), release: func() {}}
-	fs.byVM[vm.UID] = f
+	fs.byVM[vm.HostUID()] = f
 	vm = vm.DeepCopy()
 	go func() {
 		f.reason, f.err = fs.do(ctx, vm, ref, f)
@@ -135,7 +135,7 @@ func (fs *Fetches) do(ctx context.Context, vm *impv1.ImpVM, ref name.Reference, 
 // Fetching says whether the fetch of the VM's current run began and has not finished.
 func (fs *Fetches) Fetching(vm *impv1.ImpVM) bool {
 	fs.mu.Lock()
-	f := fs.byVM[vm.UID]
+	f := fs.byVM[vm.HostUID()]
 	fs.mu.Unlock()
 	return f != nil && f.run == runID(vm) && !f.finished()
 }
@@ -160,9 +160,9 @@ const FetchWait = 100 * time.Millisecond
 // its reason when it failed.
 func (fs *Fetches) Take(vm *impv1.ImpVM, wait time.Duration) (*vmrun.Image, error) {
 	fs.mu.Lock()
-	f := fs.byVM[vm.UID]
+	f := fs.byVM[vm.HostUID()]
 	fs.mu.Unlock()
-	if f == nil || f.run != runID(vm) || fs.take(vm.UID, f, wait) == nil {
+	if f == nil || f.run != runID(vm) || fs.take(vm.HostUID(), f, wait) == nil {
 		return nil, plan.ErrWait
 	}
 	if f.err != nil {

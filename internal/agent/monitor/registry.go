@@ -68,7 +68,7 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 	if r.byVM == nil {
 		r.byVM = map[types.UID]*monitor{}
 	}
-	if old, ok := r.byVM[vm.UID]; ok {
+	if old, ok := r.byVM[vm.HostUID()]; ok {
 		if old.instance == meta.Instance && old.run == meta.Run {
 			r.mu.Unlock()
 			if conn != nil {
@@ -77,11 +77,11 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 			return
 		}
 		r.mu.Unlock()
-		r.Stop(vm.UID)
+		r.Stop(vm.HostUID())
 		r.mu.Lock()
 	}
 	defer r.mu.Unlock()
-	if _, ok := r.byVM[vm.UID]; ok {
+	if _, ok := r.byVM[vm.HostUID()]; ok {
 		if conn != nil {
 			conn.Close()
 		}
@@ -90,7 +90,7 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 	ctx, cancel := context.WithCancel(context.Background())
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
 	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key, instance: meta.Instance, run: meta.Run}
-	r.byVM[vm.UID] = m
+	r.byVM[vm.HostUID()] = m
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
 	drv := r.Drivers.For(vmmdriver.RecKind(rec))
 	if meta.Session {
@@ -111,7 +111,7 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 			}
 		},
 		capLogs:     func() error { return drv.CapLogs(dir, r.ConsoleLogBytes) },
-		ended:       func() { r.EndRun(meta.UID) },
+		ended:       func() { r.EndRun(meta.HostUID()) },
 		tail:        func() string { return drv.LogTail(dir) },
 		ready:       reportedReady(vm, meta),
 		booted:      reportedBooted(vm, meta),

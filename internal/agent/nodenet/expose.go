@@ -68,7 +68,7 @@ func (x *Exposer) Init() {
 					continue
 				}
 				if e, err := netip.ParseAddr(m.Endpoint); err == nil {
-					held[e] = string(m.UID)
+					held[e] = string(m.HostUID())
 				}
 			}
 			return held, nil
@@ -83,27 +83,27 @@ func (x *Exposer) Release(uid string) { x.alloc.Release(uid) }
 func (x *Exposer) Expose(ctx context.Context, vm *impv1.ImpVM, at hostnet.Attachment, want netip.Addr) (netip.Addr, error) {
 	ports := declaredPorts(vm)
 	if len(ports) == 0 {
-		return netip.Addr{}, x.Net.Unexpose(string(vm.UID))
+		return netip.Addr{}, x.Net.Unexpose(string(vm.HostUID()))
 	}
-	e, err := x.alloc.Assign(ctx, string(vm.UID), want)
+	e, err := x.alloc.Assign(ctx, string(vm.HostUID()), want)
 	if errors.Is(err, endpoint.ErrNoBlock) && x.EndpointBlocks {
-		if _, told := x.waiting.LoadOrStore(vm.UID, true); !told {
+		if _, told := x.waiting.LoadOrStore(vm.HostUID(), true); !told {
 			x.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "WaitingForEndpointBlock", "Expose",
 				"The VM declares ports; it starts once the operator has given node %s its endpoint block", x.NodeName)
 		}
 		return netip.Addr{}, plan.WaitFor(time.Second) // the operator assigns it soon
 	}
-	x.waiting.Delete(vm.UID)
+	x.waiting.Delete(vm.HostUID())
 	if errors.Is(err, endpoint.ErrNoBlock) {
 		ctrl.LoggerFrom(ctx).Info("the VM declares ports but the node has no endpoint block: no Service reaches it")
 		x.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NotExposed", "Expose",
 			"Node %s has no endpoint block (the operator's --endpoint-cidr): no Service reaches the VM", x.NodeName)
-		return netip.Addr{}, x.Net.Unexpose(string(vm.UID))
+		return netip.Addr{}, x.Net.Unexpose(string(vm.HostUID()))
 	}
 	if err != nil {
 		return netip.Addr{}, err
 	}
-	if err := x.Net.Expose(at.Network, string(vm.UID), at.IP, hostnet.Exposure{Endpoint: e, Ports: ports}); err != nil {
+	if err := x.Net.Expose(at.Network, string(vm.HostUID()), at.IP, hostnet.Exposure{Endpoint: e, Ports: ports}); err != nil {
 		return netip.Addr{}, err
 	}
 	return e, nil

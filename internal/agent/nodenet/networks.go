@@ -293,6 +293,16 @@ func (n *Networks) Report() []impv1.NodeNetwork {
 // Attach gives vm a tap on its network and returns it with the guest's network configuration;
 // none for a VM without a network.
 func (n *Networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+	return n.attach(ctx, vm, n.Net.Attach)
+}
+
+// Readdress moves the rules of vm's tap, which its running VMM holds, to vm's address (a warm
+// pool member's tap, handed to its claim), and returns the guest's network configuration.
+func (n *Networks) Readdress(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+	return n.attach(ctx, vm, n.Net.Readdress)
+}
+
+func (n *Networks) attach(ctx context.Context, vm *impv1.ImpVM, attach func(hostnet.Network, string, netip.Addr) (hostnet.Attachment, error)) (hostnet.Attachment, *guestinit.Net, error) {
 	var none hostnet.Attachment
 	ref := vm.Spec.NetworkRef
 	if ref == nil {
@@ -310,7 +320,7 @@ func (n *Networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachm
 	if err != nil {
 		return none, nil, fmt.Errorf("ImpNetwork %s: %w", ref.Name, err)
 	}
-	at, err := n.Net.Attach(hn, string(vm.UID), ip)
+	at, err := attach(hn, string(vm.HostUID()), ip)
 	if err != nil {
 		return none, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
 	}

@@ -66,6 +66,8 @@ type Reporter struct {
 	Interval time.Duration
 	Images   *disk.BaseStore
 	Networks Networks
+	// Features are what the agent does that an older agent did not (ImpNode status.features).
+	Features []string
 	// JailRoot is the root of a VM's Firecracker jail; nil on a node without Firecracker.
 	JailRoot func(uid types.UID) string
 
@@ -178,6 +180,7 @@ func (r *Reporter) report(ctx context.Context, kernel, initrd *impv1.Artifact) e
 			Bytes: *resource.NewQuantity(u.DiskBytes&^(1<<20-1), resource.BinarySI)}
 	}
 	node.Status.VMMs = r.VMMs
+	node.Status.Features = r.Features
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
 	node.Status.OverlayAddress = ""
 	if r.OverlayAddress.IsValid() {

@@ -175,10 +175,10 @@ func (s *Snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error
 	// One snapshot of a VM at a time, and no suspension meanwhile (QEMU saves one state at a
 	// time; two freezes of one workload would thaw it under each other): from here until its
 	// VM runs on.
-	if _, busy := s.taking.LoadOrStore(vm.UID, struct{}{}); busy {
+	if _, busy := s.taking.LoadOrStore(vm.HostUID(), struct{}{}); busy {
 		return fmt.Errorf("another snapshot of VM %s is being taken", vm.Name) // tried again
 	}
-	release := sync.OnceFunc(func() { s.taking.Delete(vm.UID) })
+	release := sync.OnceFunc(func() { s.taking.Delete(vm.HostUID()) })
 	defer release()
 	// Taking, with the optimistic lock: of two passes on one version, one takes it.
 	orig := snap.DeepCopy()
@@ -198,7 +198,7 @@ func (s *Snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error
 	// large guest, while its probes would wait on it), and in any case.
 	thaw := sync.OnceFunc(s.freeze(vm, running))
 	taken := time.Now()
-	pause, err := s.Drivers.For(string(m.VMM)).Snapshot(ctx, vm, s.Drivers.VMDir(vm.UID), m, running, tmp, thaw)
+	pause, err := s.Drivers.For(string(m.VMM)).Snapshot(ctx, vm, s.Drivers.VMDir(vm.HostUID()), m, running, tmp, thaw)
 	thaw()
 	release()
 	if err != nil {
@@ -269,7 +269,7 @@ func (s *Snapshotter) freeze(vm *impv1.ImpVM, running bool) (thaw func()) {
 	if !running {
 		return func() {}
 	}
-	thaw, err := s.Runs.Freeze(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.UID)
+	thaw, err := s.Runs.Freeze(types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}, vm.HostUID())
 	if err != nil && !errors.Is(err, monitor.ErrNotRunning) {
 		s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, ReasonNotFrozen, "Snapshot",
 			"The snapshot is taken with the workload running (%v): its copies run it as this VM, with what it drew, until each takes on its identity", err)
@@ -288,7 +288,7 @@ func (s *Snapshotter) source(ctx context.Context, snap *impv1.ImpVMSnapshot) (*i
 	if st.NodeName != s.NodeName || rt == nil || st.Resources == nil || !vm.DeletionTimestamp.IsZero() {
 		return nil, nil, false, fmt.Sprintf("ImpVM %s does not run on node %s", vm.Name, s.NodeName)
 	}
-	dir := s.Drivers.VMDir(vm.UID)
+	dir := s.Drivers.VMDir(vm.HostUID())
 	m, err := vmrun.ReadMeta(dir)
 	if err != nil || m.Instance != st.Instance || m.Run != st.RestartCount {
 		return nil, nil, false, fmt.Sprintf("ImpVM %s has no current run on node %s", vm.Name, s.NodeName)
@@ -309,15 +309,15 @@ func (s *Snapshotter) unpause(ctx context.Context, snap *impv1.ImpVMSnapshot) er
 	if err := s.APIReader.Get(ctx, types.NamespacedName{Namespace: snap.Namespace, Name: snap.Spec.VMName}, vm); err != nil {
 		return client.IgnoreNotFound(err)
 	}
-	if _, busy := s.taking.Load(vm.UID); busy {
+	if _, busy := s.taking.Load(vm.HostUID()); busy {
 		return nil // another snapshot of it is being taken, and runs it on itself
 	}
-	dir := s.Drivers.VMDir(vm.UID)
+	dir := s.Drivers.VMDir(vm.HostUID())
 	rec, err := vmm.ReadRecord(dir)
 	if err != nil || !rec.Alive() {
 		return nil
 	}
-	if err := s.Drivers.Continue(ctx, vm.UID, rec); err != nil {
+	if err := s.Drivers.Continue(ctx, vm.HostUID(), rec); err != nil {
 		return fmt.Errorf("running on VM %s after a snapshot left unfinished: %w", vm.Name, err)
 	}
 	return nil
@@ -365,7 +365,7 @@ func (s *Snapshotter) RunBase(vm *impv1.ImpVM, dir string, m *vmrun.Meta) (strin
 
 // keepBase puts the base disk the VM runs on in the snapshot being taken in tmp, read-only.
 func (s *Snapshotter) keepBase(vm *impv1.ImpVM, m *vmrun.Meta, tmp string) error {
-	base, err := s.RunBase(vm, s.Drivers.VMDir(vm.UID), m)
+	base, err := s.RunBase(vm, s.Drivers.VMDir(vm.HostUID()), m)
 	if err != nil {
 		return err
 	}

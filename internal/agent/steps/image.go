@@ -56,6 +56,9 @@ func (s Image) Do(ctx context.Context, r *vmrun.Run) error {
 	if err != nil {
 		return plan.Fail("InvalidImage", fmt.Errorf("image %q: %w", image, err))
 	}
+	if r.Pinned != "" {
+		ref = ref.Context().Digest(r.Pinned) // the running guest's, by digest
+	}
 	began := s.Fetches.Begin(vm, ref)
 	starting := impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeStarting, Message: "preparing disks"}
 	if err := s.Reports.ReportLater(ctx, vm, starting); err != nil {

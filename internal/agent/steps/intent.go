@@ -20,8 +20,8 @@ func (Intent) Name() string { return "intent" }
 func (Intent) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) { return r.Record == nil, nil }
 
 func (Intent) Do(ctx context.Context, r *vmrun.Run) error {
-	if pids := vmm.KillUnrecorded(r.Dir, string(r.VM.UID)); len(pids) > 0 {
-		log.FromContext(ctx).Info("killed VMMs an interrupted start left unrecorded", "vm", r.VM.UID, "pids", pids)
+	if pids := vmm.KillUnrecorded(r.Dir, string(r.VM.HostUID())); len(pids) > 0 {
+		log.FromContext(ctx).Info("killed VMMs an interrupted start left unrecorded", "vm", r.VM.HostUID(), "pids", pids)
 	}
 	return vmm.WriteIntent(r.Dir)
 }

@@ -37,7 +37,7 @@ func (p Provenance) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 func (p Provenance) Do(_ context.Context, r *vmrun.Run) error {
 	for _, pin := range p.Pins {
 		if err := pin.Verify(); err != nil {
-			p.Fetches.Drop(r.VM.UID)
+			p.Fetches.Drop(r.VM.HostUID())
 			return plan.Fail("PinMismatch", fmt.Errorf("pinned %s: %w", pin.Name, err))
 		}
 	}

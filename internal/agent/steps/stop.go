@@ -52,7 +52,7 @@ func (Ask) ShouldDo(_ context.Context, s *vmrun.Stop) (bool, error) {
 }
 
 func (a Ask) Do(_ context.Context, s *vmrun.Stop) error {
-	s.Asked = a.Stoppers.RequestStop(s.VM.UID)
+	s.Asked = a.Stoppers.RequestStop(s.VM.HostUID())
 	return nil
 }
 
@@ -78,7 +78,7 @@ func (Quit) Name() string { return "quit" }
 func (Quit) ShouldDo(_ context.Context, s *vmrun.Stop) (bool, error) { return s.Record.Alive(), nil }
 
 func (q Quit) Do(ctx context.Context, s *vmrun.Stop) error {
-	if err := q.Stoppers.Quit(ctx, s.Record.Kind, s.VM.UID); err != nil {
+	if err := q.Stoppers.Quit(ctx, s.Record.Kind, s.VM.HostUID()); err != nil {
 		log.FromContext(ctx).Info("quitting the VMM failed; killing it", "error", err.Error())
 	}
 	s.Record.WaitGone(2 * time.Second)

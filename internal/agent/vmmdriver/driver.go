@@ -114,7 +114,7 @@ func (d qemuDriver) Start(ctx context.Context, l Launch) (*vmm.Record, error) {
 			// The stream holds the devices only. The memory: the snapshot's, shared with its
 			// other restores, or else a copy of the run's own, and the cache fills the shared
 			// one for the next restore once this one's VMM runs.
-			shared, err := c.Memories.Get(mem, spec.MemoryMiB<<20, string(l.VM.UID))
+			shared, err := c.Memories.Get(mem, spec.MemoryMiB<<20, string(l.VM.HostUID()))
 			switch {
 			case err == nil:
 				defer shared.Close()
@@ -241,7 +241,7 @@ type firecrackerDriver struct{ d *Drivers }
 // spec is the VM as the Firecracker driver runs it.
 func (d firecrackerDriver) spec(vm *impv1.ImpVM, dir string, m *vmrun.Meta, base string, at hostnet.Attachment, gnet *guestinit.Net) firecracker.Spec {
 	c, res := d.d.cfg, vm.Status.Resources
-	s := firecracker.Spec{ID: string(vm.UID), Dir: dir, Firecracker: c.Firecracker, Jailer: c.Jailer,
+	s := firecracker.Spec{ID: string(vm.HostUID()), Dir: dir, Firecracker: c.Firecracker, Jailer: c.Jailer,
 		UID: m.JailUID, GID: m.JailUID, ChrootBase: d.d.JailBase(), NetNS: c.NetNS, CgroupVersion: cgroup.Version(c.CgroupRoot),
 		Kernel: c.Kernel, Initramfs: c.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, vmrun.ConfigDisk),
 		Token: m.Token}
@@ -250,7 +250,7 @@ func (d firecrackerDriver) spec(vm *impv1.ImpVM, dir string, m *vmrun.Meta, base
 	}
 	if gnet != nil {
 		// The jailer joins the network's namespace, where Firecracker opens the tap by name.
-		s.Tap, s.Net, s.NetNS = hostnet.TapName(string(vm.UID)), gnet, at.NetNS
+		s.Tap, s.Net, s.NetNS = hostnet.TapName(string(vm.HostUID())), gnet, at.NetNS
 	}
 	return s
 }

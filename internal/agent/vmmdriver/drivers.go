@@ -159,7 +159,7 @@ func JailRoot(cfg Config, uid types.UID) string {
 func (d *Drivers) Record(dir string, m *vmrun.Meta) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	uid, err := d.allocJailUID(m.UID)
+	uid, err := d.allocJailUID(m.HostUID())
 	if err != nil {
 		return err
 	}
@@ -172,7 +172,7 @@ func (d *Drivers) allocJailUID(uid types.UID) (int, error) {
 	dirs, _ := filepath.Glob(filepath.Join(d.cfg.StateDir, "vms", "*"))
 	for _, dir := range dirs {
 		if m, err := vmrun.ReadMeta(dir); err == nil && m.JailUID != 0 {
-			if m.UID == uid {
+			if m.HostUID() == uid {
 				return m.JailUID, nil
 			}
 			held[m.JailUID] = true
@@ -210,6 +210,14 @@ func (d *Drivers) EndRun(uid types.UID) error {
 		err = errors.Join(err, firecracker.RemoveConfig(d.JailRoot(uid)), firecracker.RemoveSnapshot(d.JailRoot(uid)))
 	}
 	return err
+}
+
+// Pause pauses the running VM kept under uid (a warm pool's idle member); Continue runs it on.
+func (d *Drivers) Pause(ctx context.Context, uid types.UID, rec *vmm.Record) error {
+	if rec.Kind == string(impv1.VMMFirecracker) {
+		return firecracker.PauseIn(ctx, d.JailRoot(uid))
+	}
+	return qemu.Pause(d.VMDir(uid))
 }
 
 // Continue runs on a VM a snapshot left paused (its taker stopped before it ran it on).

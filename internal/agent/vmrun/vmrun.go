@@ -26,10 +26,13 @@ type Meta struct {
 	Namespace string    `json:"namespace"`
 	Name      string    `json:"name"`
 	UID       types.UID `json:"uid"`
-	Token     string    `json:"token"`
-	Instance  int64     `json:"instance"`
-	Run       int32     `json:"run"`
-	Started   time.Time `json:"started"`
+	// Host is the UID the run is kept under on the node, when not the VM's own: a warm pool
+	// member's, whose running guest was handed to this VM (ImpVM.HostUID).
+	Host     types.UID `json:"host,omitempty"`
+	Token    string    `json:"token"`
+	Instance int64     `json:"instance"`
+	Run      int32     `json:"run"`
+	Started  time.Time `json:"started"`
 	// Digest is the image the VM's base disk was built from.
 	Digest string `json:"digest"`
 	// VMM runs the VM; JailUID is the uid it runs as (Firecracker in its jail, QEMU by
@@ -62,6 +65,14 @@ type Restored struct {
 	// Done: the guest took on the run's identity (Meta.Token, its MAC, address, hostname and
 	// configuration).
 	Done bool `json:"done,omitempty"`
+}
+
+// HostUID is the UID the run is kept under on the node: its state directory's name.
+func (m *Meta) HostUID() types.UID {
+	if m.Host != "" {
+		return m.Host
+	}
+	return m.UID
 }
 
 // Status is what every report of the run says: its instance and run, its endpoint and ports,
@@ -137,6 +148,10 @@ type Run struct {
 	BaseDisk string
 	// Snapshot is the snapshot a restore starts the run from (nil: a boot or resume).
 	Snapshot *Snapshot
+	// Pinned is, for a run handed over (a warm pool member's running guest, handed to its
+	// claim), the digest of the image the member's base disk came from: the run's image is
+	// that one, whatever the image's tag says now.
+	Pinned string
 
 	// Made by the steps, in order.
 	Image   *Image
@@ -187,6 +202,7 @@ func (r *Run) TakeChannel() net.Conn {
 // Teardown is a VM being removed from the node: deleted, placed elsewhere, or its state
 // unreadable and its VM not of the node.
 type Teardown struct {
+	// UID is the UID the VM's run is kept under on the node (ImpVM.HostUID).
 	UID types.UID
 	Dir string
 	// Name is the VM's "namespace/name", for messages ("" when unknown).

@@ -206,3 +206,16 @@ func Continue(ctx context.Context, root string) error {
 	}
 	return nil
 }
+
+// PauseIn pauses the VM of the jail at root if it runs (a warm pool's idle member).
+func PauseIn(ctx context.Context, root string) error {
+	c := NewJailClient(root)
+	info, err := Info(ctx, c)
+	if err != nil {
+		return err
+	}
+	if info.State == "Running" {
+		return Pause(ctx, c)
+	}
+	return nil
+}

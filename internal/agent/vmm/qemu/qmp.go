@@ -340,6 +340,22 @@ func (q *QMP) loadDevices(fd int) error {
 	return nil
 }
 
+// Pause pauses the guest of the VM in dir if it runs (a warm pool's idle member: it takes no
+// CPU until it is handed to a claim); a guest in any other state is left as it is.
+func Pause(dir string) error {
+	q, err := DialQMP(dir, 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	status, err := q.status()
+	if err != nil || status != "running" {
+		return err
+	}
+	_, err = q.Execute("stop", nil)
+	return err
+}
+
 // Continue runs the guest of the VM in dir on if it is paused (a snapshot's pause that an agent
 // did not see through); a guest that runs, or is being loaded, is left as it is.
 func Continue(dir string) error {
@@ -362,6 +378,16 @@ func Continue(dir string) error {
 }
 
 // status is the VM's run state (query-status): running, paused, inmigrate, postmigrate, ...
+// Status is the run state of the guest of the VM in dir ("running", "paused", ...).
+func Status(dir string) (string, error) {
+	q, err := DialQMP(dir, 5*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer q.Close()
+	return q.status()
+}
+
 func (q *QMP) status() (string, error) {
 	raw, err := q.Execute("query-status", nil)
 	if err != nil {
