@@ -51,9 +51,10 @@ bench-controlplane: ## N VMs over M simulated nodes, RUNS runs: create→Schedul
 	go build -o bin/ ./cmd/imp-operator
 	go run ./test/bench/controlplane -n $(N) -m $(M) -runs $(RUNS)
 
-bench-warmpool: ## An ImpWarmPool of 50 over 10 simulated nodes: claim → guest ready (one, ten at once) beside the API server's floor, claims/s, API writes per claim.
+bench-warmpool: ## An ImpWarmPool of 50 over 10 simulated nodes: claim → guest ready (one, ten at once) beside the API server's floor, claims/s, API writes per claim; then real guests (QEMU/TCG): claim → exec, one and ten at once, and the node's handover plan.
 	go build -o bin/ ./cmd/imp-operator
 	go run ./test/bench/controlplane -n 200 -m 10 -runs 1 -warm 50 | grep -E '^run|warm|bare:|^  (place|run): create'
+	IMP_BENCH=warmclaims go test -count=1 -v -timeout 30m -run '^TestBenchWarmClaims$$' ./internal/agent/ | grep -E '^warm|^(ok|FAIL|---)'
 
 bench-compare: ## The control-plane bench of BASE (a commit) and HEAD alternated, RUNS runs each (N VMs, M nodes): each figure's median on both and the ratio.
 	go run ./test/bench/compare -base $(BASE) -runs $(RUNS) -- -n $(N) -m $(M)
