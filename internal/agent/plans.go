@@ -86,11 +86,12 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 
 // finishRestorePlan finishes a restore an agent began and did not see through (it stopped
 // after the VMM started, or a warm pool member handed to its claim): the guest run on, and
-// given its identity. The VMM runs and holds its tap: only the tap's rules are made the VM's.
+// given its identity. The VMM runs and holds its tap: only the tap's rules are made the VM's,
+// and its ports forwarded at its endpoint (a handover may have stopped before its expose).
 func (a *Agent) finishRestorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	var ss []steps.Step
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Readdress{Networks: a.networks})
+		ss = append(ss, steps.Readdress{Networks: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
 	if vm.HostUID() != vm.UID {
 		ss = append(ss, steps.Continue{Continuers: a.drivers}) // a member waits paused

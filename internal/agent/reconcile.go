@@ -44,7 +44,11 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	}
 	// One reconcile at a time of the VMs whose runs one directory keeps: a warm pool member's
 	// and the claim it is handed to.
-	defer a.hosts.Lock(vm.HostUID())()
+	unlock, ok := a.hosts.TryLock(vm.HostUID())
+	if !ok {
+		return ctrl.Result{RequeueAfter: 100 * time.Millisecond}, nil
+	}
+	defer unlock()
 	if !vm.DeletionTimestamp.IsZero() {
 		return a.teardown(ctx, vm)
 	}
@@ -203,6 +207,9 @@ func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error
 		return ctrl.Result{RequeueAfter: left}, nil
 	}
 	dir := a.vmDir(vm.HostUID())
+	if m, _ := vmrun.ReadMeta(dir); handover.Owner(dir, m) != vm.UID {
+		return ctrl.Result{}, nil // another VM's run (a member's, handed to its claim)
+	}
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		return ctrl.Result{}, nil // never under a running VMM
 	}

@@ -9,6 +9,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
@@ -66,13 +67,16 @@ func (a *Agent) stopped(uid types.UID, rec *vmm.Record) {
 // teardown removes a deleted VM: its VMM, its state and writable disk; then it reports Gone
 // for the operator to release the VM.
 func (a *Agent) teardown(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
-	a.fetches.Drop(vm.HostUID())
 	dir := a.vmDir(vm.HostUID())
-	if m, err := vmrun.ReadMeta(dir); err == nil && m.UID != vm.UID {
-		// The run kept here is another VM's: a warm pool member's run, handed to its claim (or
-		// a claim's whose handover had not begun). It is that VM's to remove.
-		return ctrl.Result{}, a.reports.Report(ctx, vm, impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeGone})
+	if m, err := vmrun.ReadMeta(dir); err == nil || handover.Pending(dir) {
+		if owner := handover.Owner(dir, m); owner != vm.UID {
+			// The run kept here is another VM's: a warm pool member's, handed (or being
+			// handed) to its claim, or a claim's whose handover had not begun. It is that
+			// VM's to remove.
+			return ctrl.Result{}, a.reports.Report(ctx, vm, impv1.RuntimeStatus{Instance: vm.Status.Instance, Run: vm.Status.RestartCount, State: impv1.RuntimeGone})
+		}
 	}
+	a.fetches.Drop(vm.HostUID())
 	if rec, err := vmm.ReadRecord(dir); err == nil && rec.Alive() {
 		if impv1.WarmPoolOf(vm) != "" {
 			// An idle member waits paused: run on, its guest can be asked to stop.

@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
@@ -61,6 +62,9 @@ func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, v
 		if err != nil || m.Namespace != key.Namespace || m.Name != key.Name {
 			continue
 		}
+		if handover.Owner(dir, m) != m.UID {
+			continue // a member's run being handed to its claim: the claim's
+		}
 		if keeps(vm, a.Opts.NodeName, dir, m) {
 			continue
 		}
@@ -76,7 +80,33 @@ func (a *Agent) removeLeftovers(ctx context.Context, key types.NamespacedName, v
 // while the agent was down; this does, at start and then periodically.
 func (a *Agent) sweep(ctx context.Context) error {
 	dirs, _ := filepath.Glob(filepath.Join(a.Opts.StateDir, "vms", "*"))
+	var hosts map[types.UID]types.UID // the node's VMs' host UIDs, by UID, listed when needed
 	for _, dir := range dirs {
+		if claim, ok := handover.Claimant(dir); ok {
+			// A run handed (or being handed) to a claim is the claim's while the claim keeps
+			// it there, whatever its record still says.
+			if hosts == nil {
+				var list impv1.ImpVMList
+				if err := a.APIReader.List(ctx, &list, client.MatchingFields{"status.nodeName": a.Opts.NodeName}); err != nil {
+					return fmt.Errorf("listing the node's VMs: %w", err)
+				}
+				hosts = make(map[types.UID]types.UID, len(list.Items))
+				for i := range list.Items {
+					hosts[list.Items[i].UID] = list.Items[i].HostUID()
+				}
+			}
+			if hosts[claim] == types.UID(filepath.Base(dir)) {
+				continue
+			}
+			m, _ := vmrun.ReadMeta(dir)
+			if m == nil {
+				m = &vmrun.Meta{}
+			}
+			if err := a.removeLocal(ctx, dir, m); err != nil {
+				return err
+			}
+			continue
+		}
 		m, err := vmrun.ReadMeta(dir)
 		if err != nil {
 			if err := a.recoverState(ctx, dir, err); err != nil {
@@ -161,7 +191,8 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 
 // removeLocal kills a local VM's VMM and removes its monitor, cgroups and state.
 func (a *Agent) removeLocal(ctx context.Context, dir string, m *vmrun.Meta) error {
-	t := &vmrun.Teardown{UID: m.HostUID(), Dir: dir, Name: m.Namespace + "/" + m.Name}
+	// The directory's name is the UID its run is kept under, whatever its record says.
+	t := &vmrun.Teardown{UID: types.UID(filepath.Base(dir)), Dir: dir, Name: m.Namespace + "/" + m.Name}
 	if err := a.teardownPlan().Run(ctx, t); err != nil {
 		return err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -19,6 +20,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
 // TestBenchWarmClaims is the real-guest half of `make bench-warmpool`, skipped otherwise
@@ -104,6 +106,28 @@ func TestBenchWarmClaims(t *testing.T) {
 	}
 	wg.Wait()
 	handed := handoverSeconds(t)
+	// Ten claims of ten members at once never share one: each its own guest (host name,
+	// address, channel token, random draws), served warm.
+	warm, hosts, tokens, draws, addrs := 0, map[string]bool{}, map[string]bool{}, map[string]bool{}, map[string]bool{}
+	for i := range 10 {
+		name := fmt.Sprintf("ten-%d", i)
+		v := w.get(name)
+		if v.Status.Start == impv1.StartWarm {
+			warm++
+		}
+		if out, err := w.tryExec(name, "tool-read", "/proc/sys/kernel/hostname"); err == nil && out == name {
+			hosts[out] = true
+		}
+		if out, err := w.tryExec(name, "tool-head", "/dev/urandom", "16"); err == nil {
+			draws[out] = true
+		}
+		if m, err := vmrun.ReadMeta(filepath.Join(w.stateDir, "vms", string(v.HostUID()))); err == nil && m.UID == v.UID {
+			tokens[m.Token] = true
+		}
+		addrs[v.Status.IP] = true
+	}
+	fmt.Printf("ten claims at once: %d served warm; distinct: %d host names (each its own), %d addresses, %d channel tokens, %d /dev/urandom draws\n",
+		warm, len(hosts), len(addrs), len(tokens), len(draws))
 	fmt.Printf("warm claim → exec (real guests, QEMU/TCG, paused members, on a network): one at a time P50 %v P99 %v (%d); ten at once P50 %v P99 %v\n",
 		pct(one, 50), pct(one, 99), len(one), pct(ten, 50), pct(ten, 99))
 	fmt.Printf("warm handover plan on the node: %d handovers, mean %.1f ms (one at a time %.1f ms)\n", handed.count, handed.mean()*1000, handedOne.mean()*1000)

@@ -236,6 +236,24 @@ func TestWarmClaimsTakeOverMembers(t *testing.T) {
 		t.Errorf("%d members' VMMs stopped; want the one the claim was handed (Event: %q)", stopped, failed)
 	}
 
+	// A claim served warm, stopped and run again, keeps its runs under its member's UID: its
+	// stopped run's configuration goes from there, its next run boots from its disk there.
+	again := starts[impv1.StartWarm][0]
+	hostDir := filepath.Join(w.stateDir, "vms", string(w.get(again).HostUID()))
+	w.update(t, again, func(v *impv1.ImpVM) { v.Spec.RunStrategy = impv1.RunStrategyHalted })
+	g.Eventually(func() impv1.VMPhase { return w.get(again).Status.Phase }).WithTimeout(3 * time.Minute).Should(Equal(impv1.VMStopped))
+	if _, err := os.Stat(filepath.Join(hostDir, vmrun.ConfigDisk)); err == nil {
+		t.Errorf("the stopped claim's configuration disk is still in %s", hostDir)
+	}
+	w.update(t, again, func(v *impv1.ImpVM) { v.Spec.RunStrategy = impv1.RunStrategyAlways })
+	g.Eventually(ready(again)).WithTimeout(5 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	if m, err := vmrun.ReadMeta(hostDir); err != nil || m.UID != w.get(again).UID || m.HostUID() != types.UID(filepath.Base(hostDir)) || m.Run == 0 {
+		t.Errorf("the claim's next run: %+v, %v", m, err)
+	}
+	if got := tool(again, "tool-read", "/proc/sys/kernel/hostname"); got != again {
+		t.Errorf("%s run again: hostname %q", again, got)
+	}
+
 	// A claim served warm, deleted, takes its member's VMM with it.
 	for _, name := range starts[impv1.StartWarm] {
 		v := w.get(name)

@@ -332,8 +332,35 @@ func refreshVolumes(old, cfg Config) error {
 		if v == nil || v.Serial != "" {
 			return fmt.Errorf("mount %s names no volume of files %q", m.Path, m.Volume)
 		}
+		// The workload has run in this guest: a link it left on the way is not followed
+		// by the mount, made as root.
+		if err := noLinks(m.Path); err != nil {
+			return fmt.Errorf("mounting volume %s at %s: %w", v.Name, m.Path, err)
+		}
 		if err := mountOne(v, m, 0); err != nil {
 			return fmt.Errorf("mounting volume %s at %s: %w", v.Name, m.Path, err)
+		}
+	}
+	return nil
+}
+
+// noLinks refuses an absolute path p of which a part that exists is a symbolic link.
+func noLinks(p string) error {
+	clean, err := cleanAbs(p, false)
+	if err != nil {
+		return err
+	}
+	at := "/"
+	for _, part := range strings.Split(strings.TrimPrefix(clean, "/"), "/") {
+		at = filepath.Join(at, part)
+		fi, err := os.Lstat(at)
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil // made by the mount, as directories
+		} else if err != nil {
+			return err
+		}
+		if fi.Mode()&fs.ModeSymlink != 0 {
+			return fmt.Errorf("%s is a symbolic link", at)
 		}
 	}
 	return nil

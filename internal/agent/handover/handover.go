@@ -45,6 +45,28 @@ func Pending(dir string) bool {
 	return err == nil
 }
 
+// Claimant is the UID of the claim the run kept in dir was handed to, if it was (or is being).
+func Claimant(dir string) (types.UID, bool) {
+	b, err := os.ReadFile(filepath.Join(dir, RecordFile))
+	if err != nil {
+		return "", false
+	}
+	return types.UID(b), true
+}
+
+// Owner is the UID of the VM whose run dir keeps: from the moment a handover is recorded, the
+// claim's (its plan may still be under way, the record still the member's); else the VM its
+// record (m) names; "" when there is neither.
+func Owner(dir string, m *vmrun.Meta) types.UID {
+	if c, ok := Claimant(dir); ok {
+		return c
+	}
+	if m != nil {
+		return m.UID
+	}
+	return ""
+}
+
 // record records in dir that its run goes to claim; an error when it went to another.
 func record(dir string, claim types.UID) error {
 	path := filepath.Join(dir, RecordFile)
@@ -114,8 +136,8 @@ func (s Member) Do(ctx context.Context, r *vmrun.Run) error {
 	} else if err != nil {
 		return plan.Retry(err)
 	}
-	if member.UID != old.UID || impv1.WarmPoolOf(member) != w.Pool || member.Status.NodeName != s.Node {
-		return plan.Fail(impv1.ReasonWarmHandoverFailed, fmt.Errorf("%s is no member of ImpWarmPool %s on node %s with UID %s", w.Member, w.Pool, s.Node, w.MemberUID))
+	if member.UID != old.UID || impv1.WarmPoolOf(member) != w.Pool || member.Status.NodeName != s.Node || !member.DeletionTimestamp.IsZero() {
+		return plan.Fail(impv1.ReasonWarmHandoverFailed, fmt.Errorf("%s is no member of ImpWarmPool %s on node %s with UID %s, or is being deleted", w.Member, w.Pool, s.Node, w.MemberUID))
 	}
 	if err := record(r.Dir, vm.UID); err != nil {
 		return plan.Fail(impv1.ReasonWarmHandoverFailed, err)
@@ -230,7 +252,7 @@ func (h *Handovers) Hand(ctx context.Context, vm *impv1.ImpVM, dir string, old *
 	var failed *plan.Failed
 	switch {
 	case errors.As(err, &failed):
-		return h.failed(ctx, vm, old, rec, failed)
+		return h.failed(ctx, vm, dir, old, rec, failed)
 	case err != nil:
 		return err
 	}
@@ -247,8 +269,10 @@ func (h *Handovers) Hand(ctx context.Context, vm *impv1.ImpVM, dir string, old *
 	return nil
 }
 
-func (h *Handovers) failed(ctx context.Context, vm *impv1.ImpVM, old *vmrun.Meta, rec *vmm.Record, failed *plan.Failed) error {
-	if rec != nil && rec.Alive() && old != nil {
+func (h *Handovers) failed(ctx context.Context, vm *impv1.ImpVM, dir string, old *vmrun.Meta, rec *vmm.Record, failed *plan.Failed) error {
+	// Only a run this claim took is stopped: a run the member step refused (another VM's, or
+	// taken by another claim) is left as it is.
+	if c, _ := Claimant(dir); c == vm.UID && rec != nil && rec.Alive() && old != nil {
 		if err := h.Quit(ctx, string(old.VMM), old.HostUID()); err != nil {
 			return fmt.Errorf("stopping the VMM of a member that could not be handed over: %w", err)
 		}
@@ -265,38 +289,27 @@ func (h *Handovers) failed(ctx context.Context, vm *impv1.ImpVM, old *vmrun.Meta
 }
 
 // Locks serialise the reconciles of the VMs whose runs one state directory keeps: a member's
-// and its claim's (controller-runtime serialises the reconciles of one VM, not of two). A lock
-// is dropped once no one holds or waits for it.
+// and its claim's (controller-runtime serialises the reconciles of one VM, not of two). A
+// reconcile that finds the directory held comes back later rather than hold a worker.
 type Locks struct {
-	mu sync.Mutex
-	m  map[types.UID]*hostLock
+	mu   sync.Mutex
+	held map[types.UID]bool
 }
 
-type hostLock struct {
-	sync.Mutex
-	n int
-}
-
-// Lock locks the directory of uid and returns what unlocks it.
-func (l *Locks) Lock(uid types.UID) (unlock func()) {
+// TryLock locks the directory of uid and returns what unlocks it; false when it is held.
+func (l *Locks) TryLock(uid types.UID) (unlock func(), ok bool) {
 	l.mu.Lock()
-	if l.m == nil {
-		l.m = map[types.UID]*hostLock{}
+	defer l.mu.Unlock()
+	if l.held[uid] {
+		return nil, false
 	}
-	h := l.m[uid]
-	if h == nil {
-		h = &hostLock{}
-		l.m[uid] = h
+	if l.held == nil {
+		l.held = map[types.UID]bool{}
 	}
-	h.n++
-	l.mu.Unlock()
-	h.Lock()
+	l.held[uid] = true
 	return func() {
-		h.Unlock()
 		l.mu.Lock()
-		if h.n--; h.n == 0 {
-			delete(l.m, uid)
-		}
+		delete(l.held, uid)
 		l.mu.Unlock()
-	}
+	}, true
 }

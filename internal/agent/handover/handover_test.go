@@ -3,10 +3,10 @@ package handover
 import (
 	"context"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,11 +14,15 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/google/go-containerregistry/pkg/name"
+
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/plan"
+	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
@@ -153,33 +157,96 @@ func TestOnlyTheBoundMemberIsTaken(t *testing.T) {
 	}
 }
 
-// TestLocksSerialiseOneDirectory: two holders of one directory's lock never overlap; locks of
-// two directories do not wait on each other, and a lock no one holds is forgotten.
+// TestLocksSerialiseOneDirectory: a directory's lock is had once at a time; another
+// directory's is not held up by it; a lock let go is had again.
 func TestLocksSerialiseOneDirectory(t *testing.T) {
 	var l Locks
-	var mu sync.Mutex
-	inside, most := 0, 0
-	var wg sync.WaitGroup
-	for range 8 {
-		wg.Go(func() {
-			defer l.Lock("a")()
-			mu.Lock()
-			inside++
-			most = max(most, inside)
-			mu.Unlock()
-			time.Sleep(time.Millisecond)
-			mu.Lock()
-			inside--
-			mu.Unlock()
-		})
+	unlockA, ok := l.TryLock("a")
+	if !ok {
+		t.Fatal("a free lock refused")
 	}
-	unlockB := l.Lock("b")
-	wg.Wait() // "a" went on while "b" was held
+	if _, ok := l.TryLock("a"); ok {
+		t.Error("one directory's lock had twice")
+	}
+	unlockB, ok := l.TryLock("b")
+	if !ok {
+		t.Error("another directory's lock held up")
+	}
+	unlockA()
 	unlockB()
-	if most != 1 {
-		t.Errorf("%d holders of one lock at once", most)
+	if _, ok := l.TryLock("a"); !ok {
+		t.Error("a lock let go is not had again")
 	}
-	if len(l.m) != 0 {
-		t.Errorf("locks left: %v", l.m)
+	if len(l.held) != 1 {
+		t.Errorf("locks held: %v", l.held)
+	}
+}
+
+type reports struct{ reported []impv1.RuntimeStatus }
+
+func (r *reports) Report(_ context.Context, _ *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	r.reported = append(r.reported, rt)
+	return nil
+}
+
+func (r *reports) ReportLater(context.Context, *impv1.ImpVM, impv1.RuntimeStatus) error { return nil }
+
+type noRuns struct{}
+
+func (noRuns) Ensure(*impv1.ImpVM, string, *vmrun.Meta, *vmm.Record, net.Conn) {}
+
+type failingFetches struct{}
+
+func (failingFetches) Begin(*impv1.ImpVM, name.Reference) bool { return true }
+func (failingFetches) Take(*impv1.ImpVM, time.Duration) (*vmrun.Image, error) {
+	return nil, plan.Fail("ImagePullFailed", errors.New("refused"))
+}
+
+// TestAFailedHandoverStopsOnlyWhatItTook: a handover that fails after it took the member's run
+// stops the member's VMM and reports the claim WarmHandoverFailed; one whose member step
+// refused the run (another namespace's, here) reports the same and stops nothing: that run is
+// not the claim's to stop.
+func TestAFailedHandoverStopsOnlyWhatItTook(t *testing.T) {
+	self, err := vmm.StartTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := &vmm.Record{Kind: "qemu", Pid: os.Getpid(), StartTime: self}
+	poolRef := metav1.OwnerReference{APIVersion: impv1.GroupVersion.String(), Kind: "ImpWarmPool", Name: "p", UID: "pool", Controller: ptr.To(true)}
+	member := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "team", Name: "p-abcde", UID: "m-uid",
+		Labels: map[string]string{impv1.WarmPoolLabel: "p"}, OwnerReferences: []metav1.OwnerReference{poolRef}},
+		Status: impv1.ImpVMStatus{NodeName: "n1"}}
+	claim := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "team", Name: "c", UID: "c-uid"},
+		Spec: impv1.ImpVMSpec{WarmPoolRef: &impv1.WarmPoolReference{Name: "p"}},
+		Status: impv1.ImpVMStatus{Start: impv1.StartWarm, Warm: &impv1.WarmStatus{Pool: "p", Member: "p-abcde", MemberUID: "m-uid"},
+			Template: &impv1.TemplateStatus{Image: "127.0.0.1:5000/hello:v1"}}}
+	for _, tc := range []struct {
+		name      string
+		namespace string
+		stopped   int
+	}{
+		{"taken, then failed", "team", 1},
+		{"refused", "other", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var quit []types.UID
+			rep := &reports{}
+			h := &Handovers{Reports: rep, Runs: noRuns{}, Recorder: events.NewFakeRecorder(10),
+				Quit: func(_ context.Context, _ string, uid types.UID) error { quit = append(quit, uid); return nil },
+				Steps: Steps{
+					Member: Member{Cache: reader{}, API: reader{vms: map[string]*impv1.ImpVM{"team/p-abcde": member}}, Node: "n1", Runs: &followers{}},
+					Image:  steps.Image{Fetches: failingFetches{}, Reports: rep, NameOptions: func(string) []name.Option { return nil }},
+				}}
+			old := &vmrun.Meta{Namespace: tc.namespace, Name: "p-abcde", UID: "m-uid", VMM: "qemu", Restore: &vmrun.Restored{Done: true}}
+			if err := h.Hand(context.Background(), claim, t.TempDir(), old, live); err != nil {
+				t.Fatal(err)
+			}
+			if len(quit) != tc.stopped {
+				t.Errorf("VMMs stopped: %v; want %d", quit, tc.stopped)
+			}
+			if len(rep.reported) != 1 || rep.reported[0].Reason != impv1.ReasonWarmHandoverFailed || rep.reported[0].State != impv1.RuntimeExited {
+				t.Errorf("reported %+v", rep.reported)
+			}
+		})
 	}
 }

@@ -62,7 +62,7 @@ type fetch struct {
 }
 
 func runID(vm *impv1.ImpVM) string {
-	return fmt.Sprintf("%d.%d", vm.Status.Instance, vm.Status.RestartCount)
+	return fmt.Sprintf("%s.%d.%d", vm.UID, vm.Status.Instance, vm.Status.RestartCount) // a member's and its claim's differ
 }
 
 // Begin starts the fetch of the VM's current run unless it runs already, and says whether it

@@ -290,7 +290,7 @@ func (s *Snapshotter) source(ctx context.Context, snap *impv1.ImpVMSnapshot) (*i
 	}
 	dir := s.Drivers.VMDir(vm.HostUID())
 	m, err := vmrun.ReadMeta(dir)
-	if err != nil || m.Instance != st.Instance || m.Run != st.RestartCount {
+	if err != nil || m.UID != vm.UID || m.Instance != st.Instance || m.Run != st.RestartCount {
 		return nil, nil, false, fmt.Sprintf("ImpVM %s has no current run on node %s", vm.Name, s.NodeName)
 	}
 	rec, _ := vmm.ReadRecord(dir)

@@ -43,6 +43,9 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 		m.Session = snap.Manifest.Session
 		m.Restore = &vmrun.Restored{Snapshot: snap.Name, SnapshotUID: snap.Manifest.UID, Token: snap.Manifest.Token}
 	}
+	if host := vm.HostUID(); host != vm.UID {
+		m.Host = host // a claim served warm, run again: its runs stay under its member's UID
+	}
 	if r.Old != nil && r.Old.Instance == m.Instance {
 		m.Endpoint = r.Old.Endpoint // kept across the placement's runs
 	}
