@@ -34,6 +34,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -162,9 +163,13 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	insecure := o.InsecureRegistries
+	var weigh func(types.UID) error
+	if root := o.CgroupRoot; root != "" {
+		weigh = func(uid types.UID) error { return cgroup.SetWeight(root, string(uid), cgroup.DefaultWeight) }
+	}
 	a.handovers = &handover.Handovers{Reports: a.reports, Runs: a.Runs, Recorder: a.Recorder, Quit: stoppers{a.Runs, a.drivers}.Quit,
 		Steps: handover.Steps{
-			Member: handover.Member{Cache: a.Client, API: a.APIReader, Node: o.NodeName, Runs: a.Runs},
+			Member: handover.Member{Cache: a.Client, API: a.APIReader, Node: o.NodeName, Runs: a.Runs}, Foreground: handover.Foreground{Weigh: weigh},
 			Image: steps.Image{Fetches: a.fetches, Reports: a.reports, FetchWait: imagefetch.FetchWait,
 				NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }},
 			Volumes: steps.Volumes{Maker: a.volumes}, Identity: handover.Identity{IDs: a.drivers},

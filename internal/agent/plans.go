@@ -93,8 +93,8 @@ func (a *Agent) finishRestorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	if vm.Spec.NetworkRef != nil {
 		ss = append(ss, steps.Readdress{Networks: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
-	if vm.HostUID() != vm.UID {
-		ss = append(ss, steps.Continue{Continuers: a.drivers}) // a member waits paused
+	if vm.HostUID() != vm.UID { // a warm claim: its member was restored in the background, and waits paused
+		ss = append(ss, a.handovers.Steps.Foreground, steps.Continue{Continuers: a.drivers})
 	}
 	ss = append(ss, steps.Resumed{Resumer: launcher{a.drivers}}, steps.Reidentify{Guests: a.snapshots})
 	return plan.Plan[*vmrun.Run]{Name: "restore", Reason: impv1.ReasonRestoreFailed, Steps: ss}

@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -76,6 +77,10 @@ func TestWarmClaimsTakeOverMembers(t *testing.T) {
 		// An idle member waits paused.
 		dir := filepath.Join(w.stateDir, "vms", string(m.UID))
 		g.Eventually(func() (string, error) { return qemu.Status(dir) }).WithTimeout(time.Minute).Should(Equal("paused"), m.Name)
+		// Restored in the background: a tenth of a VM's CPU weight.
+		if got := cpuWeight(m.UID); got != "10" && got != "102" {
+			t.Errorf("member %s's CPU weight %q; want 10 (cgroup v2) or shares 102 (v1)", m.Name, got)
+		}
 	}
 
 	claims := []string{"a", "b", "c"}
@@ -158,6 +163,9 @@ func TestWarmClaimsTakeOverMembers(t *testing.T) {
 			t.Errorf("%s was handed %+v; the members %v", name, wm, members)
 		}
 		handed[wm.Member] = true
+		if got := cpuWeight(v.HostUID()); got != "100" && got != "1024" {
+			t.Errorf("%s's CPU weight %q; want a VM's, 100 (cgroup v2) or shares 1024 (v1)", name, got)
+		}
 	}
 	if len(tokens) != 3 || len(draws) != 3 {
 		t.Errorf("guest channel tokens %d, /dev/urandom draws %d distinct of 3", len(tokens), len(draws))
@@ -282,4 +290,18 @@ func eventsOf(c client.Client, ns, name string) string {
 		}
 	}
 	return b.String()
+}
+
+// cpuWeight is the CPU weight of the VMM kept under uid: cgroup v2's cpu.weight, or v1's
+// cpu.shares.
+func cpuWeight(uid types.UID) string {
+	for _, f := range []string{
+		filepath.Join(cgroup.Root, cgroup.Parent, string(uid), "cpu.weight"),
+		filepath.Join(cgroup.Root, "cpu", cgroup.Parent, string(uid), "cpu.shares"),
+	} {
+		if b, err := os.ReadFile(f); err == nil {
+			return strings.TrimSpace(string(b))
+		}
+	}
+	return ""
 }

@@ -8,6 +8,7 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -28,6 +29,9 @@ type Limits struct {
 	Pids int64
 	// CPUs bounds CPU time, in CPUs (1.5: one and a half CPUs' time per period).
 	CPUs float64
+	// Weight is the cgroup's share of contended CPU beside its siblings, on cgroup v2's scale
+	// (1–10000, 100 the default; v1's cpu.shares is 1024 times it over 100); 0 leaves it.
+	Weight int
 }
 
 // files are the limits as each cgroup version spells them; a hierarchy takes those whose file
@@ -40,6 +44,9 @@ func (l Limits) files() map[string]string {
 	}
 	if l.Pids > 0 {
 		f["pids.max"] = strconv.FormatInt(l.Pids, 10)
+	}
+	if l.Weight > 0 {
+		maps.Copy(f, weightFiles(l.Weight))
 	}
 	if l.CPUs > 0 {
 		const period = 100000
@@ -236,4 +243,29 @@ func Version(root string) int {
 		return 2
 	}
 	return 1
+}
+
+// DefaultWeight is a cgroup's CPU weight unless told otherwise.
+const DefaultWeight = 100
+
+func weightFiles(w int) map[string]string {
+	return map[string]string{"cpu.weight": strconv.Itoa(w), "cpu.shares": strconv.Itoa(max(w*1024/DefaultWeight, 2))}
+}
+
+// SetWeight sets the CPU weight (Limits.Weight) of the cgroup Parent/name in every hierarchy
+// under root that has it.
+func SetWeight(root, name string, weight int) error {
+	var errs []error
+	for _, h := range hierarchies(root) {
+		for file, v := range weightFiles(weight) {
+			p := filepath.Join(h, Parent, name, file)
+			if _, err := os.Stat(p); err != nil {
+				continue
+			}
+			if err := os.WriteFile(p, []byte(v), 0o644); err != nil {
+				errs = append(errs, fmt.Errorf("setting %s to %s: %w", p, v, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -24,7 +24,7 @@ func TestPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait(); Remove(Root, "test-place") }()
-	lim := Limits{MemoryBytes: 96 << 20, Pids: 42, CPUs: 1.5}
+	lim := Limits{MemoryBytes: 96 << 20, Pids: 42, CPUs: 1.5, Weight: 10}
 	used, err := Place(Root, "test-place", cmd.Process.Pid, lim)
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +41,7 @@ func TestPlace(t *testing.T) {
 	// The limits, in whichever files the hierarchies have.
 	got := map[string]string{}
 	for _, dir := range used {
-		for _, f := range []string{"memory.max", "memory.limit_in_bytes", "pids.max", "cpu.max", "cpu.cfs_quota_us"} {
+		for _, f := range []string{"memory.max", "memory.limit_in_bytes", "pids.max", "cpu.max", "cpu.cfs_quota_us", "cpu.weight", "cpu.shares"} {
 			if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
 				got[f] = strings.TrimSpace(string(b))
 			}
@@ -50,6 +50,24 @@ func TestPlace(t *testing.T) {
 	mem, pids, cpu := got["memory.max"]+got["memory.limit_in_bytes"], got["pids.max"], got["cpu.max"]+got["cpu.cfs_quota_us"]
 	if mem != fmt.Sprint(96<<20) || pids != "42" || (cpu != "150000 100000" && cpu != "150000") {
 		t.Errorf("limits memory %q, pids %q, cpu %q; want %d, 42, 1.5 CPUs", mem, pids, cpu, 96<<20)
+	}
+	// The CPU weight: a tenth of the default, then the default (a warm member handed over).
+	if w := got["cpu.weight"] + got["cpu.shares"]; w != "10" && w != "102" {
+		t.Errorf("cpu weight %q; want 10 (v2) or shares 102 (v1)", w)
+	}
+	if err := SetWeight(Root, "test-place", DefaultWeight); err != nil {
+		t.Fatal(err)
+	}
+	w := ""
+	for _, dir := range used {
+		for _, f := range []string{"cpu.weight", "cpu.shares"} {
+			if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+				w += strings.TrimSpace(string(b))
+			}
+		}
+	}
+	if w != "100" && w != "1024" {
+		t.Errorf("cpu weight after SetWeight %q; want 100 (v2) or shares 1024 (v1)", w)
 	}
 	self, _ := Of(os.Getpid())
 	for _, l := range self {

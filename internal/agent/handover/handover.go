@@ -147,6 +147,28 @@ func (s Member) Do(ctx context.Context, r *vmrun.Run) error {
 	return nil
 }
 
+// Foreground gives the member's VMM, restored in the background (a tenth of the CPU weight of
+// a VM at work, so that a pool's refill yields to the VMs at work), a VM's default weight: from
+// here on it is the claim's. A weight that cannot be set is logged, not a failure.
+type Foreground struct {
+	// Weigh sets the default CPU weight of the cgroup of the VMM kept under uid; nil on a node
+	// whose VMMs have no cgroups of their own.
+	Weigh func(uid types.UID) error
+}
+
+func (Foreground) Name() string { return "foreground" }
+
+func (s Foreground) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
+	return s.Weigh != nil && r.Old != nil, nil
+}
+
+func (s Foreground) Do(ctx context.Context, r *vmrun.Run) error {
+	if err := s.Weigh(r.Old.HostUID()); err != nil {
+		log.FromContext(ctx).Error(err, "giving a handed member's VMM a VM's CPU weight")
+	}
+	return nil
+}
+
 // Identities record a run's meta (vmmdriver.Drivers).
 type Identities interface {
 	// Record gives m the jail uid of the run kept under m.HostUID() and writes m into dir.
@@ -182,6 +204,7 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 // Steps are the handover plan's steps that are not the plan's own.
 type Steps struct {
 	Member     Member
+	Foreground Foreground
 	Image      steps.Image
 	Volumes    steps.Volumes
 	Identity   Identity
@@ -191,12 +214,12 @@ type Steps struct {
 	Reidentify steps.Reidentify
 }
 
-// Plan is the handover plan of claim vm: member, image, volumes (a VM with volumes), config_disk,
+// Plan is the handover plan of claim vm: member, foreground, image, volumes (a VM with volumes), config_disk,
 // identity, readdress and expose (a VM on a network), continue (an idle member waits paused),
 // reidentify. Its failpoints are
 // "handover/<step>"; each step that acts is timed in imp_agent_vm_start_step_seconds{step}.
 func (s Steps) Plan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
-	ss := []steps.Step{s.Member, s.Image}
+	ss := []steps.Step{s.Member, s.Foreground, s.Image}
 	if len(vm.Spec.Volumes) > 0 {
 		ss = append(ss, s.Volumes)
 	}

@@ -104,7 +104,7 @@ func (d qemuDriver) Start(ctx context.Context, l Launch) (*vmm.Record, error) {
 	spec := qemu.Spec{Dir: l.Dir, Kernel: c.Kernel, Initramfs: c.Initramfs, BaseDisk: l.BaseDisk,
 		WritableDisk: filepath.Join(l.Dir, "rw.ext4"), ConfigDisk: filepath.Join(l.Dir, vmrun.ConfigDisk),
 		VCPUs: int(res.VCPUs), MemoryMiB: res.Memory.Value() >> 20, Token: l.Meta.Token, Accel: c.Accel, TSCkHz: qemu.TSCkHz(),
-		CgroupRoot: c.CgroupRoot, Tap: l.Attachment.Tap, Net: l.Net, UID: l.Meta.JailUID, GID: l.Meta.JailUID, Session: l.Meta.Session, Drives: l.Drives}
+		CgroupRoot: c.CgroupRoot, Background: impv1.WarmPoolOf(l.VM) != "", Tap: l.Attachment.Tap, Net: l.Net, UID: l.Meta.JailUID, GID: l.Meta.JailUID, Session: l.Meta.Session, Drives: l.Drives}
 	if l.Resume {
 		spec.Incoming = filepath.Join(l.Dir, qemu.StateFile)
 	}

@@ -52,6 +52,10 @@ type Spec struct {
 	// CgroupRoot, when set (cgroup.Root on a node), is where the VMM gets cgroups of its own,
 	// named for the state directory, outside the agent's.
 	CgroupRoot string
+	// Background: the VM is a warm pool's member, restored to wait idle: its CPU weight is a
+	// tenth of a running VM's, so that a pool's refill yields to the VMs at work (its handover
+	// gives it the default weight, cgroup.SetWeight).
+	Background bool
 	// Incoming, when set, starts the VM from the state a Suspend saved in this file.
 	Incoming string
 	// MemoryImage, when set with Incoming, is the guest's memory as a snapshot holds it
@@ -185,12 +189,20 @@ func (s Spec) Args() []string {
 // (vmm.MemoryOverhead); threads for the vCPUs and QEMU's own, and no more (QEMU may spawn
 // nothing); the vCPUs' time plus half a CPU for QEMU's I/O and emulation threads.
 func (s Spec) Limits() cgroup.Limits {
-	return cgroup.Limits{
+	l := cgroup.Limits{
 		MemoryBytes: s.MemoryMiB<<20 + vmm.MemoryOverhead("qemu", s.Accel),
 		Pids:        int64(128 + 2*s.VCPUs), // the block layer's thread pool alone may reach 64
 		CPUs:        float64(s.VCPUs) + 0.5,
+		Weight:      cgroup.DefaultWeight,
 	}
+	if s.Background {
+		l.Weight = BackgroundWeight
+	}
+	return l
 }
+
+// BackgroundWeight is the CPU weight of a warm pool member's VMM (Spec.Background).
+const BackgroundWeight = cgroup.DefaultWeight / 10
 
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
