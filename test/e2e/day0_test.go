@@ -504,6 +504,8 @@ network:
 	if vmmKind == "" || vmmKind == "qemu" {
 		checkSnapshots(t, sh, must, eventually, tmp, realNode, vm)
 		checkTemplates(t, sh, must, eventually, tmp, vm)
+		// ## Warm pools (docs/warmpools.md): claims handed running members, real guests.
+		checkWarmPools(t, sh, must, eventually, tmp, vm)
 	}
 
 	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.

@@ -79,17 +79,7 @@ func checkSnapshots(t *testing.T, sh func(string) (string, error), must func(str
 func checkTemplates(t *testing.T, sh func(string) (string, error), must func(string, ...string) string,
 	eventually func(string, time.Duration, func() error), dir string, hello map[string]any) {
 	t.Helper()
-	data, _ := yaml.Marshal(hello["spec"])
-	var spec map[string]any
-	if err := yaml.Unmarshal(data, &spec); err != nil {
-		t.Fatal(err)
-	}
-	write := func(name string, obj map[string]any) {
-		data, _ := yaml.Marshal(obj)
-		if err := os.WriteFile(filepath.Join(dir, name), data, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	spec, write := specAndWriter(t, dir, hello)
 	write("web.yaml", map[string]any{"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMTemplate",
 		"metadata": map[string]any{"name": "web", "namespace": "demo"}, "spec": map[string]any{"vm": spec}})
 	for _, name := range []string{"web-1", "web-2"} {
@@ -141,4 +131,19 @@ func checkTemplates(t *testing.T, sh func(string) (string, error), must func(str
 		}
 		return nil
 	})
+}
+
+// specAndWriter is a copy of hello's spec, for templates, and what writes a manifest into dir.
+func specAndWriter(t *testing.T, dir string, hello map[string]any) (map[string]any, func(name string, obj map[string]any)) {
+	data, _ := yaml.Marshal(hello["spec"])
+	var spec map[string]any
+	if err := yaml.Unmarshal(data, &spec); err != nil {
+		t.Fatal(err)
+	}
+	return spec, func(name string, obj map[string]any) {
+		data, _ := yaml.Marshal(obj)
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
