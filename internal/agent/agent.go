@@ -173,7 +173,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 			Image: steps.Image{Fetches: a.fetches, Reports: a.reports, FetchWait: imagefetch.FetchWait,
 				NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }},
 			Volumes: steps.Volumes{Maker: a.volumes}, Identity: handover.Identity{IDs: a.drivers},
-			Readdress: steps.Readdress{Networks: a.networks}, Expose: steps.Expose{Exposer: a.exposer},
+			Readdress: steps.Network{Attacher: nodenet.Readdressing{Networks: a.networks}}, Expose: steps.Expose{Exposer: a.exposer},
 			Continue: steps.Continue{Continuers: a.drivers}, Reidentify: steps.Reidentify{Guests: a.snapshots},
 		}}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}

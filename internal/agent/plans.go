@@ -91,7 +91,7 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 func (a *Agent) finishRestorePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	var ss []steps.Step
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Readdress{Networks: a.networks}, steps.Expose{Exposer: a.exposer})
+		ss = append(ss, steps.Network{Attacher: nodenet.Readdressing{Networks: a.networks}}, steps.Expose{Exposer: a.exposer})
 	}
 	if vm.HostUID() != vm.UID { // a warm claim: its member was restored in the background, and waits paused
 		ss = append(ss, a.handovers.Steps.Foreground, steps.Continue{Continuers: a.drivers})
@@ -248,7 +248,7 @@ var (
 	_ steps.Resumer        = launcher{}
 	_ steps.Continuers     = (*vmmdriver.Drivers)(nil)
 	_ steps.Attacher       = (*nodenet.Networks)(nil)
-	_ steps.Readdressers   = (*nodenet.Networks)(nil)
+	_ steps.Attacher       = nodenet.Readdressing{}
 	_ steps.Disks          = (*disk.Writables)(nil)
 	_ steps.Memory         = teardowns{}
 	_ steps.Detacher       = teardowns{}

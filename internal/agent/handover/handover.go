@@ -208,14 +208,14 @@ type Steps struct {
 	Image      steps.Image
 	Volumes    steps.Volumes
 	Identity   Identity
-	Readdress  steps.Readdress
+	Readdress  steps.Network // its Attacher moves the rules of the tap the VMM holds
 	Expose     steps.Expose
 	Continue   steps.Continue
 	Reidentify steps.Reidentify
 }
 
 // Plan is the handover plan of claim vm: member, foreground, image, volumes (a VM with volumes), config_disk,
-// identity, readdress and expose (a VM on a network), continue (an idle member waits paused),
+// identity, network (the rules of the tap the VMM holds) and expose (a VM on a network), continue (an idle member waits paused),
 // reidentify. Its failpoints are
 // "handover/<step>"; each step that acts is timed in imp_agent_vm_start_step_seconds{step}.
 func (s Steps) Plan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {

@@ -296,9 +296,16 @@ func (n *Networks) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachm
 	return n.attach(ctx, vm, n.Net.Attach)
 }
 
-// Readdress moves the rules of vm's tap, which its running VMM holds, to vm's address (a warm
-// pool member's tap, handed to its claim), and returns the guest's network configuration.
-func (n *Networks) Readdress(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+// Readdressing is the networks as the network step of a run whose VMM runs and holds its tap
+// (a warm pool member handed to its claim, a restore finished after an agent restart) sees
+// them: Attach moves the tap's anti-spoofing rules to the VM's MAC and address, without
+// opening the tap (TUNSETIFF on a tap a VMM holds is EBUSY); what the guest sends from any
+// other is dropped from then on.
+type Readdressing struct{ *Networks }
+
+// Attach moves the rules of vm's tap to vm's address and returns the guest's network
+// configuration; the attachment has no tap.
+func (n Readdressing) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
 	return n.attach(ctx, vm, n.Net.Readdress)
 }
 
