@@ -27,8 +27,24 @@ const (
 // on some node (or pushed): copies start from it.
 const TemplateReadyCondition = "Ready"
 
+// HoldWorkloadAnnotation, "true" on a template's VM (written by the operator when its template
+// sets snapshotWhen.beforeWorkload), has the guest ready everything but the workload and wait:
+// the copies of its snapshot start their own. The agent honours it only on a VM labelled with
+// and controlled by an ImpVMTemplate.
+const HoldWorkloadAnnotation = "imp.dev/hold-workload"
+
 // SnapshotWhen says when a template's VM is snapshotted.
+// +kubebuilder:validation:XValidation:rule="!(has(self.beforeWorkload) && self.beforeWorkload && has(self.command))",message="command runs once the workload started: it cannot be set with beforeWorkload",fieldPath=".command"
 type SnapshotWhen struct {
+	// beforeWorkload snapshots the VM booted, its network, volumes and guest channel ready,
+	// before its workload starts. Each copy (templateRef) and warm pool claim then starts the
+	// workload when it is restored, as its own process: with its own env, Secret and ConfigMap
+	// files and host name, and, when it sets them, its own command, args and workingDir (a
+	// copy of a template without beforeWorkload cannot: its workload was already running).
+	// The template VM's probes are not run (there is no workload); each copy runs its own.
+	// +optional
+	BeforeWorkload bool `json:"beforeWorkload,omitempty"`
+
 	// command is run in the guest (as an exec readiness probe is, every second) once the
 	// workload started; the first time it exits 0, the VM is snapshotted. Without it, the VM is
 	// snapshotted once it is Ready (its readinessProbe succeeded, or its workload started).
@@ -178,8 +194,14 @@ type TemplateStatus struct {
 	// snapshot for the copy's node is being made.
 	// +optional
 	Snapshot string `json:"snapshot,omitempty"`
+	// beforeWorkload: the snapshot was taken before the template's workload started
+	// (snapshotWhen.beforeWorkload); the copy's restore starts it.
+	// +optional
+	BeforeWorkload bool `json:"beforeWorkload,omitempty"`
 	// image, command, args and workingDir are the template's workload: the copy's, for its
-	// later runs (which boot from its disk).
+	// later runs (which boot from its disk), and for its restore when beforeWorkload (where
+	// the copy's own command, args and workingDir, which only such a copy may set, override
+	// them as a container's override its image's).
 	Image string `json:"image"`
 	// +optional
 	// +listType=atomic
@@ -200,10 +222,23 @@ type Workload struct {
 }
 
 // Workload is the VM's own workload, or, for a copy of a template, its template's as its
-// placement found it (status.template).
+// placement found it (status.template), with the copy's own command, args and workingDir over
+// it when the template's snapshot was taken before its workload (beforeWorkload).
 func (vm *ImpVM) Workload() Workload {
 	if t := vm.Status.Template; vm.IsCopy() && t != nil {
-		return Workload{Image: t.Image, Command: t.Command, Args: t.Args, WorkingDir: t.WorkingDir}
+		w := Workload{Image: t.Image, Command: t.Command, Args: t.Args, WorkingDir: t.WorkingDir}
+		if t.BeforeWorkload { // the copy starts the workload: its own overrides apply
+			if len(vm.Spec.Command) > 0 {
+				w.Command, w.Args = vm.Spec.Command, nil
+			}
+			if len(vm.Spec.Args) > 0 {
+				w.Args = vm.Spec.Args
+			}
+			if vm.Spec.WorkingDir != "" {
+				w.WorkingDir = vm.Spec.WorkingDir
+			}
+		}
+		return w
 	}
 	return Workload{Image: vm.Spec.Image, Command: vm.Spec.Command, Args: vm.Spec.Args, WorkingDir: vm.Spec.WorkingDir}
 }

@@ -225,6 +225,12 @@ func (vm *ImpVM) IsClaim() bool { return vm.Spec.WarmPoolRef != nil }
 // warm pool (the copy of the pool's template, whether handed a member or restored).
 func (vm *ImpVM) IsCopy() bool { return vm.Spec.TemplateRef != nil || vm.Spec.WarmPoolRef != nil }
 
+// SetsWorkload is true for a VM that sets its own command, args or workingDir: a copy may only
+// when its template's snapshot was taken before the workload started (beforeWorkload).
+func (vm *ImpVM) SetsWorkload() bool {
+	return len(vm.Spec.Command) > 0 || len(vm.Spec.Args) > 0 || vm.Spec.WorkingDir != ""
+}
+
 // TemplateName is the ImpVMTemplate a copy is of: its templateRef, or for a claim the template
 // its placement resolved (status.template.name); empty when not known (yet).
 func (vm *ImpVM) TemplateName() string {

@@ -305,3 +305,81 @@ func cpuWeight(uid types.UID) string {
 	}
 	return ""
 }
+
+// TestHeldWorkloadStartsAsTheCopys (issue 48): a template snapshotted before its workload
+// (snapshotWhen.beforeWorkload) holds it: neither its VM nor a warm pool's member restored from
+// it ever runs it. A claim handed the member, and a copy restored from the template, each start
+// the workload at their restore as their own: their own args and command, env and host name.
+func TestHeldWorkloadStartsAsTheCopys(t *testing.T) {
+	w := newWorld(t)
+	c, ns, ctx := w.c, w.ns, context.Background()
+	g := NewWithT(t)
+	spec := w.vm("", "counter").Spec
+	spec.NodeSelector = nil
+	spec.Env = []impv1.EnvVar{{Name: "GREETING", Value: "the-template's"}}
+	if err := c.Client.Create(ctx, &impv1.ImpVMTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "tpl"},
+		Spec: impv1.ImpVMTemplateSpec{VM: spec, SnapshotWhen: &impv1.SnapshotWhen{BeforeWorkload: true}}}); err != nil {
+		t.Fatal(err)
+	}
+	pool := &impv1.ImpWarmPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "p"}, Spec: impv1.ImpWarmPoolSpec{
+		TemplateRef: impv1.TemplateReference{Name: "tpl"}, Replicas: ptr.To[int32](1),
+		NodeSelector: map[string]string{"imp.test/node": w.node}}}
+	if err := c.Client.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() int32 {
+		p := &impv1.ImpWarmPool{}
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(pool), p)
+		return p.Status.Idle
+	}).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(BeEquivalentTo(1), func() string {
+		return fmt.Sprintf("template %+v", w.templateStatus("tpl"))
+	})
+	var list impv1.ImpVMList
+	if err := c.Client.List(ctx, &list, client.InNamespace(ns), client.MatchingLabels{impv1.WarmPoolLabel: "p"}); err != nil || len(list.Items) != 1 {
+		t.Fatalf("members %d: %v", len(list.Items), err)
+	}
+	member := list.Items[0]
+	if ts := member.Status.Template; ts == nil || !ts.BeforeWorkload {
+		t.Fatalf("the member's template status %+v; want beforeWorkload", ts)
+	}
+	if got := w.console(&member); strings.Contains(got, "hello from imp") {
+		t.Fatalf("the held member ran the workload:\n%s", got)
+	}
+
+	claim := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "a"}, Spec: impv1.ImpVMSpec{
+		WarmPoolRef: &impv1.WarmPoolReference{Name: "p"}, Args: []string{"serve"},
+		Env: []impv1.EnvVar{{Name: "GREETING", Value: "the-claim's"}}}}
+	cp := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "b"}, Spec: impv1.ImpVMSpec{
+		TemplateRef: &impv1.TemplateReference{Name: "tpl"}, Command: []string{"/bin/hello"}, Args: []string{"serve"},
+		WorkingDir: "/bin", NodeSelector: map[string]string{"imp.test/node": w.node},
+		Env: []impv1.EnvVar{{Name: "GREETING", Value: "the-copy's"}}}}
+	for _, vm := range []*impv1.ImpVM{claim, cp} {
+		if err := c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for name, want := range map[string]string{"a": "GREETING=the-claim's host=a pid=", "b": "GREETING=the-copy's host=b pid="} {
+		g.Eventually(func() bool {
+			v := w.get(name)
+			return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+		}).WithTimeout(5*time.Minute).WithPolling(50*time.Millisecond).Should(BeTrue(), func() string {
+			return fmt.Sprintf("%s: %+v, run %+v; events: %s", name, w.get(name).Status, w.get(name).Status.Runtime, eventsOf(c.Client, ns, name))
+		})
+		v := w.get(name)
+		// The workload's first line, once, as this VM; then its ticks (serve).
+		g.Eventually(func() string { return w.console(v) }).WithTimeout(time.Minute).Should(ContainSubstring("hello: tick 1"), name)
+		console := w.console(v)
+		if n := strings.Count(console, "hello from imp:"); n != 1 || !strings.Contains(console, want) {
+			t.Errorf("%s's console (%d workload starts; want one with %q):\n%s", name, n, want, console)
+		}
+		if name == "b" && !strings.Contains(console, "wd=/bin") {
+			t.Errorf("the copy's workload did not start in its workingDir:\n%s", console)
+		}
+	}
+	if got := w.get("a"); got.Status.Start != impv1.StartWarm || got.HostUID() != member.UID {
+		t.Errorf("the claim started %q under %s; want warm, handed member %s", got.Status.Start, got.HostUID(), member.UID)
+	}
+	if got := w.get("b"); got.Status.Start != impv1.StartRestored {
+		t.Errorf("the copy started %q; want restored", got.Status.Start)
+	}
+}

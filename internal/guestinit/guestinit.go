@@ -52,7 +52,14 @@ type Config struct {
 	Volumes []Volume `json:"volumes,omitempty"`
 	Mounts  []Mount  `json:"mounts,omitempty"`
 	Devices []Device `json:"devices,omitempty"`
+	// Hold: imp-init readies everything but the workload (network, volumes, sessions), says
+	// ready with HeldMessage and waits: a restore whose configuration does not hold starts it
+	// (a template snapshotted before its workload; a warm pool's member of one holds on).
+	Hold bool `json:"hold,omitempty"`
 }
+
+// HeldMessage is the message of the ready event of a guest whose workload is held (Config.Hold).
+const HeldMessage = "held: the workload starts at a restore"
 
 // VolumeSerialPrefix begins the serial of every disk volume's block device under QEMU, which
 // imp-init never takes for one of the VM's own disks.

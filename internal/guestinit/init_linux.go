@@ -299,6 +299,12 @@ func command(cfg Config, argv []string) (*exec.Cmd, error) {
 	if dir == "" {
 		dir = "/"
 	}
+	// Else exec's error names the command ("fork/exec /app: no such file"), not the directory.
+	if fi, err := os.Stat(dir); err != nil {
+		return nil, fmt.Errorf("working directory: %w", err)
+	} else if !fi.IsDir() {
+		return nil, fmt.Errorf("working directory %s: not a directory", dir)
+	}
 	attr := &syscall.SysProcAttr{Credential: cred, Setsid: true}
 	if workload != nil {
 		attr.UseCgroupFD, attr.CgroupFD = true, int(workload.Fd()) // born in it (clone3)
@@ -307,32 +313,13 @@ func command(cfg Config, argv []string) (*exec.Cmd, error) {
 }
 
 func runWorkload(cfg Config, gnet *Net) (int, error) {
-	cmd, err := command(cfg, cfg.Argv)
-	if err != nil {
-		return ch.fail(err)
-	}
-	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
-	if cfg.Stdin || cfg.TTY {
-		tty, err := consoleTTY(cfg.TTY)
-		if err != nil {
-			return ch.fail(err)
-		}
-		cmd.Stdin = tty
-		if cfg.TTY {
-			cmd.Stdout, cmd.Stderr = tty, tty
-			cmd.SysProcAttr.Setctty, cmd.SysProcAttr.Ctty = true, 0
-		}
-	}
 	live.configure(cfg, gnet)
 	prepareRestore()
 	serveSessions()
-	// Signals to PID 1 go to the workload.
+	go reapAll()
+	// Signals to PID 1 go to the workload (a held guest's end the VM).
 	sigs := make(chan os.Signal, 8)
 	signal.Notify(sigs, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGUSR1, unix.SIGUSR2)
-	if err := cmd.Start(); err != nil {
-		return ch.fail(fmt.Errorf("starting %v: %w", cfg.Argv, err))
-	}
-	pid := cmd.Process.Pid
 	go func() {
 		for s := range sigs {
 			if s == unix.SIGINT {
@@ -340,34 +327,43 @@ func runWorkload(cfg Config, gnet *Net) (int, error) {
 				// the workload gets what a container's gets, SIGTERM.
 				s = unix.SIGTERM
 			}
-			_ = unix.Kill(pid, s.(unix.Signal))
+			live.signal(s.(unix.Signal))
 		}
 	}()
-	ch.serve(pid)
-	ch.send(Message{Event: "ready"})
-	live.start(pid)
+	ready := Message{Event: "ready"}
+	if cfg.Hold {
+		// A template's VM snapshotted before its workload: the copy's restore starts it.
+		ready.Message = HeldMessage
+	} else if err := live.startWorkload(cfg); err != nil {
+		return ch.fail(err)
+	}
+	ch.serve()
+	ch.send(ready)
+	if !cfg.Hold {
+		live.runProbes(cfg)
+	}
+	code := <-live.ended
+	_ = unix.Kill(-1, unix.SIGKILL) // whatever the workload left behind
+	ch.send(Message{Event: "exit", Code: &code})
+	return code, nil
+}
 
-	// Reap every child; the workload's status ends the VM.
+// reapAll reaps every child of PID 1, for the rest of the VM's life: the workload's and each
+// exec'd command's end go to their waiters (procs), an orphan's nowhere. A guest with no child
+// (its workload held) waits for one to end.
+func reapAll() {
+	sigchld := make(chan os.Signal, 1)
+	signal.Notify(sigchld, unix.SIGCHLD)
 	for {
 		var ws unix.WaitStatus
 		got, err := unix.Wait4(-1, &ws, 0, nil)
-		if errors.Is(err, unix.EINTR) {
-			continue
+		switch {
+		case errors.Is(err, unix.EINTR):
+		case err != nil: // ECHILD: none yet
+			<-sigchld
+		default:
+			procs.reaped(got, ws)
 		}
-		if err != nil {
-			return ch.fail(fmt.Errorf("waiting for the workload: %w", err))
-		}
-		if got != pid {
-			procs.reaped(got, ws) // an exec'd command's end, or an orphan's
-			continue
-		}
-		code := ws.ExitStatus()
-		if ws.Signaled() {
-			code = 128 + int(ws.Signal())
-		}
-		_ = unix.Kill(-1, unix.SIGKILL) // whatever the workload left behind
-		ch.send(Message{Event: "exit", Code: &code})
-		return code, nil
 	}
 }
 
@@ -495,7 +491,6 @@ type channel struct {
 	// (a hello, a ready, an end: a few lines), then each probe's latest verdict.
 	history [][]byte
 	probes  map[string][]byte
-	pid     int           // the workload, once serving
 	out     chan []byte   // virtio-serial: lines for the writer goroutine
 	flushed chan struct{} // closed when the writer has written every line
 }
@@ -692,13 +687,12 @@ func (c *channel) fail(err error) (int, error) {
 	return 127, err
 }
 
-// serve answers the agent's requests for the workload pid.
-func (c *channel) serve(pid int) {
+// serve answers the agent's requests, from the workload's start (or its hold) on.
+func (c *channel) serve() {
 	if c == nil {
 		return
 	}
 	c.mu.Lock()
-	c.pid = pid
 	f := c.f
 	c.mu.Unlock()
 	if !c.vsock {
@@ -717,12 +711,7 @@ func (c *channel) read(r io.Reader, waitEOF bool) {
 			if json.Unmarshal(line, &req) == nil && token != "" && req.Token == token {
 				switch {
 				case req.Op == "stop":
-					c.mu.Lock()
-					pid := c.pid
-					c.mu.Unlock()
-					if pid > 0 {
-						_ = unix.Kill(pid, unix.SIGTERM)
-					}
+					live.signal(unix.SIGTERM)
 				case req.Op == "replay":
 					c.replayNow()
 				case req.Op == "freeze":

@@ -18,14 +18,15 @@ import (
 
 // live is the run as it stands: the configuration, network and probes of the boot, or of the
 // VM this guest was restored as.
-var live = &liveRun{}
+var live = &liveRun{ended: make(chan int, 1)}
 
 type liveRun struct {
 	mu     sync.Mutex
 	cfg    Config
 	net    *Net
-	pid    int
+	pid    int                // the workload; 0 while it is held
 	probes context.CancelFunc // stops the probes of the configuration before
+	ended  chan int           // the workload's exit code, or a held guest's end (128+signal)
 }
 
 func (l *liveRun) config() Config {
@@ -41,13 +42,59 @@ func (l *liveRun) configure(cfg Config, n *Net) {
 	l.cfg, l.net = cfg, n
 }
 
-// start records the workload, once it runs, and runs the probes.
-func (l *liveRun) start(pid int) {
+// held is true while the workload waits for a restore to start it (Config.Hold).
+func (l *liveRun) held() bool {
 	l.mu.Lock()
-	l.pid = pid
-	cfg := l.cfg
+	defer l.mu.Unlock()
+	return l.pid == 0
+}
+
+// startWorkload starts cfg's workload, with the serial console as its input or terminal when
+// cfg says so; its end is sent on ended.
+func (l *liveRun) startWorkload(cfg Config) error {
+	cmd, err := command(cfg, cfg.Argv)
+	if err != nil {
+		return err
+	}
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	if cfg.Stdin || cfg.TTY {
+		tty, err := consoleTTY(cfg.TTY)
+		if err != nil {
+			return err
+		}
+		cmd.Stdin = tty
+		if cfg.TTY {
+			cmd.Stdout, cmd.Stderr = tty, tty
+			cmd.SysProcAttr.Setctty, cmd.SysProcAttr.Ctty = true, 0
+		}
+	}
+	wait, err := procs.start(cmd)
+	if err != nil {
+		return fmt.Errorf("starting %v: %w", cfg.Argv, err)
+	}
+	l.mu.Lock()
+	l.pid = cmd.Process.Pid
 	l.mu.Unlock()
-	l.runProbes(cfg)
+	go func() { l.ended <- wait() }()
+	return nil
+}
+
+// signal sends s to the workload; a held guest, which has none, ends (a stop of a template's
+// VM or of a warm pool's member before any claim).
+func (l *liveRun) signal(s unix.Signal) {
+	l.mu.Lock()
+	pid := l.pid
+	l.mu.Unlock()
+	if pid > 0 {
+		_ = unix.Kill(pid, s)
+		return
+	}
+	if s == unix.SIGTERM {
+		select {
+		case l.ended <- 128 + int(s):
+		default:
+		}
+	}
 }
 
 // runProbes (re)starts the probes of cfg, stopping those of the configuration before.
@@ -123,6 +170,16 @@ func applyRestore(r *Restore) error {
 	live.cfg, live.net = cfg, n
 	live.mu.Unlock()
 	thawWorkload() // a snapshot froze it: it runs on as this VM, never as the snapshot's
+	if live.held() {
+		if cfg.Hold {
+			return nil // a warm pool's member: its claim's restore starts the workload
+		}
+		// Snapshotted before its workload (a template's snapshotWhen.beforeWorkload): the
+		// workload starts now, this VM's own, with its command, env and files.
+		if err := live.startWorkload(cfg); err != nil {
+			return fmt.Errorf("starting the workload: %w", err)
+		}
+	}
 	live.runProbes(cfg)
 	return nil
 }

@@ -16,7 +16,9 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -501,5 +503,53 @@ func TestSuspendSteps(t *testing.T) {
 	}
 	if len(reports.reported) != 1 || reports.reported[0].State != impv1.RuntimeSuspended || !strings.HasPrefix(reports.reported[0].Message, "state saved in ") {
 		t.Errorf("reports %+v", reports.reported)
+	}
+}
+
+// TestHoldsWorkload: the guest holds its workload for a VM its ImpVMTemplate controls and marked,
+// and for a warm pool member restored from a snapshot taken before the workload; a tenant's own
+// VM carrying the mark, or a copy or claim of such a template (which starts it), does not.
+func TestHoldsWorkload(t *testing.T) {
+	img := &v1.Config{Entrypoint: []string{"/app"}}
+	tmpl := metav1.OwnerReference{APIVersion: impv1.GroupVersion.String(), Kind: "ImpVMTemplate", Name: "t", UID: "t-uid", Controller: ptr.To(true)}
+	pool := metav1.OwnerReference{APIVersion: impv1.GroupVersion.String(), Kind: "ImpWarmPool", Name: "p", UID: "p-uid", Controller: ptr.To(true)}
+	for _, c := range []struct {
+		name string
+		vm   func(*impv1.ImpVM)
+		want bool
+	}{
+		{"plain", func(*impv1.ImpVM) {}, false},
+		{"the template's VM", func(vm *impv1.ImpVM) {
+			vm.Annotations = map[string]string{impv1.HoldWorkloadAnnotation: "true"}
+			vm.Labels = map[string]string{impv1.TemplateLabel: "t"}
+			vm.OwnerReferences = []metav1.OwnerReference{tmpl}
+		}, true},
+		{"a tenant's VM marked", func(vm *impv1.ImpVM) {
+			vm.Annotations = map[string]string{impv1.HoldWorkloadAnnotation: "true"}
+			vm.Labels = map[string]string{impv1.TemplateLabel: "t"}
+		}, false},
+		{"a member of a held template", func(vm *impv1.ImpVM) {
+			vm.Labels = map[string]string{impv1.WarmPoolLabel: "p"}
+			vm.OwnerReferences = []metav1.OwnerReference{pool}
+			vm.Spec.TemplateRef = &impv1.TemplateReference{Name: "t"}
+			vm.Status.Template = &impv1.TemplateStatus{Name: "t", BeforeWorkload: true}
+		}, true},
+		{"a member of a running template", func(vm *impv1.ImpVM) {
+			vm.Labels = map[string]string{impv1.WarmPoolLabel: "p"}
+			vm.OwnerReferences = []metav1.OwnerReference{pool}
+			vm.Spec.TemplateRef = &impv1.TemplateReference{Name: "t"}
+			vm.Status.Template = &impv1.TemplateStatus{Name: "t"}
+		}, false},
+		{"a claim of a held template", func(vm *impv1.ImpVM) {
+			vm.Spec.WarmPoolRef = &impv1.WarmPoolReference{Name: "p"}
+			vm.Status.Template = &impv1.TemplateStatus{Name: "t", BeforeWorkload: true}
+		}, false},
+	} {
+		r := newRun(t)
+		c.vm(r.VM)
+		cfg, err := workload(r.VM, nil, img)
+		if err != nil || cfg.Hold != c.want {
+			t.Errorf("%s: hold %v, %v; want %v", c.name, cfg.Hold, err, c.want)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/guestinit"
@@ -15,7 +16,7 @@ import (
 // command replaces the entrypoint and drops the image's cmd; args replace the cmd; env is
 // added to the image's, a name of the VM's winning.
 func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Config, error) {
-	cfg := guestinit.Config{WorkingDir: img.WorkingDir, User: img.User, Hostname: vm.Name, Stdin: vm.Spec.Stdin, TTY: vm.Spec.TTY}
+	cfg := guestinit.Config{WorkingDir: img.WorkingDir, User: img.User, Hostname: vm.Name, Stdin: vm.Spec.Stdin, TTY: vm.Spec.TTY, Hold: holdsWorkload(vm)}
 	w := vm.Workload() // a copy of a template runs its template's
 	switch {
 	case len(w.Command) > 0:
@@ -60,6 +61,20 @@ func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Co
 		}
 	}
 	return cfg, nil
+}
+
+// holdsWorkload is true for a guest that readies everything but its workload and waits for a
+// restore to start it: a template's VM the operator marked (snapshotWhen.beforeWorkload),
+// and a warm pool's member restored from such a snapshot (its claim starts the workload). The
+// mark counts only on a VM an ImpVMTemplate controls: a tenant's own VM that sets it would
+// only wait for ever, but is not read as a template's.
+func holdsWorkload(vm *impv1.ImpVM) bool {
+	if impv1.WarmPoolOf(vm) != "" {
+		return vm.Status.Template != nil && vm.Status.Template.BeforeWorkload
+	}
+	ref := metav1.GetControllerOfNoCopy(vm)
+	return vm.Annotations[impv1.HoldWorkloadAnnotation] == "true" && vm.Labels[impv1.TemplateLabel] != "" &&
+		ref != nil && ref.Kind == "ImpVMTemplate" && ref.APIVersion == impv1.GroupVersion.String()
 }
 
 func cut(e string) (string, string, bool) {

@@ -240,9 +240,20 @@ type agent struct {
 	// exit, when set, returns the exit code a run of vm reports once running, or nil to keep
 	// it running.
 	exit func(vm *impv1.ImpVM) *int32
+	// seen is each VM placed on the test's nodes, by name, as the double last saw it.
+	seen sync.Map
 }
 
-func (e *env) startAgent(exit func(vm *impv1.ImpVM) *int32) {
+// started is the VM name as the double last saw it placed.
+func (a *agent) started(name string) (*impv1.ImpVM, bool) {
+	v, ok := a.seen.Load(name)
+	if !ok {
+		return &impv1.ImpVM{}, false
+	}
+	return v.(*impv1.ImpVM), true
+}
+
+func (e *env) startAgent(exit func(vm *impv1.ImpVM) *int32) *agent {
 	a := &agent{e: e, exit: exit}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -263,6 +274,7 @@ func (e *env) startAgent(exit func(vm *impv1.ImpVM) *int32) {
 		}
 	}()
 	e.t.Cleanup(func() { cancel(); <-done })
+	return a
 }
 
 // snapshots takes the snapshots given to the test's nodes at once (Ready, pushed when they
@@ -306,6 +318,7 @@ func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
 	if st.NodeName == "" || st.Instance == 0 {
 		return
 	}
+	a.seen.Store(vm.Name, vm.DeepCopy())
 	rt := st.Runtime
 	current := rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount
 	now := metav1.Now()

@@ -49,6 +49,10 @@ func (r *Reconciler) template(ctx context.Context, s *scope) (*impv1.ImpVMTempla
 		s.schedReason, s.schedMsg = impv1.ReasonTemplateIncompatible, fmt.Sprintf("the VM of ImpVMTemplate %s %s; a copy must too (its devices are the template's)", t.Name, has[t.Spec.VM.NetworkRef != nil])
 		return nil, false, reconcile.TerminalError(fmt.Errorf("%s", s.schedMsg))
 	}
+	if vm.SetsWorkload() && !beforeWorkload(t) {
+		s.schedReason, s.schedMsg = impv1.ReasonTemplateIncompatible, fmt.Sprintf("ImpVMTemplate %s is snapshotted with its workload running: a copy can set command, args or workingDir only when the template sets snapshotWhen.beforeWorkload", t.Name)
+		return nil, false, reconcile.TerminalError(fmt.Errorf("%s", s.schedMsg))
+	}
 	if t.Status.Revision == "" {
 		s.schedReason, s.schedMsg = impv1.ReasonTemplateNotReady, fmt.Sprintf("ImpVMTemplate %s has not been looked at yet", t.Name)
 		return nil, false, nil
@@ -81,11 +85,17 @@ func snapshotFor(t *impv1.ImpVMTemplate, node string) string {
 	return pushed
 }
 
+// beforeWorkload is true for a template snapshotted before its workload starts: its copies
+// start it, and may set their own command, args and workingDir.
+func beforeWorkload(t *impv1.ImpVMTemplate) bool {
+	return t.Spec.SnapshotWhen != nil && t.Spec.SnapshotWhen.BeforeWorkload
+}
+
 // templateStatus is what a copy of t placed on node records of it.
 func templateStatus(t *impv1.ImpVMTemplate, node string) *impv1.TemplateStatus {
 	vm := &t.Spec.VM
 	return &impv1.TemplateStatus{Name: t.Name, Revision: t.Status.Revision, Snapshot: snapshotFor(t, node), Image: vm.Image,
-		Command: vm.Command, Args: vm.Args, WorkingDir: vm.WorkingDir}
+		Command: vm.Command, Args: vm.Args, WorkingDir: vm.WorkingDir, BeforeWorkload: beforeWorkload(t)}
 }
 
 // preferTemplateNodes: of nodes, those holding a Ready snapshot of t (all of them when its
@@ -136,6 +146,10 @@ func (r *Reconciler) reconcileTemplate(ctx context.Context, s *scope) error {
 		return fmt.Errorf("getting ImpVMTemplate %s: %w", name, err)
 	}
 	if now := templateStatus(t, vm.Status.NodeName); now.Snapshot != "" {
+		if vm.SetsWorkload() && !now.BeforeWorkload {
+			s.waitReason, s.waitMsg = impv1.ReasonTemplateIncompatible, fmt.Sprintf("ImpVMTemplate %s is now snapshotted with its workload running: the copy's own command, args or workingDir cannot start it; delete and recreate the copy", t.Name)
+			return nil
+		}
 		// The copy was placed with the size its template had then: it restores a snapshot of
 		// that size only (a template replaced by a bigger one waits; its disk would not be
 		// the one the node and the quota count).

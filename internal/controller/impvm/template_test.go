@@ -186,6 +186,52 @@ func TestCopiesOfATemplate(t *testing.T) {
 	}
 }
 
+// TestCopiesOfATemplateBeforeItsWorkload: a template snapshotted before its workload has its
+// VM built holding it (the operator's mark; no probes, which are the workload's), and its copies
+// record it: a copy's own command, args and workingDir are its workload, over the template's.
+// A copy of a template snapshotted with its workload running cannot set them: it waits,
+// TemplateIncompatible, with why.
+func TestCopiesOfATemplateBeforeItsWorkload(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 8, 8)
+	e.startOperator()
+	double := e.startAgent(nil)
+
+	held := e.template("held")
+	held.Spec.SnapshotWhen = &impv1.SnapshotWhen{BeforeWorkload: true}
+	held.Spec.VM.ReadinessProbe = &impv1.Probe{ProbeHandler: corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: []string{"true"}}}}
+	e.create(held)
+	e.create(e.template("web"))
+	own := e.copyOf("own", "held")
+	own.Spec.Args, own.Spec.WorkingDir = []string{"run", "--job=7"}, "/work"
+	e.create(own)
+	eventually(t, func() string { return readyReason(e.get("own")) }).Should(Equal(impv1.ReasonGuestReady))
+	vm := e.get("own")
+	if ts := vm.Status.Template; ts == nil || !ts.BeforeWorkload || strings.Join(ts.Command, " ") != "/app serve" || ts.WorkingDir != "" {
+		t.Errorf("the copy's template status %+v", ts)
+	}
+	if w := vm.Workload(); strings.Join(w.Command, " ") != "/app serve" || strings.Join(w.Args, " ") != "run --job=7" || w.WorkingDir != "/work" || w.Image != "registry.test/app:1" {
+		t.Errorf("the copy's workload %+v; want the template's command with its own args and workingDir", w)
+	}
+	var snaps impv1.ImpVMSnapshotList
+	if err := e.c.List(context.Background(), &snaps, client.InNamespace(e.ns)); err != nil || len(snaps.Items) != 1 {
+		t.Fatalf("snapshots %v: %v", snaps.Items, err)
+	}
+	// The builder is gone once snapshotted; what it was is in the double's record of runs.
+	b, ok := double.started(snaps.Items[0].Spec.VMName)
+	if !ok || b.Annotations[impv1.HoldWorkloadAnnotation] != "true" || b.Spec.ReadinessProbe != nil {
+		t.Errorf("the builder (started %v): annotations %v, readiness %+v", ok, b.Annotations, b.Spec.ReadinessProbe)
+	}
+
+	refused := e.copyOf("refused", "web")
+	refused.Spec.Command = []string{"/bin/sh"}
+	e.create(refused)
+	eventually(t, func() string { return scheduled(e.get("refused")) }).Should(Equal(impv1.ReasonTemplateIncompatible))
+	if c := condition(e.get("refused"), impv1.ScheduledCondition); !strings.Contains(c.Message, "snapshotWhen.beforeWorkload") {
+		t.Errorf("message %q", c.Message)
+	}
+}
+
 // TestTemplatesAheadOfTimeAndPushed: a template with a nodeSelector has its snapshot made on
 // each node it selects before any copy; one with a registry makes one snapshot, pushed, that
 // copies on every node start from.

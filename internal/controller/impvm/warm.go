@@ -95,6 +95,9 @@ func (r *Reconciler) takeMember(s *scope, req placement.Request, nodes []placeme
 		if !ok || n.Report == nil || !n.Report.HasFeature(impv1.FeatureWarmHandover) || m.Network != network || m.Resources == nil || m.Template == nil {
 			return false
 		}
+		if vm.SetsWorkload() && !m.Template.BeforeWorkload {
+			return false // a member of an earlier revision, its workload running: not this claim's
+		}
 		ok, _ = placement.Fits(fits, n)
 		return ok
 	})

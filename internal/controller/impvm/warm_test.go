@@ -185,6 +185,41 @@ func TestWarmPoolClaims(t *testing.T) {
 	eventually(t, func() string { return scheduled(e.get("nopool")) }).Should(Equal(impv1.ReasonWarmPoolNotFound))
 }
 
+// TestWarmClaimsOwnWorkload: a claim that sets its own command, args or workingDir is handed
+// only a member restored from a snapshot taken before the workload (its guest holds it): an
+// idle member of an earlier revision whose workload runs (OnClaim keeps it) goes to a claim
+// that sets none, and the claim with its own args is restored from the new revision instead.
+func TestWarmClaimsOwnWorkload(t *testing.T) {
+	e := newEnv(t)
+	e.node("a", 32, 32)
+	e.handsOver("a")
+	e.startOperator()
+	e.startAgent(nil)
+	g := NewWithT(t)
+	e.create(e.template("web"), e.warmPool("p", "web", 1))
+	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(1)))
+	old := e.members("p")[0]
+
+	tmpl := e.getTemplate("web")
+	tmpl.Spec.SnapshotWhen = &impv1.SnapshotWhen{BeforeWorkload: true}
+	if err := e.c.Update(context.Background(), tmpl); err != nil {
+		t.Fatal(err)
+	}
+	rev := e.getTemplate("web").Status.Revision
+	eventually(t, func() string { return e.getTemplate("web").Status.Revision }).ShouldNot(Equal(rev))
+	e.holdMembers.Store(true) // the old member stays the only one
+	own := e.claim("own", "p")
+	own.Spec.Args = []string{"job", "7"}
+	e.create(own)
+	eventually(t, func() impv1.VMStart { return e.get("own").Status.Start }).Should(Equal(impv1.StartRestored))
+	g.Expect(e.get("own").Status.Template.BeforeWorkload).To(BeTrue())
+	g.Expect(e.get("own").Workload().Args).To(Equal([]string{"job", "7"}))
+	e.create(e.claim("plain", "p"))
+	eventually(t, func() impv1.VMStart { return e.get("plain").Status.Start }).Should(Equal(impv1.StartWarm))
+	g.Expect(e.get("plain").Status.Warm.Member).To(Equal(old))
+	g.Expect(e.get("plain").Status.Template.BeforeWorkload).To(BeFalse())
+}
+
 // TestWarmClaimsOnlyWhereTheAgentHandsOver: a node whose agent does not report WarmHandover (an
 // agent not upgraded yet) keeps its members idle; claims are restored.
 func TestWarmClaimsOnlyWhereTheAgentHandsOver(t *testing.T) {

@@ -369,6 +369,12 @@ func builder(t *impv1.ImpVMTemplate, rev, node string) *impv1.ImpVM {
 		Spec: *t.Spec.VM.DeepCopy()}
 	vm.Spec.NodeName = node // anyNode: placed as any VM
 	vm.Spec.RunStrategy = impv1.RunStrategyAlways
+	if w := t.Spec.SnapshotWhen; w != nil && w.BeforeWorkload {
+		// Snapshotted once the guest is ready and holds the workload; the probes are the
+		// workload's, and each copy runs its own.
+		vm.Annotations[impv1.HoldWorkloadAnnotation] = "true"
+		vm.Spec.StartupProbe, vm.Spec.ReadinessProbe, vm.Spec.LivenessProbe = nil, nil, nil
+	}
 	if w := t.Spec.SnapshotWhen; w != nil && len(w.Command) > 0 {
 		vm.Spec.ReadinessProbe = &impv1.Probe{ProbeHandler: corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: slices.Clone(w.Command)}},
 			PeriodSeconds: 1, TimeoutSeconds: 10, SuccessThreshold: 1, FailureThreshold: 3}
