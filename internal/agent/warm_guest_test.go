@@ -353,18 +353,21 @@ func TestHeldWorkloadStartsAsTheCopys(t *testing.T) {
 		TemplateRef: &impv1.TemplateReference{Name: "tpl"}, Command: []string{"/bin/hello"}, Args: []string{"serve"},
 		WorkingDir: "/bin", NodeSelector: map[string]string{"imp.test/node": w.node},
 		Env: []impv1.EnvVar{{Name: "GREETING", Value: "the-copy's"}}}}
+	began := time.Now()
 	for _, vm := range []*impv1.ImpVM{claim, cp} {
 		if err := c.Client.Create(ctx, vm); err != nil {
 			t.Fatal(err)
 		}
 	}
-	for name, want := range map[string]string{"a": "GREETING=the-claim's host=a pid=", "b": "GREETING=the-copy's host=b pid="} {
+	for _, name := range []string{"a", "b"} {
+		want := map[string]string{"a": "GREETING=the-claim's host=a pid=", "b": "GREETING=the-copy's host=b pid="}[name]
 		g.Eventually(func() bool {
 			v := w.get(name)
 			return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
 		}).WithTimeout(5*time.Minute).WithPolling(50*time.Millisecond).Should(BeTrue(), func() string {
 			return fmt.Sprintf("%s: %+v, run %+v; events: %s", name, w.get(name).Status, w.get(name).Status.Runtime, eventsOf(c.Client, ns, name))
 		})
+		t.Logf("%s Ready %v after its create (the claim's and the copy's at once)", name, time.Since(began).Round(time.Millisecond))
 		v := w.get(name)
 		// The workload's first line, once, as this VM; then its ticks (serve).
 		g.Eventually(func() string { return w.console(v) }).WithTimeout(time.Minute).Should(ContainSubstring("hello: tick 1"), name)
