@@ -25,6 +25,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
 	"github.com/syscode-labs/imp/internal/agent/volume"
 )
@@ -379,4 +380,84 @@ func TestAStuckBootIsRestarted(t *testing.T) {
 		rec, err := vmm.ReadRecord(filepath.Join(w.stateDir, "vms", string(v.UID)))
 		return err == nil && rec.Pid != first.Pid && rec.Alive()
 	}).WithTimeout(3*time.Minute).Should(BeTrue(), "a new VMM for the next run")
+}
+
+// TestFirecrackerWarmClaim (issue 48): a warm pool of Firecracker members (the fake jailer's):
+// a member is restored with a tenth of a VM's CPU weight (the jailer's cgroup value) and waits
+// paused (Firecracker's instance state); a claim is handed it, and its VMM runs on as the claim,
+// with a VM's weight, resumed, its guest the claim's (its own token).
+func TestFirecrackerWarmClaim(t *testing.T) {
+	jailer, firecrackerBin := fakeJailer(t)
+	w := newWorld(t, func(o *agent.Options) {
+		o.VMMs = []impv1.VMMKind{impv1.VMMFirecracker, impv1.VMMQEMU}
+		o.Firecracker, o.Jailer = firecrackerBin, jailer
+	})
+	c, ns, ctx := w.c, w.ns, context.Background()
+	g := NewWithT(t)
+	spec := w.vm("", "serve").Spec
+	spec.NodeSelector, spec.VMM = nil, impv1.VMMFirecracker
+	spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+	if err := c.Client.Create(ctx, &impv1.ImpVMTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "tpl"}, Spec: impv1.ImpVMTemplateSpec{VM: spec}}); err != nil {
+		t.Fatal(err)
+	}
+	pool := &impv1.ImpWarmPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "p"}, Spec: impv1.ImpWarmPoolSpec{
+		TemplateRef: impv1.TemplateReference{Name: "tpl"}, Replicas: ptr.To[int32](1),
+		NodeSelector: map[string]string{"imp.test/node": w.node}}}
+	if err := c.Client.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() int32 {
+		p := &impv1.ImpWarmPool{}
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(pool), p)
+		return p.Status.Idle
+	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeEquivalentTo(1), func() string {
+		return fmt.Sprintf("template %+v", w.templateStatus("tpl"))
+	})
+	var list impv1.ImpVMList
+	if err := c.Client.List(ctx, &list, client.InNamespace(ns), client.MatchingLabels{impv1.WarmPoolLabel: "p"}); err != nil || len(list.Items) != 1 {
+		t.Fatalf("members %d: %v", len(list.Items), err)
+	}
+	member := list.Items[0]
+	root := filepath.Join(w.stateDir, "jail", "firecracker", string(member.UID), "root")
+	state := func() string {
+		info, err := firecracker.Info(ctx, firecracker.NewJailClient(root))
+		if err != nil {
+			return err.Error()
+		}
+		return info.State
+	}
+	g.Eventually(state).WithTimeout(time.Minute).Should(Equal("Paused"))
+	if got := cpuWeight(member.UID); got != "10" && got != "102" {
+		t.Errorf("the member's CPU weight %q; want 10 (cgroup v2) or shares 102 (v1)", got)
+	}
+
+	claim := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "a"}, Spec: impv1.ImpVMSpec{WarmPoolRef: &impv1.WarmPoolReference{Name: "p"}}}
+	if err := c.Client.Create(ctx, claim); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("a")
+		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(3*time.Minute).WithPolling(50*time.Millisecond).Should(BeTrue(), func() string {
+		return fmt.Sprintf("%+v; events: %s", w.get("a").Status, eventsOf(c.Client, ns, "a"))
+	})
+	v := w.get("a")
+	if v.Status.Start != impv1.StartWarm || v.HostUID() != member.UID {
+		t.Fatalf("the claim started %q under %s; want warm in member %s", v.Status.Start, v.HostUID(), member.UID)
+	}
+	g.Expect(state()).To(Equal("Running"))
+	if got := cpuWeight(member.UID); got != "100" && got != "1024" {
+		t.Errorf("the claim's CPU weight %q; want a VM's, 100 (cgroup v2) or shares 1024 (v1)", got)
+	}
+	var identity struct {
+		Restore struct {
+			Token string `json:"token"`
+		} `json:"restore"`
+	}
+	data, _ := os.ReadFile(filepath.Join(root, "guest-identity.json"))
+	_ = json.Unmarshal(data, &identity)
+	m, err := os.ReadFile(filepath.Join(w.stateDir, "vms", string(member.UID), "meta.json"))
+	if err != nil || identity.Restore.Token == "" || !strings.Contains(string(m), `"token":"`+identity.Restore.Token+`"`) || !strings.Contains(string(m), `"name":"a"`) {
+		t.Errorf("the guest took on %s; the run's record %s (%v)", data, m, err)
+	}
 }

@@ -248,8 +248,23 @@ func Version(root string) int {
 // DefaultWeight is a cgroup's CPU weight unless told otherwise.
 const DefaultWeight = 100
 
+// BackgroundWeight is the CPU weight of a warm pool member's VMM, restored to wait idle: a
+// tenth of a VM's, so that a burst of claims is not slowed by the pool's refill.
+const BackgroundWeight = DefaultWeight / 10
+
 func weightFiles(w int) map[string]string {
-	return map[string]string{"cpu.weight": strconv.Itoa(w), "cpu.shares": strconv.Itoa(max(w*1024/DefaultWeight, 2))}
+	f1, v1 := WeightFile(1, w)
+	f2, v2 := WeightFile(2, w)
+	return map[string]string{f2: v2, f1: v1}
+}
+
+// WeightFile is the file and value that give a cgroup of version (1 or 2) the CPU weight w:
+// cgroup v2's cpu.weight, or v1's cpu.shares (1024 for DefaultWeight).
+func WeightFile(version, w int) (file, value string) {
+	if version == 2 {
+		return "cpu.weight", strconv.Itoa(w)
+	}
+	return "cpu.shares", strconv.Itoa(max(w*1024/DefaultWeight, 2))
 }
 
 // SetWeight sets the CPU weight (Limits.Weight) of the cgroup Parent/name in every hierarchy

@@ -245,6 +245,9 @@ func (d firecrackerDriver) spec(vm *impv1.ImpVM, dir string, m *vmrun.Meta, base
 		UID: m.JailUID, GID: m.JailUID, ChrootBase: d.d.JailBase(), NetNS: c.NetNS, CgroupVersion: cgroup.Version(c.CgroupRoot),
 		Kernel: c.Kernel, Initramfs: c.Initramfs, BaseDisk: base, WritableDisk: filepath.Join(dir, "rw.ext4"), ConfigDisk: filepath.Join(dir, vmrun.ConfigDisk),
 		Token: m.Token}
+	if impv1.WarmPoolOf(vm) != "" {
+		s.Weight = cgroup.BackgroundWeight // the handover's foreground step gives it a VM's
+	}
 	if res != nil {
 		s.VCPUs, s.MemoryMiB = int(res.VCPUs), res.Memory.Value()>>20
 	}

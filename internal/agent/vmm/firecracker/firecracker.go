@@ -21,6 +21,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/guestinit"
@@ -87,6 +88,9 @@ type Spec struct {
 	NetNS string
 	// CgroupVersion is the host's cgroup version (1 or 2) for the VM's limits.
 	CgroupVersion int
+	// Weight, when set, is the VMM's CPU weight (cgroup.WeightFile): a warm pool member's,
+	// restored to wait idle, is cgroup.BackgroundWeight until its handover.
+	Weight int
 	// Host paths of what the VM boots.
 	Kernel, Initramfs, BaseDisk, WritableDisk string
 	// ConfigDisk is the run's configuration disk (guestinit.EncodeConfigDisk); the jail gets
@@ -141,7 +145,11 @@ func (s Spec) JailerArgs() []string {
 			"--cgroup", fmt.Sprintf("cpu.max=%d %d", quota, period),
 			"--cgroup", fmt.Sprintf("memory.max=%d", s.MemoryLimit()))
 	}
-	args = append(args, "--parent-cgroup", "imp")
+	if s.Weight > 0 {
+		file, v := cgroup.WeightFile(s.CgroupVersion, s.Weight)
+		args = append(args, "--cgroup", file+"="+v)
+	}
+	args = append(args, "--parent-cgroup", cgroup.Parent)
 	if s.NetNS != "" {
 		args = append(args, "--netns", s.NetNS)
 	}

@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
@@ -118,6 +119,15 @@ func TestJailerArgs(t *testing.T) {
 		if !strings.Contains(got, w) || strings.Contains(got, "--netns") {
 			t.Errorf("cgroup v1 args lack %q or keep --netns: %s", w, got)
 		}
+	}
+	// A warm pool member's weight, a tenth of a VM's, in the cgroup the jailer makes.
+	s.Weight = cgroup.BackgroundWeight
+	if got := strings.Join(s.JailerArgs(), " "); !strings.Contains(got, "--cgroup cpu.shares=102 --parent-cgroup imp") {
+		t.Errorf("cgroup v1 weight: %s", got)
+	}
+	s.CgroupVersion = 2
+	if got := strings.Join(s.JailerArgs(), " "); !strings.Contains(got, "--cgroup cpu.weight=10 --parent-cgroup imp") {
+		t.Errorf("cgroup v2 weight: %s", got)
 	}
 	if root := s.ChrootDir(); root != filepath.Join(s.ChrootBase, "firecracker", s.ID, "root") {
 		t.Errorf("chroot %s", root)

@@ -202,7 +202,7 @@ func (s Spec) Limits() cgroup.Limits {
 }
 
 // BackgroundWeight is the CPU weight of a warm pool member's VMM (Spec.Background).
-const BackgroundWeight = cgroup.DefaultWeight / 10
+const BackgroundWeight = cgroup.BackgroundWeight
 
 // files opens what QEMU is given, in the order of the descriptors from 3 (see tapFD). The
 // files QEMU writes become its uid's, in the agent's directory, where it can replace nothing.
