@@ -297,6 +297,40 @@ func (h *Host) Readdress(n Network, vmUID string, ip netip.Addr) (Attachment, er
 	return Attachment{NetNS: s.path, Network: n, IP: ip}, nil
 }
 
+// OpenTap opens the tap of the VM kept under vmUID on n, which must exist, as its VMM does: for
+// what stands in for the VM while no VMM holds it (package wake). It fails while a VMM holds it.
+func (h *Host) OpenTap(n Network, vmUID string) (Attachment, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return Attachment{}, err
+	}
+	tapName := TapName(vmUID)
+	if s == nil {
+		return Attachment{}, fmt.Errorf("network %s has no namespace on the node for tap %s", n.Key(), tapName)
+	}
+	if _, err := s.nl.LinkByName(tapName); err != nil {
+		return Attachment{}, fmt.Errorf("looking up tap %s: %w", tapName, err)
+	}
+	f, err := s.openTap(tapName)
+	if err != nil {
+		return Attachment{}, err
+	}
+	return Attachment{Tap: f, NetNS: s.path, Network: n}, nil
+}
+
+// InNamespace runs f on an OS thread that has entered the network namespace at path: sockets f
+// opens stay in it.
+func InNamespace(path string, f func() error) error {
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return fmt.Errorf("opening network namespace %s: %w", path, err)
+	}
+	defer ns.Close()
+	return runIn(ns, f)
+}
+
 // ensureNetwork makes n's transit link and rules, and the node's rules, match n. The
 // overlay's device is Sync's: its rules stay while the device is there.
 func (h *Host) ensureNetwork(s *space, n Network, overlay bool) error {

@@ -1,0 +1,46 @@
+package wake
+
+import (
+	"fmt"
+	"net"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
+)
+
+// Bridge sends held frames onto a network's bridge, as the bridge itself sends: each is
+// forwarded by its destination MAC, to the VM's tap, and the bridge learns nothing from it (the
+// senders' MACs stay on their own ports).
+type Bridge struct {
+	// NetNS is the path of the network's namespace; Name the bridge's.
+	NetNS, Name string
+}
+
+// Replay sends frames, in order.
+func (b Bridge) Replay(frames [][]byte) error {
+	if len(frames) == 0 {
+		return nil
+	}
+	return hostnet.InNamespace(b.NetNS, func() error {
+		ifi, err := net.InterfaceByName(b.Name)
+		if err != nil {
+			return fmt.Errorf("looking up bridge %s: %w", b.Name, err)
+		}
+		fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0) // sends only
+		if err != nil {
+			return fmt.Errorf("opening a packet socket on %s: %w", b.Name, err)
+		}
+		defer unix.Close(fd)
+		for _, f := range frames {
+			sa := &unix.SockaddrLinklayer{Ifindex: ifi.Index, Halen: 6, Protocol: htons(etherTypeIPv4)}
+			copy(sa.Addr[:], f[0:6])
+			if err := unix.Sendto(fd, f, 0, sa); err != nil {
+				return fmt.Errorf("sending a held frame onto %s: %w", b.Name, err)
+			}
+		}
+		return nil
+	})
+}
+
+func htons(v uint16) uint16 { return v<<8 | v>>8 }

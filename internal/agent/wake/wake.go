@@ -1,0 +1,182 @@
+// Package wake stands in for a VM suspended because it was idle, on its network, until it is
+// woken: it holds the VM's tap (which its VMM let go of), answers ARP for the VM's address with
+// the VM's MAC as the guest would, and keeps what arrives for the VM — the frames the network
+// delivered to the tap, after every rule of the network passed them — in a bounded queue. The
+// first such frame asks for the VM to be woken; once its VMM holds the tap again the frames are
+// sent anew onto the bridge, from the bridge itself, and reach the guest as if they had only
+// been slow: a TCP connection's SYN, a UDP datagram, the next segment of a connection the guest
+// already had. Nothing is proxied and nothing answered in the guest's place (a VM that cannot
+// be woken has its held connections refused: TCP reset, ICMP port unreachable).
+//
+// See docs/suspend.md ("Idle VMs").
+package wake
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+)
+
+// Limits bound what a stand-in holds for its VM; frames beyond them are dropped (a client
+// retransmits), so a flood costs the node at most this much per suspended VM.
+type Limits struct {
+	// Frames is how many frames are held (default 1024).
+	Frames int
+	// Bytes is how many bytes of frames are held (default 4 MiB).
+	Bytes int
+}
+
+func (l Limits) orDefault() Limits {
+	if l.Frames <= 0 {
+		l.Frames = 1024
+	}
+	if l.Bytes <= 0 {
+		l.Bytes = 4 << 20
+	}
+	return l
+}
+
+// vnetHdrLen is the virtio-net header every frame on an IMP tap carries (IFF_VNET_HDR, the
+// kernel's default header size).
+const vnetHdrLen = 10
+
+const (
+	etherTypeIPv4 = 0x0800
+	etherTypeARP  = 0x0806
+	ethHdrLen     = 14
+)
+
+// StandIn holds one suspended VM's tap.
+type StandIn struct {
+	tap  io.ReadWriteCloser
+	ip   netip.Addr
+	mac  net.HardwareAddr
+	lim  Limits
+	wake func()
+
+	mu       sync.Mutex
+	held     [][]byte // Ethernet frames, as they arrived
+	bytes    int
+	dropped  int
+	woken    bool
+	refusing bool
+	done     chan struct{}
+}
+
+// Stand begins standing in for the VM of address ip and MAC mac on tap (opened as the VM's
+// VMM opens it, IFF_VNET_HDR). wake is called once, on its own goroutine, when the first frame
+// for the VM arrives.
+func Stand(tap io.ReadWriteCloser, ip netip.Addr, mac net.HardwareAddr, lim Limits, wake func()) *StandIn {
+	s := &StandIn{tap: tap, ip: ip, mac: mac, lim: lim.orDefault(), wake: wake, done: make(chan struct{})}
+	go s.read()
+	return s
+}
+
+func (s *StandIn) read() {
+	defer close(s.done)
+	buf := make([]byte, vnetHdrLen+65536)
+	for {
+		n, err := s.tap.Read(buf)
+		if err != nil {
+			if errors.Is(err, os.ErrClosed) || errors.Is(err, io.EOF) {
+				return
+			}
+			continue // a frame the kernel could not give (EAGAIN is the poller's)
+		}
+		if n <= vnetHdrLen+ethHdrLen {
+			continue
+		}
+		s.frame(buf[vnetHdrLen:n])
+	}
+}
+
+// frame handles one frame the network delivered to the VM's tap.
+func (s *StandIn) frame(f []byte) {
+	switch binary.BigEndian.Uint16(f[12:14]) {
+	case etherTypeARP:
+		if reply := arpReply(f, s.ip, s.mac); reply != nil {
+			_, _ = s.tap.Write(append(make([]byte, vnetHdrLen), reply...))
+		}
+	case etherTypeIPv4:
+		if !macEqual(f[0:6], s.mac) || len(f) < ethHdrLen+20 || netip.AddrFrom4([4]byte(f[ethHdrLen+16:ethHdrLen+20])) != s.ip {
+			return // not the VM's: broadcast, multicast, another address
+		}
+		s.hold(f)
+	}
+}
+
+func (s *StandIn) hold(f []byte) {
+	s.mu.Lock()
+	if s.refusing {
+		s.mu.Unlock()
+		s.refuse(f)
+		return
+	}
+	if len(s.held) >= s.lim.Frames || s.bytes+len(f) > s.lim.Bytes {
+		s.dropped++
+	} else {
+		s.held = append(s.held, append([]byte(nil), f...))
+		s.bytes += len(f)
+	}
+	first := !s.woken
+	s.woken = true
+	s.mu.Unlock()
+	if first {
+		go s.wake()
+	}
+}
+
+// Held is how many frames are held, and how many were dropped over the limits.
+func (s *StandIn) Held() (held, dropped int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.held), s.dropped
+}
+
+// Stop lets go of the tap, for the VM's VMM to open, and returns the frames held, oldest first.
+func (s *StandIn) Stop() [][]byte {
+	_ = s.tap.Close()
+	<-s.done
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	held := s.held
+	s.held, s.bytes = nil, 0
+	return held
+}
+
+// Refuse answers what is held, and whatever arrives from now on, as a host with nothing
+// listening would: a TCP segment with a reset, a UDP datagram with ICMP port unreachable
+// (other packets are dropped). For a VM that cannot be woken: its clients learn it at once
+// instead of waiting out their timeouts.
+func (s *StandIn) Refuse() {
+	s.mu.Lock()
+	held := s.held
+	s.held, s.bytes, s.refusing = nil, 0, true
+	s.mu.Unlock()
+	for _, f := range held {
+		s.refuse(f)
+	}
+}
+
+func (s *StandIn) refuse(f []byte) {
+	if reply := refusal(f); reply != nil {
+		_, _ = s.tap.Write(append(make([]byte, vnetHdrLen), reply...))
+	}
+}
+
+func macEqual(a []byte, b net.HardwareAddr) bool {
+	return len(b) == 6 && string(a) == string(b)
+}
+
+// Replayer sends frames onto a bridge.
+type Replayer interface {
+	Replay(frames [][]byte) error
+}
+
+// ErrNotWoken: the VM was not woken within the bound; its held connections were refused.
+var ErrNotWoken = fmt.Errorf("the VM could not be woken in time")
