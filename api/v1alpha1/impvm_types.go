@@ -407,6 +407,13 @@ type ImpVMSpec struct {
 	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	NodeName string `json:"nodeName,omitempty"`
 
+	// idle suspends the VM once it has been idle for suspendAfter (an ImpVMSuspension with
+	// reason Idle), and wakes it when something arrives for it: the first connection or
+	// datagram is held on its node, not dropped, and reaches the guest once it runs again. Off
+	// without it. See docs/suspend.md ("Idle VMs").
+	// +optional
+	Idle *IdlePolicy `json:"idle,omitempty"`
+
 	// expireAfter deletes the VM once it has existed this long, such as 1h or 90m.
 	// +optional
 	// +kubebuilder:validation:Type=string
@@ -466,10 +473,29 @@ type ResolvedResources struct {
 	MemoryOverhead *resource.Quantity `json:"memoryOverhead,omitempty"`
 }
 
+// IdlePolicy says when a VM counts as idle and is suspended.
+type IdlePolicy struct {
+	// suspendAfter is how long the VM must be without activity before it is suspended, such as
+	// 10m; at least 10s. Activity: a packet the network delivers to the VM (to its address, by
+	// its MAC: through a Service, from a pod, another VM, another node), an exec, console,
+	// port-forward or log session through the API while it lasts, and with outbound, a packet
+	// the VM sends. A connection left open and silent is not activity; its next packet wakes
+	// the VM.
+	// +required
+	// +kubebuilder:validation:Type=string
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('10s')",message="suspendAfter must be at least 10s"
+	SuspendAfter metav1.Duration `json:"suspendAfter"`
+	// outbound: what the VM sends counts as activity too (a VM that polls something stays
+	// awake).
+	// +optional
+	Outbound bool `json:"outbound,omitempty"`
+}
+
 // SuspensionStatus says that a VM is to be suspended (an ImpVMSuspension of its name exists),
 // why, and since when it is.
 type SuspensionStatus struct {
-	// reason is why the VM was suspended: PressureLifecycle or User.
+	// reason is why the VM was suspended: PressureLifecycle, User or Idle.
 	Reason string `json:"reason"`
 	// since is when the VM was suspended (its VMM gone); unset while suspending.
 	// +optional
@@ -562,6 +588,14 @@ type RuntimeStatus struct {
 	// restoredFrom is the ImpVMSnapshot (name) this run was restored from, instead of booted.
 	// +optional
 	RestoredFrom string `json:"restoredFrom,omitempty"`
+	// idleSince: the run has had no activity since then, for at least its spec.idle's
+	// suspendAfter (reported once; the operator suspends it, reason Idle).
+	// +optional
+	IdleSince *metav1.Time `json:"idleSince,omitempty"`
+	// wakeRequested: while suspended because it was idle, something arrived for the VM at
+	// this time, and its node holds it: the operator resumes the VM.
+	// +optional
+	WakeRequested *metav1.Time `json:"wakeRequested,omitempty"`
 }
 
 // ImpVMStatus is the observed state of an ImpVM. The operator writes everything but runtime:

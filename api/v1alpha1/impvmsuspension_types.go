@@ -11,12 +11,16 @@ const (
 	// SuspendReasonPressure: the operator's pressure lifecycle suspended the VM because its
 	// node reported MemoryPressure.
 	SuspendReasonPressure = "PressureLifecycle"
+	// SuspendReasonIdle: the VM had no activity for its spec.idle.suspendAfter; something
+	// arriving for it wakes it (the operator deletes the suspension), as does a session
+	// through the API. A suspension of another reason is never woken.
+	SuspendReasonIdle = "Idle"
 )
 
 // ImpVMSuspensionSpec says why the VM of the same name is suspended.
 type ImpVMSuspensionSpec struct {
-	// reason is why: User or PressureLifecycle.
-	// +kubebuilder:validation:Enum=User;PressureLifecycle
+	// reason is why: User, PressureLifecycle or Idle.
+	// +kubebuilder:validation:Enum=User;PressureLifecycle;Idle
 	Reason string `json:"reason"`
 	// message is detail for humans (the node and its pressure, who asked and why).
 	// +optional

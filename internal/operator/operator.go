@@ -29,6 +29,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/endpoints"
+	"github.com/syscode-labs/imp/internal/controller/idle"
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
 	"github.com/syscode-labs/imp/internal/controller/impnode"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
@@ -176,6 +177,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the endpoints reconciler: %w", err)
+	}
+	if err := (&idle.Reconciler{Client: mgr.GetClient(), Recorder: recorder, Clock: o.Clock}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the idle reconciler: %w", err)
 	}
 	if o.PressureLifecycle {
 		if o.PressureSettle == 0 {

@@ -362,6 +362,7 @@ func (a *agent) observe(ctx context.Context, vm *impv1.ImpVM) {
 	case st.Suspension == nil && rt.State == impv1.RuntimeSuspended:
 		next = *rt
 		next.State, next.GuestReady, next.Message = impv1.RuntimeRunning, true, impv1.RuntimeResumedMessage
+		next.IdleSince, next.WakeRequested = nil, nil // as the agent's resumed run: active again
 	case rt.State == impv1.RuntimeRunning && a.exit != nil:
 		code := a.exit(vm)
 		if code == nil {
