@@ -173,9 +173,10 @@ func TestNetworkLifecycle(t *testing.T) {
 	// links, between networks, not IPv4, link-local, four overlay ports), 1 masquerade; the
 	// network's: input 4, forward 17 (bridged, replies, exposed VMs both ways, the 11
 	// non-public ranges, public egress, the rest), 2 masquerade (egress, exposed VMs), bridge
-	// prerouting 2; the tap's chain: 5.
-	if len(rules) != 15+25+5 {
-		t.Errorf("rules after Attach = %d, want 45:\n%s", len(rules), strings.Join(rules, "\n"))
+	// prerouting 2, bridge postrouting 1 (each tap's in- chain); the tap's chain: 6 (5
+	// anti-spoofing, the count of what passed), its in- chain 1 (the count of what it gets).
+	if len(rules) != 15+26+7 {
+		t.Errorf("rules after Attach = %d, want 48:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")
@@ -744,8 +745,8 @@ func TestMigrationFromTheNodeNamespace(t *testing.T) {
 			t.Errorf("a rule of the earlier layout is left in the node: %s", r)
 		}
 	}
-	if tapRules != 5 {
-		t.Errorf("the moved tap has %d anti-spoofing rules, want 5:\n%s", tapRules, strings.Join(rules, "\n"))
+	if tapRules != 6 {
+		t.Errorf("the moved tap has %d rules, want 6 (5 anti-spoofing, a count):\n%s", tapRules, strings.Join(rules, "\n"))
 	}
 	if _, err := tap.Write(arpRequest(hostnet.MAC(ip), hostnet.MAC(ip), ip, n.Gateway)); err != nil {
 		t.Fatal(err)
@@ -870,5 +871,58 @@ func TestVXLANFramesOnlyOfThePeersVMs(t *testing.T) {
 	}
 	for s := range seen {
 		t.Errorf("a frame node P forged reached the VM: %s (sent: %v)", s, forged)
+	}
+}
+
+// TestTapCounters (issue 49): a tap's counters say what its VM received — unicast frames for
+// its MAC, not broadcasts — and what it sent past its anti-spoofing rules, not what they
+// dropped.
+func TestTapCounters(t *testing.T) {
+	ns := testnetns.New(t, "imp-hn-count")
+	h := open(t, ns, "")
+	n := network("count", "10.81.0.0/24", 0, false)
+	ipA, ipB := netip.MustParseAddr("10.81.0.2"), netip.MustParseAddr("10.81.0.3")
+	atA, err := h.Attach(n, "vm-a", ipA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer atA.Tap.Close()
+	atB, err := h.Attach(n, "vm-b", ipB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer atB.Tap.Close()
+	macA, macB := hostnet.MAC(ipA), hostnet.MAC(ipB)
+	counters := func(vm string) (uint64, uint64) {
+		in, out, err := h.TapCounters(n, vm)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return in, out
+	}
+	write := func(f []byte) {
+		if _, err := atA.Tap.Write(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(arpRequest(macA, macA, ipA, ipB))                             // broadcast: reaches B, not counted as B's
+	write(udpPacket(macA, macB, ipA, ipB))                              // to B
+	write(udpPacket(macA, macB, ipA, ipB))                              // to B
+	write(udpPacket(macA, macB, netip.MustParseAddr("10.81.0.9"), ipB)) // spoofed: dropped
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		inB, _ := counters("vm-b")
+		_, outA := counters("vm-a")
+		if inB == 2 && outA == 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("B received %d (want 2: the two datagrams, not the broadcast nor the spoofed one); A sent %d (want 3)", inB, outA)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	inA, _ := counters("vm-a")
+	if _, outB := counters("vm-b"); inA != 0 || outB != 0 {
+		t.Errorf("A received %d, B sent %d; want none", inA, outB)
 	}
 }

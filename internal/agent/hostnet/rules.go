@@ -34,8 +34,10 @@ import (
 //	                 chain forward     bridged frames; egress to the transit link with NAT; replies
 //	                 chain postrouting masquerade to the network's transit address
 //	table bridge imp chain prerouting  each tap to its own chain (map taps), other taps dropped
-//	                 chain tap-<tap>   anti-spoofing of one tap
-//	                 chain postrouting keeps each node's gateway off the overlay
+//	                 chain tap-<tap>   anti-spoofing of one tap; counts what passed (its VM's traffic out)
+//	                 chain postrouting keeps each node's gateway off the overlay; each tap's frames
+//	                                   to its in- chain (map tapsin)
+//	                 chain in-<tap>    counts the frames delivered to the tap's VM (its MAC)
 //
 // Every rule carries a comment "imp:<owner>:<hash>": what it belongs to (the node, the network,
 // a tap) and a hash of that owner's whole rule set, so a set that is already right is left
@@ -68,6 +70,9 @@ var (
 
 	// tapsMap sends each tap's frames to its chain.
 	tapsMap = &nftables.Set{Table: bridgeTable, Name: "taps", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
+	// tapsInMap sends the frames leaving the bridge through each tap (to its VM) to the tap's
+	// in- chain, which counts those for the VM's MAC (TapCounters).
+	tapsInMap = &nftables.Set{Table: bridgeTable, Name: "tapsin", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
 )
 
 // linkLocal is where cloud metadata services answer; egress never reaches it.
@@ -123,7 +128,10 @@ func networkRules(id string, n Network, overlay bool) []rule {
 				cat(ifname(expr.MetaKeyOIFNAME, vx, true), etherType(unix.ETH_P_ARP), payload(expr.PayloadBaseNetworkHeader, 24, gw[:], expr.CmpOpEq), drop())},
 		)
 	}
-	return rs
+	return append(rs, rule{brPostChain, "oifname vmap @tapsin", []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: tapsInMap.Name},
+	}})
 }
 
 // nodeRules are the node's: nothing arriving over a transit link reaches the node; egress
@@ -184,7 +192,16 @@ func tapRules(tap string, ip netip.Addr) []rule {
 			cat(in(), etherType(unix.ETH_P_IP), payload(expr.PayloadBaseNetworkHeader, 12, a[:], expr.CmpOpNeq), drop())},
 		{brPreChain, fmt.Sprintf("iifname %q ether type ip6 counter drop", tap),
 			cat(in(), etherType(unix.ETH_P_IPV6), drop())},
+		{brPreChain, fmt.Sprintf("iifname %q counter", tap), cat(in(), []expr.Any{&expr.Counter{}})},
 	}
+}
+
+// tapInRules count the frames the bridge delivers through tap to the VM of address ip: those
+// for its MAC (not broadcasts, nor another's), which are what an idle VM's activity is.
+func tapInRules(tap string, ip netip.Addr) []rule {
+	mac := MAC(ip)
+	return []rule{{tapInChain(tap), fmt.Sprintf("ether daddr %s counter", mac),
+		cat(payload(expr.PayloadBaseLLHeader, 0, mac, expr.CmpOpEq), []expr.Any{&expr.Counter{}})}}
 }
 
 func cat(parts ...[]expr.Any) []expr.Any {
@@ -340,6 +357,7 @@ func (s *space) createTables() {
 		s.nft.AddChain(c)
 	}
 	_ = s.nft.AddSet(tapsMap, nil)
+	_ = s.nft.AddSet(tapsInMap, nil)
 }
 
 func (s *space) replaceRules(chains []*nftables.Chain, owner string, want []rule) error {
@@ -350,42 +368,105 @@ func tapChain(tap string) *nftables.Chain {
 	return &nftables.Chain{Name: "tap-" + tap, Table: bridgeTable}
 }
 
-func tapElement(tap string) nftables.SetElement {
-	key := make([]byte, unix.IFNAMSIZ)
-	copy(key, tap)
-	return nftables.SetElement{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictGoto, Chain: tapChain(tap).Name}}
+func tapInChain(tap string) *nftables.Chain {
+	return &nftables.Chain{Name: "in-" + tap, Table: bridgeTable}
 }
 
-// ensureTapRules makes tap's chain hold its anti-spoofing rules and the taps map send the
-// tap's frames to it. It reads that chain alone, so its cost does not grow with the VMs of
-// the network.
+func tapElement(tap string) nftables.SetElement { return ifElement(tap, tapChain(tap)) }
+
+func ifElement(name string, to *nftables.Chain) nftables.SetElement {
+	key := make([]byte, unix.IFNAMSIZ)
+	copy(key, name)
+	return nftables.SetElement{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictGoto, Chain: to.Name}}
+}
+
+// ensureTapRules makes tap's chain hold its anti-spoofing rules and its in- chain its count of
+// what the VM receives, and the maps send the tap's frames to them. It reads those chains
+// alone, so its cost does not grow with the VMs of the network.
 func (s *space) ensureTapRules(tap string, ip netip.Addr) error {
-	c := tapChain(tap)
-	want := tapRules(tap, ip)
-	t := tag(tap, want)
-	rs, err := getRules(s.nft, c)
-	if err != nil {
-		return err
-	}
-	ok := len(rs) == len(want)
-	for _, r := range rs {
-		ok = ok && comment(r) == t
+	chains := []struct {
+		c    *nftables.Chain
+		want []rule
+		m    *nftables.Set
+	}{{tapChain(tap), tapRules(tap, ip), tapsMap}, {tapInChain(tap), tapInRules(tap, ip), tapsInMap}}
+	ok := true
+	for _, ch := range chains {
+		t := tag(tap, ch.want)
+		rs, err := getRules(s.nft, ch.c)
+		if err != nil {
+			rs = nil // no such chain yet (an agent before the in- chains made none)
+		}
+		ok = ok && len(rs) == len(ch.want)
+		for _, r := range rs {
+			ok = ok && comment(r) == t
+		}
 	}
 	if ok {
 		return nil
 	}
-	s.nft.AddChain(c)
-	s.nft.FlushChain(c)
-	for _, r := range want {
-		s.nft.AddRule(&nftables.Rule{Table: c.Table, Chain: c, Exprs: r.exprs, UserData: userdata.AppendString(nil, userdata.TypeComment, t)})
-	}
-	if err := s.nft.SetAddElements(tapsMap, []nftables.SetElement{tapElement(tap)}); err != nil {
-		return err
+	_ = s.nft.AddSet(tapsInMap, nil) // a network plumbed by an agent before it
+	for _, ch := range chains {
+		t := tag(tap, ch.want)
+		s.nft.AddChain(ch.c)
+		s.nft.FlushChain(ch.c)
+		for _, r := range ch.want {
+			s.nft.AddRule(&nftables.Rule{Table: ch.c.Table, Chain: ch.c, Exprs: r.exprs, UserData: userdata.AppendString(nil, userdata.TypeComment, t)})
+		}
+		if err := s.nft.SetAddElements(ch.m, []nftables.SetElement{ifElement(tap, ch.c)}); err != nil {
+			return err
+		}
 	}
 	if err := s.nft.Flush(); err != nil {
 		return fmt.Errorf("replacing the rules of %s: %w", tap, err)
 	}
 	return nil
+}
+
+// TapCounters are the frames the tap of the VM kept under vmUID on n carried: delivered to the
+// VM (for its MAC), and sent by it (past its anti-spoofing rules).
+func (h *Host) TapCounters(n Network, vmUID string) (in, out uint64, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return 0, 0, err
+	}
+	if s == nil {
+		return 0, 0, fmt.Errorf("network %s has no namespace on the node", n.Key())
+	}
+	tap := TapName(vmUID)
+	count := func(c *nftables.Chain) (uint64, error) {
+		rs, err := getRules(s.nft, c)
+		if err != nil {
+			return 0, err
+		}
+		var packets uint64
+		for _, r := range rs {
+			for _, e := range r.Exprs {
+				if c, ok := e.(*expr.Counter); ok {
+					packets += c.Packets
+				}
+			}
+		}
+		return packets, nil
+	}
+	if in, err = count(tapInChain(tap)); err != nil {
+		return 0, 0, err
+	}
+	// Every frame the VM sent passes the tap chain's counters once: dropped (spoofed) or
+	// counted by the last rule; the last rule's alone counts what passed.
+	rs, err := getRules(s.nft, tapChain(tap))
+	if err != nil {
+		return 0, 0, err
+	}
+	if len(rs) > 0 {
+		for _, e := range rs[len(rs)-1].Exprs {
+			if c, ok := e.(*expr.Counter); ok {
+				out = c.Packets
+			}
+		}
+	}
+	return in, out, nil
 }
 
 // removeTapRules removes tap's chain and its entry in the taps map.
@@ -407,6 +488,25 @@ func (s *space) removeTapRules(tap string) error {
 			return fmt.Errorf("removing the rules of %s: %w", tap, errors.Join(err, err2))
 		}
 	}
+	return s.removeTapInRules(tap)
+}
+
+// removeTapInRules removes tap's in- chain and its entry in the tapsin map, when there.
+func (s *space) removeTapInRules(tap string) error {
+	c := tapInChain(tap)
+	if _, err := s.nft.ListChain(c.Table, c.Name); err != nil {
+		return nil
+	}
+	_ = s.nft.SetDeleteElements(tapsInMap, []nftables.SetElement{ifElement(tap, c)})
+	s.nft.FlushChain(c)
+	s.nft.DelChain(c)
+	if err := s.nft.Flush(); err != nil {
+		s.nft.FlushChain(c)
+		s.nft.DelChain(c)
+		if err2 := s.nft.Flush(); err2 != nil {
+			return fmt.Errorf("removing the count of %s: %w", tap, errors.Join(err, err2))
+		}
+	}
 	return nil
 }
 
@@ -419,7 +519,14 @@ func (s *space) pruneTapChains() error {
 	var errs []error
 	for _, c := range chains {
 		tap, ok := strings.CutPrefix(c.Name, "tap-")
-		if !ok || c.Table.Name != bridgeTable.Name {
+		in, isIn := strings.CutPrefix(c.Name, "in-")
+		if (!ok && !isIn) || c.Table.Name != bridgeTable.Name {
+			continue
+		}
+		if isIn {
+			if _, err := s.nl.LinkByName(in); isNotFound(err) {
+				errs = append(errs, s.removeTapInRules(in))
+			}
 			continue
 		}
 		if _, err := s.nl.LinkByName(tap); isNotFound(err) {
@@ -453,7 +560,7 @@ func (h *Host) Rules() ([]string, error) {
 			return nil, err
 		}
 		for _, c := range chains {
-			if strings.HasPrefix(c.Name, "tap-") {
+			if strings.HasPrefix(c.Name, "tap-") || strings.HasPrefix(c.Name, "in-") {
 				rs, err := listRules(s.nft, []*nftables.Chain{c}, nsPrefix+s.id)
 				if err != nil {
 					return nil, err
