@@ -42,7 +42,9 @@ func TestIdleVMsAreSuspendedAndWoken(t *testing.T) {
 	e.startOperator()
 	e.startAgent(nil)
 	g := NewWithT(t)
-	phase := func(name string) func() impv1.VMPhase { return func() impv1.VMPhase { return e.get(name).Status.Phase } }
+	phase := func(name string) func() impv1.VMPhase {
+		return func() impv1.VMPhase { return e.get(name).Status.Phase }
+	}
 
 	for _, name := range []string{"idle", "plain", "recent", "held"} {
 		vm := e.vm(name, 1, "256Mi")
