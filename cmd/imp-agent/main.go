@@ -262,7 +262,7 @@ func run() error {
 	}
 	if accessDir != "" || accessCSR {
 		srv := &access.Server{Addr: accessAddr, CertDir: accessDir, ClientName: accessClient,
-			Handler: access.Handler(a.Runs, log.WithName("access")), Log: log.WithName("access")}
+			Handler: a.Sessions.Wrap(access.Handler(a.Runs, log.WithName("access"))), Log: log.WithName("access")}
 		if accessCSR {
 			// The manager's client: it caches no CertificateSigningRequests (the agent may
 			// not list them), so it reads them from the API.

@@ -38,6 +38,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/imagefetch"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
 	"github.com/syscode-labs/imp/internal/agent/nodenet"
@@ -71,6 +72,9 @@ type Agent struct {
 	// Runs are the monitors of the node's running runs: their guest channels, consoles and
 	// session channels (what the access server serves).
 	Runs *monitor.Registry
+	// Sessions counts the access server's sessions to each VM (Sessions.Wrap its handler):
+	// an open one keeps a VM with an idle policy from being idle.
+	Sessions *idle.Sessions
 
 	reports   *runreport.Reporter
 	drivers   *vmmdriver.Drivers
@@ -84,6 +88,7 @@ type Agent struct {
 	writables *disk.Writables
 	volumes   volume.Maker
 	handovers *handover.Handovers
+	idle      *idle.StandIns
 	// hosts serialise the reconciles of the VMs whose runs one state directory keeps (a warm
 	// pool member's and its claim's).
 	hosts handover.Locks
@@ -176,8 +181,13 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 			Readdress: steps.Network{Attacher: nodenet.Readdressing{Networks: a.networks}}, Expose: steps.Expose{Exposer: a.exposer},
 			Continue: steps.Continue{Continuers: a.drivers}, Reidentify: steps.Reidentify{Guests: a.snapshots},
 		}}
+	a.Sessions = &idle.Sessions{}
+	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, Client: a.Client, Reports: a.reports, Recorder: a.Recorder,
+		Bound: o.IdleWakeTimeout, Log: mgr.GetLogger().WithName("idle")}
+	meter := &idle.Meter{Client: a.Client, Traffic: a.networks, Sessions: a.Sessions, Reports: a.reports, Interval: o.IdleInterval,
+		Log: mgr.GetLogger().WithName("idle")}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}
-	for _, r := range []manager.Runnable{a.node, heartbeat, sweeper{a},
+	for _, r := range []manager.Runnable{a.node, heartbeat, sweeper{a}, meter,
 		// The spare writable disks being made are finished before the agent stops.
 		manager.RunnableFunc(func(ctx context.Context) error {
 			<-ctx.Done()

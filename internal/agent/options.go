@@ -19,6 +19,10 @@ type EventRecorder = events.EventRecorder
 // Options configure an agent.
 type Options struct {
 	NodeName string
+	// IdleWakeTimeout is how long what arrives for an idle-suspended VM is held for it to be
+	// woken before it is refused (default 30s); IdleInterval how often the activity of VMs
+	// with an idle policy is read (default 2s). See package idle.
+	IdleWakeTimeout, IdleInterval time.Duration
 	// StateDir holds images/ (base disks) and vms/<uid>/ (each VM's state).
 	StateDir string
 	// Kernel and Initramfs boot every guest.
@@ -128,6 +132,12 @@ const DefaultBootTimeout = 3 * time.Minute
 
 // defaults sets what the options leave unset to its default.
 func (o *Options) defaults() {
+	if o.IdleWakeTimeout == 0 {
+		o.IdleWakeTimeout = 30 * time.Second
+	}
+	if o.IdleInterval == 0 {
+		o.IdleInterval = 2 * time.Second
+	}
 	if o.Accel == "" {
 		o.Accel = qemu.Accel()
 	}

@@ -11,6 +11,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/imagefetch"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
 	"github.com/syscode-labs/imp/internal/agent/nodenet"
@@ -29,7 +30,7 @@ import (
 //
 //	start          a run booted, or restored from its snapshot
 //	restore        a restore an agent began and did not see through, finished
-//	resume         a suspended run back from its saved state
+//	resume         a suspended run back from its saved state (an idle one's held traffic replayed)
 //	suspend        a running run's state saved and its VMM ended
 //	stop           a run's VMM ended: drained, asked, given its grace, made to quit, killed
 //	teardown       a VM removed from the node, whatever is left of it
@@ -111,9 +112,14 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 		ss = append(ss, steps.Volumes{Maker: a.volumes}) // its disks, to attach again
 	}
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
+		// What stood in for an idle-suspended VM gives its tap back first, and what it held
+		// reaches the guest once it runs (package idle).
+		ss = append(ss, idle.StandDown{StandIns: a.idle}, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
 	ss = append(ss, steps.Exec{Launcher: launcher{a.drivers}}, steps.Resumed{Resumer: launcher{a.drivers}})
+	if vm.Spec.NetworkRef != nil {
+		ss = append(ss, idle.Replay{StandIns: a.idle})
+	}
 	return plan.Plan[*vmrun.Run]{Name: "resume", Reason: "ResumeFailed", Steps: ss}
 }
 
@@ -195,6 +201,7 @@ type teardowns struct{ a *Agent }
 // Forget drops the VM's fetch, monitor and stop, and its claim on a snapshot's shared memory.
 func (t teardowns) Forget(uid types.UID) {
 	t.a.fetches.Drop(uid)
+	t.a.idle.Drop(uid) // what stood in for it, idle-suspended, lets go of its tap
 	t.a.snapshots.Memories.Release(string(uid)) // its VMM is gone
 	t.a.Runs.Stop(uid)
 	t.a.mu.Lock()

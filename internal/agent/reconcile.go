@@ -18,6 +18,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
 	"github.com/syscode-labs/imp/internal/agent/handover"
+	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -156,6 +157,10 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			return ctrl.Result{}, nil // this run ended: the operator decides what comes next
 		case impv1.RuntimeSuspended:
 			if st.Suspension != nil {
+				if idle.Suspended(vm) {
+					// Suspended because it was idle: what arrives for it is held, and wakes it.
+					return ctrl.Result{}, a.idle.Ensure(ctx, vm)
+				}
 				return ctrl.Result{}, nil
 			}
 			return ctrl.Result{}, a.resume(ctx, vm, dir, m, nil)

@@ -122,6 +122,7 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmru
 	resumeSeconds.Observe(took.Seconds())
 	running := cur
 	running.State, running.GuestReady, running.Reason, running.Message = impv1.RuntimeRunning, true, "", impv1.RuntimeResumedMessage
+	running.IdleSince, running.WakeRequested = nil, nil // active again
 	if err := a.reports.Report(ctx, vm, running); err != nil {
 		return err
 	}

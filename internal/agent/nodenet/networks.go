@@ -309,6 +309,35 @@ func (n Readdressing) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Atta
 	return n.attach(ctx, vm, n.Net.Readdress)
 }
 
+// Tapping is the networks as what stands in for an idle-suspended VM sees them (package idle):
+// Attach opens the VM's tap, which its VMM let go of, and changes nothing of it or its rules.
+type Tapping struct{ *Networks }
+
+// Attach opens vm's tap and returns it with the guest's network configuration.
+func (n Tapping) Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error) {
+	return n.attach(ctx, vm, func(hn hostnet.Network, uid string, ip netip.Addr) (hostnet.Attachment, error) {
+		at, err := n.Net.OpenTap(hn, uid)
+		at.IP = ip
+		return at, err
+	})
+}
+
+// Traffic is what vm's tap carried: the frames delivered to it (for its MAC) and those it sent
+// past its anti-spoofing rules (hostnet.TapCounters), for its idle policy (package idle).
+func (n *Networks) Traffic(_ context.Context, vm *impv1.ImpVM) (in, out uint64, err error) {
+	ref := vm.Spec.NetworkRef
+	if ref == nil {
+		return 0, 0, nil
+	}
+	n.mu.Lock()
+	hn, ok := n.known[types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}]
+	n.mu.Unlock()
+	if !ok {
+		return 0, 0, fmt.Errorf("ImpNetwork %s is not plumbed on the node", ref.Name)
+	}
+	return n.Net.TapCounters(hn, string(vm.HostUID()))
+}
+
 func (n *Networks) attach(ctx context.Context, vm *impv1.ImpVM, attach func(hostnet.Network, string, netip.Addr) (hostnet.Attachment, error)) (hostnet.Attachment, *guestinit.Net, error) {
 	var none hostnet.Attachment
 	ref := vm.Spec.NetworkRef

@@ -127,7 +127,8 @@ func (r *Reporter) Report(ctx context.Context, vm *impv1.ImpVM, rt impv1.Runtime
 	r.reports[key]++ // voids a deferred report
 	r.mu.Unlock()
 	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
-		cur.GuestReady == rt.GuestReady && ptr.Equal(cur.Ready, rt.Ready) && cur.Endpoint == rt.Endpoint && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved {
+		cur.GuestReady == rt.GuestReady && ptr.Equal(cur.Ready, rt.Ready) && cur.Endpoint == rt.Endpoint && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved &&
+		cur.IdleSince.Equal(rt.IdleSince) && cur.WakeRequested.Equal(rt.WakeRequested) {
 		return nil
 	}
 	patch, err := RuntimePatch(rt)

@@ -3,6 +3,7 @@ package wake
 import (
 	"fmt"
 	"net"
+	"os"
 
 	"golang.org/x/sys/unix"
 
@@ -44,3 +45,20 @@ func (b Bridge) Replay(frames [][]byte) error {
 }
 
 func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+// VnetHdrLen is the length of the virtio-net header of the frames read from and written to
+// the tap open as f (TUNGETVNETHDRSZ): the last VMM to hold the tap may have set it.
+func VnetHdrLen(f *os.File) (int, error) {
+	raw, err := f.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	n, ierr := 0, error(nil)
+	if err := raw.Control(func(fd uintptr) { n, ierr = unix.IoctlGetInt(int(fd), unix.TUNGETVNETHDRSZ) }); err != nil {
+		return 0, err
+	}
+	if ierr != nil {
+		return 0, fmt.Errorf("reading the tap's virtio-net header size: %w", ierr)
+	}
+	return n, nil
+}

@@ -41,9 +41,9 @@ func (l Limits) orDefault() Limits {
 	return l
 }
 
-// vnetHdrLen is the virtio-net header every frame on an IMP tap carries (IFF_VNET_HDR, the
-// kernel's default header size).
-const vnetHdrLen = 10
+// DefaultVnetHdrLen is the virtio-net header every frame on an IMP tap carries (IFF_VNET_HDR)
+// unless a VMM set another size (QEMU and Firecracker set 12): VnetHdrLen reads it.
+const DefaultVnetHdrLen = 10
 
 const (
 	etherTypeIPv4 = 0x0800
@@ -54,6 +54,7 @@ const (
 // StandIn holds one suspended VM's tap.
 type StandIn struct {
 	tap  io.ReadWriteCloser
+	hdr  int // the virtio-net header's length
 	ip   netip.Addr
 	mac  net.HardwareAddr
 	lim  Limits
@@ -69,17 +70,17 @@ type StandIn struct {
 }
 
 // Stand begins standing in for the VM of address ip and MAC mac on tap (opened as the VM's
-// VMM opens it, IFF_VNET_HDR). wake is called once, on its own goroutine, when the first frame
-// for the VM arrives.
-func Stand(tap io.ReadWriteCloser, ip netip.Addr, mac net.HardwareAddr, lim Limits, wake func()) *StandIn {
-	s := &StandIn{tap: tap, ip: ip, mac: mac, lim: lim.orDefault(), wake: wake, done: make(chan struct{})}
+// VMM opens it, IFF_VNET_HDR, with virtio-net headers of hdr bytes: VnetHdrLen). wake is
+// called once, on its own goroutine, when the first frame for the VM arrives.
+func Stand(tap io.ReadWriteCloser, hdr int, ip netip.Addr, mac net.HardwareAddr, lim Limits, wake func()) *StandIn {
+	s := &StandIn{tap: tap, hdr: hdr, ip: ip, mac: mac, lim: lim.orDefault(), wake: wake, done: make(chan struct{})}
 	go s.read()
 	return s
 }
 
 func (s *StandIn) read() {
 	defer close(s.done)
-	buf := make([]byte, vnetHdrLen+65536)
+	buf := make([]byte, s.hdr+65536)
 	for {
 		n, err := s.tap.Read(buf)
 		if err != nil {
@@ -88,10 +89,10 @@ func (s *StandIn) read() {
 			}
 			continue // a frame the kernel could not give (EAGAIN is the poller's)
 		}
-		if n <= vnetHdrLen+ethHdrLen {
+		if n <= s.hdr+ethHdrLen {
 			continue
 		}
-		s.frame(buf[vnetHdrLen:n])
+		s.frame(buf[s.hdr:n])
 	}
 }
 
@@ -100,7 +101,7 @@ func (s *StandIn) frame(f []byte) {
 	switch binary.BigEndian.Uint16(f[12:14]) {
 	case etherTypeARP:
 		if reply := arpReply(f, s.ip, s.mac); reply != nil {
-			_, _ = s.tap.Write(append(make([]byte, vnetHdrLen), reply...))
+			_, _ = s.tap.Write(append(make([]byte, s.hdr), reply...))
 		}
 	case etherTypeIPv4:
 		if !macEqual(f[0:6], s.mac) || len(f) < ethHdrLen+20 || netip.AddrFrom4([4]byte(f[ethHdrLen+16:ethHdrLen+20])) != s.ip {
@@ -165,7 +166,7 @@ func (s *StandIn) Refuse() {
 
 func (s *StandIn) refuse(f []byte) {
 	if reply := refusal(f); reply != nil {
-		_, _ = s.tap.Write(append(make([]byte, vnetHdrLen), reply...))
+		_, _ = s.tap.Write(append(make([]byte, s.hdr), reply...))
 	}
 }
 

@@ -92,6 +92,10 @@ func (n network) openTap(t *testing.T) *os.File {
 			unix.Close(fd)
 			return err
 		}
+		// 12-byte headers, as QEMU and Firecracker set them on the taps they hold.
+		if err := unix.IoctlSetPointerInt(fd, unix.TUNSETVNETHDRSZ, 12); err != nil {
+			return err
+		}
 		if err := unix.SetNonblock(fd, true); err != nil {
 			return err
 		}
@@ -101,6 +105,17 @@ func (n network) openTap(t *testing.T) *os.File {
 		t.Fatal(err)
 	}
 	return f
+}
+
+// stand stands in on the tap, with its header size as the tap says it.
+func (n network) stand(t *testing.T, ip netip.Addr, mac net.HardwareAddr, lim wake.Limits, woken func()) *wake.StandIn {
+	t.Helper()
+	tap := n.openTap(t)
+	hdr, err := wake.VnetHdrLen(tap)
+	if err != nil || hdr != 12 {
+		t.Fatalf("the tap's virtio-net header: %d, %v; want 12", hdr, err)
+	}
+	return wake.Stand(tap, hdr, ip, mac, lim, woken)
 }
 
 // dial connects from the client to addr over network ("tcp" or "udp"), on its own goroutine.
@@ -129,7 +144,7 @@ func TestHeldUntilWoken(t *testing.T) {
 	n := newNetwork(t)
 	var wakes atomic.Int32
 	woken := make(chan struct{}, 8)
-	s := wake.Stand(n.openTap(t), vmIP, vmMAC, wake.Limits{}, func() { wakes.Add(1); woken <- struct{}{} })
+	s := n.stand(t, vmIP, vmMAC, wake.Limits{}, func() { wakes.Add(1); woken <- struct{}{} })
 	tcp := n.dial("tcp", "192.168.77.10:8080", 30*time.Second)
 	select {
 	case <-woken:
@@ -170,7 +185,7 @@ func TestHeldUntilWoken(t *testing.T) {
 		if err != nil {
 			t.Fatalf("the VMM read %v (SYN %v, UDP %v)", err, syn, udp)
 		}
-		f := buf[10:k]
+		f := buf[12:k]
 		if len(f) < 14+20 || binary.BigEndian.Uint16(f[12:14]) != 0x0800 || string(f[0:6]) != string(vmMAC) {
 			continue
 		}
@@ -193,7 +208,7 @@ func TestHeldUntilWoken(t *testing.T) {
 func TestRefusedWhenItCannotWake(t *testing.T) {
 	n := newNetwork(t)
 	woken := make(chan struct{}, 8)
-	s := wake.Stand(n.openTap(t), vmIP, vmMAC, wake.Limits{}, func() { woken <- struct{}{} })
+	s := n.stand(t, vmIP, vmMAC, wake.Limits{}, func() { woken <- struct{}{} })
 	defer s.Stop()
 	tcp := n.dial("tcp", "192.168.77.10:8080", 30*time.Second)
 	select {
@@ -223,7 +238,7 @@ func TestRefusedWhenItCannotWake(t *testing.T) {
 func TestAFloodIsBounded(t *testing.T) {
 	n := newNetwork(t)
 	var wakes atomic.Int32
-	s := wake.Stand(n.openTap(t), vmIP, vmMAC, wake.Limits{Frames: 10}, func() { wakes.Add(1) })
+	s := n.stand(t, vmIP, vmMAC, wake.Limits{Frames: 10}, func() { wakes.Add(1) })
 	defer s.Stop()
 	if err := testnetns.Do(n.client, func() error {
 		c, err := net.Dial("udp", "192.168.77.10:9000")

@@ -1,0 +1,216 @@
+package idle
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/agent/wake"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+func metav1Time(t time.Time) metav1.Time { return metav1.NewTime(t) }
+
+// Taps opens a suspended VM's tap (nodenet.Tapping).
+type Taps interface {
+	Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error)
+}
+
+// StandIns are what stands in for each idle-suspended VM of the node on its network.
+type StandIns struct {
+	Taps     Taps
+	Client   client.Reader // the agent's cache
+	Reports  Reports
+	Recorder events.EventRecorder
+	Limits   wake.Limits
+	// Bound is how long what is held waits for the VM to be woken before it is refused.
+	Bound time.Duration
+	Log   logr.Logger
+
+	mu      sync.Mutex
+	by      map[types.UID]*standing
+	replays map[types.UID]replay
+}
+
+type standing struct {
+	in     *wake.StandIn
+	bridge wake.Bridge
+	key    types.NamespacedName
+	refuse *time.Timer
+}
+
+type replay struct {
+	frames [][]byte
+	bridge wake.Bridge
+}
+
+// Suspended is true for a VM suspended because it was idle, its VMM gone, on a network: what
+// stands in for it holds what arrives.
+func Suspended(vm *impv1.ImpVM) bool {
+	sp, rt := vm.Status.Suspension, vm.Status.Runtime
+	return sp != nil && sp.Reason == impv1.SuspendReasonIdle && vm.Spec.NetworkRef != nil && rt != nil &&
+		rt.Instance == vm.Status.Instance && rt.Run == vm.Status.RestartCount && rt.State == impv1.RuntimeSuspended
+}
+
+// Ensure stands in for vm (Suspended) unless something already does.
+func (s *StandIns) Ensure(ctx context.Context, vm *impv1.ImpVM) error {
+	uid := vm.HostUID()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.by[uid] != nil {
+		return nil
+	}
+	at, _, err := s.Taps.Attach(ctx, vm)
+	if err != nil {
+		return fmt.Errorf("standing in for idle VM %s: %w", vm.Name, err)
+	}
+	hdr, err := wake.VnetHdrLen(at.Tap)
+	if err != nil {
+		at.Tap.Close()
+		return fmt.Errorf("standing in for idle VM %s: %w", vm.Name, err)
+	}
+	key := client.ObjectKeyFromObject(vm)
+	st := &standing{bridge: wake.Bridge{NetNS: at.NetNS, Name: at.Network.BridgeName()}, key: key}
+	st.in = wake.Stand(at.Tap, hdr, at.IP, hostnet.MAC(at.IP), s.Limits, func() { s.wake(uid, key) })
+	if s.by == nil {
+		s.by, s.replays = map[types.UID]*standing{}, map[types.UID]replay{}
+	}
+	s.by[uid] = st
+	return nil
+}
+
+// wake asks for the VM to be woken (its run's report says wakeRequested), and refuses what is
+// held if it is not woken within the bound.
+func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
+	s.mu.Lock()
+	st := s.by[uid]
+	if st == nil {
+		s.mu.Unlock()
+		return
+	}
+	st.refuse = time.AfterFunc(s.Bound, func() { s.refuse(uid) })
+	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	vm := &impv1.ImpVM{}
+	if err := s.Client.Get(ctx, key, vm); err != nil || !Suspended(vm) {
+		return
+	}
+	rt := *vm.Status.Runtime
+	now := metav1.Now()
+	rt.WakeRequested = &now
+	if err := s.Reports.Report(ctx, vm, rt); err != nil {
+		s.Log.Error(err, "asking for an idle VM to be woken", "vm", key)
+	}
+}
+
+// refuse refuses what the stand-in of uid holds, and whatever arrives from then on, once the
+// VM was not woken within the bound.
+func (s *StandIns) refuse(uid types.UID) {
+	s.mu.Lock()
+	st := s.by[uid]
+	s.mu.Unlock()
+	if st == nil {
+		return
+	}
+	st.in.Refuse()
+	vm := &impv1.ImpVM{}
+	if err := s.Client.Get(context.Background(), st.key, vm); err == nil {
+		s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "WakeFailed", "Resume",
+			"The idle VM was not woken within %v of a connection for it: what arrived for it is refused until it runs again", s.Bound)
+	}
+}
+
+// Down stops standing in for the VM kept under uid, if anything does, and keeps what was held
+// for Replay once its VMM holds the tap again.
+func (s *StandIns) Down(uid types.UID) bool {
+	s.mu.Lock()
+	st := s.by[uid]
+	delete(s.by, uid)
+	s.mu.Unlock()
+	if st == nil {
+		return false
+	}
+	if st.refuse != nil {
+		st.refuse.Stop()
+	}
+	frames := st.in.Stop()
+	s.mu.Lock()
+	s.replays[uid] = replay{frames: frames, bridge: st.bridge}
+	s.mu.Unlock()
+	return true
+}
+
+// Drop stops standing in for the VM kept under uid and forgets what was held (the VM is going).
+func (s *StandIns) Drop(uid types.UID) {
+	s.Down(uid)
+	s.mu.Lock()
+	delete(s.replays, uid)
+	s.mu.Unlock()
+}
+
+// Standing is true while something stands in for the VM kept under uid.
+func (s *StandIns) Standing(uid types.UID) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.by[uid] != nil
+}
+
+// replay sends what was held for the VM kept under uid onto its bridge, once.
+func (s *StandIns) replay(uid types.UID) (int, error) {
+	s.mu.Lock()
+	r, ok := s.replays[uid]
+	delete(s.replays, uid)
+	s.mu.Unlock()
+	if !ok {
+		return 0, nil
+	}
+	return len(r.frames), r.bridge.Replay(r.frames)
+}
+
+// StandDown is the resume plan's first step for a VM on a network: what stood in for it lets
+// go of its tap, for its VMM to open, and keeps what it held for Replay.
+type StandDown struct{ StandIns *StandIns }
+
+func (StandDown) Name() string { return "stand_down" }
+
+func (s StandDown) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
+	return s.StandIns.Standing(r.VM.HostUID()), nil
+}
+
+func (s StandDown) Do(_ context.Context, r *vmrun.Run) error {
+	s.StandIns.Down(r.VM.HostUID())
+	return nil
+}
+
+// Replay is the resume plan's last step for a VM on a network: what was held for it while it
+// was suspended is sent onto its bridge, and reaches its guest, which runs again. A failure is
+// logged, not the resume's: what was held is lost, and its senders retransmit.
+type Replay struct{ StandIns *StandIns }
+
+func (Replay) Name() string { return "replay" }
+
+func (s Replay) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
+	s.StandIns.mu.Lock()
+	defer s.StandIns.mu.Unlock()
+	_, ok := s.StandIns.replays[r.VM.HostUID()]
+	return ok, nil
+}
+
+func (s Replay) Do(_ context.Context, r *vmrun.Run) error {
+	if n, err := s.StandIns.replay(r.VM.HostUID()); err != nil {
+		s.StandIns.Log.Error(err, "sending what was held for a woken VM", "vm", client.ObjectKeyFromObject(r.VM), "frames", n)
+	}
+	return nil
+}

@@ -1,0 +1,152 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/testcluster"
+	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testnetns"
+	"github.com/syscode-labs/imp/internal/testregistry"
+)
+
+// TestIdleVMsWakeOnTraffic (issue 49): a VM serving TCP on an ImpNetwork with a 10 s idle
+// policy is suspended (reason Idle) once nothing reached it for 10 s, its VMM gone. A
+// connection to it then, made once, with no retry, is answered by the guest, which continues
+// where it stopped; its node held the connection's SYN while the VM was woken. Idle again, 100
+// connections at once all get their answer from one resume.
+func TestIdleVMsWakeOnTraffic(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	node := testnetns.New(t, "imp-i-"+sfx)
+	nodeName := "imp-idle-" + sfx
+	readyNode(t, c, nodeName)
+	startOperator(t, c)
+	stateDir, pins := filepath.Join(tmp, "state"), testnetns.PinDir(t)
+	startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: pins,
+		IdleInterval: 500 * time.Millisecond})
+	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.93.0.0/24"}}); err != nil {
+		t.Fatal(err)
+	}
+	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}
+	vm := w.vm("idle", "net")
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	vm.Spec.Idle = &impv1.IdlePolicy{SuspendAfter: metav1.Duration{Duration: 10 * time.Second}}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	phase := func() impv1.VMPhase { return w.get("idle").Status.Phase }
+	g.Eventually(phase).WithTimeout(15 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal(impv1.VMRunning))
+	v := w.get("idle")
+	ip, uid := v.Status.IP, v.UID
+	// dial connects once from the network's namespace (its gateway) and reads the guest's
+	// answer: no retry, a minute to get it.
+	dial := func() (string, error) {
+		spaces, _ := filepath.Glob(filepath.Join(pins, "impn*"))
+		if len(spaces) != 1 {
+			return "", fmt.Errorf("%d network namespaces", len(spaces))
+		}
+		var out string
+		err := testnetns.Do(spaces[0], func() error {
+			c, err := net.DialTimeout("tcp", ip+":7000", time.Minute)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			_ = c.SetReadDeadline(time.Now().Add(time.Minute))
+			b := make([]byte, 64)
+			n, err := c.Read(b)
+			out = strings.TrimSpace(string(b[:n]))
+			return err
+		})
+		return out, err
+	}
+	g.Eventually(dial).WithTimeout(3 * time.Minute).Should(Equal("hello from idle"))
+
+	suspended := func() bool {
+		v := w.get("idle")
+		return v.Status.Phase == impv1.VMSuspended && v.Status.Suspension != nil && v.Status.Suspension.Reason == impv1.SuspendReasonIdle
+	}
+	began := time.Now()
+	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue(), func() string {
+		return fmt.Sprintf("%+v", w.get("idle").Status.Runtime)
+	})
+	t.Logf("idle-suspended %v after its last connection (suspendAfter 10s)", time.Since(began).Round(100*time.Millisecond))
+	if rec, err := vmm.ReadRecord(filepath.Join(stateDir, "vms", string(uid))); err != nil || rec.Alive() {
+		t.Fatalf("the VMM of the idle-suspended VM: %+v, %v", rec, err)
+	}
+	resumed := func() int {
+		var events corev1.EventList
+		_ = c.Client.List(ctx, &events, client.InNamespace(ns))
+		n := 0
+		for _, e := range events.Items {
+			if e.Reason == "Resumed" && e.InvolvedObject.Name == "idle" {
+				n++
+			}
+		}
+		return n
+	}
+
+	began = time.Now()
+	out, err := dial()
+	took := time.Since(began)
+	if err != nil || out != "hello from idle" {
+		t.Fatalf("the first connection to the idle-suspended VM: %q, %v (after %v)\nstatus %+v\nruntime %+v\nevents:\n%s", out, err, took,
+			w.get("idle").Status, w.get("idle").Status.Runtime, eventsOf(c.Client, ns, "idle"))
+	}
+	t.Logf("first connection to the idle-suspended VM answered in %v", took.Round(time.Millisecond))
+	g.Eventually(phase).WithTimeout(time.Minute).Should(Equal(impv1.VMRunning))
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(1))
+	if got := w.get("idle"); got.Status.RestartCount != 0 || got.Status.Instance != 1 {
+		t.Errorf("woken as a new run: instance %d, restarts %d", got.Status.Instance, got.Status.RestartCount)
+	}
+
+	// Idle again; 100 connections at once: one resume, 100 answers.
+	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	answers, failures := 0, []string{}
+	began = time.Now()
+	for range 100 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out, err := dial()
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil || out != "hello from idle" {
+				failures = append(failures, fmt.Sprintf("%q %v", out, err))
+				return
+			}
+			answers++
+		}()
+	}
+	wg.Wait()
+	t.Logf("100 connections at once to the idle-suspended VM: %d answered in %v", answers, time.Since(began).Round(time.Millisecond))
+	if answers != 100 {
+		t.Errorf("%d of 100 answered; failures: %v", answers, failures[:min(len(failures), 5)])
+	}
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(2))
+	g.Consistently(resumed).WithTimeout(2 * time.Second).Should(Equal(2))
+}
