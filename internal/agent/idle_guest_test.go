@@ -89,7 +89,7 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 		return v.Status.Phase == impv1.VMSuspended && v.Status.Suspension != nil && v.Status.Suspension.Reason == impv1.SuspendReasonIdle
 	}
 	began := time.Now()
-	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue(), func() string {
+	g.Eventually(suspended).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string {
 		return fmt.Sprintf("%+v", w.get("idle").Status.Runtime)
 	})
 	t.Logf("idle-suspended %v after its last connection (suspendAfter 10s)", time.Since(began).Round(100*time.Millisecond))

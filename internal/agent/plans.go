@@ -201,7 +201,7 @@ type teardowns struct{ a *Agent }
 // Forget drops the VM's fetch, monitor and stop, and its claim on a snapshot's shared memory.
 func (t teardowns) Forget(uid types.UID) {
 	t.a.fetches.Drop(uid)
-	t.a.idle.Drop(uid) // what stood in for it, idle-suspended, lets go of its tap
+	t.a.idle.Drop(uid)                          // what stood in for it, idle-suspended, lets go of its tap
 	t.a.snapshots.Memories.Release(string(uid)) // its VMM is gone
 	t.a.Runs.Stop(uid)
 	t.a.mu.Lock()
