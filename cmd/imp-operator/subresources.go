@@ -17,6 +17,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agentcsr"
 	"github.com/syscode-labs/imp/internal/pki"
+	"github.com/syscode-labs/imp/internal/controller/idle"
 	"github.com/syscode-labs/imp/internal/subresources"
 )
 
@@ -47,7 +48,8 @@ func (f subresourceFlags) setup(ctx context.Context, mgr ctrl.Manager, log logr.
 	}
 	fp := &subresources.FrontProxy{}
 	srv := &subresources.Server{Reader: mgr.GetClient(), FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: f.agentPort, Log: log,
-		MaxStreamsPerUser: f.maxStreamsPerUser, MaxStreamsPerVM: f.maxStreamsPerVM}
+		MaxStreamsPerUser: f.maxStreamsPerUser, MaxStreamsPerVM: f.maxStreamsPerVM,
+		Waker: idle.Waker{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("imp-operator")}}
 	return errors.Join(mgr.Add(rot), mgr.Add(nonLeader(func(ctx context.Context) error {
 		// The front proxy's identity, at start and every 5 minutes (the API server's CA
 		// rotates rarely).

@@ -12,15 +12,16 @@ import (
 	"strings"
 	"time"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/spf13/cobra"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/tools/remotecommand"
 	"k8s.io/client-go/transport/spdy"
 	"k8s.io/kubectl/pkg/util/term"
 	utilexec "k8s.io/utils/exec"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
 // The API group of the ImpVM subresources (internal/subresources).
@@ -52,6 +53,38 @@ func (o *options) subresourceURL(cfg *rest.Config, ns, name, sub string, q url.V
 	u.Path = strings.TrimSuffix(u.Path, "/") + subresourcesPath + "/namespaces/" + url.PathEscape(ns) + "/impvms/" + url.PathEscape(name) + "/" + sub
 	u.RawQuery = q.Encode()
 	return u, nil
+}
+
+// noticeWake says on stderr when the VM name is suspended because it was idle: the session
+// about to be opened wakes it first (spec.idle), which takes a moment.
+func (o *options) noticeWake(ctx context.Context, cfg *rest.Config, ns, name string) {
+	u, _, err := rest.DefaultServerUrlFor(cfg)
+	if err != nil {
+		return
+	}
+	u.Path = strings.TrimSuffix(u.Path, "/") + "/apis/" + impv1.GroupVersion.String() + "/namespaces/" + url.PathEscape(ns) + "/impvms/" + url.PathEscape(name)
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+	if err != nil {
+		return
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	var vm impv1.ImpVM
+	if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&vm) != nil {
+		return
+	}
+	if sp := vm.Status.Suspension; sp != nil && sp.Reason == impv1.SuspendReasonIdle {
+		fmt.Fprintf(o.errOut, "ImpVM %s is suspended because it was idle: waking it.\r\n", name)
+	}
 }
 
 func (o *options) accessCommands(a *accessOptions) []*cobra.Command {
@@ -126,6 +159,7 @@ func (o *options) exec(ctx context.Context, cfg *rest.Config, ns string, args []
 	if err != nil {
 		return err
 	}
+	o.noticeWake(ctx, cfg, ns, args[0])
 	ex, err := remotecommand.NewWebSocketExecutor(cfg, "GET", u.String())
 	if err != nil {
 		return err
@@ -198,6 +232,7 @@ func (o *options) portForward(ctx context.Context, cfg *rest.Config, ns string, 
 	if err != nil {
 		return err
 	}
+	o.noticeWake(ctx, cfg, ns, args[0])
 	rt, upgrader, err := spdy.RoundTripperFor(cfg)
 	if err != nil {
 		return err
@@ -224,6 +259,9 @@ func (o *options) logsThroughAPI(ctx context.Context, cfg *rest.Config, ns, name
 	u, err := o.subresourceURL(cfg, ns, name, "log", q)
 	if err != nil {
 		return err
+	}
+	if a.follow {
+		o.noticeWake(ctx, cfg, ns, name)
 	}
 	hc, err := rest.HTTPClientFor(cfg)
 	if err != nil {

@@ -76,6 +76,11 @@ type Server struct {
 	Log       logr.Logger
 	// Clock is the real one when nil.
 	Clock clock.PassiveClock
+	// Waker wakes an idle-suspended VM (spec.idle) that a session is asked of: an exec, the
+	// console, a port-forward or a followed log waits (up to WakeTimeout, default 60s) for it
+	// to run again, then attaches. Nil: not woken (the agent answers it is not running).
+	Waker       Waker
+	WakeTimeout time.Duration
 	// MaxStreamsPerUser and MaxStreamsPerVM bound the requests (streams: exec, port-forward,
 	// console, a followed log) open at once for one user and to one VM, through this server;
 	// past them a request is refused 429. Defaults: DefaultMaxStreamsPerUser, PerVM.
@@ -87,6 +92,12 @@ type Server struct {
 	mu     sync.Mutex
 	trs    map[string]*nodeTransport // by node
 	pruned time.Time
+}
+
+// Waker wakes idle-suspended VMs (idle.Waker).
+type Waker interface {
+	// Wake deletes vm's suspension when its reason is Idle, and says whether it was.
+	Wake(ctx context.Context, vm *impv1.ImpVM, user string) (bool, error)
 }
 
 // The default bounds of streams open at once through one server.
@@ -205,6 +216,13 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is an idle member of ImpWarmPool %s: it takes no %s until it is handed to a claim (kubectl imp claim %s)", pool, sub, pool)))
 		return
 	}
+	if sp := vm.Status.Suspension; sp != nil && sp.Reason == impv1.SuspendReasonIdle && s.Waker != nil && (sub != "log" || r.URL.Query().Get("follow") == "true") {
+		log.Info("waking the idle VM for a session")
+		if vm, err = s.wake(ctx, vm, user); err != nil {
+			writeStatus(w, apierrors.NewServiceUnavailable(err.Error()))
+			return
+		}
+	}
 	addr, err := s.agentAddress(ctx, vm.Status.NodeName)
 	if err != nil {
 		writeStatus(w, apierrors.NewServiceUnavailable(err.Error()))
@@ -226,6 +244,34 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 	h := proxy.NewUpgradeAwareHandler(target, s.transport(vm.Status.NodeName), false, false, responder{log})
 	h.FlushInterval = -1 // a log follows
 	h.ServeHTTP(w, r)
+}
+
+// wake wakes the idle-suspended vm and waits until it runs again, or WakeTimeout passed.
+func (s *Server) wake(ctx context.Context, vm *impv1.ImpVM, user string) (*impv1.ImpVM, error) {
+	if _, err := s.Waker.Wake(ctx, vm, user); err != nil {
+		return nil, err
+	}
+	timeout := s.WakeTimeout
+	if timeout <= 0 {
+		timeout = time.Minute
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	key := client.ObjectKeyFromObject(vm)
+	for {
+		cur := &impv1.ImpVM{}
+		if err := s.Reader.Get(ctx, key, cur); err != nil {
+			return nil, err
+		}
+		if rt := cur.Status.Runtime; cur.Status.Suspension == nil && rt != nil && rt.State == impv1.RuntimeRunning && cur.Status.NodeName != "" {
+			return cur, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("the VM was suspended because it was idle, and did not run again within %v of being woken", timeout)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // transport reaches node's agent, which must present that node's certificate: another node's

@@ -49,6 +49,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/guestsession/guesttest"
 	"github.com/syscode-labs/imp/internal/pki"
+	"github.com/syscode-labs/imp/internal/kubectlimp"
 	"github.com/syscode-labs/imp/internal/subresources"
 	"github.com/syscode-labs/imp/internal/subresources/subresourcestest"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -869,5 +870,68 @@ func TestStreamsAreCapped(t *testing.T) {
 			t.Fatalf("after one closed, another is still refused: %v %v", err, resp)
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// TestIdleVMsWakeForASession (issue 49): an exec in a VM suspended because it was idle wakes it
+// (its Idle suspension deleted), waits for it to run, and runs; a VM a person suspended is not
+// woken by a session.
+func TestIdleVMsWakeForASession(t *testing.T) {
+	w := newWorld(t)
+	alice := w.user(t, "alice", "imp-edit", "imp-view")
+	ctx := context.Background()
+	key := types.NamespacedName{Namespace: w.nsA, Name: "vm"}
+	suspend := func(reason string) {
+		t.Helper()
+		if err := w.cl.Client.Create(ctx, &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.nsA, Name: "vm"},
+			Spec: impv1.ImpVMSuspensionSpec{Reason: reason}}); err != nil {
+			t.Fatal(err)
+		}
+		vm := &impv1.ImpVM{}
+		if err := w.cl.Client.Get(ctx, key, vm); err != nil {
+			t.Fatal(err)
+		}
+		vm.Status.Phase, vm.Status.Suspension = impv1.VMSuspended, &impv1.SuspensionStatus{Reason: reason}
+		vm.Status.Runtime = &impv1.RuntimeStatus{State: impv1.RuntimeSuspended}
+		if err := w.cl.Client.Status().Update(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	gone := func() bool {
+		return apierrors.IsNotFound(w.cl.Client.Get(ctx, key, &impv1.ImpVMSuspension{}))
+	}
+	// The operator and the agent, resuming the VM once its suspension is gone.
+	resumed := make(chan struct{})
+	suspend(impv1.SuspendReasonIdle)
+	go func() {
+		defer close(resumed)
+		for !gone() {
+			time.Sleep(20 * time.Millisecond)
+		}
+		vm := &impv1.ImpVM{}
+		_ = w.cl.Client.Get(ctx, key, vm)
+		vm.Status.Phase, vm.Status.Suspension = impv1.VMRunning, nil
+		vm.Status.Runtime = &impv1.RuntimeStatus{State: impv1.RuntimeRunning, GuestReady: true}
+		_ = w.cl.Client.Status().Update(ctx, vm)
+	}()
+	// kubectl imp exec, as alice: it says it wakes the VM, which runs the command.
+	var out, errOut bytes.Buffer
+	cmd := kubectlimp.NewCommand(strings.NewReader(""), &out, &errOut)
+	cmd.SetArgs([]string{"--kubeconfig", w.cl.Kubeconfig(t), "--as", "alice", "-n", w.nsA, "exec", "vm", "--", "sh", "-c", "echo awake"})
+	if err := cmd.Execute(); err != nil || out.String() != "awake\n" || !strings.Contains(errOut.String(), "ImpVM vm is suspended because it was idle: waking it.") {
+		t.Errorf("kubectl imp exec in the idle-suspended VM: %q, %v; stderr %q", out.String(), err, errOut.String())
+	}
+	select {
+	case <-resumed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session did not wake the VM: its Idle suspension is still there")
+	}
+
+	// A person's suspension stays: the session is not proxied to a running VM (the test's
+	// agent would run it; the server must not have woken it first).
+	suspend(impv1.SuspendReasonUser)
+	_, _ = w.exec(alice, w.nsA, "", "true")
+	if gone() {
+		t.Error("a session deleted a User suspension")
 	}
 }

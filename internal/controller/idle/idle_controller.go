@@ -119,6 +119,35 @@ func (r *Reconciler) wake(ctx context.Context, vm *impv1.ImpVM) error {
 	return nil
 }
 
+// Waker wakes an idle-suspended VM for a session through the API: an exec, console,
+// port-forward or followed log (the subresource server, internal/subresources).
+type Waker struct {
+	Client   client.Client
+	Recorder EventRecorder
+}
+
+// Wake deletes vm's suspension if its reason is Idle, and says whether it was.
+func (w Waker) Wake(ctx context.Context, vm *impv1.ImpVM, user string) (bool, error) {
+	susp := &impv1.ImpVMSuspension{}
+	if err := w.Client.Get(ctx, client.ObjectKeyFromObject(vm), susp); err != nil {
+		return false, client.IgnoreNotFound(err)
+	}
+	if susp.Spec.Reason != impv1.SuspendReasonIdle {
+		return false, nil
+	}
+	if !susp.DeletionTimestamp.IsZero() {
+		return true, nil
+	}
+	uid := susp.UID
+	if err := w.Client.Delete(ctx, susp, client.Preconditions{UID: &uid}); client.IgnoreNotFound(err) != nil {
+		return false, fmt.Errorf("waking VM %s/%s: %w", vm.Namespace, vm.Name, err)
+	}
+	if w.Recorder != nil {
+		w.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Waking", "Resume", "Waking the idle VM: a session through the API (%s)", user)
+	}
+	return true, nil
+}
+
 // SetupWithManager registers the reconciler: requests are VMs with an idle policy or an Idle
 // suspension (no other VM wakes it), and the VMs of Idle suspensions.
 func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {

@@ -28,6 +28,7 @@ import (
 
 	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/agentcsr"
+	"github.com/syscode-labs/imp/internal/controller/idle"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/subresources"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -86,7 +87,8 @@ func Serve(t testing.TB, cl *testcluster.Cluster, node string, vms access.VMs) i
 		t.Fatal(err)
 	}
 	agentL, agentPort := listen(t)
-	srv := &subresources.Server{Reader: opClient, FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: agentPort, Log: logr.Discard()}
+	srv := &subresources.Server{Reader: opClient, FrontProxy: fp, AgentTLS: rot.AgentClientTLS(), AgentPort: agentPort, Log: logr.Discard(),
+		Waker: idle.Waker{Client: opClient}}
 	hs := &http.Server{Handler: srv, TLSConfig: subresources.TLSConfig(rot.ServingCertificate), ErrorLog: quiet()}
 	go func() { _ = hs.ServeTLS(subL, "", "") }()
 	t.Cleanup(func() { hs.Close() })

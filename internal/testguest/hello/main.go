@@ -132,6 +132,7 @@ func main() {
 		term := make(chan os.Signal, 1)
 		signal.Notify(term, syscall.SIGTERM)
 		go serveTCP(host)
+		go serveUDP(host)
 		go probeLoop(os.Getenv("PROBE"))
 		go answerStdin()
 		go func() {

@@ -12,6 +12,23 @@ import (
 	"time"
 )
 
+// serveUDP answers each datagram on :7002 with "hello from <host>: <datagram>".
+func serveUDP(host string) {
+	c, err := net.ListenPacket("udp", ":7002")
+	if err != nil {
+		fmt.Println("hello: listen udp:", err)
+		return
+	}
+	b := make([]byte, 1500)
+	for {
+		n, from, err := c.ReadFrom(b)
+		if err != nil {
+			continue
+		}
+		_, _ = c.WriteTo([]byte(fmt.Sprintf("hello from %s: %s", host, b[:n])), from)
+	}
+}
+
 func serveTCP(host string) {
 	l, err := net.Listen("tcp", ":7000")
 	if err != nil {
