@@ -16,8 +16,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/manager"
 
 	"github.com/syscode-labs/imp/internal/agentcsr"
-	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/controller/idle"
+	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/subresources"
 )
 
