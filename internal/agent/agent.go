@@ -183,7 +183,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		}}
 	a.Sessions = &idle.Sessions{}
 	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, Client: a.Client, Reports: a.reports, Recorder: a.Recorder,
-		Bound: o.IdleWakeTimeout, Log: mgr.GetLogger().WithName("idle")}
+		Bound: o.IdleWakeTimeout, MemAvailable: o.MemAvailable, Log: mgr.GetLogger().WithName("idle")}
 	meter := &idle.Meter{Client: a.Client, Traffic: a.networks, Sessions: a.Sessions, Reports: a.reports, Interval: o.IdleInterval,
 		Log: mgr.GetLogger().WithName("idle")}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}

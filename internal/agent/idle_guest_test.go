@@ -2,11 +2,14 @@ package agent_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,6 +20,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
@@ -43,8 +47,14 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	readyNode(t, c, nodeName)
 	startOperator(t, c)
 	stateDir, pins := filepath.Join(tmp, "state"), testnetns.PinDir(t)
+	var noRoom atomic.Bool
 	startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: pins,
-		IdleInterval: 500 * time.Millisecond})
+		IdleInterval: 500 * time.Millisecond, MemAvailable: func() (int64, error) {
+			if noRoom.Load() {
+				return 64 << 20, nil
+			}
+			return idle.MemAvailable()
+		}})
 	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.93.0.0/24"}}); err != nil {
 		t.Fatal(err)
 	}
@@ -122,6 +132,16 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 		t.Errorf("woken as a new run: instance %d, restarts %d", got.Status.Instance, got.Status.RestartCount)
 	}
 
+	// Idle again; a UDP request, sent once, is answered.
+	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	began = time.Now()
+	if out, err := udp(ip, pins, "ping"); err != nil || out != "hello from idle: ping" {
+		v := w.get("idle")
+		t.Fatalf("a UDP request to the idle-suspended VM: %q, %v\nruntime %+v\nevents:\n%s\nconsole:\n%s", out, err, v.Status.Runtime, eventsOf(c.Client, ns, "idle"), w.console(v))
+	}
+	t.Logf("a UDP request to the idle-suspended VM answered in %v", time.Since(began).Round(time.Millisecond))
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(2))
+
 	// Idle again; 100 connections at once: one resume, 100 answers.
 	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
 	var wg sync.WaitGroup
@@ -147,6 +167,51 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	if answers != 100 {
 		t.Errorf("%d of 100 answered; failures: %v", answers, failures[:min(len(failures), 5)])
 	}
-	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(2))
-	g.Consistently(resumed).WithTimeout(2 * time.Second).Should(Equal(2))
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(3))
+	g.Consistently(resumed).WithTimeout(2 * time.Second).Should(Equal(3))
+
+	// Idle again, and the node has no room for its memory: a connection is refused at once,
+	// the VM stays suspended and says why; with room again, the next one wakes it.
+	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	noRoom.Store(true)
+	began = time.Now()
+	if _, err := dial(); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Errorf("a connection to an idle VM its node has no room for: %v; want refused", err)
+	}
+	t.Logf("refused in %v", time.Since(began).Round(time.Millisecond))
+	if !suspended() || !strings.Contains(eventsOf(c.Client, ns, "idle"), "WakeFailed") {
+		t.Errorf("not woken: suspended %v; events:\n%s", suspended(), eventsOf(c.Client, ns, "idle"))
+	}
+	if rt := w.get("idle").Status.Runtime; !strings.Contains(rt.Message, "not woken: node has 64 MiB of memory available") {
+		t.Errorf("the run says %q", rt.Message)
+	}
+	noRoom.Store(false)
+	g.Eventually(dial).WithTimeout(time.Minute).WithPolling(time.Second).Should(Equal("hello from idle")) // after the refusal's 10 s
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(4))
+}
+
+// udp sends msg once to ip:7002 from the network's namespace (its gateway) and reads the
+// answer, waiting up to a minute.
+func udp(ip, pins, msg string) (string, error) {
+	spaces, _ := filepath.Glob(filepath.Join(pins, "impn*"))
+	if len(spaces) != 1 {
+		return "", fmt.Errorf("%d network namespaces", len(spaces))
+	}
+	var out string
+	err := testnetns.Do(spaces[0], func() error {
+		c, err := net.Dial("udp", ip+":7002")
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte(msg)); err != nil {
+			return err
+		}
+		_ = c.SetReadDeadline(time.Now().Add(time.Minute))
+		b := make([]byte, 256)
+		n, err := c.Read(b)
+		out = string(b[:n])
+		return err
+	})
+	return out, err
 }

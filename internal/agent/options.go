@@ -23,6 +23,9 @@ type Options struct {
 	// woken before it is refused (default 30s); IdleInterval how often the activity of VMs
 	// with an idle policy is read (default 2s). See package idle.
 	IdleWakeTimeout, IdleInterval time.Duration
+	// MemAvailable is the node's memory available to wake an idle VM into (default: /proc/
+	// meminfo's MemAvailable); a VM that would not fit is not woken.
+	MemAvailable func() (int64, error)
 	// StateDir holds images/ (base disks) and vms/<uid>/ (each VM's state).
 	StateDir string
 	// Kernel and Initramfs boot every guest.

@@ -2,7 +2,11 @@ package idle
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -36,7 +40,13 @@ type StandIns struct {
 	Limits   wake.Limits
 	// Bound is how long what is held waits for the VM to be woken before it is refused.
 	Bound time.Duration
-	Log   logr.Logger
+	// Retry is how long after a refusal what arrives is held again, and may wake the VM
+	// (default 10s).
+	Retry time.Duration
+	// MemAvailable is the node's memory available for a VM to be woken into (default:
+	// /proc/meminfo's MemAvailable): a VM that would not fit is not woken.
+	MemAvailable func() (int64, error)
+	Log          logr.Logger
 
 	mu      sync.Mutex
 	by      map[types.UID]*standing
@@ -99,7 +109,7 @@ func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
 		s.mu.Unlock()
 		return
 	}
-	st.refuse = time.AfterFunc(s.Bound, func() { s.refuse(uid) })
+	st.refuse = time.AfterFunc(s.Bound, func() { s.refuse(uid, fmt.Sprintf("it did not run again within %v", s.Bound)) })
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -108,6 +118,15 @@ func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
 		return
 	}
 	rt := *vm.Status.Runtime
+	if why := s.room(vm); why != "" {
+		// It would not fit: its state stays for a later resume, and its clients are told now.
+		rt.Message = "not woken: " + why
+		if err := s.Reports.Report(ctx, vm, rt); err != nil {
+			s.Log.Error(err, "reporting an idle VM not woken", "vm", key)
+		}
+		s.refuse(uid, why)
+		return
+	}
 	now := metav1.Now()
 	rt.WakeRequested = &now
 	if err := s.Reports.Report(ctx, vm, rt); err != nil {
@@ -115,20 +134,67 @@ func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
 	}
 }
 
-// refuse refuses what the stand-in of uid holds, and whatever arrives from then on, once the
-// VM was not woken within the bound.
-func (s *StandIns) refuse(uid types.UID) {
+// room says why the node has no room to wake vm into, or "".
+func (s *StandIns) room(vm *impv1.ImpVM) string {
+	res := vm.Status.Resources
+	if res == nil {
+		return ""
+	}
+	need := res.Memory.Value()
+	if res.MemoryOverhead != nil {
+		need += res.MemoryOverhead.Value()
+	}
+	avail, err := s.memAvailable()
+	if err != nil || avail >= need {
+		return ""
+	}
+	return fmt.Sprintf("node has %d MiB of memory available, the VM needs %d MiB", avail>>20, need>>20)
+}
+
+func (s *StandIns) memAvailable() (int64, error) {
+	if s.MemAvailable != nil {
+		return s.MemAvailable()
+	}
+	return MemAvailable()
+}
+
+// MemAvailable is /proc/meminfo's MemAvailable, in bytes.
+func MemAvailable() (int64, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "MemAvailable:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return kb << 10, err
+		}
+	}
+	return 0, errors.New("no MemAvailable in /proc/meminfo")
+}
+
+// refuse refuses what the stand-in of uid holds, and what arrives for Retry, when the VM was
+// not woken (why); after Retry what arrives may wake it again.
+func (s *StandIns) refuse(uid types.UID, why string) {
 	s.mu.Lock()
 	st := s.by[uid]
+	if st != nil && st.refuse != nil {
+		st.refuse.Stop()
+	}
 	s.mu.Unlock()
 	if st == nil {
 		return
 	}
 	st.in.Refuse()
+	retry := s.Retry
+	if retry <= 0 {
+		retry = 10 * time.Second
+	}
+	time.AfterFunc(retry, st.in.Rearm)
 	vm := &impv1.ImpVM{}
 	if err := s.Client.Get(context.Background(), st.key, vm); err == nil {
 		s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "WakeFailed", "Resume",
-			"The idle VM was not woken within %v of a connection for it: what arrived for it is refused until it runs again", s.Bound)
+			"The idle VM was not woken (%s): what arrives for it is refused for %v, then may wake it again; its state stays on node for a resume", why, retry)
 	}
 }
 

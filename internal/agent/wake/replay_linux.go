@@ -18,7 +18,9 @@ type Bridge struct {
 	NetNS, Name string
 }
 
-// Replay sends frames, in order.
+// Replay sends frames (each behind its virtio-net header, as StandIn.Stop returns them), in
+// order. The socket takes the headers (PACKET_VNET_HDR): a checksum the sender's kernel left to
+// the device is finished, a segmentation done, as if the frames had gone to the tap at once.
 func (b Bridge) Replay(frames [][]byte) error {
 	if len(frames) == 0 {
 		return nil
@@ -33,9 +35,15 @@ func (b Bridge) Replay(frames [][]byte) error {
 			return fmt.Errorf("opening a packet socket on %s: %w", b.Name, err)
 		}
 		defer unix.Close(fd)
+		if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_VNET_HDR, 1); err != nil {
+			return fmt.Errorf("a packet socket on %s with virtio-net headers: %w", b.Name, err)
+		}
 		for _, f := range frames {
+			if len(f) < virtioNetHdrLen+ethHdrLen {
+				continue
+			}
 			sa := &unix.SockaddrLinklayer{Ifindex: ifi.Index, Halen: 6, Protocol: htons(etherTypeIPv4)}
-			copy(sa.Addr[:], f[0:6])
+			copy(sa.Addr[:], f[virtioNetHdrLen:virtioNetHdrLen+6])
 			if err := unix.Sendto(fd, f, 0, sa); err != nil {
 				return fmt.Errorf("sending a held frame onto %s: %w", b.Name, err)
 			}

@@ -92,12 +92,17 @@ func (s *StandIn) read() {
 		if n <= s.hdr+ethHdrLen {
 			continue
 		}
-		s.frame(buf[s.hdr:n])
+		s.frame(buf[:virtioNetHdrLen], buf[s.hdr:n])
 	}
 }
 
-// frame handles one frame the network delivered to the VM's tap.
-func (s *StandIn) frame(f []byte) {
+// virtioNetHdrLen is struct virtio_net_hdr's length: the start of every tap header (a 12-byte
+// one adds num_buffers), and what a packet socket with PACKET_VNET_HDR takes.
+const virtioNetHdrLen = 10
+
+// frame handles one frame the network delivered to the VM's tap, with its virtio-net header
+// (hdr: the kernel's offloads — a checksum it left to finish, a segmentation it left to do).
+func (s *StandIn) frame(hdr, f []byte) {
 	switch binary.BigEndian.Uint16(f[12:14]) {
 	case etherTypeARP:
 		if reply := arpReply(f, s.ip, s.mac); reply != nil {
@@ -107,11 +112,11 @@ func (s *StandIn) frame(f []byte) {
 		if !macEqual(f[0:6], s.mac) || len(f) < ethHdrLen+20 || netip.AddrFrom4([4]byte(f[ethHdrLen+16:ethHdrLen+20])) != s.ip {
 			return // not the VM's: broadcast, multicast, another address
 		}
-		s.hold(f)
+		s.hold(hdr, f)
 	}
 }
 
-func (s *StandIn) hold(f []byte) {
+func (s *StandIn) hold(hdr, f []byte) {
 	s.mu.Lock()
 	if s.refusing {
 		s.mu.Unlock()
@@ -121,7 +126,7 @@ func (s *StandIn) hold(f []byte) {
 	if len(s.held) >= s.lim.Frames || s.bytes+len(f) > s.lim.Bytes {
 		s.dropped++
 	} else {
-		s.held = append(s.held, append([]byte(nil), f...))
+		s.held = append(s.held, append(append(make([]byte, 0, len(hdr)+len(f)), hdr...), f...))
 		s.bytes += len(f)
 	}
 	first := !s.woken
@@ -139,7 +144,8 @@ func (s *StandIn) Held() (held, dropped int) {
 	return len(s.held), s.dropped
 }
 
-// Stop lets go of the tap, for the VM's VMM to open, and returns the frames held, oldest first.
+// Stop lets go of the tap, for the VM's VMM to open, and returns the frames held, oldest first,
+// each behind its virtio-net header (10 bytes), for Bridge.Replay.
 func (s *StandIn) Stop() [][]byte {
 	_ = s.tap.Close()
 	<-s.done
@@ -160,8 +166,15 @@ func (s *StandIn) Refuse() {
 	s.held, s.bytes, s.refusing = nil, 0, true
 	s.mu.Unlock()
 	for _, f := range held {
-		s.refuse(f)
+		s.refuse(f[virtioNetHdrLen:])
 	}
+}
+
+// Rearm ends a refusal: what arrives from now on is held again, and asks for a wake again.
+func (s *StandIn) Rearm() {
+	s.mu.Lock()
+	s.refusing, s.woken = false, false
+	s.mu.Unlock()
 }
 
 func (s *StandIn) refuse(f []byte) {

@@ -61,7 +61,7 @@ func TestOnlyTheVMsFramesAreHeld(t *testing.T) {
 		ipFrame(other, ip, 6),    // another MAC
 		ipFrame(mac, ip, 6)[:30], // truncated
 	} {
-		s.frame(f)
+		s.frame(make([]byte, virtioNetHdrLen), f)
 	}
 	r := rand.New(rand.NewPCG(1, 2))
 	for range 20000 {
@@ -80,7 +80,7 @@ func TestOnlyTheVMsFramesAreHeld(t *testing.T) {
 		_ = refusal(f)
 		_ = arpReply(f, ip, mac)
 		if !bytes.Equal(f[0:6], mac) {
-			s.frame(f)
+			s.frame(make([]byte, virtioNetHdrLen), f)
 		}
 	}
 	if held, _ := s.Held(); held != 0 || woken != 0 {
@@ -94,7 +94,7 @@ func TestOnlyTheVMsFramesAreHeld(t *testing.T) {
 		}
 	}
 	tap.mu.Unlock()
-	s.frame(ipFrame(mac, ip, 6))
+	s.frame(make([]byte, virtioNetHdrLen), ipFrame(mac, ip, 6))
 	if held, _ := s.Held(); held != 1 {
 		t.Errorf("the VM's own SYN: held %d", held)
 	}
