@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-volumes images chart-push
 
 all: build
 
@@ -87,6 +87,9 @@ bench-suspend: ## Suspend and resume a 256 MiB guest under QEMU (TCG here): P50 
 
 bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs restored from a snapshot (1 VM, 10 at once); snapshot pause and size.
 	IMP_BENCH=snapshot go test -count=1 -v -timeout 60m -run '^TestBenchSnapshot$$' ./internal/agent/ | grep -E '^(create|snapshot|restore|start steps)|^(ok|FAIL|---)'
+
+bench-wake: ## An idle-suspended VM (QEMU/TCG, 256 MiB): first request → first byte P50/P99, beside the running VM and its plain resume (the floor); the memory given back.
+	IMP_BENCH=wake go test -count=1 -v -timeout 30m -run '^TestBenchWake$$' ./internal/agent/ | grep -E '^(wake|  )|^(ok|FAIL|---)'
 
 bench-idle: ## A warm pool's idle member (QEMU/TCG, 256 MiB): VMM CPU and PSS running idle against paused; cont and the first exec after it.
 	IMP_BENCH=idle go test -count=1 -v -timeout 30m -run '^TestBenchIdle$$' ./internal/agent/ | grep -E '^(idle|  )|^(ok|FAIL|---)'

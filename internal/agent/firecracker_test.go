@@ -397,27 +397,7 @@ func TestFirecrackerWarmClaim(t *testing.T) {
 	spec := w.vm("", "serve").Spec
 	spec.NodeSelector, spec.VMM = nil, impv1.VMMFirecracker
 	spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
-	if err := c.Client.Create(ctx, &impv1.ImpVMTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "tpl"}, Spec: impv1.ImpVMTemplateSpec{VM: spec}}); err != nil {
-		t.Fatal(err)
-	}
-	pool := &impv1.ImpWarmPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "p"}, Spec: impv1.ImpWarmPoolSpec{
-		TemplateRef: impv1.TemplateReference{Name: "tpl"}, Replicas: ptr.To[int32](1),
-		NodeSelector: map[string]string{"imp.test/node": w.node}}}
-	if err := c.Client.Create(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	g.Eventually(func() int32 {
-		p := &impv1.ImpWarmPool{}
-		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(pool), p)
-		return p.Status.Idle
-	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeEquivalentTo(1), func() string {
-		return fmt.Sprintf("template %+v", w.templateStatus("tpl"))
-	})
-	var list impv1.ImpVMList
-	if err := c.Client.List(ctx, &list, client.InNamespace(ns), client.MatchingLabels{impv1.WarmPoolLabel: "p"}); err != nil || len(list.Items) != 1 {
-		t.Fatalf("members %d: %v", len(list.Items), err)
-	}
-	member := list.Items[0]
+	member := w.idleMember(t, impv1.ImpVMTemplateSpec{VM: spec}, 3*time.Minute)
 	root := filepath.Join(w.stateDir, "jail", "firecracker", string(member.UID), "root")
 	state := func() string {
 		info, err := firecracker.Info(ctx, firecracker.NewJailClient(root))

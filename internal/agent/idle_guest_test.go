@@ -34,31 +34,16 @@ import (
 // where it stopped; its node held the connection's SYN while the VM was woken. Idle again, 100
 // connections at once all get their answer from one resume.
 func TestIdleVMsWakeOnTraffic(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	sfx := ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	node := testnetns.New(t, "imp-i-"+sfx)
-	nodeName := "imp-idle-" + sfx
-	readyNode(t, c, nodeName)
-	startOperator(t, c)
-	stateDir, pins := filepath.Join(tmp, "state"), testnetns.PinDir(t)
 	var noRoom atomic.Bool
-	startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: pins,
-		IdleInterval: 500 * time.Millisecond, MemAvailable: func() (int64, error) {
+	w, pins := netWorld(t, "10.93.0.0/24", func(o *agent.Options) {
+		o.IdleInterval, o.MemAvailable = 500*time.Millisecond, func() (int64, error) {
 			if noRoom.Load() {
 				return 64 << 20, nil
 			}
 			return idle.MemAvailable()
-		}})
-	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.93.0.0/24"}}); err != nil {
-		t.Fatal(err)
-	}
-	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}
+		}
+	})
+	c, ns, ctx, stateDir := w.c, w.ns, context.Background(), w.stateDir
 	vm := w.vm("idle", "net")
 	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
 	vm.Spec.Idle = &impv1.IdlePolicy{SuspendAfter: metav1.Duration{Duration: 10 * time.Second}}
@@ -70,28 +55,7 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	g.Eventually(phase).WithTimeout(15 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal(impv1.VMRunning))
 	v := w.get("idle")
 	ip, uid := v.Status.IP, v.UID
-	// dial connects once from the network's namespace (its gateway) and reads the guest's
-	// answer: no retry, a minute to get it.
-	dial := func() (string, error) {
-		spaces, _ := filepath.Glob(filepath.Join(pins, "impn*"))
-		if len(spaces) != 1 {
-			return "", fmt.Errorf("%d network namespaces", len(spaces))
-		}
-		var out string
-		err := testnetns.Do(spaces[0], func() error {
-			c, err := net.DialTimeout("tcp", ip+":7000", time.Minute)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			_ = c.SetReadDeadline(time.Now().Add(time.Minute))
-			b := make([]byte, 64)
-			n, err := c.Read(b)
-			out = strings.TrimSpace(string(b[:n]))
-			return err
-		})
-		return out, err
-	}
+	dial := func() (string, error) { return dialOnce(pins, ip) }
 	g.Eventually(dial).WithTimeout(3 * time.Minute).Should(Equal("hello from idle"))
 
 	suspended := func() bool {
@@ -188,6 +152,55 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	noRoom.Store(false)
 	g.Eventually(dial).WithTimeout(time.Minute).WithPolling(time.Second).Should(Equal("hello from idle")) // after the refusal's 10 s
 	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(4))
+}
+
+// netWorld is a world whose node is a network namespace of its own (its agent's NetNS, its
+// networks' namespaces pinned under the returned directory), with an ImpNetwork "net" of cidr.
+func netWorld(t *testing.T, cidr string, opts ...func(*agent.Options)) (*world, string) {
+	c := testcluster.Require(t, shared)
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	node := testnetns.New(t, "imp-n-"+sfx)
+	nodeName := "imp-net-" + sfx
+	readyNode(t, c, nodeName)
+	startOperator(t, c)
+	stateDir, pins := filepath.Join(tmp, "state"), testnetns.PinDir(t)
+	o := agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: pins}
+	for _, f := range opts {
+		f(&o)
+	}
+	startAgent(t, c, o)
+	if err := c.Client.Create(context.Background(), &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: cidr}}); err != nil {
+		t.Fatal(err)
+	}
+	return &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}, pins
+}
+
+// dialOnce connects once to ip:7000 from the network's namespace (its gateway), the one
+// network namespace under pins, and reads the guest's answer: no retry, a minute to get it.
+func dialOnce(pins, ip string) (string, error) {
+	spaces, _ := filepath.Glob(filepath.Join(pins, "impn*"))
+	if len(spaces) != 1 {
+		return "", fmt.Errorf("%d network namespaces", len(spaces))
+	}
+	var out string
+	err := testnetns.Do(spaces[0], func() error {
+		c, err := net.DialTimeout("tcp", ip+":7000", time.Minute)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_ = c.SetReadDeadline(time.Now().Add(time.Minute))
+		b := make([]byte, 64)
+		n, err := c.Read(b)
+		out = strings.TrimSpace(string(b[:n]))
+		return err
+	})
+	return out, err
 }
 
 // udp sends msg once to ip:7002 from the network's namespace (its gateway) and reads the

@@ -340,24 +340,8 @@ func impLeftovers(t *testing.T, path string) []string {
 // an ImpVMSuspension: its VMM is gone while suspended; after the suspension is deleted it
 // runs again with the same address, answers on it, and its count goes on from where it was.
 func TestSuspendResume(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	sfx := ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	node := testnetns.New(t, "imp-s-"+sfx)
-	nodeName := "imp-susp-" + sfx
-	readyNode(t, c, nodeName)
-	startOperator(t, c)
-	stateDir, pins := filepath.Join(tmp, "state"), testnetns.PinDir(t)
-	startAgent(t, c, agent.Options{NodeName: nodeName, StateDir: stateDir, Kernel: kernel, Initramfs: initrd, NetNS: node, NetNSDir: pins})
-	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.92.0.0/24"}}); err != nil {
-		t.Fatal(err)
-	}
-	w := &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}
+	w, pins := netWorld(t, "10.92.0.0/24")
+	c, ns, ctx, stateDir := w.c, w.ns, context.Background(), w.stateDir
 	vm := w.vm("counter", "net")
 	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
 	if err := c.Client.Create(ctx, vm); err != nil {

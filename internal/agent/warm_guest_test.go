@@ -279,6 +279,34 @@ func TestWarmClaimsTakeOverMembers(t *testing.T) {
 	}
 }
 
+// idleMember makes a template tpl of spec and a pool p of one member on the world's node, and
+// returns the member once it is idle (within timeout).
+func (w *world) idleMember(t *testing.T, spec impv1.ImpVMTemplateSpec, timeout time.Duration) impv1.ImpVM {
+	t.Helper()
+	c, ns, ctx := w.c, w.ns, context.Background()
+	if err := c.Client.Create(ctx, &impv1.ImpVMTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "tpl"}, Spec: spec}); err != nil {
+		t.Fatal(err)
+	}
+	pool := &impv1.ImpWarmPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "p"}, Spec: impv1.ImpWarmPoolSpec{
+		TemplateRef: impv1.TemplateReference{Name: "tpl"}, Replicas: ptr.To[int32](1),
+		NodeSelector: map[string]string{"imp.test/node": w.node}}}
+	if err := c.Client.Create(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() int32 {
+		p := &impv1.ImpWarmPool{}
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(pool), p)
+		return p.Status.Idle
+	}).WithTimeout(timeout).WithPolling(100*time.Millisecond).Should(BeEquivalentTo(1), func() string {
+		return fmt.Sprintf("template %+v", w.templateStatus("tpl"))
+	})
+	var list impv1.ImpVMList
+	if err := c.Client.List(ctx, &list, client.InNamespace(ns), client.MatchingLabels{impv1.WarmPoolLabel: "p"}); err != nil || len(list.Items) != 1 {
+		t.Fatalf("members %d: %v", len(list.Items), err)
+	}
+	return list.Items[0]
+}
+
 // eventsOf is what the Events of the namespace's object name say, one a line.
 func eventsOf(c client.Client, ns, name string) string {
 	var events corev1.EventList
@@ -317,28 +345,7 @@ func TestHeldWorkloadStartsAsTheCopys(t *testing.T) {
 	spec := w.vm("", "counter").Spec
 	spec.NodeSelector = nil
 	spec.Env = []impv1.EnvVar{{Name: "GREETING", Value: "the-template's"}}
-	if err := c.Client.Create(ctx, &impv1.ImpVMTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "tpl"},
-		Spec: impv1.ImpVMTemplateSpec{VM: spec, SnapshotWhen: &impv1.SnapshotWhen{BeforeWorkload: true}}}); err != nil {
-		t.Fatal(err)
-	}
-	pool := &impv1.ImpWarmPool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "p"}, Spec: impv1.ImpWarmPoolSpec{
-		TemplateRef: impv1.TemplateReference{Name: "tpl"}, Replicas: ptr.To[int32](1),
-		NodeSelector: map[string]string{"imp.test/node": w.node}}}
-	if err := c.Client.Create(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	g.Eventually(func() int32 {
-		p := &impv1.ImpWarmPool{}
-		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(pool), p)
-		return p.Status.Idle
-	}).WithTimeout(12*time.Minute).WithPolling(200*time.Millisecond).Should(BeEquivalentTo(1), func() string {
-		return fmt.Sprintf("template %+v", w.templateStatus("tpl"))
-	})
-	var list impv1.ImpVMList
-	if err := c.Client.List(ctx, &list, client.InNamespace(ns), client.MatchingLabels{impv1.WarmPoolLabel: "p"}); err != nil || len(list.Items) != 1 {
-		t.Fatalf("members %d: %v", len(list.Items), err)
-	}
-	member := list.Items[0]
+	member := w.idleMember(t, impv1.ImpVMTemplateSpec{VM: spec, SnapshotWhen: &impv1.SnapshotWhen{BeforeWorkload: true}}, 12*time.Minute)
 	if ts := member.Status.Template; ts == nil || !ts.BeforeWorkload {
 		t.Fatalf("the member's template status %+v; want beforeWorkload", ts)
 	}

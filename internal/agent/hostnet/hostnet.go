@@ -280,16 +280,9 @@ func (h *Host) Readdress(n Network, vmUID string, ip netip.Addr) (Attachment, er
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	s, err := h.openSpace(n.id())
+	s, tapName, err := h.existingTap(n, vmUID)
 	if err != nil {
 		return Attachment{}, err
-	}
-	tapName := TapName(vmUID)
-	if s == nil {
-		return Attachment{}, fmt.Errorf("network %s has no namespace on the node for tap %s", n.Key(), tapName)
-	}
-	if _, err := s.nl.LinkByName(tapName); err != nil {
-		return Attachment{}, fmt.Errorf("looking up tap %s: %w", tapName, err)
 	}
 	if err := s.ensureTapRules(tapName, ip); err != nil {
 		return Attachment{}, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
@@ -302,22 +295,32 @@ func (h *Host) Readdress(n Network, vmUID string, ip netip.Addr) (Attachment, er
 func (h *Host) OpenTap(n Network, vmUID string) (Attachment, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	s, err := h.openSpace(n.id())
+	s, tapName, err := h.existingTap(n, vmUID)
 	if err != nil {
 		return Attachment{}, err
-	}
-	tapName := TapName(vmUID)
-	if s == nil {
-		return Attachment{}, fmt.Errorf("network %s has no namespace on the node for tap %s", n.Key(), tapName)
-	}
-	if _, err := s.nl.LinkByName(tapName); err != nil {
-		return Attachment{}, fmt.Errorf("looking up tap %s: %w", tapName, err)
 	}
 	f, err := s.openTap(tapName)
 	if err != nil {
 		return Attachment{}, err
 	}
 	return Attachment{Tap: f, NetNS: s.path, Network: n}, nil
+}
+
+// existingTap is n's namespace and the name of the tap of the VM kept under vmUID there, which
+// must exist. h.mu is held.
+func (h *Host) existingTap(n Network, vmUID string) (*space, string, error) {
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return nil, "", err
+	}
+	tapName := TapName(vmUID)
+	if s == nil {
+		return nil, "", fmt.Errorf("network %s has no namespace on the node for tap %s", n.Key(), tapName)
+	}
+	if _, err := s.nl.LinkByName(tapName); err != nil {
+		return nil, "", fmt.Errorf("looking up tap %s: %w", tapName, err)
+	}
+	return s, tapName, nil
 }
 
 // InNamespace runs f on an OS thread that has entered the network namespace at path: sockets f

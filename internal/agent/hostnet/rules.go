@@ -372,8 +372,6 @@ func tapInChain(tap string) *nftables.Chain {
 	return &nftables.Chain{Name: "in-" + tap, Table: bridgeTable}
 }
 
-func tapElement(tap string) nftables.SetElement { return ifElement(tap, tapChain(tap)) }
-
 func ifElement(name string, to *nftables.Chain) nftables.SetElement {
 	key := make([]byte, unix.IFNAMSIZ)
 	copy(key, name)
@@ -469,13 +467,18 @@ func (h *Host) TapCounters(n Network, vmUID string) (in, out uint64, err error) 
 	return in, out, nil
 }
 
-// removeTapRules removes tap's chain and its entry in the taps map.
+// removeTapRules removes tap's chains (its anti-spoofing chain, its in- chain) and their
+// entries in the maps.
 func (s *space) removeTapRules(tap string) error {
-	c := tapChain(tap)
+	return errors.Join(s.removeTapChain(tap, tapChain(tap), tapsMap), s.removeTapChain(tap, tapInChain(tap), tapsInMap))
+}
+
+// removeTapChain removes c, one of tap's chains, and its entry in map m, when there.
+func (s *space) removeTapChain(tap string, c *nftables.Chain, m *nftables.Set) error {
 	if _, err := s.nft.ListChain(c.Table, c.Name); err != nil {
 		return nil // no such chain (the library keeps no error number to tell it apart)
 	}
-	if err := s.nft.SetDeleteElements(tapsMap, []nftables.SetElement{tapElement(tap)}); err != nil {
+	if err := s.nft.SetDeleteElements(m, []nftables.SetElement{ifElement(tap, c)}); err != nil {
 		return err
 	}
 	s.nft.FlushChain(c)
@@ -485,26 +488,7 @@ func (s *space) removeTapRules(tap string) error {
 		s.nft.FlushChain(c)
 		s.nft.DelChain(c)
 		if err2 := s.nft.Flush(); err2 != nil {
-			return fmt.Errorf("removing the rules of %s: %w", tap, errors.Join(err, err2))
-		}
-	}
-	return s.removeTapInRules(tap)
-}
-
-// removeTapInRules removes tap's in- chain and its entry in the tapsin map, when there.
-func (s *space) removeTapInRules(tap string) error {
-	c := tapInChain(tap)
-	if _, err := s.nft.ListChain(c.Table, c.Name); err != nil {
-		return nil
-	}
-	_ = s.nft.SetDeleteElements(tapsInMap, []nftables.SetElement{ifElement(tap, c)})
-	s.nft.FlushChain(c)
-	s.nft.DelChain(c)
-	if err := s.nft.Flush(); err != nil {
-		s.nft.FlushChain(c)
-		s.nft.DelChain(c)
-		if err2 := s.nft.Flush(); err2 != nil {
-			return fmt.Errorf("removing the count of %s: %w", tap, errors.Join(err, err2))
+			return fmt.Errorf("removing chain %s of %s: %w", c.Name, tap, errors.Join(err, err2))
 		}
 	}
 	return nil
@@ -525,7 +509,7 @@ func (s *space) pruneTapChains() error {
 		}
 		if isIn {
 			if _, err := s.nl.LinkByName(in); isNotFound(err) {
-				errs = append(errs, s.removeTapInRules(in))
+				errs = append(errs, s.removeTapChain(in, c, tapsInMap))
 			}
 			continue
 		}

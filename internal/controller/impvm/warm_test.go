@@ -185,19 +185,26 @@ func TestWarmPoolClaims(t *testing.T) {
 	eventually(t, func() string { return scheduled(e.get("nopool")) }).Should(Equal(impv1.ReasonWarmPoolNotFound))
 }
 
-// TestWarmClaimsOwnWorkload: a claim that sets its own command, args or workingDir is handed
-// only a member restored from a snapshot taken before the workload (its guest holds it): an
-// idle member of an earlier revision whose workload runs (OnClaim keeps it) goes to a claim
-// that sets none, and the claim with its own args is restored from the new revision instead.
-func TestWarmClaimsOwnWorkload(t *testing.T) {
+// oneIdleMember is an env with a node whose agent hands members over, the operator, and a
+// pool p of template web with its one member idle.
+func oneIdleMember(t *testing.T) *env {
 	e := newEnv(t)
 	e.node("a", 32, 32)
 	e.handsOver("a")
 	e.startOperator()
 	e.startAgent(nil)
-	g := NewWithT(t)
 	e.create(e.template("web"), e.warmPool("p", "web", 1))
 	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(1)))
+	return e
+}
+
+// TestWarmClaimsOwnWorkload: a claim that sets its own command, args or workingDir is handed
+// only a member restored from a snapshot taken before the workload (its guest holds it): an
+// idle member of an earlier revision whose workload runs (OnClaim keeps it) goes to a claim
+// that sets none, and the claim with its own args is restored from the new revision instead.
+func TestWarmClaimsOwnWorkload(t *testing.T) {
+	e := oneIdleMember(t)
+	g := NewWithT(t)
 	old := e.members("p")[0]
 
 	tmpl := e.getTemplate("web")
@@ -459,14 +466,8 @@ func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
 // restored from the pool's template, never handed a member again; the member, bound for good,
 // is deleted, and the pool makes another.
 func TestFailedHandoverIsRestored(t *testing.T) {
-	e := newEnv(t)
-	e.node("a", 32, 32)
-	e.handsOver("a")
-	e.startOperator()
-	e.startAgent(nil)
+	e := oneIdleMember(t)
 	g := NewWithT(t)
-	e.create(e.template("web"), e.warmPool("p", "web", 1))
-	eventually(t, func() int32 { return e.getWarmPool("p").Status.Idle }).Should(Equal(int32(1)))
 	member := e.members("p")[0]
 
 	e.failHandover.Store(true)
