@@ -201,8 +201,11 @@ func Slices(svc *corev1.Service, vms []impv1.ImpVM, node func(name string) Node)
 func endpoint(vm *impv1.ImpVM, node func(string) Node) (discoveryv1.Endpoint, bool) {
 	st := vm.Status
 	rt := st.Runtime
+	// Suspended because it was idle: its node holds what arrives for it and wakes it, so it
+	// stays a ready endpoint (a Service's traffic is what wakes it; docs/suspend.md).
+	idle := st.Suspension != nil && st.Suspension.Reason == impv1.SuspendReasonIdle
 	if rt == nil || rt.Endpoint == "" || st.NodeName == "" || rt.Instance != st.Instance || rt.Run != st.RestartCount ||
-		rt.State != impv1.RuntimeRunning {
+		(rt.State != impv1.RuntimeRunning && !(idle && rt.State == impv1.RuntimeSuspended)) {
 		return discoveryv1.Endpoint{}, false
 	}
 	n := node(st.NodeName)
@@ -211,8 +214,8 @@ func endpoint(vm *impv1.ImpVM, node func(string) Node) (discoveryv1.Endpoint, bo
 		return discoveryv1.Endpoint{}, false
 	}
 	// Serving: Ready, and the run itself says so (the condition may be a moment behind it).
-	serving := meta.IsStatusConditionTrue(st.Conditions, impv1.ReadyCondition) && rt.GuestReady && ptr.Deref(rt.Ready, true)
-	terminating := !vm.DeletionTimestamp.IsZero() || vm.Spec.RunStrategy == impv1.RunStrategyHalted || st.Suspension != nil
+	serving := idle || (meta.IsStatusConditionTrue(st.Conditions, impv1.ReadyCondition) && rt.GuestReady && ptr.Deref(rt.Ready, true))
+	terminating := !vm.DeletionTimestamp.IsZero() || vm.Spec.RunStrategy == impv1.RunStrategyHalted || (st.Suspension != nil && !idle)
 	ep := discoveryv1.Endpoint{
 		Addresses: []string{rt.Endpoint},
 		Conditions: discoveryv1.EndpointConditions{

@@ -196,6 +196,36 @@ func TestServicesSelectVMs(t *testing.T) {
 		"100.72.0.3:http=8081,metrics=9090 b true/true/false b",
 	}))
 
+	// Suspended because it was idle, b stays ready: what arrives wakes it. Suspended by a
+	// person, it is terminating.
+	for _, reason := range []string{impv1.SuspendReasonIdle, impv1.SuspendReasonUser} {
+		b := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "b"}, b); err != nil {
+			t.Fatal(err)
+		}
+		b.Status.Suspension = &impv1.SuspensionStatus{Reason: reason}
+		b.Status.Runtime.State, b.Status.Runtime.GuestReady = impv1.RuntimeSuspended, false
+		meta.SetStatusCondition(&b.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: "Suspended"})
+		if err := c.Client.Status().Update(ctx, b); err != nil {
+			t.Fatal(err)
+		}
+		want := "100.72.0.3:http=8081,metrics=9090 b true/true/false b"
+		if reason == impv1.SuspendReasonUser {
+			want = "" // a suspended run of a person's: no endpoint
+		}
+		eventually(t, func() string { return strings.Join(w.endpoints("web"), "|") }).Should(Equal(want), reason)
+	}
+	w.report(w.ns, "b", "100.72.0.3", true)
+	b = &impv1.ImpVM{}
+	_ = c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "b"}, b)
+	b.Status.Suspension = nil
+	if err := c.Client.Status().Update(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() []string { return w.endpoints("web") }).Should(Equal([]string{
+		"100.72.0.3:http=8081,metrics=9090 b true/true/false b",
+	}))
+
 	// A VM being deleted stays, terminating and not ready, until it is gone.
 	w.vm(w.ns, "c", "web", []string{"http:8080"}, "100.72.0.7", true)
 	cvm := &impv1.ImpVM{}
