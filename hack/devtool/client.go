@@ -13,6 +13,24 @@ import (
 	"time"
 )
 
+// get GETs url once, on a new connection, with a minute to answer, and prints the answer and
+// how long it took: no retry, so a refused or reset connection is the command's failure.
+func get(url string) error {
+	client := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
+	began := time.Now()
+	resp, err := client.Get(url)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	fmt.Printf("%s (%v)\n", strings.TrimSpace(string(b)), time.Since(began).Round(time.Millisecond))
+	return nil
+}
+
 // fetch GETs url n times, each on a new connection, and prints how often each answer came:
 // what a Service spreads over its endpoints. It fails when any request does, once one was
 // answered: before, a refused connection is the node's proxy not having the Service's

@@ -9,6 +9,7 @@
 //	devtool service-nat up|down ...                the local node's stand-in for kube-proxy
 //	devtool agent-cert CA_CRT CA_KEY NODE DIR       an agent's access endpoint files, for make dev
 //	devtool fetch URL N                             GET URL N times, print each answer's count (a pod's client)
+//	devtool get URL                                 GET URL once, no retry, print the answer and its time
 //	devtool resolve NAME                            print the addresses NAME resolves to
 //	devtool -p DIR -s SIZE -m MODE -a create|delete local-path-provisioner's helper pod command
 package main
@@ -63,12 +64,14 @@ func run(args []string) error {
 		return agentCert(args[1], args[2], args[3], args[4])
 	case len(args) == 3 && args[0] == "fetch":
 		return fetch(args[1], args[2])
+	case len(args) == 2 && args[0] == "get":
+		return get(args[1])
 	case len(args) == 2 && args[0] == "resolve":
 		return resolve(args[1])
 	case len(args) >= 2 && args[0] == "-p":
 		return localPathHelper(args)
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
+	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool get URL | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {

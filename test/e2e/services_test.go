@@ -168,5 +168,69 @@ spec:
 	if !seen["hello from web-a"] || !seen["hello from web-b"] {
 		t.Errorf("NodePort %s:%s from the node reached %v, want both VMs; other answers: %v", nodeIP, port, seen, other)
 	}
+	checkIdle(t, run, must, eventually, dir, image, node, pod)
 	must("kubectl delete namespace web --timeout=5m") // its VMs go through their agent
+}
+
+// checkIdle (docs/suspend.md, "Idle VMs"): a VM of namespace web serving HTTP behind a
+// ClusterIP Service, suspended after 10 s without activity (reason Idle), stays a ready
+// endpoint; a GET through the Service from a pod on the real node, made once, is answered by
+// the VM, woken; idle again, so is a curl from the node itself through the real kube-proxy.
+func checkIdle(t *testing.T, run func(string) (string, error), must func(string, ...string) string,
+	eventually func(string, time.Duration, func() error), dir, image, node string, pod func(string, ...string) string) {
+	t.Helper()
+	spec := fmt.Sprintf(`apiVersion: imp.dev/v1alpha1
+kind: ImpVM
+metadata: {name: idle, namespace: web, labels: {app: idle}}
+spec:
+  image: %s
+  command: [/bin/hello]
+  args: [web]
+  resources: {vcpus: 1, memory: 192Mi}
+  diskSize: 64Mi
+  nodeSelector: {imp.test/node: %s}
+  networkRef: {name: web}
+  ports: [{name: http, port: 8080}]
+  idle: {suspendAfter: 10s}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: idle, namespace: web}
+spec:
+  selector: {app: idle}
+  ports: [{name: http, port: 80, targetPort: http}]
+`, image, node)
+	if err := os.WriteFile(filepath.Join(dir, "idle.yaml"), []byte(spec), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	must("kubectl apply -f idle.yaml")
+	suspended := func() error {
+		out, err := run(`kubectl -n web get impvm idle -o jsonpath='{.status.phase} {.status.suspension.reason}'`)
+		if err != nil || out != "Suspended Idle" {
+			return fmt.Errorf("%q %v", out, err)
+		}
+		return nil
+	}
+	eventually("VM idle suspended because it was idle", 6*time.Minute, suspended)
+	// Still a ready endpoint of its Service: what arrives through it wakes it.
+	out := must(`kubectl -n web get endpointslices -l kubernetes.io/service-name=idle,endpointslice.kubernetes.io/managed-by=imp.dev ` +
+		`-o jsonpath='{range .items[*].endpoints[*]}{.conditions.ready}{end}'`)
+	if strings.Trim(out, "' \n") != "true" {
+		t.Errorf("the idle-suspended VM's endpoint is not ready: %q", out)
+	}
+	got := pod("wake", "get", "http://idle.web.svc.cluster.local/")
+	if !strings.HasPrefix(got, "hello from idle (") {
+		t.Errorf("a GET through Service idle from a pod, once, to the idle-suspended VM: %q", got)
+	}
+	t.Logf("woken through a Service from a pod: %s", strings.TrimSpace(got))
+	must("kubectl -n web get impvm idle -o wide")
+	must("kubectl -n web get events --field-selector involvedObject.name=idle", "Waking")
+
+	eventually("VM idle suspended again", 3*time.Minute, suspended)
+	ip := strings.Trim(must(`kubectl -n web get svc idle -o jsonpath='{.spec.clusterIP}'`), "' \n")
+	o, err := run("curl -s --max-time 60 -w ' %{http_code} %{time_total}s' http://" + ip + "/")
+	if err != nil || !strings.HasPrefix(o, "hello from idle") || !strings.Contains(o, " 200 ") {
+		t.Errorf("curl from the node through Service idle (%s), once, to the idle-suspended VM: %q, %v", ip, o, err)
+	}
+	t.Logf("woken through a Service from the node: %s", o)
 }
