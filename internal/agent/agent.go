@@ -50,6 +50,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/agent/wake"
 	"github.com/syscode-labs/imp/internal/agent/volume"
 )
 
@@ -183,7 +184,8 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		}}
 	a.Sessions = &idle.Sessions{}
 	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, Client: a.Client, Reports: a.reports, Recorder: a.Recorder,
-		Bound: o.IdleWakeTimeout, MemAvailable: o.MemAvailable, Log: mgr.GetLogger().WithName("idle")}
+		Limits: wake.Limits{Node: wake.NewBudget(o.IdleHeldBytes)}, Bound: o.IdleWakeTimeout, MemAvailable: o.MemAvailable,
+		Log: mgr.GetLogger().WithName("idle")}
 	meter := &idle.Meter{Client: a.Client, Traffic: a.networks, Sessions: a.Sessions, Reports: a.reports, Interval: o.IdleInterval,
 		Log: mgr.GetLogger().WithName("idle")}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}

@@ -23,6 +23,9 @@ type Options struct {
 	// woken before it is refused (default 30s); IdleInterval how often the activity of VMs
 	// with an idle policy is read (default 2s). See package idle.
 	IdleWakeTimeout, IdleInterval time.Duration
+	// IdleHeldBytes bounds what the node holds for all its idle-suspended VMs together
+	// (default 64 MiB; each VM at most 4 MiB).
+	IdleHeldBytes int64
 	// MemAvailable is the node's memory available to wake an idle VM into (default: /proc/
 	// meminfo's MemAvailable); a VM that would not fit is not woken.
 	MemAvailable func() (int64, error)
@@ -140,6 +143,9 @@ func (o *Options) defaults() {
 	}
 	if o.IdleInterval == 0 {
 		o.IdleInterval = 2 * time.Second
+	}
+	if o.IdleHeldBytes == 0 {
+		o.IdleHeldBytes = 64 << 20
 	}
 	if o.Accel == "" {
 		o.Accel = qemu.Accel()

@@ -100,6 +100,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 
 	if vm.Spec.RunStrategy == impv1.RunStrategyHalted {
 		a.fetches.Drop(vm.HostUID()) // a start under way is not wanted any more
+		a.idle.Drop(vm.HostUID())    // what stood in for it, idle-suspended: the VM stops
 		if alive {
 			if again := a.stopVMM(ctx, vm, rec); again > 0 {
 				return ctrl.Result{RequeueAfter: again}, nil
@@ -192,6 +193,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if !volume.HolderReady(vm) {
 		return ctrl.Result{}, nil // its claims are not attached on this node yet: its status will say
 	}
+	a.idle.Drop(vm.HostUID()) // a new run opens its tap: what stood in for an earlier one lets go
 	if err := a.start(ctx, vm, dir, m); errors.Is(err, errFetching) {
 		return ctrl.Result{RequeueAfter: 250 * time.Millisecond}, nil
 	} else if err != nil {
@@ -204,6 +206,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 // finished for Options.FinishedDiskRetention; its console stays for kubectl imp logs until the
 // VM is deleted.
 func (a *Agent) retire(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
+	a.idle.Drop(vm.HostUID()) // finished: nothing stands in for it
 	rt := vm.Status.Runtime
 	if a.Opts.FinishedDiskRetention <= 0 || rt == nil || rt.FinishedAt == nil || rt.DisksRemoved {
 		return ctrl.Result{}, nil

@@ -88,6 +88,7 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmru
 	cur := *vm.Status.Runtime
 	end := func(reason string, err error) error {
 		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Resume", "%v", err)
+		a.idle.Drop(vm.HostUID()) // what was held for it goes with the run
 		a.endRun(vm.HostUID())
 		ended := cur
 		now := metav1.Now()

@@ -118,6 +118,10 @@ func (l *liveRun) runProbes(cfg Config) {
 // watches the run on this connection, and would otherwise ask for it, one more round trip
 // through a guest whose code is still cold.
 func (c *channel) restore(r *Restore) {
+	// One at a time: each connection (an agent that reconnected mid-way) reads its own
+	// requests, and two restores must not both find the workload held and both start it.
+	restoring.Lock()
+	defer restoring.Unlock()
 	if err := applyRestore(r); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init: taking on the restored VM's identity:", err)
 		c.send(Message{Event: "error", Message: RestoreErrorPrefix + err.Error()})
@@ -126,6 +130,9 @@ func (c *channel) restore(r *Restore) {
 	c.retoken(r.Token)
 	c.answerRestore(r.Token)
 }
+
+// restoring serialises restores (channel.restore).
+var restoring sync.Mutex
 
 func applyRestore(r *Restore) error {
 	if r.UnixNano > 0 {

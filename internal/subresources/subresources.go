@@ -77,8 +77,8 @@ type Server struct {
 	// Clock is the real one when nil.
 	Clock clock.PassiveClock
 	// Waker wakes an idle-suspended VM (spec.idle) that a session is asked of: an exec, the
-	// console, a port-forward or a followed log waits (up to WakeTimeout, default 60s) for it
-	// to run again, then attaches. Nil: not woken (the agent answers it is not running).
+	// console or a port-forward waits (up to WakeTimeout, default 60s) for it to run again,
+	// then attaches (a log, which the view role may read, never wakes it). Nil: not woken.
 	Waker       Waker
 	WakeTimeout time.Duration
 	// MaxStreamsPerUser and MaxStreamsPerVM bound the requests (streams: exec, port-forward,
@@ -216,7 +216,9 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is an idle member of ImpWarmPool %s: it takes no %s until it is handed to a claim (kubectl imp claim %s)", pool, sub, pool)))
 		return
 	}
-	if sp := vm.Status.Suspension; sp != nil && sp.Reason == impv1.SuspendReasonIdle && s.Waker != nil && (sub != "log" || r.URL.Query().Get("follow") == "true") {
+	// Only what may run something in the guest (exec, console, port-forward) wakes it: reading
+	// its log, which the view role may, never does.
+	if sp := vm.Status.Suspension; sp != nil && sp.Reason == impv1.SuspendReasonIdle && s.Waker != nil && sub != "log" {
 		log.Info("waking the idle VM for a session")
 		if vm, err = s.wake(ctx, vm, user); err != nil {
 			writeStatus(w, apierrors.NewServiceUnavailable(err.Error()))

@@ -927,6 +927,20 @@ func TestIdleVMsWakeForASession(t *testing.T) {
 		t.Fatal("the session did not wake the VM: its Idle suspension is still there")
 	}
 
+	// Reading its log (the view role may) never wakes it.
+	suspend(impv1.SuspendReasonIdle)
+	bob := w.user(t, "bob", "imp-view")
+	_, _ = w.log(bob, w.nsA)
+	if gone() {
+		t.Error("a log read woke the idle-suspended VM")
+	}
+	if err := w.cl.Client.Delete(ctx, &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.nsA, Name: "vm"}}); err != nil {
+		t.Fatal(err)
+	}
+	for !gone() {
+		time.Sleep(20 * time.Millisecond)
+	}
+
 	// A person's suspension stays: the session is not proxied to a running VM (the test's
 	// agent would run it; the server must not have woken it first).
 	suspend(impv1.SuspendReasonUser)

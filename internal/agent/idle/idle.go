@@ -6,9 +6,9 @@
 // its VMM and what was held to its guest.
 //
 // Activity is: a frame its network delivers to the VM for its MAC (the tap's in- chain counts
-// them; broadcasts are not), an exec, console, port-forward or log session through the API
-// while it is open (Sessions), and with spec.idle.outbound a frame the VM sends past its
-// anti-spoofing rules. The guest channel, probes (run in the guest) and the agent's own
+// them; broadcasts are not), an exec, console or port-forward session through the API while it
+// is open (Sessions), and with spec.idle.outbound a frame the VM sends past its anti-spoofing
+// rules. The guest channel, probes (run in the guest) and the agent's own
 // traffic with the VM are not.
 package idle
 
@@ -40,11 +40,12 @@ type Sessions struct {
 	open map[types.UID]int
 }
 
-// Wrap counts the sessions h serves, by the VM UID of their path (/vms/<ns>/<name>/<uid>/...).
+// Wrap counts the sessions h serves — exec, console, port-forward; not a log read — by the VM
+// UID of their path (/vms/<ns>/<name>/<uid>/<op>).
 func (s *Sessions) Wrap(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		parts := strings.Split(strings.TrimPrefix(r.URL.Path, "/"), "/")
-		if len(parts) < 5 || parts[0] != "vms" {
+		if len(parts) < 5 || parts[0] != "vms" || parts[4] == "log" { // a log read keeps nothing awake
 			h.ServeHTTP(w, r)
 			return
 		}

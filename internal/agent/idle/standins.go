@@ -55,14 +55,14 @@ type StandIns struct {
 
 type standing struct {
 	in     *wake.StandIn
-	bridge wake.Bridge
+	to     wake.Tap
 	key    types.NamespacedName
 	refuse *time.Timer
 }
 
 type replay struct {
 	frames [][]byte
-	bridge wake.Bridge
+	to     wake.Tap
 }
 
 // Suspended is true for a VM suspended because it was idle, its VMM gone, on a network: what
@@ -91,7 +91,7 @@ func (s *StandIns) Ensure(ctx context.Context, vm *impv1.ImpVM) error {
 		return fmt.Errorf("standing in for idle VM %s: %w", vm.Name, err)
 	}
 	key := client.ObjectKeyFromObject(vm)
-	st := &standing{bridge: wake.Bridge{NetNS: at.NetNS, Name: at.Network.BridgeName()}, key: key}
+	st := &standing{to: wake.Tap{NetNS: at.NetNS, Name: hostnet.TapName(string(uid))}, key: key}
 	st.in = wake.Stand(at.Tap, hdr, at.IP, hostnet.MAC(at.IP), s.Limits, func() { s.wake(uid, key) })
 	if s.by == nil {
 		s.by, s.replays = map[types.UID]*standing{}, map[types.UID]replay{}
@@ -213,12 +213,13 @@ func (s *StandIns) Down(uid types.UID) bool {
 	}
 	frames := st.in.Stop()
 	s.mu.Lock()
-	s.replays[uid] = replay{frames: frames, bridge: st.bridge}
+	s.replays[uid] = replay{frames: frames, to: st.to}
 	s.mu.Unlock()
 	return true
 }
 
-// Drop stops standing in for the VM kept under uid and forgets what was held (the VM is going).
+// Drop stops standing in for the VM kept under uid and forgets what was held: the VM is going,
+// starts a new run, stops, or its resume failed.
 func (s *StandIns) Drop(uid types.UID) {
 	s.Down(uid)
 	s.mu.Lock()
@@ -242,7 +243,7 @@ func (s *StandIns) replay(uid types.UID) (int, error) {
 	if !ok {
 		return 0, nil
 	}
-	return len(r.frames), r.bridge.Replay(r.frames)
+	return len(r.frames), r.to.Replay(r.frames)
 }
 
 // StandDown is the resume plan's first step for a VM on a network: what stood in for it lets
@@ -261,7 +262,7 @@ func (s StandDown) Do(_ context.Context, r *vmrun.Run) error {
 }
 
 // Replay is the resume plan's last step for a VM on a network: what was held for it while it
-// was suspended is sent onto its bridge, and reaches its guest, which runs again. A failure is
+// was suspended is sent to its tap, and reaches its guest, which runs again. A failure is
 // logged, not the resume's: what was held is lost, and its senders retransmit.
 type Replay struct{ StandIns *StandIns }
 

@@ -14,12 +14,13 @@ package wake
 import (
 	"encoding/binary"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"os"
 	"sync"
+	"syscall"
+	"time"
 )
 
 // Limits bound what a stand-in holds for its VM; frames beyond them are dropped (a client
@@ -29,6 +30,39 @@ type Limits struct {
 	Frames int
 	// Bytes is how many bytes of frames are held (default 4 MiB).
 	Bytes int
+	// Node, when set, bounds what every stand-in of the node holds together.
+	Node *Budget
+}
+
+// Budget is what the stand-ins of a node may hold together, in bytes.
+type Budget struct {
+	mu   sync.Mutex
+	left int64
+}
+
+// NewBudget is a budget of n bytes.
+func NewBudget(n int64) *Budget { return &Budget{left: n} }
+
+func (b *Budget) take(n int) bool {
+	if b == nil {
+		return true
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.left < int64(n) {
+		return false
+	}
+	b.left -= int64(n)
+	return true
+}
+
+func (b *Budget) give(n int) {
+	if b == nil {
+		return
+	}
+	b.mu.Lock()
+	b.left += int64(n)
+	b.mu.Unlock()
 }
 
 func (l Limits) orDefault() Limits {
@@ -80,14 +114,20 @@ func Stand(tap io.ReadWriteCloser, hdr int, ip netip.Addr, mac net.HardwareAddr,
 
 func (s *StandIn) read() {
 	defer close(s.done)
-	buf := make([]byte, s.hdr+65536)
+	buf := make([]byte, s.hdr+ethHdrLen+65536) // the largest frame a tap gives, behind its header
 	for {
 		n, err := s.tap.Read(buf)
 		if err != nil {
 			if errors.Is(err, os.ErrClosed) || errors.Is(err, io.EOF) {
 				return
 			}
-			continue // a frame the kernel could not give (EAGAIN is the poller's)
+			// The device gone under the descriptor (EBADFD, EIO, ...): nothing more comes. A
+			// pause keeps any other error from spinning.
+			if errors.Is(err, syscall.EBADFD) || errors.Is(err, syscall.EIO) || errors.Is(err, syscall.ENODEV) || errors.Is(err, syscall.EFAULT) {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+			continue
 		}
 		if n <= s.hdr+ethHdrLen {
 			continue
@@ -106,7 +146,7 @@ func (s *StandIn) frame(hdr, f []byte) {
 	switch binary.BigEndian.Uint16(f[12:14]) {
 	case etherTypeARP:
 		if reply := arpReply(f, s.ip, s.mac); reply != nil {
-			_, _ = s.tap.Write(append(make([]byte, s.hdr), reply...))
+			_, _ = s.tap.Write(append(make([]byte, s.hdr, s.hdr+len(reply)), reply...))
 		}
 	case etherTypeIPv4:
 		if !macEqual(f[0:6], s.mac) || len(f) < ethHdrLen+20 || netip.AddrFrom4([4]byte(f[ethHdrLen+16:ethHdrLen+20])) != s.ip {
@@ -123,7 +163,7 @@ func (s *StandIn) hold(hdr, f []byte) {
 		s.refuse(f)
 		return
 	}
-	if len(s.held) >= s.lim.Frames || s.bytes+len(f) > s.lim.Bytes {
+	if len(s.held) >= s.lim.Frames || s.bytes+len(f) > s.lim.Bytes || !s.lim.Node.take(len(f)) {
 		s.dropped++
 	} else {
 		s.held = append(s.held, append(append(make([]byte, 0, len(hdr)+len(f)), hdr...), f...))
@@ -152,6 +192,7 @@ func (s *StandIn) Stop() [][]byte {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	held := s.held
+	s.lim.Node.give(s.bytes)
 	s.held, s.bytes = nil, 0
 	return held
 }
@@ -163,6 +204,7 @@ func (s *StandIn) Stop() [][]byte {
 func (s *StandIn) Refuse() {
 	s.mu.Lock()
 	held := s.held
+	s.lim.Node.give(s.bytes)
 	s.held, s.bytes, s.refusing = nil, 0, true
 	s.mu.Unlock()
 	for _, f := range held {
@@ -179,7 +221,7 @@ func (s *StandIn) Rearm() {
 
 func (s *StandIn) refuse(f []byte) {
 	if reply := refusal(f); reply != nil {
-		_, _ = s.tap.Write(append(make([]byte, s.hdr), reply...))
+		_, _ = s.tap.Write(append(make([]byte, s.hdr, s.hdr+len(reply)), reply...))
 	}
 }
 
@@ -187,10 +229,3 @@ func macEqual(a []byte, b net.HardwareAddr) bool {
 	return len(b) == 6 && string(a) == string(b)
 }
 
-// Replayer sends frames onto a bridge.
-type Replayer interface {
-	Replay(frames [][]byte) error
-}
-
-// ErrNotWoken: the VM was not woken within the bound; its held connections were refused.
-var ErrNotWoken = fmt.Errorf("the VM could not be woken in time")

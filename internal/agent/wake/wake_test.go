@@ -185,7 +185,7 @@ func TestHeldUntilWoken(t *testing.T) {
 	frames := s.Stop()
 	vmm := n.openTap(t) // the VMM holds the tap again
 	defer vmm.Close()
-	if err := (wake.Bridge{NetNS: n.ns, Name: "br0"}).Replay(frames); err != nil {
+	if err := (wake.Tap{NetNS: n.ns, Name: "tapvm"}).Replay(frames); err != nil {
 		t.Fatal(err)
 	}
 	var syn, udp bool
@@ -317,5 +317,22 @@ func waitHeld(t *testing.T, s *wake.StandIn, n int) {
 			t.Fatalf("held %d (dropped %d); want %d", held, dropped, n)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestAHostileHeaderSizeIsNotTrusted: a VMM that left its tap a header size of a GiB (the
+// kernel takes any from 10 up) does not size the stand-in's buffers: it reads 12, set back.
+func TestAHostileHeaderSizeIsNotTrusted(t *testing.T) {
+	n := newNetwork(t)
+	tap := n.openTap(t)
+	defer tap.Close()
+	raw, _ := tap.SyscallConn()
+	var ierr error
+	_ = raw.Control(func(fd uintptr) { ierr = unix.IoctlSetPointerInt(int(fd), unix.TUNSETVNETHDRSZ, 1<<30) })
+	if ierr != nil {
+		t.Fatal(ierr)
+	}
+	if hdr, err := wake.VnetHdrLen(tap); err != nil || hdr != 12 {
+		t.Errorf("header size %d, %v; want 12", hdr, err)
 	}
 }

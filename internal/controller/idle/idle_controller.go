@@ -67,6 +67,13 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, r.wake(ctx, vm)
 	}
 	current := rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount
+	if rt == nil || rt.IdleSince == nil {
+		// Active: an Idle suspension of its own not applied yet (refused, say, by a quota) is
+		// not applied later to a VM at work.
+		if err := r.dropStale(ctx, vm); err != nil {
+			return ctrl.Result{}, err
+		}
+	}
 	if vm.Spec.Idle == nil || !current || rt.State != impv1.RuntimeRunning || rt.IdleSince == nil ||
 		st.Phase != impv1.VMRunning || impv1.WarmPoolOf(vm) != "" {
 		return ctrl.Result{}, nil // a warm pool's idle member waits paused, as its pool keeps it
@@ -92,6 +99,20 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	return ctrl.Result{}, nil
 }
 
+// dropStale deletes an Idle suspension of vm that its status does not show (not applied): the
+// VM is active again.
+func (r *Reconciler) dropStale(ctx context.Context, vm *impv1.ImpVM) error {
+	susp := &impv1.ImpVMSuspension{}
+	if err := r.Client.Get(ctx, client.ObjectKeyFromObject(vm), susp); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	if susp.Spec.Reason != impv1.SuspendReasonIdle || !susp.DeletionTimestamp.IsZero() {
+		return nil
+	}
+	uid := susp.UID
+	return client.IgnoreNotFound(r.Client.Delete(ctx, susp, client.Preconditions{UID: &uid}))
+}
+
 // wake deletes the VM's Idle suspension once its node asked for it to be woken (something
 // arrived for it after the suspension was made), or once the VM has no idle policy any more.
 func (r *Reconciler) wake(ctx context.Context, vm *impv1.ImpVM) error {
@@ -106,7 +127,10 @@ func (r *Reconciler) wake(ctx context.Context, vm *impv1.ImpVM) error {
 	switch rt := vm.Status.Runtime; {
 	case vm.Spec.Idle == nil:
 		why = "its idle policy was removed"
-	case rt != nil && rt.WakeRequested != nil && !rt.WakeRequested.Before(&susp.CreationTimestamp):
+	case rt != nil && rt.WakeRequested != nil:
+		// Any wake request the run reports: the node clears it whenever the run runs again, so
+		// one is never left from an earlier suspension (and the node's clock is not compared
+		// with the API server's).
 		why = "something arrived for it on node " + vm.Status.NodeName
 	default:
 		return nil

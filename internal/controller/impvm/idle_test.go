@@ -7,8 +7,11 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -46,8 +49,10 @@ func TestIdleVMsAreSuspendedAndWoken(t *testing.T) {
 		return func() impv1.VMPhase { return e.get(name).Status.Phase }
 	}
 
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.20.0.0/24"}})
 	for _, name := range []string{"idle", "plain", "recent", "held"} {
 		vm := e.vm(name, 1, "256Mi")
+		vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
 		if name != "plain" {
 			after := 10 * time.Second
 			if name == "recent" {
@@ -88,10 +93,26 @@ func TestIdleVMsAreSuspendedAndWoken(t *testing.T) {
 	// Idle again, then the policy removed: woken.
 	e.reportRuntime("idle", map[string]any{"idleSince": long})
 	eventually(t, phase("idle")).Should(Equal(impv1.VMSuspended))
-	vm := e.get("idle")
-	vm.Spec.Idle = nil
-	if err := e.c.Update(context.Background(), vm); err != nil {
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		vm := e.get("idle")
+		vm.Spec.Idle = nil
+		return e.c.Update(context.Background(), vm)
+	}); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, phase("idle")).Should(Equal(impv1.VMRunning))
+
+	// An Idle suspension a quota keeps from applying (no suspended memory allowed) is removed
+	// once the VM is at work again, rather than applied to it later.
+	e.create(&impv1.ImpQuota{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "q"}, Spec: impv1.ImpQuotaSpec{Hard: impv1.QuotaResources{SuspendedMemory: ptr.To(resource.MustParse("0"))}}})
+	late := e.vm("late", 1, "256Mi")
+	late.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	late.Spec.Idle = &impv1.IdlePolicy{SuspendAfter: metav1.Duration{Duration: 10 * time.Second}}
+	e.create(late)
+	eventually(t, phase("late")).Should(Equal(impv1.VMRunning))
+	e.reportRuntime("late", map[string]any{"idleSince": long})
+	eventually(t, func() *impv1.ImpVMSuspension { return e.suspension("late") }).ShouldNot(BeNil())
+	consistently(t, phase("late"), time.Second).Should(Equal(impv1.VMRunning)) // refused by the quota
+	e.reportRuntime("late", map[string]any{"idleSince": nil})
+	eventually(t, func() *impv1.ImpVMSuspension { return e.suspension("late") }).Should(BeNil())
 }
