@@ -50,8 +50,8 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
-	"github.com/syscode-labs/imp/internal/agent/wake"
 	"github.com/syscode-labs/imp/internal/agent/volume"
+	"github.com/syscode-labs/imp/internal/agent/wake"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch

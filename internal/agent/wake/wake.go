@@ -228,4 +228,3 @@ func (s *StandIn) refuse(f []byte) {
 func macEqual(a []byte, b net.HardwareAddr) bool {
 	return len(b) == 6 && string(a) == string(b)
 }
-
