@@ -3,9 +3,8 @@
 // the VM's MAC as the guest would, and keeps what arrives for the VM — the frames the network
 // delivered to the tap, after every rule of the network passed them — in a bounded queue. The
 // first such frame asks for the VM to be woken; once its VMM holds the tap again the frames are
-// sent anew onto the bridge, from the bridge itself, and reach the guest as if they had only
-// been slow: a TCP connection's SYN, a UDP datagram, the next segment of a connection the guest
-// already had. Nothing is proxied and nothing answered in the guest's place (a VM that cannot
+// sent to the tap anew (Tap.Replay), and reach the guest as if they had only been slow: a TCP
+// connection's SYN, a UDP datagram, the next segment of a connection the guest already had. Nothing is proxied and nothing answered in the guest's place (a VM that cannot
 // be woken has its held connections refused: TCP reset, ICMP port unreachable).
 //
 // See docs/suspend.md ("Idle VMs").
@@ -185,7 +184,7 @@ func (s *StandIn) Held() (held, dropped int) {
 }
 
 // Stop lets go of the tap, for the VM's VMM to open, and returns the frames held, oldest first,
-// each behind its virtio-net header (10 bytes), for Bridge.Replay.
+// each behind its virtio-net header (10 bytes), for Tap.Replay.
 func (s *StandIn) Stop() [][]byte {
 	_ = s.tap.Close()
 	<-s.done

@@ -150,7 +150,7 @@ func (n network) dialFrom(from, network, addr string, timeout time.Duration) <-c
 
 // TestHeldUntilWoken: the stand-in answers the client's ARP for the VM with the VM's MAC, holds
 // the client's TCP SYN and UDP datagram, asks for a wake once, and once stopped the frames it
-// held, sent onto the bridge, reach the VM's tap as they were sent (the VMM reads them there).
+// held, sent to the tap again, reach the VMM's descriptor as they were sent.
 func TestHeldUntilWoken(t *testing.T) {
 	n := newNetwork(t)
 	var wakes atomic.Int32
