@@ -411,7 +411,8 @@ func TestFirecrackerWarmClaim(t *testing.T) {
 		t.Errorf("the member's CPU weight %q; want 10 (cgroup v2) or shares 102 (v1)", got)
 	}
 
-	claim := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "a"}, Spec: impv1.ImpVMSpec{WarmPoolRef: &impv1.WarmPoolReference{Name: "p"}}}
+	claim := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "a"}, Spec: impv1.ImpVMSpec{WarmPoolRef: &impv1.WarmPoolReference{Name: "p"},
+		TerminationGracePeriodSeconds: ptr.To[int64](1)}}
 	if err := c.Client.Create(ctx, claim); err != nil {
 		t.Fatal(err)
 	}

@@ -293,6 +293,21 @@ func (w *world) idleMember(t *testing.T, spec impv1.ImpVMTemplateSpec, timeout t
 	if err := c.Client.Create(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
+	// Gone before the world's agent and operator stop (cleanups run last first): a member left
+	// with its finalizer would keep its namespace, and the next tests' operators busy, for good.
+	t.Cleanup(func() {
+		_ = c.Client.Delete(ctx, pool)
+		_ = c.Client.DeleteAllOf(ctx, &impv1.ImpVM{}, client.InNamespace(ns))
+		deadline := time.Now().Add(3 * time.Minute)
+		for time.Now().Before(deadline) {
+			var left impv1.ImpVMList
+			if err := c.Client.List(ctx, &left, client.InNamespace(ns)); err == nil && len(left.Items) == 0 {
+				return
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		t.Errorf("the VMs of namespace %s were not removed", ns)
+	})
 	NewWithT(t).Eventually(func() int32 {
 		p := &impv1.ImpWarmPool{}
 		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(pool), p)
