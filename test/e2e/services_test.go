@@ -227,6 +227,11 @@ spec:
 	must("kubectl -n web get events --field-selector involvedObject.name=idle", "Waking")
 
 	eventually("VM idle suspended again", 3*time.Minute, suspended)
+	out = must(`kubectl -n web get endpointslices -l kubernetes.io/service-name=idle,endpointslice.kubernetes.io/managed-by=imp.dev ` +
+		`-o jsonpath='{range .items[*].endpoints[*]}{.conditions.ready}{end}'`)
+	if strings.Trim(out, "' \n") != "true" {
+		t.Errorf("the idle-suspended VM's endpoint is not ready: %q", out)
+	}
 	ip := strings.Trim(must(`kubectl -n web get svc idle -o jsonpath='{.spec.clusterIP}'`), "' \n")
 	o, err := run("curl -s --max-time 60 -w ' %{http_code} %{time_total}s' http://" + ip + "/")
 	if err != nil || !strings.HasPrefix(o, "hello from idle") || !strings.Contains(o, " 200 ") {

@@ -202,10 +202,11 @@ func endpoint(vm *impv1.ImpVM, node func(string) Node) (discoveryv1.Endpoint, bo
 	st := vm.Status
 	rt := st.Runtime
 	// Suspended because it was idle: its node holds what arrives for it and wakes it, so it
-	// stays a ready endpoint (a Service's traffic is what wakes it; docs/suspend.md).
+	// stays a ready endpoint while it is suspended and while it is being suspended (a gap would
+	// have a node's proxy refuse what should wake it; docs/suspend.md).
 	idle := st.Suspension != nil && st.Suspension.Reason == impv1.SuspendReasonIdle
 	if rt == nil || rt.Endpoint == "" || st.NodeName == "" || rt.Instance != st.Instance || rt.Run != st.RestartCount ||
-		(rt.State != impv1.RuntimeRunning && !(idle && rt.State == impv1.RuntimeSuspended)) {
+		(rt.State != impv1.RuntimeRunning && !(idle && (rt.State == impv1.RuntimeSuspending || rt.State == impv1.RuntimeSuspended))) {
 		return discoveryv1.Endpoint{}, false
 	}
 	n := node(st.NodeName)

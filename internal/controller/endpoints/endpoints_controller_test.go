@@ -198,6 +198,20 @@ func TestServicesSelectVMs(t *testing.T) {
 
 	// Suspended because it was idle, b stays ready: what arrives wakes it. Suspended by a
 	// person, it is terminating.
+	for _, state := range []impv1.RuntimeState{impv1.RuntimeSuspending, impv1.RuntimeSuspended} {
+		b := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "b"}, b); err != nil {
+			t.Fatal(err)
+		}
+		b.Status.Suspension = &impv1.SuspensionStatus{Reason: impv1.SuspendReasonIdle}
+		b.Status.Runtime.State, b.Status.Runtime.GuestReady = state, false
+		meta.SetStatusCondition(&b.Status.Conditions, metav1.Condition{Type: impv1.ReadyCondition, Status: metav1.ConditionFalse, Reason: "Suspended"})
+		if err := c.Client.Status().Update(ctx, b); err != nil {
+			t.Fatal(err)
+		}
+		NewWithT(t).Consistently(func() []string { return w.endpoints("web") }).WithTimeout(time.Second).Should(Equal([]string{
+			"100.72.0.3:http=8081,metrics=9090 b true/true/false b"}), string(state))
+	}
 	for _, reason := range []string{impv1.SuspendReasonIdle, impv1.SuspendReasonUser} {
 		b := &impv1.ImpVM{}
 		if err := c.Client.Get(ctx, types.NamespacedName{Namespace: w.ns, Name: "b"}, b); err != nil {
