@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -178,7 +179,7 @@ func (m *Meter) pass(ctx context.Context) {
 			}
 		case !a.reported && rt.IdleSince == nil && now.Sub(a.last) >= vm.Spec.Idle.SuspendAfter.Duration:
 			idle := *rt
-			since := metav1Time(a.last)
+			since := metav1.NewTime(a.last)
 			idle.IdleSince = &since
 			if err := m.Reports.Report(ctx, vm, idle); err != nil {
 				m.Log.Error(err, "reporting a VM idle", "vm", client.ObjectKeyFromObject(vm))

@@ -24,7 +24,6 @@ import (
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
-func metav1Time(t time.Time) metav1.Time { return metav1.NewTime(t) }
 
 // Taps opens a suspended VM's tap (nodenet.Tapping).
 type Taps interface {
