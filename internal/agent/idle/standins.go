@@ -24,7 +24,6 @@ import (
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
-
 // Taps opens a suspended VM's tap (nodenet.Tapping).
 type Taps interface {
 	Attach(ctx context.Context, vm *impv1.ImpVM) (hostnet.Attachment, *guestinit.Net, error)
