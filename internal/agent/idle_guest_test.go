@@ -50,6 +50,16 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	if err := c.Client.Create(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
+	// A VM of its network, and one of another network (of the same tenant, here: another
+	// tenant's is as isolated), which may not reach it.
+	peer, stranger := w.vm("peer", "net"), w.vm("stranger", "net")
+	peer.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	stranger.Spec.NetworkRef = &impv1.NetworkReference{Name: "elsewhere"}
+	for _, o := range []client.Object{&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "elsewhere"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.95.0.0/24"}}, peer, stranger} {
+		if err := c.Client.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
 	g := NewWithT(t)
 	phase := func() impv1.VMPhase { return w.get("idle").Status.Phase }
 	g.Eventually(phase).WithTimeout(15 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal(impv1.VMRunning))
@@ -152,6 +162,33 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	noRoom.Store(false)
 	g.Eventually(dial).WithTimeout(time.Minute).WithPolling(time.Second).Should(Equal("hello from idle")) // after the refusal's 10 s
 	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(4))
+
+	// Idle again: a VM of another network connects to its address, again and again: nothing
+	// of that reaches it, and it stays suspended; a VM of its own network connects: it is
+	// woken and answers, on the first try.
+	for _, name := range []string{"peer", "stranger"} {
+		g.Eventually(func() impv1.VMPhase { return w.get(name).Status.Phase }).WithTimeout(5 * time.Minute).Should(Equal(impv1.VMRunning))
+	}
+	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	for range 3 {
+		if out, err := w.tryExec("stranger", "tool-dial", ip+":7000"); err == nil {
+			t.Errorf("a VM of another network reached the idle VM: %q", out)
+		}
+	}
+	if !suspended() {
+		t.Errorf("a VM of another network woke the idle VM: %+v\nevents:\n%s", w.get("idle").Status.Runtime, eventsOf(c.Client, ns, "idle"))
+	}
+	began = time.Now()
+	if out, err := w.tryExec("peer", "tool-dial", ip+":7000"); err != nil || out != "hello from idle" {
+		t.Fatalf("a VM of its network connecting to the idle-suspended VM: %q, %v\nevents:\n%s", out, err, eventsOf(c.Client, ns, "idle"))
+	}
+	took = time.Since(began)
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(5))
+	began = time.Now()
+	if _, err := w.tryExec("peer", "tool-dial", ip+":7000"); err != nil {
+		t.Error(err)
+	}
+	t.Logf("a VM of its network connected and was answered in %v (the same exec to it running: %v)", took.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
 }
 
 // netWorld is a world whose node is a network namespace of its own (its agent's NetNS, its
@@ -173,22 +210,42 @@ func netWorld(t *testing.T, cidr string, opts ...func(*agent.Options)) (*world, 
 	for _, f := range opts {
 		f(&o)
 	}
-	startAgent(t, c, o)
+	ag := startAgent(t, c, o)
 	if err := c.Client.Create(context.Background(), &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: cidr}}); err != nil {
 		t.Fatal(err)
 	}
-	return &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir}, pins
+	return &world{c: c, ns: ns, host: host, node: nodeName, stateDir: stateDir, agent: ag}, pins
 }
 
-// dialOnce connects once to ip:7000 from the network's namespace (its gateway), the one
-// network namespace under pins, and reads the guest's answer: no retry, a minute to get it.
-func dialOnce(pins, ip string) (string, error) {
+// netnsOf is the network namespace, under pins, of the network whose gateway is on ip's /24.
+func netnsOf(pins, ip string) (string, error) {
 	spaces, _ := filepath.Glob(filepath.Join(pins, "impn*"))
-	if len(spaces) != 1 {
-		return "", fmt.Errorf("%d network namespaces", len(spaces))
+	prefix := ip[:strings.LastIndex(ip, ".")+1]
+	for _, sp := range spaces {
+		found := false
+		_ = testnetns.Do(sp, func() error {
+			addrs, err := net.InterfaceAddrs()
+			for _, a := range addrs {
+				found = found || strings.HasPrefix(a.String(), prefix)
+			}
+			return err
+		})
+		if found {
+			return sp, nil
+		}
+	}
+	return "", fmt.Errorf("no network namespace of %s among %d", ip, len(spaces))
+}
+
+// dialOnce connects once to ip:7000 from the network's namespace (its gateway), under pins,
+// and reads the guest's answer: no retry, a minute to get it.
+func dialOnce(pins, ip string) (string, error) {
+	space, err := netnsOf(pins, ip)
+	if err != nil {
+		return "", err
 	}
 	var out string
-	err := testnetns.Do(spaces[0], func() error {
+	err = testnetns.Do(space, func() error {
 		c, err := net.DialTimeout("tcp", ip+":7000", time.Minute)
 		if err != nil {
 			return err
@@ -206,12 +263,12 @@ func dialOnce(pins, ip string) (string, error) {
 // udp sends msg once to ip:7002 from the network's namespace (its gateway) and reads the
 // answer, waiting up to a minute.
 func udp(ip, pins, msg string) (string, error) {
-	spaces, _ := filepath.Glob(filepath.Join(pins, "impn*"))
-	if len(spaces) != 1 {
-		return "", fmt.Errorf("%d network namespaces", len(spaces))
+	space, err := netnsOf(pins, ip)
+	if err != nil {
+		return "", err
 	}
 	var out string
-	err := testnetns.Do(spaces[0], func() error {
+	err = testnetns.Do(space, func() error {
 		c, err := net.Dial("udp", ip+":7002")
 		if err != nil {
 			return err

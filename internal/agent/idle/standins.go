@@ -11,11 +11,13 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
@@ -23,6 +25,13 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/wake"
 	"github.com/syscode-labs/imp/internal/guestinit"
 )
+
+var wakeSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+	Name:    "imp_agent_vm_wake_duration_seconds",
+	Help:    "Time from the first frame held for an idle-suspended VM to what was held sent to its guest, running again.",
+	Buckets: prometheus.ExponentialBuckets(0.025, 2, 10)})
+
+func init() { metrics.Registry.MustRegister(wakeSeconds) }
 
 // Taps opens a suspended VM's tap (nodenet.Tapping).
 type Taps interface {
@@ -56,11 +65,13 @@ type standing struct {
 	to     wake.Tap
 	key    types.NamespacedName
 	refuse *time.Timer
+	asked  time.Time // when the first frame held asked for a wake
 }
 
 type replay struct {
 	frames [][]byte
 	to     wake.Tap
+	asked  time.Time
 }
 
 // Suspended is true for a VM suspended because it was idle, its VMM gone, on a network: what
@@ -107,6 +118,7 @@ func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
 		s.mu.Unlock()
 		return
 	}
+	st.asked = time.Now()
 	st.refuse = time.AfterFunc(s.Bound, func() { s.refuse(uid, fmt.Sprintf("it did not run again within %v", s.Bound)) })
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -211,7 +223,7 @@ func (s *StandIns) Down(uid types.UID) bool {
 	}
 	frames := st.in.Stop()
 	s.mu.Lock()
-	s.replays[uid] = replay{frames: frames, to: st.to}
+	s.replays[uid] = replay{frames: frames, to: st.to, asked: st.asked}
 	s.mu.Unlock()
 	return true
 }
@@ -241,7 +253,11 @@ func (s *StandIns) replay(uid types.UID) (int, error) {
 	if !ok {
 		return 0, nil
 	}
-	return len(r.frames), r.to.Replay(r.frames)
+	err := r.to.Replay(r.frames)
+	if !r.asked.IsZero() {
+		wakeSeconds.Observe(time.Since(r.asked).Seconds())
+	}
+	return len(r.frames), err
 }
 
 // StandDown is the resume plan's first step for a VM on a network: what stood in for it lets
