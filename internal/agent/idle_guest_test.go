@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -14,9 +15,11 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
@@ -189,6 +192,92 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 		t.Error(err)
 	}
 	t.Logf("a VM of its network connected and was answered in %v (the same exec to it running: %v)", took.Round(time.Millisecond), time.Since(began).Round(time.Millisecond))
+
+	// Idle again: a flood of 5,000 SYNs from 5,000 ports at once wakes it once; what is held
+	// for it stays within its stand-in's limit (1,024 frames), the rest dropped; it answers.
+	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
+	replayed, dropped := wakeFrames(t, "replayed"), wakeFrames(t, "dropped")
+	if err := synFlood(pins, ip, 7000, 5000); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(resumed).WithTimeout(time.Minute).Should(Equal(6))
+	g.Eventually(dial).WithTimeout(time.Minute).Should(Equal("hello from idle"))
+	g.Consistently(resumed).WithTimeout(2 * time.Second).Should(Equal(6))
+	replayed, dropped = wakeFrames(t, "replayed")-replayed, wakeFrames(t, "dropped")-dropped
+	t.Logf("a flood of 5,000 SYNs: one resume, %d frames held and replayed, %d dropped at the stand-in", replayed, dropped)
+	if replayed < 1 || replayed > 1024 {
+		t.Errorf("%d frames replayed after a flood; want 1 to 1,024 (the stand-in's limit)", replayed)
+	}
+}
+
+// wakeFrames is the agent's imp_agent_wake_frames_total{fate} so far.
+func wakeFrames(t *testing.T, fate string) int {
+	mfs, err := metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "imp_agent_wake_frames_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if m.GetLabel()[0].GetValue() == fate {
+				return int(m.GetCounter().GetValue())
+			}
+		}
+	}
+	return 0
+}
+
+// synFlood sends n TCP SYNs to ip:port from the network's namespace (its gateway), each from
+// a port of its own, as fast as a raw socket takes them; nothing answers them.
+func synFlood(pins, ip string, port, n int) error {
+	space, err := netnsOf(pins, ip)
+	if err != nil {
+		return err
+	}
+	return testnetns.Do(space, func() error {
+		probe, err := net.Dial("udp", net.JoinHostPort(ip, "9")) // the source the route gives
+		if err != nil {
+			return err
+		}
+		src := probe.LocalAddr().(*net.UDPAddr).IP.To4()
+		probe.Close()
+		dst := net.ParseIP(ip).To4()
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		to := &unix.SockaddrInet4{Addr: [4]byte(dst)}
+		for i := range n {
+			seg := make([]byte, 20)
+			binary.BigEndian.PutUint16(seg[0:2], uint16(20000+i))
+			binary.BigEndian.PutUint16(seg[2:4], uint16(port))
+			binary.BigEndian.PutUint32(seg[4:8], uint32(i)*7919)
+			seg[12], seg[13] = 5<<4, 0x02 // header of 5 words; SYN
+			binary.BigEndian.PutUint16(seg[14:16], 64240)
+			var sum uint32
+			for _, b := range [][]byte{src, dst, {0, unix.IPPROTO_TCP, 0, byte(len(seg))}, seg} {
+				for j := 0; j+1 < len(b); j += 2 {
+					sum += uint32(b[j])<<8 | uint32(b[j+1])
+				}
+			}
+			for sum > 0xffff {
+				sum = sum&0xffff + sum>>16
+			}
+			binary.BigEndian.PutUint16(seg[16:18], ^uint16(sum))
+			err := unix.Sendto(fd, seg, 0, to)
+			for errors.Is(err, unix.ENOBUFS) { // the device's queue is full: the flood waits for room
+				time.Sleep(time.Millisecond)
+				err = unix.Sendto(fd, seg, 0, to)
+			}
+			if err != nil {
+				return fmt.Errorf("SYN %d: %w", i, err)
+			}
+		}
+		return nil
+	})
 }
 
 // netWorld is a world whose node is a network namespace of its own (its agent's NetNS, its

@@ -31,7 +31,14 @@ var wakeSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
 	Help:    "Time from the first frame held for an idle-suspended VM to what was held sent to its guest, running again.",
 	Buckets: prometheus.ExponentialBuckets(0.025, 2, 10)})
 
-func init() { metrics.Registry.MustRegister(wakeSeconds) }
+// wakeFrames counts the frames held for idle-suspended VMs by their fate: replayed to the guest
+// once it ran again, or dropped over the stand-in's limits (a flood: docs/security.md).
+var wakeFrames = prometheus.NewCounterVec(prometheus.CounterOpts{
+	Name: "imp_agent_wake_frames_total",
+	Help: "Frames that arrived for idle-suspended VMs, by fate: replayed to the woken guest, or dropped over the limits of what is held."},
+	[]string{"fate"})
+
+func init() { metrics.Registry.MustRegister(wakeSeconds, wakeFrames) }
 
 // Taps opens a suspended VM's tap (nodenet.Tapping).
 type Taps interface {
@@ -222,6 +229,8 @@ func (s *StandIns) Down(uid types.UID) bool {
 		st.refuse.Stop()
 	}
 	frames := st.in.Stop()
+	_, dropped := st.in.Held()
+	wakeFrames.WithLabelValues("dropped").Add(float64(dropped))
 	s.mu.Lock()
 	s.replays[uid] = replay{frames: frames, to: st.to, asked: st.asked}
 	s.mu.Unlock()
@@ -254,6 +263,7 @@ func (s *StandIns) replay(uid types.UID) (int, error) {
 		return 0, nil
 	}
 	err := r.to.Replay(r.frames)
+	wakeFrames.WithLabelValues("replayed").Add(float64(len(r.frames)))
 	if !r.asked.IsZero() {
 		wakeSeconds.Observe(time.Since(r.asked).Seconds())
 	}
