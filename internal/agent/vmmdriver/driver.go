@@ -263,9 +263,14 @@ func (d firecrackerDriver) Start(ctx context.Context, l Launch) (*vmm.Record, er
 	s := d.spec(l.VM, l.Dir, l.Meta, l.BaseDisk, l.Attachment, l.Net)
 	s.Drives = l.Drives
 	if l.Attachment.Tap != nil {
-		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name.
+		// The jailed Firecracker, an unprivileged uid, opens the persistent tap by name, and
+		// only once the agent let go of it: a tap that is not multi-queue takes one descriptor
+		// (TUNSETIFF on a held one is EBUSY, and Firecracker refuses the interface).
 		if err := hostnet.SetOwner(l.Attachment.Tap, l.Meta.JailUID); err != nil {
 			return nil, err
+		}
+		if err := l.Attachment.Tap.Close(); err != nil {
+			return nil, fmt.Errorf("letting go of the tap for Firecracker: %w", err)
 		}
 	}
 	// The console where every driver's is, for kubectl imp logs.

@@ -11,7 +11,9 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -24,6 +26,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
 	"github.com/syscode-labs/imp/internal/agent/volume/loop"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/testnetns"
 )
 
 // TestMain lets the test binary stand in for the jailer (IMP_FAKE_JAILER=1): see
@@ -79,6 +82,8 @@ func fakeCgroups(t *testing.T) string {
 	return root
 }
 
+var tapSeq atomic.Int32
+
 func spec(t *testing.T) firecracker.Spec {
 	t.Helper()
 	dir := t.TempDir()
@@ -90,7 +95,31 @@ func spec(t *testing.T) firecracker.Spec {
 	_ = os.Chmod(filepath.Join(dir, "base.ext4"), 0o444)
 	vmDir := filepath.Join(dir, "vm")
 	_ = os.Mkdir(vmDir, 0o700)
-	return firecracker.Spec{
+	// The VM's tap, persistent and the jail's uid's, in a network namespace of the test's own
+	// (the jailer joins it): Firecracker opens it by name, and refuses a tap it cannot open.
+	ns := testnetns.New(t, "imp-fc-"+strconv.Itoa(int(tapSeq.Add(1))))
+	if err := testnetns.Do(ns, func() error {
+		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		ifr, err := unix.NewIfreq("impt0123456789")
+		if err != nil {
+			return err
+		}
+		ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
+		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+			return err
+		}
+		if err := unix.IoctlSetInt(fd, unix.TUNSETOWNER, 31001); err != nil {
+			return err
+		}
+		return unix.IoctlSetInt(fd, unix.TUNSETPERSIST, 1)
+	}); err != nil {
+		t.Fatalf("making the VM's tap: %v", err)
+	}
+	return firecracker.Spec{NetNS: ns,
 		ID: "5f1c0a44-0d7e-4d3e-9a8e-2f6b1c9d0e11", Dir: vmDir,
 		Firecracker: "/usr/local/bin/firecracker", Jailer: "/usr/local/bin/jailer",
 		UID: 31001, GID: 31001, ChrootBase: filepath.Join(dir, "jail"), CgroupVersion: 2,

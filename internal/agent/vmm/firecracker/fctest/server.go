@@ -60,6 +60,8 @@ type Server struct {
 	// drives are the drives' backing files, open: Firecracker opens one as its drive is
 	// configured (or its snapshot loaded) and holds it while it runs. Only with a Root.
 	drives map[string]*os.File
+	// taps are the network interfaces' taps, open (openTap).
+	taps map[string]*os.File
 }
 
 // openDrive opens drive id's backing file at p (under Root) as Firecracker does, read-only
@@ -254,6 +256,11 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 		if obj["iface_id"] != id {
 			return nil, badRequest("The id from the path [%s] does not match the id from the body [%v]!", id, obj["iface_id"])
 		}
+		if name, _ := obj["host_dev_name"].(string); name != "" {
+			if err := s.openTap(id, name); err != nil {
+				return nil, badRequest("Could not create the network device: %v", err)
+			}
+		}
 		if c.NetIfaces == nil {
 			c.NetIfaces = map[string]map[string]any{}
 		}
@@ -371,6 +378,12 @@ func (s *Server) handle(method, path string, body []byte) (any, error) {
 					return nil, badRequest("Invalid network override: the snapshot has no interface %q", id)
 				}
 				iface["host_dev_name"] = ov["host_dev_name"]
+			}
+		}
+		for id, iface := range c.NetIfaces {
+			name, _ := iface["host_dev_name"].(string)
+			if err := s.openTap(id, name); err != nil {
+				return nil, badRequest("Load snapshot error: Failed to restore from snapshot: Failed to build microVM from snapshot: Failed to restore the network device: %v", err)
 			}
 		}
 		if err := s.vsockFree(c.Vsock); err != nil {
