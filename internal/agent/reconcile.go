@@ -114,8 +114,16 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if alive && current {
 		if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount && rt.State == impv1.RuntimeSuspended && st.Suspension == nil {
 			// Resumed by an agent that stopped before it reported the guest running on: the
-			// resume finishes on the VMM it started.
-			return ctrl.Result{}, a.resume(ctx, vm, dir, m, rec)
+			// resume finishes on the VMM it started. Or resumed by this one, whose report the
+			// cache has yet to see (its update brings another reconcile): the API server says.
+			fresh := &impv1.ImpVM{}
+			if err := a.APIReader.Get(ctx, req.NamespacedName, fresh); err != nil {
+				return ctrl.Result{}, client.IgnoreNotFound(err)
+			}
+			if frt := fresh.Status.Runtime; frt == nil || frt.Instance != rt.Instance || frt.Run != rt.Run || frt.State != impv1.RuntimeSuspended || fresh.Status.Suspension != nil {
+				return ctrl.Result{}, nil
+			}
+			return ctrl.Result{}, a.resume(ctx, fresh, dir, m, rec)
 		}
 		if rs := m.Restore; rs != nil && !rs.Done {
 			// Restored by an agent that stopped before the guest took on its identity.
