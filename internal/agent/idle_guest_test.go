@@ -3,9 +3,11 @@ package agent_test
 import (
 	"context"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -18,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
@@ -25,6 +28,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent"
 	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker/fctest"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
 	"github.com/syscode-labs/imp/internal/testnetns"
@@ -171,6 +175,10 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	// woken and answers, on the first try.
 	for _, name := range []string{"peer", "stranger"} {
 		g.Eventually(func() impv1.VMPhase { return w.get(name).Status.Phase }).WithTimeout(5 * time.Minute).Should(Equal(impv1.VMRunning))
+	}
+	// The peer's exec of the dial once before, its code warm (TCG), as it is below.
+	if _, err := w.tryExec("peer", "tool-dial", ip+":7000"); err != nil {
+		t.Fatal(err)
 	}
 	g.Eventually(suspended).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(BeTrue())
 	for range 3 {
@@ -373,4 +381,66 @@ func udp(ip, pins, msg string) (string, error) {
 		return err
 	})
 	return out, err
+}
+
+// TestFirecrackerIdleVMWakes: an idle Firecracker VM (the fake, which opens its tap as
+// Firecracker does and notes what its guest receives) is suspended, a SYN sent to it once
+// wakes it, and its VMM, which could open its tap again only once what stood in for it let go,
+// receives that SYN.
+func TestFirecrackerIdleVMWakes(t *testing.T) {
+	jailer, firecrackerBin := fakeJailer(t)
+	w, pins := netWorld(t, "10.96.0.0/24", func(o *agent.Options) {
+		o.VMMs = []impv1.VMMKind{impv1.VMMFirecracker, impv1.VMMQEMU}
+		o.Firecracker, o.Jailer = firecrackerBin, jailer
+		o.IdleInterval = 500 * time.Millisecond
+	})
+	c, ns, ctx := w.c, w.ns, context.Background()
+	vm := w.vm("fc", "serve")
+	vm.Spec.VMM = impv1.VMMFirecracker
+	vm.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	vm.Spec.Idle = &impv1.IdlePolicy{SuspendAfter: metav1.Duration{Duration: 10 * time.Second}}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.VMRunning), func() string {
+		return fmt.Sprintf("%+v\nevents:\n%s", w.get("fc").Status, eventsOf(c.Client, ns, "fc"))
+	})
+	v := w.get("fc")
+	ip, uid := v.Status.IP, v.UID
+	frames := filepath.Join(w.stateDir, "jail", "firecracker", string(uid), "root", fctest.GuestFramesFile)
+	g.Eventually(func() bool {
+		v := w.get("fc")
+		return v.Status.Phase == impv1.VMSuspended && v.Status.Suspension != nil && v.Status.Suspension.Reason == impv1.SuspendReasonIdle
+	}).WithTimeout(3*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string {
+		return fmt.Sprintf("%+v\nevents:\n%s", w.get("fc").Status.Runtime, eventsOf(c.Client, ns, "fc"))
+	})
+	_ = os.Remove(frames)
+	time.Sleep(300 * time.Millisecond) // its stand-in takes the tap after the report
+	if err := synFlood(pins, ip, 7000, 1); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("fc").Status.Phase }).WithTimeout(time.Minute).Should(Equal(impv1.VMRunning), func() string {
+		return fmt.Sprintf("%+v\nevents:\n%s", w.get("fc").Status.Runtime, eventsOf(c.Client, ns, "fc"))
+	})
+	// The SYN, as it was held: to the VM's address and port 7000, the SYN flag alone.
+	syn := func() bool {
+		b, _ := os.ReadFile(frames)
+		for _, line := range strings.Fields(string(b)) {
+			f, err := hex.DecodeString(line)
+			if err != nil || len(f) < 14+20+20 || f[12] != 0x08 || f[13] != 0 || f[14+9] != 6 {
+				continue
+			}
+			tcp := f[14+int(f[14]&0x0f)*4:]
+			if net.IP(f[14+16:14+20]).String() == ip && binary.BigEndian.Uint16(tcp[2:4]) == 7000 && tcp[13] == 0x02 {
+				return true
+			}
+		}
+		return false
+	}
+	g.Eventually(syn).WithTimeout(30*time.Second).Should(BeTrue(), func() string {
+		b, _ := os.ReadFile(frames)
+		return fmt.Sprintf("what the guest received:\n%s", b)
+	})
 }
