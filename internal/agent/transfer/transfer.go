@@ -15,16 +15,21 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/http"
+	"net/url"
 	"os"
-	"path/filepath"
+	"regexp"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"github.com/go-logr/logr"
 	"golang.org/x/time/rate"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/pki"
 )
 
@@ -37,14 +42,23 @@ const chunk = 256 << 10
 // ErrNotAllowed is Authorize's answer for a node that may not fetch a migration's files.
 var ErrNotAllowed = errors.New("not the target of this migration")
 
+// File is a file a migration moves: its name in Dir, a place a VMM may write to (a jail, a VM's
+// directory), which is opened without following any link out of Dir or at Name, and only as a
+// regular file of one link (vmm.OpenIn).
+type File struct{ Dir, Name string }
+
 // Server serves the files of this node's migrations to their targets.
 type Server struct {
-	// Authorize returns the files (name → path on this node) of migration that node's agent may
-	// fetch, or ErrNotAllowed (or another error) if it may fetch none: the agent allows only the
-	// target node of a migration whose source is this node.
-	Authorize func(ctx context.Context, node string, migration types.UID) (map[string]string, error)
-	// Concurrent is how many files are served at once (default 2); further requests wait.
-	Concurrent int
+	// Authorize returns the files (by the name the client asks for) of migration that node's
+	// agent may fetch, or ErrNotAllowed (or another error) if it may fetch none: the agent
+	// allows only the target node of a migration whose source is this node, while it copies.
+	Authorize func(ctx context.Context, node string, migration types.UID) (map[string]File, error)
+	// Concurrent is how many files are served at once (default 2), one at a time per node;
+	// at most Waiting more requests wait for their turn (default 8), others are refused (503).
+	Concurrent, Waiting int
+	// Stall is how long a client may leave a chunk unread before its transfer is ended
+	// (default 30s): a target that stops reading does not hold a turn.
+	Stall time.Duration
 	// BytesPerSecond bounds what all transfers send together (0: unbounded).
 	BytesPerSecond int64
 	// Progress, when set, is told each chunk sent of a migration's files.
@@ -53,6 +67,9 @@ type Server struct {
 
 	slots   chan struct{}
 	limiter *rate.Limiter
+	mu      sync.Mutex
+	waiting int
+	serving map[string]bool // nodes served now
 }
 
 // Handler serves GET /migrations/{uid}/files/{name}: the file name of migration uid, to the
@@ -63,6 +80,13 @@ func (s *Server) Handler() http.Handler {
 		n = 2
 	}
 	s.slots = make(chan struct{}, n)
+	if s.Waiting <= 0 {
+		s.Waiting = 8
+	}
+	if s.Stall <= 0 {
+		s.Stall = 30 * time.Second
+	}
+	s.serving = map[string]bool{}
 	if s.BytesPerSecond > 0 {
 		s.limiter = rate.NewLimiter(rate.Limit(s.BytesPerSecond), chunk)
 	}
@@ -78,6 +102,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	uid, name := types.UID(r.PathValue("uid")), r.PathValue("name")
+	if !validUID.MatchString(string(uid)) {
+		http.Error(w, "not a migration's UID", http.StatusBadRequest)
+		return
+	}
 	files, err := s.Authorize(r.Context(), node, uid)
 	if err != nil {
 		s.Log.Info("refused a transfer", "node", node, "migration", uid, "file", name, "reason", err.Error())
@@ -88,24 +116,25 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "refused", code)
 		return
 	}
-	path, ok := files[name]
+	file, ok := files[name]
 	if !ok {
 		http.Error(w, "no such file in this migration", http.StatusNotFound)
 		return
 	}
-	select {
-	case s.slots <- struct{}{}:
-		defer func() { <-s.slots }()
-	case <-r.Context().Done():
-		return
-	}
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	f, err := vmm.OpenIn(file.Dir, file.Name, os.O_RDONLY)
 	if err != nil {
 		http.Error(w, "cannot open the file", http.StatusInternalServerError)
 		s.Log.Error(err, "opening a migration's file", "migration", uid, "file", name)
 		return
 	}
 	defer f.Close()
+	release, ok := s.turn(r.Context(), node)
+	if !ok {
+		http.Error(w, "too many transfers waiting", http.StatusServiceUnavailable)
+		return
+	}
+	defer release()
+	rc := http.NewResponseController(w)
 	w.Header().Set("Trailer", SumTrailer)
 	w.Header().Set("Content-Type", "application/octet-stream")
 	h := sha256.New()
@@ -120,6 +149,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 				}
 			}
 			h.Write(buf[:n])
+			_ = rc.SetWriteDeadline(time.Now().Add(s.Stall))
 			if _, err := w.Write(buf[:n]); err != nil {
 				return
 			}
@@ -136,6 +166,52 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	w.Header().Set(SumTrailer, hex.EncodeToString(h.Sum(nil)))
+}
+
+// validUID is what a migration's UID looks like (a Kubernetes UID: a UUID).
+var validUID = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
+
+// turn waits for a turn to serve node: a free slot, and none of node's transfers under way
+// (one at a time per node, so that one target cannot hold every slot). It refuses when Waiting
+// requests wait already, and gives up when ctx ends; release ends the turn.
+func (s *Server) turn(ctx context.Context, node string) (release func(), ok bool) {
+	s.mu.Lock()
+	if s.waiting >= s.Waiting {
+		s.mu.Unlock()
+		return nil, false
+	}
+	s.waiting++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.waiting--
+		s.mu.Unlock()
+	}()
+	for {
+		select {
+		case s.slots <- struct{}{}:
+		case <-ctx.Done():
+			return nil, false
+		}
+		s.mu.Lock()
+		if !s.serving[node] {
+			s.serving[node] = true
+			s.mu.Unlock()
+			return func() {
+				s.mu.Lock()
+				delete(s.serving, node)
+				s.mu.Unlock()
+				<-s.slots
+			}, true
+		}
+		s.mu.Unlock()
+		<-s.slots // node has one under way: let another node's in, and try again
+		select {
+		case <-time.After(20 * time.Millisecond):
+		case <-ctx.Done():
+			return nil, false
+		}
+	}
 }
 
 // PeerNode is the node whose agent the verified client certificate of a connection is: its one
@@ -194,36 +270,50 @@ func ClientTLS(id Identity, source string) (*tls.Config, error) {
 }
 
 // Fetch gets the file name of migration from base (the source agent's endpoint, https://host:port)
-// into path: written beside it, its SHA-256 checked against the source's, then renamed. A file
-// whose sum does not match, or that ends early, is refused and nothing of it is left. It returns
-// the bytes received.
-func Fetch(ctx context.Context, c *http.Client, base string, migration types.UID, name, path string) (int64, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("%s/migrations/%s/files/%s", base, migration, name), nil)
+// into the file name in dir, at most max bytes of it: written to a file of its own beside it
+// (never through a link out of dir), its SHA-256 checked against the source's, synced, then
+// renamed. A file whose sum does not match, that ends early or is larger than max, is refused
+// and nothing of it is left. It returns the bytes received.
+func Fetch(ctx context.Context, c *http.Client, base string, migration types.UID, name string, dir, into string, max int64) (int64, error) {
+	fail := func(err error) error { return fmt.Errorf("fetching %s of migration %s: %w", name, migration, err) }
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/migrations/"+url.PathEscape(string(migration))+"/files/"+url.PathEscape(name), nil)
 	if err != nil {
-		return 0, err
+		return 0, fail(err)
 	}
 	resp, err := c.Do(req)
 	if err != nil {
-		return 0, fmt.Errorf("fetching %s of migration %s: %w", name, migration, err)
+		return 0, fail(err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		return 0, fmt.Errorf("fetching %s of migration %s: %s: %s", name, migration, resp.Status, strings.TrimSpace(string(b)))
+		return 0, fail(fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(b))))
 	}
-	tmp := path + ".incoming"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o600)
+	root, err := os.OpenRoot(dir)
 	if err != nil {
-		return 0, err
+		return 0, fail(err)
+	}
+	defer root.Close()
+	var f *os.File
+	var tmp string
+	for i := 0; f == nil; i++ {
+		tmp = fmt.Sprintf(".%s.incoming-%d-%d", into, os.Getpid(), i)
+		f, err = root.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+		if err != nil && !errors.Is(err, fs.ErrExist) {
+			return 0, fail(err)
+		}
 	}
 	keep := false
 	defer func() {
 		if !keep {
-			_ = os.Remove(tmp)
+			_ = root.Remove(tmp)
 		}
 	}()
 	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(f, h), resp.Body)
+	n, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(resp.Body, max+1))
+	if err == nil && n > max {
+		err = fmt.Errorf("more than the %d bytes expected", max)
+	}
 	if err == nil {
 		err = f.Sync() // kept only once it is on the disk
 	}
@@ -231,17 +321,17 @@ func Fetch(ctx context.Context, c *http.Client, base string, migration types.UID
 		err = cerr
 	}
 	if err != nil {
-		return n, fmt.Errorf("fetching %s of migration %s: %w", name, migration, err)
+		return n, fail(err)
 	}
 	want, got := resp.Trailer.Get(SumTrailer), hex.EncodeToString(h.Sum(nil))
 	if want != got {
-		return n, fmt.Errorf("fetching %s of migration %s: its SHA-256 is %s, the source sent %q: refused", name, migration, got, want)
+		return n, fail(fmt.Errorf("its SHA-256 is %s, the source sent %q: refused", got, want))
 	}
-	if err := os.Rename(tmp, path); err != nil {
-		return n, err
+	if err := root.Rename(tmp, into); err != nil {
+		return n, fail(err)
 	}
 	keep = true
-	if d, err := os.Open(filepath.Dir(path)); err == nil {
+	if d, err := root.Open("."); err == nil {
 		_ = d.Sync()
 		d.Close()
 	}
