@@ -123,6 +123,10 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			if frt := fresh.Status.Runtime; frt == nil || frt.Instance != rt.Instance || frt.Run != rt.Run || frt.State != impv1.RuntimeSuspended || fresh.Status.Suspension != nil {
 				return ctrl.Result{}, nil
 			}
+			if !fresh.DeletionTimestamp.IsZero() || fresh.Status.NodeName != a.Opts.NodeName || fresh.HostUID() != vm.HostUID() ||
+				fresh.Spec.RunStrategy == impv1.RunStrategyHalted {
+				return ctrl.Result{Requeue: true}, nil // going, halted or placed elsewhere: the cache's next view decides
+			}
 			return ctrl.Result{}, a.resume(ctx, fresh, dir, m, rec)
 		}
 		if rs := m.Restore; rs != nil && !rs.Done {
