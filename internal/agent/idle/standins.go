@@ -31,12 +31,15 @@ var wakeSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
 	Help:    "Time from the first frame held for an idle-suspended VM to what was held sent to its guest, running again.",
 	Buckets: prometheus.ExponentialBuckets(0.025, 2, 10)})
 
-// wakeFrames counts the frames held for idle-suspended VMs by their fate: replayed to the guest
-// once it ran again, or dropped over the stand-in's limits (a flood: docs/security.md).
+// wakeFrames counts the frames that arrived for idle-suspended VMs by their fate: replayed to
+// the guest once it ran again, dropped over the stand-in's limits (a flood: docs/security.md),
+// refused (the VM could not be woken), or discarded with a VM that went or failed to resume.
 var wakeFrames = prometheus.NewCounterVec(prometheus.CounterOpts{
 	Name: "imp_agent_wake_frames_total",
-	Help: "Frames that arrived for idle-suspended VMs, by fate: replayed to the woken guest, or dropped over the limits of what is held."},
+	Help: "Frames that arrived for idle-suspended VMs, by fate: replayed to the woken guest, dropped over the limits of what is held, refused, or discarded with the VM."},
 	[]string{"fate"})
+
+func countFrames(fate string, n int) { wakeFrames.WithLabelValues(fate).Add(float64(n)) }
 
 func init() { metrics.Registry.MustRegister(wakeSeconds, wakeFrames) }
 
@@ -108,7 +111,9 @@ func (s *StandIns) Ensure(ctx context.Context, vm *impv1.ImpVM) error {
 	}
 	key := client.ObjectKeyFromObject(vm)
 	st := &standing{to: wake.Tap{NetNS: at.NetNS, Name: hostnet.TapName(string(uid))}, key: key}
-	st.in = wake.Stand(at.Tap, hdr, at.IP, hostnet.MAC(at.IP), s.Limits, func() { s.wake(uid, key) })
+	lim := s.Limits
+	lim.Counted = countFrames
+	st.in = wake.Stand(at.Tap, hdr, at.IP, hostnet.MAC(at.IP), lim, func() { s.wake(uid, key) })
 	if s.by == nil {
 		s.by, s.replays = map[types.UID]*standing{}, map[types.UID]replay{}
 	}
@@ -125,7 +130,9 @@ func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
 		s.mu.Unlock()
 		return
 	}
-	st.asked = time.Now()
+	if st.asked.IsZero() { // the first frame's, not a later one after a refusal's rearm
+		st.asked = time.Now()
+	}
 	st.refuse = time.AfterFunc(s.Bound, func() { s.refuse(uid, fmt.Sprintf("it did not run again within %v", s.Bound)) })
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -229,8 +236,6 @@ func (s *StandIns) Down(uid types.UID) bool {
 		st.refuse.Stop()
 	}
 	frames := st.in.Stop()
-	_, dropped := st.in.Held()
-	wakeFrames.WithLabelValues("dropped").Add(float64(dropped))
 	s.mu.Lock()
 	s.replays[uid] = replay{frames: frames, to: st.to, asked: st.asked}
 	s.mu.Unlock()
@@ -242,6 +247,7 @@ func (s *StandIns) Down(uid types.UID) bool {
 func (s *StandIns) Drop(uid types.UID) {
 	s.Down(uid)
 	s.mu.Lock()
+	countFrames("discarded", len(s.replays[uid].frames))
 	delete(s.replays, uid)
 	s.mu.Unlock()
 }
@@ -263,7 +269,11 @@ func (s *StandIns) replay(uid types.UID) (int, error) {
 		return 0, nil
 	}
 	err := r.to.Replay(r.frames)
-	wakeFrames.WithLabelValues("replayed").Add(float64(len(r.frames)))
+	if err == nil {
+		countFrames("replayed", len(r.frames))
+	} else {
+		countFrames("discarded", len(r.frames))
+	}
 	if !r.asked.IsZero() {
 		wakeSeconds.Observe(time.Since(r.asked).Seconds())
 	}

@@ -31,6 +31,15 @@ type Limits struct {
 	Bytes int
 	// Node, when set, bounds what every stand-in of the node holds together.
 	Node *Budget
+	// Counted, when set, is told of frames as they are dropped over the limits ("dropped")
+	// or refused ("refused").
+	Counted func(fate string, n int)
+}
+
+func (l Limits) count(fate string, n int) {
+	if l.Counted != nil && n > 0 {
+		l.Counted(fate, n)
+	}
 }
 
 // Budget is what the stand-ins of a node may hold together, in bytes.
@@ -159,10 +168,12 @@ func (s *StandIn) hold(hdr, f []byte) {
 	s.mu.Lock()
 	if s.refusing {
 		s.mu.Unlock()
+		s.lim.count("refused", 1)
 		s.refuse(f)
 		return
 	}
-	if len(s.held) >= s.lim.Frames || s.bytes+len(f) > s.lim.Bytes || !s.lim.Node.take(len(f)) {
+	dropped := len(s.held) >= s.lim.Frames || s.bytes+len(f) > s.lim.Bytes || !s.lim.Node.take(len(f))
+	if dropped {
 		s.dropped++
 	} else {
 		s.held = append(s.held, append(append(make([]byte, 0, len(hdr)+len(f)), hdr...), f...))
@@ -171,6 +182,9 @@ func (s *StandIn) hold(hdr, f []byte) {
 	first := !s.woken
 	s.woken = true
 	s.mu.Unlock()
+	if dropped {
+		s.lim.count("dropped", 1)
+	}
 	if first {
 		go s.wake()
 	}
@@ -206,6 +220,7 @@ func (s *StandIn) Refuse() {
 	s.lim.Node.give(s.bytes)
 	s.held, s.bytes, s.refusing = nil, 0, true
 	s.mu.Unlock()
+	s.lim.count("refused", len(held))
 	for _, f := range held {
 		s.refuse(f[virtioNetHdrLen:])
 	}
