@@ -58,6 +58,10 @@ type Spec struct {
 	Background bool
 	// Incoming, when set, starts the VM from the state a Suspend saved in this file.
 	Incoming string
+	// MigrationIn starts the VM waiting for a live migration's stream (MigrateIn), its guest
+	// paused once it has arrived, until ResumeIncoming: the same devices as the sending VM's,
+	// which the stream fills.
+	MigrationIn bool
 	// MemoryImage, when set with Incoming, is the guest's memory as a snapshot holds it
 	// (guestmem.Split): Start fills the VM's memory, a memfd, with it, and Incoming holds the
 	// devices only, which ResumeIncoming has QEMU load (x-ignore-shared).
@@ -174,6 +178,8 @@ func (s Spec) Args() []string {
 			"-incoming", "defer") // ResumeIncoming starts it, x-ignore-shared set
 	case s.Incoming != "":
 		args = append(args, "-incoming", fmt.Sprintf("fd:%d", incomingFD))
+	case s.MigrationIn:
+		args = append(args, "-incoming", "defer", "-S") // MigrateIn; paused until its commit
 	}
 	if s.Tap != nil && s.Net != nil {
 		args = append(args,
