@@ -19,30 +19,49 @@ type MigrationStats struct {
 	Bytes int64
 }
 
+// MigrateOptions bound a live migration.
+type MigrateOptions struct {
+	// Downtime is how long the guest may be paused for the migration's last part.
+	Downtime time.Duration
+	// Bandwidth bounds the stream, bytes per second (0: unbounded).
+	Bandwidth int64
+	// Progress, when set, is told the memory sent and the guest's memory size as it goes.
+	Progress func(sent, total int64)
+	// MirroredDisk: MirrorDisk copies the writable disk; its mirror is finished while the
+	// guest is paused, before the devices go (pause-before-switchover), so that the disk the
+	// receiver runs on is the one the memory knows.
+	MirroredDisk bool
+	Timeout      time.Duration
+}
+
 // MigrateOut sends the running guest of the VM in dir, live, over conn (a connected stream
 // socket whose other end reaches a VMM started with Spec.MigrationIn, MigrateIn): its memory
-// while it runs, again what it dirtied meanwhile, until what is left can go within downtime;
-// then, paused, that and the devices. bandwidth bounds the stream (bytes per second; 0:
-// unbounded), progress (when set) is told the bytes sent and the guest's memory size as it
-// goes. Post-copy is never used: the guest runs in one place at a time.
+// while it runs, again what it dirtied meanwhile, until what is left can go within
+// o.Downtime; then, paused, that and the devices. Post-copy is never used: the guest runs in
+// one place at a time.
 //
 // Once it returns without error the guest is paused for good on this VMM ("postmigrate"): the
 // caller ends it (Quit) once the other side may run it, or runs it on (Continue) if the other
-// side failed before. On an error before that, QEMU runs the guest on here.
-func MigrateOut(dir string, conn *os.File, downtime time.Duration, bandwidth int64, progress func(sent, total int64), timeout time.Duration) (MigrationStats, error) {
+// side failed before. On an error before that, the guest runs on here.
+func MigrateOut(dir string, conn *os.File, o MigrateOptions) (MigrationStats, error) {
 	q, err := DialQMP(dir, 10*time.Second)
 	if err != nil {
 		return MigrationStats{}, err
 	}
 	defer q.Close()
-	_ = q.conn.SetDeadline(time.Now().Add(timeout))
+	_ = q.conn.SetDeadline(time.Now().Add(o.Timeout))
+	bandwidth := o.Bandwidth
 	if bandwidth <= 0 {
 		bandwidth = 1 << 40
 	}
-	if _, err := q.Execute("migrate-set-parameters", map[string]any{"downtime-limit": downtime.Milliseconds(), "max-bandwidth": bandwidth}); err != nil {
+	if _, err := q.Execute("migrate-set-parameters", map[string]any{"downtime-limit": o.Downtime.Milliseconds(), "max-bandwidth": bandwidth}); err != nil {
 		return MigrationStats{}, err
 	}
 	if err := q.ignoreShared(false); err != nil { // the memory goes with the devices
+		return MigrationStats{}, err
+	}
+	if _, err := q.Execute("migrate-set-capabilities", map[string]any{"capabilities": []map[string]any{
+		{"capability": "pause-before-switchover", "state": o.MirroredDisk}}}); err != nil {
 		return MigrationStats{}, err
 	}
 	if err := q.SendFD("imp-migration", conn); err != nil {
@@ -73,11 +92,21 @@ func MigrateOut(dir string, conn *os.File, downtime time.Duration, bandwidth int
 				Bytes: st.RAM.Transferred}, nil
 		case "failed", "cancelled":
 			return MigrationStats{}, fmt.Errorf("migrating the VM: %s %s", st.Status, st.ErrorDesc)
+		case "pre-switchover":
+			// Paused, before the devices go: the disk's copy is made whole first.
+			if err := q.finishMirror(); err != nil {
+				_, _ = q.Execute("migrate_cancel", nil)
+				return MigrationStats{}, err
+			}
+			if _, err := q.Execute("migrate-continue", map[string]any{"state": "pre-switchover"}); err != nil {
+				_, _ = q.Execute("migrate_cancel", nil)
+				return MigrationStats{}, err
+			}
 		}
-		if progress != nil && st.RAM.Total > 0 {
-			progress(st.RAM.Transferred, st.RAM.Total)
+		if o.Progress != nil && st.RAM.Total > 0 {
+			o.Progress(st.RAM.Transferred, st.RAM.Total)
 		}
-		time.Sleep(10 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 
@@ -137,4 +166,130 @@ func dialStarted(dir string, rec *vmm.Record, deadline time.Time) (*QMP, error) 
 		}
 		time.Sleep(wait)
 	}
+}
+
+// mirrorJob names the block job (and its target node) that copies a writable disk to a
+// migration's receiver.
+const mirrorJob = "imp-mirror"
+
+// ServeDisk has the VMM of the VM in dir, started with Spec.MigrationIn, serve its writable
+// disk over NBD on ln (a listening stream socket the agent passes it) for the sender's
+// MirrorDisk to write, until StopDiskServer. Nothing else is exported, and only on ln.
+func ServeDisk(dir string, rec *vmm.Record, ln *os.File, timeout time.Duration) error {
+	q, err := dialStarted(dir, rec, time.Now().Add(timeout))
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	_ = q.conn.SetDeadline(time.Now().Add(timeout))
+	if err := q.SendFD("imp-nbd", ln); err != nil {
+		return err
+	}
+	if _, err := q.Execute("nbd-server-start", map[string]any{"addr": map[string]any{"type": "fd", "data": map[string]any{"str": "imp-nbd"}}}); err != nil {
+		return fmt.Errorf("serving the disk for the migration: %w", err)
+	}
+	if _, err := q.Execute("nbd-server-add", map[string]any{"device": "rw", "writable": true}); err != nil {
+		return fmt.Errorf("exporting the writable disk for the migration: %w", err)
+	}
+	return nil
+}
+
+// StopDiskServer ends ServeDisk's server, once the migration has all of the disk.
+func StopDiskServer(dir string) error {
+	q, err := DialQMP(dir, 10*time.Second)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	_, err = q.Execute("nbd-server-stop", nil)
+	return err
+}
+
+// MirrorDisk has the sending VMM of the VM in dir copy its writable disk, while the guest
+// runs, to the receiver's (ServeDisk) over conn (connected to it), and returns once the copy
+// has caught up. From then on every write of the guest reaches both before it completes
+// (copy-mode write-blocking), until MigrateOut finishes it (MigrateOptions.MirroredDisk). On
+// an error the mirror is gone and the guest runs on as before.
+func MirrorDisk(dir string, conn *os.File, timeout time.Duration) error {
+	q, err := DialQMP(dir, 10*time.Second)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	_ = q.conn.SetDeadline(time.Now().Add(timeout))
+	if err := q.SendFD("imp-nbd", conn); err != nil {
+		return err
+	}
+	if _, err := q.Execute("blockdev-add", map[string]any{"driver": "nbd", "node-name": mirrorJob, "export": "rw",
+		"server": map[string]any{"type": "fd", "str": "imp-nbd"}}); err != nil {
+		return fmt.Errorf("connecting to the receiver's disk: %w", err)
+	}
+	if _, err := q.Execute("blockdev-mirror", map[string]any{"job-id": mirrorJob, "device": "rw", "target": mirrorJob,
+		"sync": "full", "copy-mode": "write-blocking"}); err != nil {
+		_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob})
+		return fmt.Errorf("mirroring the writable disk: %w", err)
+	}
+	for {
+		job, err := q.mirror()
+		if err != nil {
+			return err
+		}
+		switch {
+		case job == nil:
+			_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob})
+			return errors.New("the disk's mirror ended before it caught up")
+		case job.Ready:
+			return nil
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// finishMirror ends MirrorDisk's copy while the guest is paused (MigrateOut, before the
+// switchover): the copy is made whole, the sender keeps its own disk, the connection goes.
+func (q *QMP) finishMirror() error {
+	// A ready mirror's cancel completes it without switching the guest to the copy.
+	if _, err := q.Execute("block-job-cancel", map[string]any{"device": mirrorJob}); err != nil {
+		return fmt.Errorf("finishing the disk's mirror: %w", err)
+	}
+	for {
+		job, err := q.mirror()
+		if err != nil {
+			return err
+		}
+		if job == nil {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if _, err := q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob}); err != nil {
+		return fmt.Errorf("disconnecting from the receiver's disk: %w", err)
+	}
+	return nil
+}
+
+// blockJob is a block job as query-block-jobs describes it.
+type blockJob struct {
+	Device string `json:"device"`
+	Ready  bool   `json:"ready"`
+	Len    int64  `json:"len"`
+	Offset int64  `json:"offset"`
+}
+
+// mirror is the disk's mirror job, nil when there is none.
+func (q *QMP) mirror() (*blockJob, error) {
+	raw, err := q.Execute("query-block-jobs", nil)
+	if err != nil {
+		return nil, err
+	}
+	var jobs []blockJob
+	if err := json.Unmarshal(raw, &jobs); err != nil {
+		return nil, err
+	}
+	for i := range jobs {
+		if jobs[i].Device == mirrorJob {
+			return &jobs[i], nil
+		}
+	}
+	return nil, nil
 }

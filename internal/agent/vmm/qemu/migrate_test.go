@@ -1,7 +1,9 @@
 package qemu
 
 import (
+	"bytes"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -48,8 +50,13 @@ func TestLiveMigration(t *testing.T) {
 	if err := os.Mkdir(dst.Dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
+	// Its writable disk starts empty: the mirror fills it while the guest runs.
 	dst.WritableDisk = filepath.Join(dst.Dir, "rw.ext4")
-	if err := copyInto(src.WritableDisk, dst.WritableDisk); err != nil {
+	if fi, err := os.Stat(src.WritableDisk); err != nil {
+		t.Fatal(err)
+	} else if err := os.WriteFile(dst.WritableDisk, nil, 0o600); err != nil {
+		t.Fatal(err)
+	} else if err := os.Truncate(dst.WritableDisk, fi.Size()); err != nil {
 		t.Fatal(err)
 	}
 	dst.MigrationIn = true
@@ -57,7 +64,7 @@ func TestLiveMigration(t *testing.T) {
 	// First, a receiver that is gone: the guest runs on where it was.
 	a, b := socketPair(t)
 	b.Close()
-	if _, err := MigrateOut(src.Dir, a, 300*time.Millisecond, 0, nil, time.Minute); err == nil {
+	if _, err := MigrateOut(src.Dir, a, MigrateOptions{Downtime: 300 * time.Millisecond, Timeout: time.Minute}); err == nil {
 		t.Error("a migration to nobody completed")
 	}
 	a.Close()
@@ -71,10 +78,32 @@ func TestLiveMigration(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = syscallKill(recB.Pid) })
+	// The disk first: the receiver serves it, the sender mirrors to it while the guest runs.
+	nbd, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(t.TempDir(), "nbd.sock"), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lnFile, _ := nbd.File()
+	if err := ServeDisk(dst.Dir, recB, lnFile, time.Minute); err != nil {
+		t.Fatalf("%v; the receiver's log: %s", err, LogTail(dst.Dir, 500))
+	}
+	lnFile.Close()
+	nbdConn, err := net.Dial("unix", nbd.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	connFile, _ := nbdConn.(*net.UnixConn).File()
+	mirrored := time.Now()
+	if err := MirrorDisk(src.Dir, connFile, time.Minute); err != nil {
+		t.Fatalf("%v; the sender's log: %s; the receiver's: %s", err, LogTail(src.Dir, 500), LogTail(dst.Dir, 500))
+	}
+	connFile.Close()
+	nbdConn.Close()
+	t.Logf("the disk mirrored in %v", time.Since(mirrored).Round(time.Millisecond))
 	a, b = socketPair(t)
 	in := make(chan error, 1)
 	go func() { in <- MigrateIn(dst.Dir, recB, b, time.Minute) }()
-	stats, err := MigrateOut(src.Dir, a, 300*time.Millisecond, 0, nil, 2*time.Minute)
+	stats, err := MigrateOut(src.Dir, a, MigrateOptions{Downtime: 300 * time.Millisecond, MirroredDisk: true, Timeout: 2 * time.Minute})
 	if err != nil {
 		t.Fatalf("%v; the receiver's log: %s", err, LogTail(dst.Dir, 500))
 	}
@@ -83,10 +112,16 @@ func TestLiveMigration(t *testing.T) {
 	}
 	a.Close()
 	b.Close()
-	// The guest is paused on both: its disk is made whole on the receiver, then it runs there.
+	// The guest is paused on both, the receiver's disk the sender's, byte for byte; it runs
+	// on the receiver.
 	atMove := consoleOf(src.Dir)
-	if err := copyInto(src.WritableDisk, dst.WritableDisk); err != nil {
+	if err := StopDiskServer(dst.Dir); err != nil {
 		t.Fatal(err)
+	}
+	srcDisk, _ := os.ReadFile(src.WritableDisk)
+	dstDisk, _ := os.ReadFile(dst.WritableDisk)
+	if len(srcDisk) == 0 || !bytes.Equal(srcDisk, dstDisk) {
+		t.Fatalf("the receiver's disk (%d bytes) is not the sender's (%d bytes)", len(dstDisk), len(srcDisk))
 	}
 	drainChannel(t, dst.Dir)
 	if err := ResumeIncoming(dst.Dir, recB, time.Minute); err != nil {
@@ -128,28 +163,6 @@ func socketPair(t *testing.T) (*os.File, *os.File) {
 		t.Fatal(err)
 	}
 	return os.NewFile(uintptr(fds[0]), "migration-out"), os.NewFile(uintptr(fds[1]), "migration-in")
-}
-
-// copyInto writes the whole of file from over file to, in place (a VMM holds it open).
-func copyInto(from, to string) error {
-	in, err := os.Open(from)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(to, os.O_WRONLY|os.O_CREATE, 0o600)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	if err := out.Chown(guestUID, guestUID); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
 }
 
 // drainChannel reads the guest channel of the VM in dir as the agent does, until the test ends.

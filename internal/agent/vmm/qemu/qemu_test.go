@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -279,22 +278,7 @@ func TestSuspendResume(t *testing.T) {
 	t.Cleanup(func() { _ = syscallKill(rec.Pid) })
 	// The agent's end of the guest channel, as the agent keeps it: imp-init's messages wait for
 	// a reader.
-	drain := make(chan struct{})
-	t.Cleanup(func() { close(drain) })
-	go func() {
-		for {
-			select {
-			case <-drain:
-				return
-			default:
-			}
-			if conn, err := DialChannel(vmDir); err == nil {
-				_, _ = io.Copy(io.Discard, conn)
-				conn.Close()
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}()
+	drainChannel(t, vmDir)
 	console := func() string { b, _ := os.ReadFile(filepath.Join(vmDir, ConsoleLog)); return string(b) }
 	waitFor := func(what string, d time.Duration, f func() bool) {
 		t.Helper()
