@@ -2,8 +2,12 @@ package qemu
 
 import (
 	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"io"
 	"net"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -12,13 +16,16 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/syscode-labs/imp/internal/agent/transfer"
 	"github.com/syscode-labs/imp/internal/guestinit"
+	"github.com/syscode-labs/imp/internal/pki"
 )
 
 // TestLiveMigration moves a running guest (a 256 MiB guest under TCG, its workload counting on
-// the console) from one QEMU to another, live, over a socket pair as the agents' transfer
-// carries it: the count goes on in the second from where the first stopped, the workload is
+// the console) from one QEMU to another, live, its disk mirrored first, both through the
+// agents' transfer (streams over mutually authenticated TLS, each bridged to a VMM's socket): the count goes on in the second from where the first stopped, the workload is
 // not started again, the first stays paused; and a migration whose receiving VMM is gone
 // leaves the guest running where it was.
 func TestLiveMigration(t *testing.T) {
@@ -78,7 +85,10 @@ func TestLiveMigration(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = syscallKill(recB.Pid) })
-	// The disk first: the receiver serves it, the sender mirrors to it while the guest runs.
+	// Both of the VMMs' connections go through the agents' transfer as a migration's do: node
+	// b's agent (the receiver's) takes the streams node a's agent opens, over mutually
+	// authenticated TLS; each agent bridges a stream to a socket its VMM holds.
+	nodeA, nodeB := agentIdentities(t)
 	nbd, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(t.TempDir(), "nbd.sock"), Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
@@ -88,30 +98,63 @@ func TestLiveMigration(t *testing.T) {
 		t.Fatalf("%v; the receiver's log: %s", err, LogTail(dst.Dir, 500))
 	}
 	lnFile.Close()
-	nbdConn, err := net.Dial("unix", nbd.Addr().String())
+	in := make(chan error, 1)
+	streams := &transfer.Streams{Authorize: func(_ context.Context, node string, _ types.UID, name string) (func(net.Conn), error) {
+		if node != "node-a" {
+			return nil, transfer.ErrNotAllowed
+		}
+		switch name {
+		case "disk": // to the receiving VMM's disk server
+			return func(c net.Conn) {
+				if d, err := net.Dial("unix", nbd.Addr().String()); err == nil {
+					transfer.Bridge(c, d)
+				}
+			}, nil
+		case "memory": // to the receiving VMM's migration socket
+			return func(c net.Conn) {
+				mine, vmms := socketPair(t)
+				go func() { in <- MigrateIn(dst.Dir, recB, vmms, time.Minute); vmms.Close() }()
+				transfer.Bridge(c, mine)
+			}, nil
+		}
+		return nil, transfer.ErrNotAllowed
+	}}
+	ts := httptest.NewUnstartedServer(streams.Handler())
+	ts.TLS = transfer.ServerTLS(nodeB)
+	ts.StartTLS()
+	defer ts.Close()
+	cfg, err := transfer.ClientTLS(nodeA, "node-b")
 	if err != nil {
 		t.Fatal(err)
 	}
-	connFile, _ := nbdConn.(*net.UnixConn).File()
+	// open opens stream name to node b's agent and returns the end the sending VMM gets.
+	open := func(name string) *os.File {
+		t.Helper()
+		c, err := transfer.DialStream(context.Background(), cfg, strings.TrimPrefix(ts.URL, "https://"), "5f1c0a44-0d7e-4d3e-9a8e-2f6b1c9d0e11", name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine, vmms := socketPair(t)
+		go transfer.Bridge(c, mine)
+		return vmms
+	}
+	// The disk first: mirrored while the guest runs.
+	disk := open("disk")
 	mirrored := time.Now()
-	if err := MirrorDisk(src.Dir, connFile, time.Minute); err != nil {
+	if err := MirrorDisk(src.Dir, disk, time.Minute); err != nil {
 		t.Fatalf("%v; the sender's log: %s; the receiver's: %s", err, LogTail(src.Dir, 500), LogTail(dst.Dir, 500))
 	}
-	connFile.Close()
-	nbdConn.Close()
+	disk.Close()
 	t.Logf("the disk mirrored in %v", time.Since(mirrored).Round(time.Millisecond))
-	a, b = socketPair(t)
-	in := make(chan error, 1)
-	go func() { in <- MigrateIn(dst.Dir, recB, b, time.Minute) }()
-	stats, err := MigrateOut(src.Dir, a, MigrateOptions{Downtime: 300 * time.Millisecond, MirroredDisk: true, Timeout: 2 * time.Minute})
+	memory := open("memory")
+	stats, err := MigrateOut(src.Dir, memory, MigrateOptions{Downtime: 300 * time.Millisecond, MirroredDisk: true, Timeout: 2 * time.Minute})
 	if err != nil {
 		t.Fatalf("%v; the receiver's log: %s", err, LogTail(dst.Dir, 500))
 	}
+	memory.Close()
 	if err := <-in; err != nil {
 		t.Fatal(err)
 	}
-	a.Close()
-	b.Close()
 	// The guest is paused on both, the receiver's disk the sender's, byte for byte; it runs
 	// on the receiver.
 	atMove := consoleOf(src.Dir)
@@ -127,7 +170,7 @@ func TestLiveMigration(t *testing.T) {
 	if err := ResumeIncoming(dst.Dir, recB, time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("live migration (256 MiB guest, TCG, one socket pair): total %v, downtime %v, %d MiB sent", stats.Total, stats.Downtime, stats.Bytes>>20)
+	t.Logf("live migration (256 MiB guest, TCG, through the agents' mTLS streams): total %v, downtime %v, %d MiB sent", stats.Total, stats.Downtime, stats.Bytes>>20)
 	last := strings.Count(atMove, "hello: tick ")
 	waitFor("no tick on the receiver", 30*time.Second, func() bool {
 		return strings.Count(consoleOf(dst.Dir), "hello: tick ") >= 2
@@ -183,4 +226,27 @@ func drainChannel(t *testing.T, dir string) {
 			time.Sleep(50 * time.Millisecond)
 		}
 	}()
+}
+
+// agentIdentities are node-a's and node-b's agent certificates under one CA.
+func agentIdentities(t *testing.T) (a, b transfer.Identity) {
+	t.Helper()
+	ca, err := pki.NewCA("imp-agents", time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(ca.Cert)
+	id := func(node string) transfer.Identity {
+		leaf, err := pki.Issue(ca, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName(node)}, Server: true, Client: true, Lifetime: time.Hour}, time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		cert, err := tls.X509KeyPair(leaf.Cert, leaf.Key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return func() (*tls.Certificate, *x509.CertPool, error) { return &cert, pool, nil }
+	}
+	return id("node-a"), id("node-b")
 }
