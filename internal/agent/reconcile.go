@@ -149,7 +149,17 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			if a.snapshots.Busy(vm.HostUID()) {
 				return ctrl.Result{RequeueAfter: time.Second}, nil // QEMU saves one state at a time
 			}
-			return ctrl.Result{}, a.suspend(ctx, vm, dir, m, rec)
+			// The cache may lag a resume this agent just made, its suspension gone (an idle VM's
+			// wake): a suspension is acted on as the API server has it.
+			fresh := &impv1.ImpVM{}
+			if err := a.APIReader.Get(ctx, req.NamespacedName, fresh); err != nil {
+				return ctrl.Result{}, client.IgnoreNotFound(err)
+			}
+			if fresh.Status.Suspension == nil || fresh.HostUID() != vm.HostUID() || fresh.Status.Instance != st.Instance ||
+				fresh.Status.RestartCount != st.RestartCount || fresh.Status.Runtime == nil || suspendFailed(fresh.Status.Runtime) {
+				return ctrl.Result{}, nil // the cache's next view decides
+			}
+			return ctrl.Result{}, a.suspend(ctx, fresh, dir, m, rec)
 		}
 		if rt := st.Runtime; impv1.WarmPoolOf(vm) != "" && rt != nil && rt.GuestReady && (m.Restore == nil || m.Restore.Done) {
 			// An idle member waits paused, taking no CPU: its handover runs it on

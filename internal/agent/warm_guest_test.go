@@ -329,7 +329,7 @@ func eventsOf(c client.Client, ns, name string) string {
 	var b strings.Builder
 	for _, e := range events.Items {
 		if e.InvolvedObject.Name == name {
-			fmt.Fprintf(&b, "\n  %s %s: %s", e.Type, e.Reason, e.Message)
+			fmt.Fprintf(&b, "\n  %s %s %s: %s", e.EventTime.Format("15:04:05.000"), e.Type, e.Reason, e.Message)
 		}
 	}
 	return b.String()

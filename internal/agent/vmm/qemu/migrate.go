@@ -147,7 +147,7 @@ func MigrateIn(dir string, rec *vmm.Record, conn *os.File, timeout time.Duration
 }
 
 // dialStarted connects to the QMP socket of a VMM just started, waiting until deadline for it
-// to listen (it does some 20–40 ms after its exec), unless it ended.
+// to listen, unless it ended.
 func dialStarted(dir string, rec *vmm.Record, deadline time.Time) (*QMP, error) {
 	for began := time.Now(); ; {
 		q, err := DialQMP(dir, 5*time.Second)
@@ -155,11 +155,13 @@ func dialStarted(dir string, rec *vmm.Record, deadline time.Time) (*QMP, error) 
 			return q, nil
 		}
 		if rec != nil && !rec.Alive() {
-			return nil, errors.Join(errors.New("QEMU exited before it listened"), err)
+			return nil, fmt.Errorf("QEMU exited before it listened: %w", err)
 		}
 		if time.Now().After(deadline) {
 			return nil, err
 		}
+		// Tried often at first: QEMU listens some 20–40 ms after its exec, and the guest of a
+		// restore or a migration waits for this; then less.
 		wait := 2 * time.Millisecond
 		if time.Since(began) > 200*time.Millisecond {
 			wait = 20 * time.Millisecond

@@ -264,24 +264,9 @@ func (q *QMP) resumeAfter(err error) error {
 // ResumeIncoming has it load the devices from that descriptor on the memory it has.
 func ResumeIncoming(dir string, rec *vmm.Record, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
-	var q *QMP
-	var err error
-	for began := time.Now(); q == nil; {
-		if q, err = DialQMP(dir, 5*time.Second); err != nil {
-			if rec != nil && !rec.Alive() {
-				return fmt.Errorf("QEMU exited before it listened: %w", err)
-			}
-			if time.Now().After(deadline) {
-				return err
-			}
-			// Tried often at first: QEMU listens some 20–40 ms after its exec, and the
-			// guest of a restore waits for this; then less.
-			wait := 2 * time.Millisecond
-			if time.Since(began) > 200*time.Millisecond {
-				wait = 20 * time.Millisecond
-			}
-			time.Sleep(wait)
-		}
+	q, err := dialStarted(dir, rec, deadline)
+	if err != nil {
+		return err
 	}
 	defer q.Close()
 	_ = q.conn.SetDeadline(deadline)
