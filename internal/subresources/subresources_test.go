@@ -32,6 +32,7 @@ import (
 
 	"github.com/creack/pty"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	certv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -125,10 +126,42 @@ func (w *world) user(t *testing.T, name string, roles ...string) *rest.Config {
 		if err := w.cl.Client.Create(context.Background(), rb); err != nil {
 			t.Fatal(err)
 		}
+		w.awaitBinding(t, name, role)
 	}
 	cfg := rest.CopyConfig(w.cl.Config)
 	cfg.Impersonate = rest.ImpersonationConfig{UserName: name}
 	return cfg
+}
+
+// awaitBinding waits until the API server's authorizer grants name the first rule of role
+// in nsA: a RoleBinding takes effect when the authorizer's cache has it, not when it is created.
+func (w *world) awaitBinding(t *testing.T, name, role string) {
+	t.Helper()
+	ctx := context.Background()
+	cr := &rbacv1.ClusterRole{}
+	if err := w.cl.Client.Get(ctx, client.ObjectKey{Name: role}, cr); err != nil {
+		t.Fatal(err)
+	}
+	if len(cr.Rules) == 0 || len(cr.Rules[0].Verbs) == 0 || len(cr.Rules[0].Resources) == 0 || len(cr.Rules[0].APIGroups) == 0 {
+		t.Fatalf("ClusterRole %s has no rule to check a binding by", role)
+	}
+	r := cr.Rules[0]
+	res, sub, _ := strings.Cut(r.Resources[0], "/")
+	attrs := &authorizationv1.ResourceAttributes{Namespace: w.nsA, Verb: r.Verbs[0], Group: r.APIGroups[0], Resource: res, Subresource: sub}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: name, ResourceAttributes: attrs}}
+		if err := w.cl.Client.Create(ctx, sar); err != nil {
+			t.Fatal(err)
+		}
+		if sar.Status.Allowed {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s bound to %s in %s: the authorizer still refuses %+v", name, role, w.nsA, *attrs)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func (w *world) path(ns, sub string) string {
