@@ -135,7 +135,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.fetches = imagefetch.New(images, a.APIReader, o.RunSecretNamespace, o.PullTimeout, a.fetched)
 	a.reports = runreport.New(a.Client, o.StartingReportDelay)
 	a.stops = map[types.UID]*vmrun.Stop{}
-	a.Runs = &monitor.Registry{Drivers: a.drivers, Recorder: a.Recorder, Report: a.reports.Report, EndRun: a.endRun,
+	a.Runs = &monitor.Registry{Drivers: a.drivers, Recorder: a.Recorder, Report: a.reports.ReportRun, EndRun: a.endRun,
 		ConsoleLogBytes: o.ConsoleLogBytes, BootTimeout: o.BootTimeout}
 	a.snapshots = &snapshotter.Snapshotter{Client: a.Client, APIReader: a.APIReader, Recorder: a.Recorder, NodeName: o.NodeName,
 		SecretNamespace: o.RunSecretNamespace, PullTimeout: o.PullTimeout, MaxImageBytes: o.MaxImageBytes, Kernel: o.Kernel, Initramfs: o.Initramfs,
@@ -183,7 +183,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 			Continue: steps.Continue{Continuers: a.drivers}, Reidentify: steps.Reidentify{Guests: a.snapshots},
 		}}
 	a.Sessions = &idle.Sessions{}
-	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, Client: a.Client, Reports: a.reports, Recorder: a.Recorder,
+	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, API: a.APIReader, Reports: a.reports, Recorder: a.Recorder,
 		Limits: wake.Limits{Node: wake.NewBudget(o.IdleHeldBytes)}, Bound: o.IdleWakeTimeout, MemAvailable: o.MemAvailable,
 		Log: mgr.GetLogger().WithName("idle")}
 	meter := &idle.Meter{Client: a.Client, Traffic: a.networks, Sessions: a.Sessions, Reports: a.reports, Interval: o.IdleInterval,

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/clock"
@@ -29,9 +30,10 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
-// Reports writes a run's report (runreport.Reporter).
+// Reports writes a run's idle marks (runreport.Reporter.Mark): only the fields set changes, on
+// the version of the VM read (a stale read conflicts and writes nothing).
 type Reports interface {
-	Report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error
+	Mark(ctx context.Context, vm *impv1.ImpVM, set func(rt *impv1.RuntimeStatus)) error
 }
 
 // Sessions counts the API sessions (exec, console, port-forward, log) open to each VM, which
@@ -169,20 +171,16 @@ func (m *Meter) pass(ctx context.Context) {
 		case active:
 			a.last = now
 			if a.reported || rt.IdleSince != nil {
-				busy := *rt
-				busy.IdleSince = nil
-				if err := m.Reports.Report(ctx, vm, busy); err != nil {
-					m.Log.Error(err, "reporting a VM active again", "vm", client.ObjectKeyFromObject(vm))
+				if err := m.Reports.Mark(ctx, vm, func(rt *impv1.RuntimeStatus) { rt.IdleSince = nil }); err != nil {
+					m.logMark(err, "reporting a VM active again", vm)
 					continue
 				}
 				a.reported = false
 			}
 		case !a.reported && rt.IdleSince == nil && now.Sub(a.last) >= vm.Spec.Idle.SuspendAfter.Duration:
-			idle := *rt
 			since := metav1.NewTime(a.last)
-			idle.IdleSince = &since
-			if err := m.Reports.Report(ctx, vm, idle); err != nil {
-				m.Log.Error(err, "reporting a VM idle", "vm", client.ObjectKeyFromObject(vm))
+			if err := m.Reports.Mark(ctx, vm, func(rt *impv1.RuntimeStatus) { rt.IdleSince = &since }); err != nil {
+				m.logMark(err, "reporting a VM idle", vm)
 				continue
 			}
 			a.reported = true
@@ -193,4 +191,14 @@ func (m *Meter) pass(ctx context.Context) {
 			delete(m.seen, uid)
 		}
 	}
+}
+
+// logMark logs a mark not written: a conflict (the cache behind the API server) quietly, as the
+// next pass writes it from the newer copy.
+func (m *Meter) logMark(err error, msg string, vm *impv1.ImpVM) {
+	if apierrors.IsConflict(err) {
+		m.Log.V(1).Info(msg+": the VM changed, next pass", "vm", client.ObjectKeyFromObject(vm))
+		return
+	}
+	m.Log.Error(err, msg, "vm", client.ObjectKeyFromObject(vm))
 }

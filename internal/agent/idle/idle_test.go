@@ -38,11 +38,11 @@ func (n *node) Traffic(context.Context, *impv1.ImpVM) (uint64, uint64, error) {
 	return n.in, n.out, nil
 }
 
-func (n *node) Report(_ context.Context, _ *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+func (n *node) Mark(_ context.Context, _ *impv1.ImpVM, set func(rt *impv1.RuntimeStatus)) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.reported = append(n.reported, rt)
-	n.vm.Status.Runtime = rt.DeepCopy()
+	set(n.vm.Status.Runtime)
+	n.reported = append(n.reported, *n.vm.Status.Runtime.DeepCopy())
 	return nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
@@ -51,7 +52,7 @@ type Taps interface {
 // StandIns are what stands in for each idle-suspended VM of the node on its network.
 type StandIns struct {
 	Taps     Taps
-	Client   client.Reader // the agent's cache
+	API      client.Reader // what the API server says now (a wake is asked on it, never on a cache)
 	Reports  Reports
 	Recorder events.EventRecorder
 	Limits   wake.Limits
@@ -137,25 +138,36 @@ func (s *StandIns) wake(uid types.UID, key types.NamespacedName) {
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	vm := &impv1.ImpVM{}
-	if err := s.Client.Get(ctx, key, vm); err != nil || !Suspended(vm) {
-		return
-	}
-	rt := *vm.Status.Runtime
-	if why := s.room(vm); why != "" {
-		// It would not fit: its state stays for a later resume, and its clients are told now.
-		rt.Message = "not woken: " + why
-		if err := s.Reports.Report(ctx, vm, rt); err != nil {
-			s.Log.Error(err, "reporting an idle VM not woken", "vm", key)
+	// Read as the API server has it (the cache may lag a resume), marked on that version: a VM
+	// changed meanwhile is read again.
+	for range 3 {
+		vm := &impv1.ImpVM{}
+		if err := s.API.Get(ctx, key, vm); err != nil || !Suspended(vm) || vm.HostUID() != uid {
+			return
 		}
-		s.refuse(uid, why)
+		if why := s.room(vm); why != "" {
+			// It would not fit: its state stays for a later resume, and its clients are told now.
+			err := s.Reports.Mark(ctx, vm, func(rt *impv1.RuntimeStatus) { rt.Message = "not woken: " + why })
+			if apierrors.IsConflict(err) {
+				continue
+			}
+			if err != nil {
+				s.Log.Error(err, "reporting an idle VM not woken", "vm", key)
+			}
+			s.refuse(uid, why)
+			return
+		}
+		now := metav1.Now()
+		err := s.Reports.Mark(ctx, vm, func(rt *impv1.RuntimeStatus) { rt.WakeRequested = &now })
+		if apierrors.IsConflict(err) {
+			continue
+		}
+		if err != nil {
+			s.Log.Error(err, "asking for an idle VM to be woken", "vm", key)
+		}
 		return
 	}
-	now := metav1.Now()
-	rt.WakeRequested = &now
-	if err := s.Reports.Report(ctx, vm, rt); err != nil {
-		s.Log.Error(err, "asking for an idle VM to be woken", "vm", key)
-	}
+	s.Log.Info("asking for an idle VM to be woken: it kept changing; the next frame asks again", "vm", key)
 }
 
 // room says why the node has no room to wake vm into, or "".
@@ -216,7 +228,7 @@ func (s *StandIns) refuse(uid types.UID, why string) {
 	}
 	time.AfterFunc(retry, st.in.Rearm)
 	vm := &impv1.ImpVM{}
-	if err := s.Client.Get(context.Background(), st.key, vm); err == nil {
+	if err := s.API.Get(context.Background(), st.key, vm); err == nil {
 		s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "WakeFailed", "Resume",
 			"The idle VM was not woken (%s): what arrives for it is refused for %v, then may wake it again; its state stays on node for a resume", why, retry)
 	}

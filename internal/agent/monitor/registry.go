@@ -33,7 +33,7 @@ type Drivers interface {
 type Registry struct {
 	Drivers  Drivers
 	Recorder events.EventRecorder
-	// Report writes a run's state (runreport.Reporter.Report); a monitor retries it.
+	// Report writes a run's state but its idle marks (runreport.Reporter.ReportRun); a monitor retries it.
 	Report func(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error
 	// EndRun removes what only an ended run needed, once its VMM is gone.
 	EndRun func(uid types.UID)

@@ -120,18 +120,36 @@ func (r *Reporter) Forget(key types.NamespacedName) {
 	r.mu.Unlock()
 }
 
-// Report merge-patches status.runtime, and nothing else, when it differs.
+// Report merge-patches status.runtime, and nothing else, when it differs: the whole of it,
+// the run's idle marks (idleSince, wakeRequested) included.
 func (r *Reporter) Report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	return r.report(ctx, vm, rt, nil)
+}
+
+// ReportRun is Report for a run's watcher (the monitor), which knows the run but not its idle
+// marks: it writes every field of status.runtime but idleSince and wakeRequested, which it
+// leaves as they are (the idle meter's and the stand-in's, written with Mark).
+func (r *Reporter) ReportRun(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error {
+	return r.report(ctx, vm, rt, idleMarks)
+}
+
+// idleMarks are the fields of status.runtime that only Mark's callers know.
+var idleMarks = []string{"idleSince", "wakeRequested"}
+
+func (r *Reporter) report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus, keep []string) error {
 	key := client.ObjectKeyFromObject(vm)
 	r.mu.Lock()
 	r.reports[key]++ // voids a deferred report
 	r.mu.Unlock()
 	if cur := vm.Status.Runtime; cur != nil && cur.Instance == rt.Instance && cur.Run == rt.Run && cur.State == rt.State &&
 		cur.GuestReady == rt.GuestReady && ptr.Equal(cur.Ready, rt.Ready) && cur.Endpoint == rt.Endpoint && cur.Message == rt.Message && cur.DisksRemoved == rt.DisksRemoved &&
-		cur.IdleSince.Equal(rt.IdleSince) && cur.WakeRequested.Equal(rt.WakeRequested) {
+		(keep != nil || cur.IdleSince.Equal(rt.IdleSince) && cur.WakeRequested.Equal(rt.WakeRequested)) {
 		return nil
 	}
-	patch, err := RuntimePatch(rt)
+	if keep != nil && vm.Status.Runtime != nil { // what the caller's copy holds of the kept fields is not written
+		rt.IdleSince, rt.WakeRequested = vm.Status.Runtime.IdleSince, vm.Status.Runtime.WakeRequested
+	}
+	patch, err := runtimePatch(rt, keep, "")
 	if err != nil {
 		return err
 	}
@@ -160,13 +178,13 @@ var runtimeFields = func() []string {
 // RuntimePatch is the merge patch of an ImpVM's status that reports rt: it names every field
 // of status.runtime, null when unset, so that the report replaces the previous one whole (a
 // merge patch keeps the fields it does not name), and touches nothing else.
-func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) {
-	fields := map[string]any{}
-	raw, err := json.Marshal(rt)
+func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) { return runtimePatch(rt, nil, "") }
+
+// runtimePatch is RuntimePatch naming none of the fields keep, and, with resourceVersion, a
+// precondition on it (the API server refuses the patch with a Conflict if the VM changed).
+func runtimePatch(rt impv1.RuntimeStatus, keep []string, resourceVersion string) ([]byte, error) {
+	fields, err := runtimeMap(rt)
 	if err != nil {
-		return nil, err
-	}
-	if err := json.Unmarshal(raw, &fields); err != nil {
 		return nil, err
 	}
 	for _, f := range runtimeFields {
@@ -174,5 +192,68 @@ func RuntimePatch(rt impv1.RuntimeStatus) ([]byte, error) {
 			fields[f] = nil
 		}
 	}
-	return json.Marshal(map[string]any{"status": map[string]any{"runtime": fields}})
+	for _, f := range keep {
+		delete(fields, f)
+	}
+	return statusPatch(fields, resourceVersion)
+}
+
+func runtimeMap(rt impv1.RuntimeStatus) (map[string]any, error) {
+	fields := map[string]any{}
+	raw, err := json.Marshal(rt)
+	if err != nil {
+		return nil, err
+	}
+	return fields, json.Unmarshal(raw, &fields)
+}
+
+func statusPatch(runtime map[string]any, resourceVersion string) ([]byte, error) {
+	p := map[string]any{"status": map[string]any{"runtime": runtime}}
+	if resourceVersion != "" {
+		p["metadata"] = map[string]any{"resourceVersion": resourceVersion}
+	}
+	return json.Marshal(p)
+}
+
+// Mark writes what set changes of vm's status.runtime, and only that (the idle meter's
+// idleSince, the stand-in's wakeRequested and message), on the version of vm its caller read:
+// if the VM changed since (a cache lagging a resume, a new run), the API server refuses the
+// write with a Conflict and nothing is written. A vm with no runtime is not marked.
+func (r *Reporter) Mark(ctx context.Context, vm *impv1.ImpVM, set func(rt *impv1.RuntimeStatus)) error {
+	if vm.Status.Runtime == nil {
+		return nil
+	}
+	if vm.ResourceVersion == "" {
+		return fmt.Errorf("marking %s: the VM was read without its resourceVersion", vm.Name)
+	}
+	cur := *vm.Status.Runtime
+	next := *cur.DeepCopy()
+	set(&next)
+	before, err := runtimeMap(cur)
+	if err != nil {
+		return err
+	}
+	after, err := runtimeMap(next)
+	if err != nil {
+		return err
+	}
+	changed := map[string]any{}
+	for _, f := range runtimeFields {
+		if !reflect.DeepEqual(before[f], after[f]) {
+			changed[f] = after[f] // nil when unset: removed
+		}
+	}
+	if len(changed) == 0 {
+		return nil
+	}
+	patch, err := statusPatch(changed, vm.ResourceVersion)
+	if err != nil {
+		return err
+	}
+	obj := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: vm.Namespace, Name: vm.Name}}
+	if err := r.Client.Status().Patch(ctx, obj, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		return fmt.Errorf("marking the run of %s: %w", vm.Name, err)
+	}
+	vm.Status.Runtime, vm.ResourceVersion = &next, obj.ResourceVersion
+	return nil
 }
