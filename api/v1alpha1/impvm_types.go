@@ -679,6 +679,11 @@ type ImpVMStatus struct {
 	// the same write.
 	// +optional
 	Warm *WarmStatus `json:"warm,omitempty"`
+
+	// migration is set while an ImpVMMigration moves the VM (operator-owned): at most one at a
+	// time, the one named here.
+	// +optional
+	Migration *MigrationStatus `json:"migration,omitempty"`
 }
 
 // ImpVM is a Firecracker (or QEMU) microVM run from an OCI image.

@@ -56,6 +56,8 @@ import (
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms/status,verbs=get;patch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmmigrations,verbs=get;list;watch
+// +kubebuilder:rbac:groups=imp.dev,resources=impvmmigrations/status,verbs=get;patch
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=nodes,verbs=get
 // +kubebuilder:rbac:groups=imp.dev,resources=impnodes/status,verbs=get;update;patch

@@ -100,6 +100,9 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 		// controller would delete it.
 		`{"status":{"start":"warm","warm":{"pool":"p","member":"p-x","memberUID":"00000000-0000-0000-0000-000000000001"}}}`,
 		`{"status":{"image":"registry.example/other:v1"}}`,
+		// A migration's hold on the VM is the operator's: an agent naming one could keep the
+		// VM from every migration, or tell itself it may let the VM go.
+		`{"status":{"migration":{"name":"m","uid":"00000000-0000-0000-0000-000000000002","phase":"Committed","targetNode":"x"}}}`,
 	} {
 		err := asA.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "on-a"}}, client.RawPatch(types.MergePatchType, []byte(patch)))
 		if !refused(err, "may write status.runtime of on-a only") {

@@ -34,6 +34,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/impnode"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/impvmmigration"
 	"github.com/syscode-labs/imp/internal/controller/impvmpool"
 	"github.com/syscode-labs/imp/internal/controller/impvmsnapshot"
 	"github.com/syscode-labs/imp/internal/controller/impvmtemplate"
@@ -180,6 +181,10 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := (&idle.Reconciler{Client: mgr.GetClient(), Recorder: recorder, Clock: o.Clock}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the idle reconciler: %w", err)
+	}
+	if err := (&impvmmigration.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Clock: o.Clock,
+		Placer: impvm.Migrations{R: vms}}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the ImpVMMigration reconciler: %w", err)
 	}
 	if o.PressureLifecycle {
 		if o.PressureSettle == 0 {

@@ -1,0 +1,444 @@
+package impvmmigration_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/config"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/impvmmigration"
+	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/testcluster"
+)
+
+var shared *testcluster.Cluster
+
+func TestMain(m *testing.M) { os.Exit(testcluster.Main(m, &shared)) }
+
+// env is one test's world: its namespace, nodes only its VMs go to (a label of its own), the
+// operator, and a double of each node's agent that runs the VMs placed on it at once.
+type env struct {
+	t   *testing.T
+	cl  *testcluster.Cluster
+	c   client.Client
+	ns  string
+	sfx string
+}
+
+func newEnv(t *testing.T) *env {
+	cl := testcluster.Require(t, shared)
+	// The agents' writes go through the chart's admission policy, as in a cluster.
+	cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	ns := cl.Namespace(t)
+	e := &env{t: t, cl: cl, c: cl.Client, ns: ns, sfx: ns[len(ns)-5:]}
+	opts := operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}
+	opts.VM.AgentHeartbeatTimeout = time.Hour // the doubles beat no Lease
+	mgr, err := ctrl.NewManager(cl.As(t, testcluster.Operator), ctrl.Options{Scheme: cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress: "0", Controller: config.Controller{SkipNameValidation: ptr.To(true)}, Cache: operator.CacheOptions(opts)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	if err := operator.Setup(ctx, mgr, opts); err != nil {
+		t.Fatal(err)
+	}
+	testcluster.RunManager(t, mgr)
+	e.runVMs(ctx)
+	return e
+}
+
+// node makes a Ready node of the test's with an agent report of 4 vCPUs and memGi, and returns
+// its name.
+func (e *env) node(name string, memGi int64) string {
+	e.t.Helper()
+	ctx := context.Background()
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "mig-" + name + "-" + e.sfx, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/pool": e.ns}}}
+	if err := e.c.Create(ctx, n); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = e.c.Delete(context.Background(), n) })
+	n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
+	if err := e.c.Status().Update(ctx, n); err != nil {
+		e.t.Fatal(err)
+	}
+	rep := &impv1.ImpNode{ObjectMeta: metav1.ObjectMeta{Name: n.Name}}
+	if err := e.c.Create(ctx, rep); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = e.c.Delete(context.Background(), rep) })
+	rep.Status = impv1.ImpNodeStatus{
+		Allocatable: &impv1.NodeResources{VCPUs: 4, Memory: *resource.NewQuantity(memGi<<30, resource.BinarySI)},
+		VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg"}},
+		Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, LastTransitionTime: metav1.Now()}},
+	}
+	if err := e.c.Status().Update(ctx, rep); err != nil {
+		e.t.Fatal(err)
+	}
+	return n.Name
+}
+
+// runVMs is every node's agent double for runs: a VM of the test's placed on a node is
+// reported running with its guest ready, once per run.
+func (e *env) runVMs(ctx context.Context) {
+	go func() {
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for ctx.Err() == nil {
+			<-tick.C
+			var l impv1.ImpVMList
+			if err := e.c.List(ctx, &l, client.InNamespace(e.ns)); err != nil {
+				continue
+			}
+			for i := range l.Items {
+				vm := &l.Items[i]
+				st, rt := &vm.Status, vm.Status.Runtime
+				current := rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount
+				now := metav1.Now()
+				next := impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeRunning, StartedAt: &now, GuestReady: true}
+				switch {
+				case st.NodeName == "" || st.Instance == 0 || !vm.DeletionTimestamp.IsZero():
+					continue
+				case vm.Spec.RunStrategy == impv1.RunStrategyHalted:
+					if current && rt.State == impv1.RuntimeStopped {
+						continue
+					}
+					next = impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, FinishedAt: &now}
+				case current:
+					continue
+				}
+				p, _ := json.Marshal(map[string]any{"status": map[string]any{"runtime": next}})
+				_ = e.c.Status().Patch(ctx, vm, client.RawPatch(types.MergePatchType, p))
+			}
+		}
+	}()
+}
+
+// running makes a VM of 1 vCPU and mem and waits until it runs; it returns it as it is then.
+func (e *env) running(name, mem string) *impv1.ImpVM {
+	e.t.Helper()
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}, Spec: impv1.ImpVMSpec{Image: "registry.test/app:1",
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse(mem))}, NodeSelector: map[string]string{"imp.test/pool": e.ns}}}
+	if err := e.c.Create(context.Background(), vm); err != nil {
+		e.t.Fatal(err)
+	}
+	NewWithT(e.t).Eventually(func() bool {
+		vm = e.vm(name)
+		rt := vm.Status.Runtime
+		return vm.Status.Phase == impv1.VMRunning && rt != nil && rt.GuestReady
+	}).WithTimeout(time.Minute).WithPolling(50*time.Millisecond).Should(BeTrue(), "VM "+name+" never ran")
+	return vm
+}
+
+func (e *env) vm(name string) *impv1.ImpVM {
+	vm := &impv1.ImpVM{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Namespace: e.ns, Name: name}, vm); err != nil {
+		e.t.Fatal(err)
+	}
+	return vm
+}
+
+func (e *env) migrate(name, vm, target string, timeout *int32) *impv1.ImpVMMigration {
+	e.t.Helper()
+	m := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name},
+		Spec: impv1.ImpVMMigrationSpec{VMName: vm, TargetNode: target, TimeoutSeconds: timeout}}
+	if err := e.c.Create(context.Background(), m); err != nil {
+		e.t.Fatal(err)
+	}
+	return m
+}
+
+func (e *env) migration(name string) *impv1.ImpVMMigration {
+	m := &impv1.ImpVMMigration{}
+	if err := e.c.Get(context.Background(), types.NamespacedName{Namespace: e.ns, Name: name}, m); err != nil {
+		e.t.Fatal(err)
+	}
+	return m
+}
+
+// phase waits until migration name is in phase p and returns it then.
+func (e *env) phase(name string, p impv1.MigrationPhase) *impv1.ImpVMMigration {
+	e.t.Helper()
+	var m *impv1.ImpVMMigration
+	NewWithT(e.t).Eventually(func() impv1.MigrationPhase {
+		m = e.migration(name)
+		return m.Status.Phase
+	}).WithTimeout(time.Minute).WithPolling(50*time.Millisecond).Should(Equal(p), func() string {
+		b, _ := json.MarshalIndent(m.Status, "", " ")
+		return "migration " + name + ": " + string(b)
+	})
+	return m
+}
+
+// agent is the client of node's agent (its identity, bound to the node).
+func (e *env) agent(node string) client.Client {
+	e.t.Helper()
+	c, err := client.New(e.cl.AsNode(e.t, testcluster.Agent, node), client.Options{Scheme: e.cl.Scheme})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return c
+}
+
+// report writes side ("source" or "target") of migration name with agent a.
+func (e *env) report(a client.Client, name, side string, r impv1.MigrationAgentReport) error {
+	p, _ := json.Marshal(map[string]any{"status": map[string]any{side: r}})
+	return a.Status().Patch(context.Background(), &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}},
+		client.RawPatch(types.MergePatchType, p))
+}
+
+func refused(err error) bool { return apierrors.IsForbidden(err) || apierrors.IsInvalid(err) }
+
+// TestAMigrationMovesTheVMOnce: a migration of a running VM with no target chosen gets the other
+// node; the VM is the migration's (its status says so) and the source may send only once the
+// target reports its place ready; the commit moves the VM's nodeName to the target only once
+// the target has the whole state and the source's guest is paused, with the source's downtime
+// and bytes; once the target runs it, the migration has succeeded and the VM is let go. A second
+// migration of the VM meanwhile fails without touching it. Each agent writes its own side
+// alone: the source cannot say the target loaded, the target cannot commit, a third node's
+// agent cannot write either side.
+func TestAMigrationMovesTheVMOnce(t *testing.T) {
+	e := newEnv(t)
+	a, b, c := e.node("a", 8), e.node("b", 8), e.node("c", 1)
+	vm := e.running("vm", "2Gi") // c cannot hold it
+	source, target := vm.Status.NodeName, a
+	if source == a {
+		target = b
+	}
+	ctx := context.Background()
+	e.migrate("move", "vm", "", nil)
+	m := e.phase("move", impv1.MigrationPreparing)
+	if m.Status.SourceNode != source || m.Status.TargetNode != target || m.Status.VMUID != vm.UID || m.Status.StartedAt == nil {
+		t.Fatalf("preparing: %+v; want from %s to %s", m.Status, source, target)
+	}
+	if got := e.vm("vm").Status.Migration; got == nil || got.UID != m.UID || got.Phase != impv1.MigrationPreparing || got.TargetNode != target {
+		t.Errorf("the VM's status.migration while preparing: %+v", got)
+	}
+	if !controllerHasFinalizer(m) {
+		t.Errorf("no finalizer on the migration: %v", m.Finalizers)
+	}
+
+	// A second migration of the VM fails; the first goes on.
+	e.migrate("again", "vm", "", nil)
+	if f := e.phase("again", impv1.MigrationFailed); f.Status.Reason != impvmmigration.ReasonBusy {
+		t.Errorf("a second migration: %s %q; want %s", f.Status.Reason, f.Status.Message, impvmmigration.ReasonBusy)
+	}
+
+	src, tgt, third := e.agent(source), e.agent(target), e.agent(c)
+	// The policy takes a moment to be in force: waited for on a write of the third node's that
+	// changes nothing.
+	NewWithT(t).Eventually(func() error {
+		return third.Status().Patch(ctx, &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "move"}}, client.RawPatch(types.MergePatchType, []byte(`{"status":{}}`)))
+	}).WithTimeout(time.Minute).WithPolling(200*time.Millisecond).Should(Satisfy(refused), "the admission policy never refused an unrelated node's agent")
+	for _, bad := range []struct {
+		who   string
+		as    client.Client
+		patch string
+	}{
+		{"the source, the target's side", src, `{"status":{"target":{"state":"Loaded"}}}`},
+		{"the target, the source's side", tgt, `{"status":{"source":{"state":"Paused"}}}`},
+		{"the target, the phase", tgt, `{"status":{"phase":"Committed"}}`},
+		{"the target, the target node", tgt, `{"status":{"targetNode":"` + c + `"}}`},
+		{"the source, the VM's migration", src, ``},
+		{"a third node, the source's side", third, `{"status":{"source":{"state":"Failed","message":"x"}}}`},
+	} {
+		var err error
+		if bad.patch == "" { // the VM's status.migration is the operator's alone
+			err = bad.as.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "vm"}}, client.RawPatch(types.MergePatchType,
+				[]byte(`{"status":{"migration":{"name":"move","uid":"`+string(m.UID)+`","phase":"Committed","targetNode":"`+target+`"}}}`)))
+		} else {
+			err = bad.as.Status().Patch(ctx, &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "move"}}, client.RawPatch(types.MergePatchType, []byte(bad.patch)))
+		}
+		if !refused(err) {
+			t.Errorf("%s wrote: %v", bad.who, err)
+		}
+	}
+	if got := e.migration("move").Status; got.Phase != impv1.MigrationPreparing || got.Target != nil || got.Source != nil {
+		t.Fatalf("after the refused writes: %+v", got)
+	}
+
+	// The source does not send before the target is ready.
+	if err := e.report(src, "move", "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.report(tgt, "move", "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentLoaded}); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Consistently(func() string { return e.vm("vm").Status.NodeName }).WithTimeout(time.Second).Should(Equal(source),
+		"committed while the migration was Preparing")
+	if err := e.report(tgt, "move", "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentReady}); err != nil {
+		t.Fatal(err)
+	}
+	e.phase("move", impv1.MigrationTransferring)
+	if got := e.vm("vm").Status.Migration; got == nil || got.Phase != impv1.MigrationTransferring {
+		t.Errorf("the VM's status.migration while transferring: %+v", got)
+	}
+	// The target has it all, the source still sends: no commit.
+	if err := e.report(src, "move", "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentSending, Bytes: 100 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.report(tgt, "move", "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentLoaded, Bytes: 100 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() int64 { return e.migration("move").Status.BytesMoved }).WithTimeout(time.Minute).Should(Equal(int64(100 << 20)))
+	if got := e.vm("vm").Status.NodeName; got != source {
+		t.Fatalf("committed while the source was still sending: the VM is on %s", got)
+	}
+	if err := e.report(src, "move", "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: 120 << 20,
+		Downtime: &metav1.Duration{Duration: 49 * time.Millisecond}}); err != nil {
+		t.Fatal(err)
+	}
+	m = e.phase("move", impv1.MigrationCommitted)
+	moved := e.vm("vm")
+	if moved.Status.NodeName != target || moved.UID != vm.UID || moved.Status.IP != vm.Status.IP || moved.Status.Instance != vm.Status.Instance {
+		t.Errorf("committed: the VM is %s on %s, address %s, instance %d; want the same VM on %s", moved.UID, moved.Status.NodeName, moved.Status.IP, moved.Status.Instance, target)
+	}
+	if m.Status.CommittedAt == nil || m.Status.Downtime == nil || m.Status.Downtime.Duration != 49*time.Millisecond || m.Status.BytesMoved != 120<<20 {
+		t.Errorf("committed: %+v", m.Status)
+	}
+	if err := e.report(tgt, "move", "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentRunning, Bytes: 120 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	m = e.phase("move", impv1.MigrationSucceeded)
+	if m.Status.CompletedAt == nil || !isReady(m) {
+		t.Errorf("succeeded: %+v", m.Status)
+	}
+	NewWithT(t).Eventually(func() *impv1.MigrationStatus { return e.vm("vm").Status.Migration }).WithTimeout(time.Minute).Should(BeNil(),
+		"the VM still names its migration")
+	if got := e.vm("vm"); got.Status.NodeName != target || got.Status.Phase != impv1.VMRunning {
+		t.Errorf("after the migration: %s on %s", got.Status.Phase, got.Status.NodeName)
+	}
+}
+
+func controllerHasFinalizer(m *impv1.ImpVMMigration) bool {
+	for _, f := range m.Finalizers {
+		if f == impvmmigration.Finalizer {
+			return true
+		}
+	}
+	return false
+}
+
+func isReady(m *impv1.ImpVMMigration) bool {
+	for _, c := range m.Status.Conditions {
+		if c.Type == impv1.ReadyCondition {
+			return c.Status == metav1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// TestAMigrationThatCannotCommitLeavesTheVM: a target that fails, a migration past its timeout
+// and a migration deleted before its commit each end with the VM on its source, untouched (its
+// node, its run, no migration named), and the room held on the target released: a VM that
+// needs all of it is placed there next.
+func TestAMigrationThatCannotCommitLeavesTheVM(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.node("a", 8), e.node("b", 8)
+	vm := e.running("vm", "3Gi")
+	source, target := vm.Status.NodeName, a
+	if source == a {
+		target = b
+	}
+	tgt := e.agent(target)
+	ctx := context.Background()
+	steady := func(why string) {
+		t.Helper()
+		NewWithT(t).Eventually(func() *impv1.MigrationStatus { return e.vm("vm").Status.Migration }).WithTimeout(time.Minute).Should(BeNil(), why+": the VM still names a migration")
+		got := e.vm("vm")
+		if got.Status.NodeName != source || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount {
+			t.Errorf("%s: the VM is on %s, instance %d run %d; want it as it was on %s", why, got.Status.NodeName, got.Status.Instance, got.Status.RestartCount, source)
+		}
+	}
+
+	e.migrate("fails", "vm", target, nil)
+	e.phase("fails", impv1.MigrationPreparing)
+	NewWithT(t).Eventually(func() error {
+		return e.report(tgt, "fails", "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentFailed, Message: "no room for the tap"})
+	}).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
+	if m := e.phase("fails", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTargetFailed || !strings.Contains(m.Status.Message, "no room for the tap") {
+		t.Errorf("a failed target: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	steady("after a failed target")
+
+	e.migrate("slow", "vm", target, ptr.To[int32](10))
+	e.phase("slow", impv1.MigrationPreparing)
+	if m := e.phase("slow", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTimedOut {
+		t.Errorf("a migration past its timeout: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	steady("after a timeout")
+
+	del := e.migrate("deleted", "vm", target, nil)
+	e.phase("deleted", impv1.MigrationPreparing)
+	if err := e.c.Delete(ctx, del); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() bool {
+		return apierrors.IsNotFound(e.c.Get(ctx, client.ObjectKeyFromObject(del), &impv1.ImpVMMigration{}))
+	}).WithTimeout(time.Minute).Should(BeTrue(), "the deleted migration is still there")
+	steady("after the migration was deleted")
+
+	// Nothing is held for the copies: a VM needing all but what the node keeps fits on the target.
+	big := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "big"}, Spec: impv1.ImpVMSpec{Image: "registry.test/app:1", NodeName: target,
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("6Gi"))}, NodeSelector: map[string]string{"imp.test/pool": e.ns}}}
+	if err := e.c.Create(ctx, big); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() string { return e.vm("big").Status.NodeName }).WithTimeout(time.Minute).Should(Equal(target),
+		"the target's room is still held for a migration that ended")
+}
+
+// TestMigrationsThatCannotStart: a VM that does not exist, one that is not running (halted),
+// and a target that is the VM's own node fail at once with what is wrong, and the VM is not
+// touched; a target with no room waits for one, saying why, until its timeout.
+func TestMigrationsThatCannotStart(t *testing.T) {
+	e := newEnv(t)
+	a := e.node("a", 8)
+	small := e.node("small", 1)
+	vm := e.running("vm", "2Gi")
+	if vm.Status.NodeName != a {
+		t.Fatalf("the VM went to %s", vm.Status.NodeName)
+	}
+	e.migrate("nothing", "novm", "", nil)
+	if m := e.phase("nothing", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonVMNotFound {
+		t.Errorf("a migration of no VM: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	e.migrate("here", "vm", a, nil)
+	if m := e.phase("here", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonNoTarget {
+		t.Errorf("a migration to the VM's own node: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	e.migrate("tight", "vm", small, ptr.To[int32](10))
+	NewWithT(t).Eventually(func() string { return e.migration("tight").Status.Message }).WithTimeout(time.Minute).Should(ContainSubstring("too little free memory"))
+	if m := e.phase("tight", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTimedOut {
+		t.Errorf("a migration to a node with no room: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	halted := e.vm("vm")
+	halted.Spec.RunStrategy = impv1.RunStrategyHalted
+	if err := e.c.Update(context.Background(), halted); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() impv1.VMPhase { return e.vm("vm").Status.Phase }).WithTimeout(time.Minute).ShouldNot(Equal(impv1.VMRunning))
+	e.migrate("halted", "vm", "", nil)
+	if m := e.phase("halted", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonVMNotRunning {
+		t.Errorf("a migration of a halted VM: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	if got := e.vm("vm").Status.Migration; got != nil {
+		t.Errorf("a migration that could not start left its name on the VM: %+v", got)
+	}
+}
