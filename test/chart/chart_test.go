@@ -180,8 +180,8 @@ func TestDefaults(t *testing.T) {
 			crds++
 		}
 	}
-	if crds != 11 {
-		t.Errorf("%d CRDs, want 11", crds)
+	if crds != 12 {
+		t.Errorf("%d CRDs, want 12", crds)
 	}
 	for _, k := range []string{"ValidatingAdmissionPolicy/imp-quota", "ValidatingAdmissionPolicyBinding/imp-quota"} {
 		if _, ok := m[k]; !ok {
