@@ -73,7 +73,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		life = max(time.Duration(*s)*time.Second, time.Hour)
 	}
 	leaf, err := pki.Issue(ca, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName(node)}, Server: true,
-		Lifetime: life, PublicKey: pub}, r.Clock.Now())
+		Client: slices.Contains(csr.Spec.Usages, certv1.UsageClientAuth), Lifetime: life, PublicKey: pub}, r.Clock.Now())
 	if err != nil {
 		return ctrl.Result{}, err
 	}
@@ -113,8 +113,11 @@ func (r *Reconciler) verify(csr *certv1.CertificateSigningRequest) (any, string,
 		return nil, "", fmt.Errorf("the request names %v %v %v %v; an agent of node %s may ask for %q only", req.DNSNames, req.IPAddresses, req.URIs, req.EmailAddresses, node, want)
 	}
 	for _, u := range csr.Spec.Usages {
-		if u != certv1.UsageDigitalSignature && u != certv1.UsageServerAuth && u != certv1.UsageKeyEncipherment {
-			return nil, "", fmt.Errorf("usage %q: an agent's certificate serves, nothing else", u)
+		// Client use: an agent connects to another node's agent for a migration, which takes
+		// it by its name (transfer.PeerNode); the access endpoints take the operator's name
+		// alone, so an agent's certificate is no key to them.
+		if u != certv1.UsageDigitalSignature && u != certv1.UsageServerAuth && u != certv1.UsageKeyEncipherment && u != certv1.UsageClientAuth {
+			return nil, "", fmt.Errorf("usage %q: an agent's certificate serves and connects to agents, nothing else", u)
 		}
 	}
 	return req.PublicKey, node, nil

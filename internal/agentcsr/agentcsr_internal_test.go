@@ -49,7 +49,10 @@ func TestVerify(t *testing.T) {
 		{"another node's name", agent, onNode, req(x509.CertificateRequest{DNSNames: []string{"imp-agent.node-b"}}), serve, `may ask for "imp-agent.node-a" only`},
 		{"a second name", agent, onNode, req(x509.CertificateRequest{DNSNames: []string{"imp-agent.node-a", "imp-subresources"}}), serve, "may ask for"},
 		{"an address", agent, onNode, req(x509.CertificateRequest{DNSNames: []string{"imp-agent.node-a"}, IPAddresses: []net.IP{net.ParseIP("10.0.0.1")}}), serve, "may ask for"},
-		{"client use", agent, onNode, own, []certv1.KeyUsage{certv1.UsageClientAuth}, "serves, nothing else"},
+		// An agent is its migrations' client of another node's agent (docs/migration.md).
+		{"serving and client use", agent, onNode, own, []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageServerAuth, certv1.UsageClientAuth}, ""},
+		{"code signing", agent, onNode, own, []certv1.KeyUsage{certv1.UsageCodeSigning}, "serves and connects to agents, nothing else"},
+		{"any use", agent, onNode, own, []certv1.KeyUsage{certv1.UsageAny}, "serves and connects to agents, nothing else"},
 		{"not PEM", agent, onNode, []byte("garbage"), serve, "not a PEM certificate request"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

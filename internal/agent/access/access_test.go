@@ -246,6 +246,8 @@ func TestRefusesOtherClients(t *testing.T) {
 		{"no certificate", &rest.Config{Host: w.config(t, w.ca, client).Host, TLSClientConfig: rest.TLSClientConfig{CAData: w.ca.Cert}}},
 		{"another CA's certificate", w.config(t, other, client)},
 		{"the CA's certificate for another name", w.config(t, w.ca, "imp-agent")},
+		// Another node's agent, whose certificate is a client's too (for migrations).
+		{"another node's agent", agentConfig(t, w, "node-b")},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			hc, err := rest.HTTPClientFor(tc.cfg)
@@ -270,6 +272,18 @@ func TestRefusesOtherClients(t *testing.T) {
 		t.Fatalf("the subresource server's certificate: %v %v", resp, err)
 	}
 	resp.Body.Close()
+}
+
+// agentConfig is a client with the certificate the operator signs for node's agent.
+func agentConfig(t *testing.T, w *world, node string) *rest.Config {
+	t.Helper()
+	c, err := pki.Issue(w.ca, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName(node)}, Server: true, Client: true,
+		Lifetime: time.Hour}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, _ := url.Parse(w.srv.URL)
+	return &rest.Config{Host: "https://" + u.Host, TLSClientConfig: rest.TLSClientConfig{CAData: w.ca.Cert, CertData: c.Cert, KeyData: c.Key}}
 }
 
 // spy records whether the endpoint asked for any VM.

@@ -224,9 +224,10 @@ func (c *CSR) issue(ctx context.Context) (*loaded, time.Time, error) {
 	csr := &certv1.CertificateSigningRequest{
 		ObjectMeta: metav1.ObjectMeta{GenerateName: pki.AgentName + "-" + c.Node + "-"},
 		Spec: certv1.CertificateSigningRequestSpec{
-			Request:           pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}),
-			SignerName:        pki.SignerName,
-			Usages:            []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageServerAuth},
+			Request:    pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}),
+			SignerName: pki.SignerName,
+			// Client use too: the agent connects to another node's agent for a migration.
+			Usages:            []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageServerAuth, certv1.UsageClientAuth},
 			ExpirationSeconds: ptr.To(int32(pki.LeafLifetime / time.Second)),
 		},
 	}
