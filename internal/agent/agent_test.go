@@ -85,7 +85,7 @@ func killVMMs(t *testing.T, stateDir, node string) {
 				_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 				rec.WaitGone(5 * time.Second)
 			}
-			vmm.KillMarked(filepath.Base(dir), time.Second)
+			vmm.KillMarkedIn(filepath.Base(dir), dir, time.Second)
 		}
 		// Their cgroups, and the agent's snapshot memory's: the agent, stopped by now, leaves
 		// them as it leaves its VMs running.

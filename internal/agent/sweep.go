@@ -162,7 +162,7 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 		rec.WaitGone(5 * time.Second)
 	}
-	vmm.KillMarked(string(uid), 5*time.Second)
+	vmm.KillMarkedIn(string(uid), dir, 5*time.Second)
 	a.Runs.Stop(uid)
 	for _, f := range []string{"meta.json", vmm.RecordFile, vmm.IntentFile, vmrun.ConfigDisk, qemu.StateFile} {
 		if err := os.Remove(filepath.Join(dir, f)); err != nil && !os.IsNotExist(err) {

@@ -33,14 +33,14 @@ func (KillVMMs) ShouldDo(_ context.Context, t *vmrun.Teardown) (bool, error) {
 	if rec, err := vmm.ReadRecord(t.Dir); err == nil && rec.Alive() {
 		return true, nil
 	}
-	return len(vmm.Marked(string(t.UID))) > 0, nil
+	return len(vmm.MarkedIn(string(t.UID), t.Dir)) > 0, nil
 }
 
 func (KillVMMs) Do(_ context.Context, t *vmrun.Teardown) error {
 	if rec, err := vmm.ReadRecord(t.Dir); err == nil && rec.Alive() {
 		_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 	}
-	vmm.KillMarked(string(t.UID), 5*time.Second)
+	vmm.KillMarkedIn(string(t.UID), t.Dir, 5*time.Second)
 	return nil
 }
 

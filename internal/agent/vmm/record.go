@@ -143,6 +143,32 @@ func HasIntent(dir string) bool {
 	return err == nil
 }
 
+// DirEnv is the variable in a VMM's environment that names the directory of its run: a VMM of
+// the same VM kept elsewhere (a migration's other side, on a machine that holds two nodes'
+// agents, as the tests' does) is not this directory's.
+const DirEnv = "IMP_VM_DIR"
+
+// MarkedIn is Marked without the processes that say they are another directory's (DirEnv).
+func MarkedIn(uid, dir string) []int {
+	var out []int
+	for _, pid := range Marked(uid) {
+		env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
+		if err == nil {
+			other := false
+			for _, kv := range strings.Split(string(env), "\x00") {
+				if v, ok := strings.CutPrefix(kv, DirEnv+"="); ok && filepath.Clean(v) != filepath.Clean(dir) {
+					other = true
+				}
+			}
+			if other {
+				continue
+			}
+		}
+		out = append(out, pid)
+	}
+	return out
+}
+
 // Marked lists the processes that carry a VM's marker, its UID, on their command line, as
 // every driver's VMM does: QEMU as "-name <uid>", the jailer as "--id <uid>", and the
 // Firecracker it execs as "--id=<uid>" (the jailer's own form).
@@ -177,15 +203,15 @@ func KillUnrecorded(dir, id string) []int {
 	if rec, err := ReadRecord(dir); err == nil && rec.Alive() {
 		return nil // the start got as far as its record: the VMM is known
 	}
-	pids := KillMarked(id, 5*time.Second)
+	pids := KillMarkedIn(id, dir, 5*time.Second)
 	_ = ClearIntent(dir)
 	return pids
 }
 
-// KillMarked kills every process carrying the VM's marker (see Marked) and waits up to wait
-// for them to end; it returns those it killed.
-func KillMarked(uid string, wait time.Duration) []int {
-	pids := Marked(uid)
+// KillMarkedIn kills every process carrying the VM's marker that is not another directory's
+// (MarkedIn) and waits up to wait for them to end; it returns those it killed.
+func KillMarkedIn(uid, dir string, wait time.Duration) []int {
+	pids := MarkedIn(uid, dir)
 	for _, pid := range pids {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}

@@ -445,6 +445,8 @@ func Start(s Spec, configHash string) (*vmm.Record, error) {
 	}
 	command := func(cg *os.File) *exec.Cmd {
 		cmd := exec.Command(bin, s.Args()...)
+		// Whose it is, beside its marker (vmm.Marked): the directory of the run on its node.
+		cmd.Env = append(os.Environ(), vmm.DirEnv+"="+s.Dir)
 		cmd.Stdout, cmd.Stderr = logf, logf
 		cmd.ExtraFiles = files
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
