@@ -92,6 +92,13 @@ type ImpNodeStatus struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=15
 	OverlayAddress string `json:"overlayAddress,omitempty"`
+
+	// migrationEndpoint is where the node's agent takes the migrations of VMs moving to it
+	// (host:port, mutually authenticated TLS with the agents' certificates): the source's agent
+	// connects there, and checks that the agent answering is this node's.
+	// +optional
+	// +kubebuilder:validation:MaxLength=261
+	MigrationEndpoint string `json:"migrationEndpoint,omitempty"`
 	// networks are the ImpNetworks plumbed on the node (bridge, overlay, rules), each with
 	// whether that worked.
 	// +optional

@@ -85,6 +85,7 @@ func run() error {
 		metricsAddr, probeAddr string
 		pprofAddr              string
 		accessAddr, accessDir  string
+		migrationAddr          string
 		accessCSR              bool
 		accessClient           string
 		reserveDisk            string
@@ -163,6 +164,8 @@ func run() error {
 	})
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
 	fs.StringVar(&accessAddr, "access-bind-address", ":10260", "address of the access endpoint (exec, port-forward, console log) that IMP's subresource server reaches over mutual TLS")
+	fs.StringVar(&migrationAddr, "migration-bind-address", "", "address where the agent takes migrations of VMs to this node, over mutual TLS with the agents' certificates (the access endpoint's, so it needs one); empty: the node takes part in no migration")
+	fs.StringVar(&opts.MigrationEndpoint, "migration-endpoint", "", "host:port where other nodes' agents reach --migration-bind-address (reported on this node's ImpNode); default: the bind address")
 	fs.StringVar(&accessDir, "access-cert-dir", "", "directory of the access endpoint's tls.crt, tls.key and the client CA ca.crt, read again when they change; empty: no access endpoint")
 	fs.DurationVar(&opts.HeartbeatInterval, "heartbeat-interval", 10*time.Second, "how often the agent renews its heartbeat Lease (imp-agent-NODE in --run-secret-namespace)")
 	fs.BoolVar(&accessCSR, "access-cert-request", false, "obtain the access endpoint's certificate for this node through the certificates API (signer "+pki.SignerName+", the operator), and renew it; wins over --access-cert-dir")
@@ -256,13 +259,21 @@ func run() error {
 	if err := errors.Join(mgr.AddHealthzCheck("ping", healthz.Ping), mgr.AddReadyzCheck("ping", healthz.Ping)); err != nil {
 		return err
 	}
+	// The access endpoint's certificate is the node's: its agent's identity towards other
+	// nodes' agents too, for migrations.
+	srv := &access.Server{Addr: accessAddr, CertDir: accessDir, ClientName: accessClient, Log: log.WithName("access")}
+	if migrationAddr != "" {
+		if accessDir == "" && !accessCSR {
+			return errors.New("--migration-bind-address needs the node's certificate: --access-cert-request or --access-cert-dir")
+		}
+		opts.MigrationAddr, opts.MigrationIdentity = migrationAddr, srv.Identity
+	}
 	a := &agent.Agent{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("imp-agent"), Opts: opts}
 	if err := a.SetupWithManager(mgr); err != nil {
 		return err
 	}
 	if accessDir != "" || accessCSR {
-		srv := &access.Server{Addr: accessAddr, CertDir: accessDir, ClientName: accessClient,
-			Handler: a.Sessions.Wrap(access.Handler(a.Runs, log.WithName("access"))), Log: log.WithName("access")}
+		srv.Handler = a.Sessions.Wrap(access.Handler(a.Runs, log.WithName("access")))
 		if accessCSR {
 			// The manager's client: it caches no CertificateSigningRequests (the agent may
 			// not list them), so it reads them from the API.

@@ -24,7 +24,7 @@ func agentCert(caCert, caKey, node, dir string) error {
 	if ca.Key, err = os.ReadFile(caKey); err != nil {
 		return err
 	}
-	leaf, err := pki.Issue(ca, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName(node)}, Server: true, Lifetime: pki.LeafLifetime}, time.Now())
+	leaf, err := pki.Issue(ca, pki.Request{CommonName: pki.AgentName, DNSNames: []string{pki.AgentDNSName(node)}, Server: true, Client: true, Lifetime: pki.LeafLifetime}, time.Now())
 	if err != nil {
 		return fmt.Errorf("issuing the agent's certificate: %w", err)
 	}

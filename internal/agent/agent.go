@@ -40,6 +40,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/imagefetch"
+	"github.com/syscode-labs/imp/internal/agent/migration"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
 	"github.com/syscode-labs/imp/internal/agent/nodenet"
 	"github.com/syscode-labs/imp/internal/agent/nodereport"
@@ -92,6 +93,8 @@ type Agent struct {
 	volumes   volume.Maker
 	handovers *handover.Handovers
 	idle      *idle.StandIns
+	// migrations is the node's side of VMs moving from and to it (nil: it takes part in none).
+	migrations *migration.Source
 	// hosts serialise the reconciles of the VMs whose runs one state directory keeps (a warm
 	// pool member's and its claim's).
 	hosts handover.Locks
@@ -105,9 +108,11 @@ type Agent struct {
 
 // CacheOptions restricts a manager's cache of ImpVMs to those placed on node.
 func CacheOptions(node string) cache.Options {
+	migrations, byTarget := migration.CacheByObject(node)
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
 		&impv1.ImpVM{}:         {Field: fields.OneTermEqualSelector("status.nodeName", node)},
 		&impv1.ImpVMSnapshot{}: {Field: fields.OneTermEqualSelector("status.nodeName", node)},
+		migrations:             byTarget,
 	}}
 }
 
@@ -190,6 +195,11 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		Log: mgr.GetLogger().WithName("idle")}
 	meter := &idle.Meter{Client: a.Client, Traffic: a.networks, Sessions: a.Sessions, Reports: a.reports, Interval: o.IdleInterval,
 		Log: mgr.GetLogger().WithName("idle")}
+	if o.MigrationAddr != "" && o.MigrationIdentity != nil {
+		if err := setupMigrations(a, mgr); err != nil {
+			return err
+		}
+	}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}
 	for _, r := range []manager.Runnable{a.node, heartbeat, sweeper{a}, meter,
 		// The spare writable disks being made are finished before the agent stops.

@@ -188,7 +188,13 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts.Accel, opts.ReportInterval, opts.HeartbeatInterval, opts.CgroupRoot = "tcg", time.Second, time.Second, cgroup.Root
+	opts.Accel, opts.ReportInterval, opts.HeartbeatInterval = "tcg", time.Second, time.Second
+	switch opts.CgroupRoot {
+	case "":
+		opts.CgroupRoot = cgroup.Root
+	case noCgroups:
+		opts.CgroupRoot = ""
+	}
 	if opts.VCPUOvercommit == 0 {
 		opts.VCPUOvercommit = 4
 	}

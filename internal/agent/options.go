@@ -9,6 +9,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
+	"github.com/syscode-labs/imp/internal/agent/transfer"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
@@ -19,6 +20,12 @@ type EventRecorder = events.EventRecorder
 // Options configure an agent.
 type Options struct {
 	NodeName string
+	// MigrationAddr is where the agent takes migrations (host:port to listen on), and
+	// MigrationEndpoint where other nodes' agents reach it (reported on its ImpNode); with
+	// MigrationIdentity (its certificate and its peers' CA) they make the node a migration's
+	// source or target (package migration). Unset: the node takes part in none.
+	MigrationAddr, MigrationEndpoint string
+	MigrationIdentity                transfer.Identity
 	// IdleWakeTimeout is how long what arrives for an idle-suspended VM is held for it to be
 	// woken before it is refused (default 30s); IdleInterval how often the activity of VMs
 	// with an idle policy is read (default 2s). See package idle.

@@ -232,7 +232,7 @@ func (l launcher) Launch(ctx context.Context, r *vmrun.Run) (*vmm.Record, error)
 	case r.Image != nil:
 		base = r.Image.BaseDisk
 	}
-	spec := vmmdriver.Launch{VM: r.VM, Dir: r.Dir, Meta: r.Meta, BaseDisk: base, Attachment: r.Attachment, Net: r.Net, Resume: r.Resume}
+	spec := vmmdriver.Launch{VM: r.VM, Dir: r.Dir, Meta: r.Meta, BaseDisk: base, Attachment: r.Attachment, Net: r.Net, Resume: r.Resume, Incoming: r.Incoming}
 	if r.Volumes != nil {
 		spec.Drives = r.Volumes.Drives
 	}

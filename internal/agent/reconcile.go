@@ -112,6 +112,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, a.reports.Report(ctx, vm, impv1.RuntimeStatus{Instance: st.Instance, Run: st.RestartCount, State: impv1.RuntimeStopped, Reason: "Halted"})
 	}
 	if alive && current {
+		if done, err := migrating(ctx, a, vm, dir, m, rec); done || err != nil {
+			return ctrl.Result{}, err
+		}
 		if rt := st.Runtime; rt != nil && rt.Instance == st.Instance && rt.Run == st.RestartCount && rt.State == impv1.RuntimeSuspended && st.Suspension == nil {
 			// Resumed by an agent that stopped before it reported the guest running on: the
 			// resume finishes on the VMM it started. Or resumed by this one, whose report the

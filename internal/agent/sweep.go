@@ -50,6 +50,9 @@ func (s sweeper) Start(ctx context.Context) error {
 // names, the same UID, placed here, and keeping its run under that directory (a claim served
 // warm keeps it under its member's UID; re-placed, it keeps it there no more).
 func keeps(vm *impv1.ImpVM, node, dir string, m *vmrun.Meta) bool {
+	if mg := vm.Status.Migration; mg != nil && m.Migration != "" && mg.UID == m.Migration && mg.TargetNode == node && vm.UID == m.UID {
+		return true // the place of a migration to this node, under way: the VM is still its source's
+	}
 	return vm.UID == m.UID && vm.Status.NodeName == node && string(vm.HostUID()) == filepath.Base(dir)
 }
 

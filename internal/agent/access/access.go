@@ -9,6 +9,7 @@ package access
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -18,6 +19,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -404,6 +406,23 @@ type Server struct {
 	CSR                       *CSR
 	Handler                   http.Handler
 	Log                       logr.Logger
+
+	serving atomic.Value // the source of what it serves, once it has a certificate
+}
+
+// Identity is the node's certificate the endpoint serves and the CA its certificate chains to:
+// the agent's identity towards other nodes' agents (a migration's transfer). An error until the
+// endpoint has its certificate.
+func (s *Server) Identity() (*tls.Certificate, *x509.CertPool, error) {
+	src, _ := s.serving.Load().(source)
+	if src == nil {
+		return nil, nil, errors.New("the agent has no certificate for its node yet")
+	}
+	l, err := src.current()
+	if err != nil {
+		return nil, nil, err
+	}
+	return &l.cert, l.pool, nil
 }
 
 // certRetry is how long the endpoint waits before asking for its certificate again.
@@ -425,12 +444,15 @@ func (s *Server) Start(ctx context.Context) error {
 			if err == nil {
 				h := &holder{loaded: l}
 				cfg = tlsConfig(h, s.ClientName)
+				s.serving.Store(source(h))
 				go s.renew(ctx, h, renew)
 				break
 			}
 		} else {
-			cfg, err = TLSConfig(filepath.Join(s.CertDir, "tls.crt"), filepath.Join(s.CertDir, "tls.key"), filepath.Join(s.CertDir, "ca.crt"), s.ClientName)
-			if err == nil {
+			f := &files{cert: filepath.Join(s.CertDir, "tls.crt"), key: filepath.Join(s.CertDir, "tls.key"), ca: filepath.Join(s.CertDir, "ca.crt")}
+			if _, err = f.current(); err == nil {
+				cfg = tlsConfig(f, s.ClientName)
+				s.serving.Store(source(f))
 				break
 			}
 		}

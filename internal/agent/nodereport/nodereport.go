@@ -60,6 +60,8 @@ type Reporter struct {
 	// Kernel and Initramfs are reported with their hashes.
 	Kernel, Initramfs string
 	OverlayAddress    netip.Addr
+	// MigrationEndpoint is where the node's agent takes migrations ("": none).
+	MigrationEndpoint string
 	VMMs              []impv1.VMMCapability
 	// Interval is how often the report is refreshed and written if it changed (and unused base
 	// disks collected).
@@ -182,7 +184,7 @@ func (r *Reporter) report(ctx context.Context, kernel, initrd *impv1.Artifact) e
 	node.Status.VMMs = r.VMMs
 	node.Status.Features = r.Features
 	node.Status.Kernel, node.Status.Initramfs = kernel, initrd
-	node.Status.OverlayAddress = ""
+	node.Status.OverlayAddress, node.Status.MigrationEndpoint = "", r.MigrationEndpoint
 	if r.OverlayAddress.IsValid() {
 		node.Status.OverlayAddress = r.OverlayAddress.String()
 	}

@@ -42,6 +42,8 @@ type Launch struct {
 	Attachment hostnet.Attachment
 	Net        *guestinit.Net
 	Resume     bool
+	// Incoming: the VMM waits for a migration's state (QEMU -incoming defer, paused).
+	Incoming bool
 	// Restore is the directory, in the node's store, of the snapshot the run is restored from.
 	Restore string
 	// Drives are the run's disk volumes.
@@ -108,6 +110,7 @@ func (d qemuDriver) Start(ctx context.Context, l Launch) (*vmm.Record, error) {
 	if l.Resume {
 		spec.Incoming = filepath.Join(l.Dir, qemu.StateFile)
 	}
+	spec.MigrationIn = l.Incoming
 	if l.Restore != "" {
 		spec.Incoming = filepath.Join(l.Restore, snapshot.StateFile) // opened by the agent, passed as a descriptor
 		if mem := filepath.Join(l.Restore, snapshot.MemoryFile); regularFile(mem) {
@@ -260,6 +263,9 @@ func (d firecrackerDriver) spec(vm *impv1.ImpVM, dir string, m *vmrun.Meta, base
 
 // start runs the VM under Firecracker's jailer: booted, or resumed from its snapshot.
 func (d firecrackerDriver) Start(ctx context.Context, l Launch) (*vmm.Record, error) {
+	if l.Incoming {
+		return nil, errors.New("a migration to a Firecracker VM is not built yet (docs/migration.md)")
+	}
 	s := d.spec(l.VM, l.Dir, l.Meta, l.BaseDisk, l.Attachment, l.Net)
 	s.Drives = l.Drives
 	if l.Attachment.Tap != nil {

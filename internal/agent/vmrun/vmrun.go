@@ -52,6 +52,10 @@ type Meta struct {
 	// Restore, for a run restored from a snapshot, is where its guest stands in taking on its
 	// own identity.
 	Restore *Restored `json:"restore,omitempty"`
+	// Migration, for a run that came to this node by a migration, is the migration's UID
+	// until its guest runs here (package migration: its VMM waits for the state, then its
+	// guest waits paused for the commit).
+	Migration types.UID `json:"migration,omitempty"`
 }
 
 // Restored is a run restored from a snapshot.
@@ -86,8 +90,11 @@ func (m *Meta) Status() impv1.RuntimeStatus {
 }
 
 // ReadMeta reads the meta of the VM whose state directory is dir.
-func ReadMeta(dir string) (*Meta, error) {
-	data, err := os.ReadFile(filepath.Join(dir, "meta.json"))
+func ReadMeta(dir string) (*Meta, error) { return ReadMetaFile(filepath.Join(dir, "meta.json")) }
+
+// ReadMetaFile reads a meta from the file path.
+func ReadMetaFile(path string) (*Meta, error) {
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
@@ -148,6 +155,9 @@ type Run struct {
 	BaseDisk string
 	// Snapshot is the snapshot a restore starts the run from (nil: a boot or resume).
 	Snapshot *Snapshot
+	// Incoming: the run is a migration's on its target: its VMM waits for the state the
+	// source sends, its guest paused until the migration is committed.
+	Incoming bool
 	// Pinned is, for a run handed over (a warm pool member's running guest, handed to its
 	// claim), the digest of the image the member's base disk came from: the run's image is
 	// that one, whatever the image's tag says now.

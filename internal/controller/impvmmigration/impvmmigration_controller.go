@@ -444,19 +444,21 @@ func (r *Reconciler) fail(ctx context.Context, mig *impv1.ImpVMMigration, reason
 	if vm != nil && committedOn(vm, mig) {
 		return r.recordCommit(ctx, mig) // committed already (this copy of the migration is older than the commit)
 	}
-	if err := r.letGo(ctx, mig); err != nil {
-		return err
-	}
-	r.Placer.Release(mig.UID)
+	// Failed first, then the VM let go: a migration Finished lets its VM go on every pass, so
+	// an operator that stops in between loses nothing, and the reason is the first one.
 	now := r.now()
 	if len(msg) > 1024 {
 		msg = msg[:1024]
 	}
-	r.Recorder.Eventf(mig, nil, corev1.EventTypeWarning, reason, "Migrate", "%s", msg)
-	return r.setStatus(ctx, mig, func(st *impv1.ImpVMMigrationStatus) {
+	if err := r.setStatus(ctx, mig, func(st *impv1.ImpVMMigrationStatus) {
 		st.Phase, st.CompletedAt, st.Reason, st.Message = impv1.MigrationFailed, &now, reason, msg
 		setReady(st, metav1.ConditionFalse, reason, msg, mig.Generation)
-	})
+	}); err != nil {
+		return err
+	}
+	r.Recorder.Eventf(mig, nil, corev1.EventTypeWarning, reason, "Migrate", "%s", msg)
+	r.Placer.Release(mig.UID)
+	return r.letGo(ctx, mig)
 }
 
 // letGo removes the migration from its VM's status, if the VM names it.

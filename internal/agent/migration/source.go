@@ -1,0 +1,204 @@
+package migration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/transfer"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+)
+
+// Downtime is how long a guest may be paused for the last of its state.
+const Downtime = 300 * time.Millisecond
+
+// EventRecorder records Events about objects (k8s.io/client-go/tools/events).
+type EventRecorder interface {
+	Eventf(regarding, related runtime.Object, eventtype, reason, action, note string, args ...interface{})
+}
+
+// RunReports writes a VM's run report (runreport.Reporter).
+type RunReports interface {
+	Report(ctx context.Context, vm *impv1.ImpVM, rt impv1.RuntimeStatus) error
+}
+
+// Source is the source side of the migrations of this node's VMs, and the arrival of VMs
+// migrated to it; the agent's reconcile of a VM calls it.
+type Source struct {
+	Client    client.Client // the agent's: its cache holds this node's VMs
+	Node      string
+	VMDir     func(types.UID) string
+	Identity  transfer.Identity
+	Reports   Reports
+	Runs      RunReports
+	Endpoints Endpoints
+	Recorder  EventRecorder
+	Log       logr.Logger
+
+	sending once
+	mu      sync.Mutex
+	sent    map[types.UID]time.Time // progress last reported, by migration
+}
+
+// Sending says whether the VM's migration (status.migration) asks this node, its source, to
+// send it now.
+func (s *Source) Sending(vm *impv1.ImpVM) bool {
+	m := vm.Status.Migration
+	return m != nil && m.SourceNode == s.Node && m.Phase == impv1.MigrationTransferring
+}
+
+// Held is the migration the guest of the VM in dir is paused for (its OutFile), "" for none:
+// the agent runs the guest on once that migration ended without its commit.
+func Held(dir string) types.UID { return marked(dir) }
+
+// Send sends the running VM in dir to its migration's target, in the background (once per
+// migration): its writable disk mirrored, then its memory and devices, the guest paused only
+// for the last of them (Downtime); reported Sending, then Paused with what it took. A failure
+// before the guest paused leaves it running here, reported Failed.
+func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
+	mig := *vm.Status.Migration
+	key := types.NamespacedName{Namespace: vm.Namespace, Name: mig.Name}
+	log := s.Log.WithValues("migration", key, "vm", vm.Name, "to", mig.TargetNode)
+	s.sending.start(mig.UID, log, func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*Timeout)
+		defer cancel()
+		stats, err := s.send(ctx, key, mig, dir, rec)
+		if err != nil {
+			_ = os.Remove(filepath.Join(dir, OutFile)) // the guest runs on here
+			log.Error(err, "sending a VM")
+			s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "MigrationFailed", "Migrate", "Sending the VM to node %s failed; it runs on here: %v", mig.TargetNode, err)
+			if err := s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentFailed, Message: err.Error()}); err != nil {
+				log.Error(err, "reporting a migration failed")
+			}
+			return
+		}
+		log.Info("sent a VM; its guest is paused for the commit", "total", stats.Total.String(), "downtime", stats.Downtime.String(), "bytes", stats.Bytes)
+		if err := s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: stats.Bytes,
+			Downtime: &metav1.Duration{Duration: stats.Downtime}}); err != nil {
+			log.Error(err, "reporting a VM sent") // the operator's timeout decides; the guest waits paused
+		}
+	})
+}
+
+func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.MigrationStatus, dir string, rec *vmm.Record) (qemu.MigrationStats, error) {
+	var none qemu.MigrationStats
+	if rec.Kind == string(impv1.VMMFirecracker) {
+		return none, errors.New("a migration of a Firecracker VM is not built yet")
+	}
+	if err := s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentSending}); err != nil {
+		return none, err
+	}
+	addr, err := s.Endpoints.Of(ctx, mig.TargetNode)
+	if err != nil {
+		return none, err
+	}
+	cfg, err := transfer.ClientTLS(s.Identity, mig.TargetNode)
+	if err != nil {
+		return none, err
+	}
+	open := func(name string) (*os.File, error) {
+		c, err := transfer.DialStream(ctx, cfg, addr, mig.UID, name)
+		if err != nil {
+			return nil, err
+		}
+		return bridgeTo(c)
+	}
+	disk, err := open("disk")
+	if err != nil {
+		return none, err
+	}
+	err = qemu.MirrorDisk(dir, disk, Timeout)
+	disk.Close()
+	if err != nil {
+		return none, fmt.Errorf("mirroring the writable disk: %w", err)
+	}
+	// From here the guest may be paused for this migration: said on the node first, so that an
+	// agent that restarts knows why (Stay).
+	if err := os.WriteFile(filepath.Join(dir, OutFile), []byte(mig.UID), 0o600); err != nil {
+		return none, err
+	}
+	memory, err := open("memory")
+	if err != nil {
+		return none, err
+	}
+	defer memory.Close()
+	return qemu.MigrateOut(dir, memory, qemu.MigrateOptions{Downtime: Downtime, MirroredDisk: true, Timeout: Timeout,
+		Progress: func(sent, _ int64) { s.progress(key, mig.UID, sent) }})
+}
+
+// progress reports the bytes sent, at most every second.
+func (s *Source) progress(key types.NamespacedName, uid types.UID, sent int64) {
+	s.mu.Lock()
+	if s.sent == nil {
+		s.sent = map[types.UID]time.Time{}
+	}
+	if time.Since(s.sent[uid]) < time.Second {
+		s.mu.Unlock()
+		return
+	}
+	s.sent[uid] = time.Now()
+	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentSending, Bytes: sent})
+}
+
+// Files is the source's answer to the target's fetch of a migration's files: the run's record
+// (its guest's token), to the migration's target only, while it moves.
+func (s *Source) Files(ctx context.Context, node string, uid types.UID) (map[string]transfer.File, error) {
+	var vms impv1.ImpVMList
+	if err := s.Client.List(ctx, &vms); err != nil {
+		return nil, err
+	}
+	for i := range vms.Items {
+		vm := &vms.Items[i]
+		if m := vm.Status.Migration; m != nil && m.UID == uid && m.SourceNode == s.Node && m.TargetNode == node && vm.Status.NodeName == s.Node &&
+			(m.Phase == impv1.MigrationPreparing || m.Phase == impv1.MigrationTransferring) {
+			return map[string]transfer.File{MetaFile: {Dir: s.VMDir(vm.HostUID()), Name: MetaFile}}, nil
+		}
+	}
+	return nil, transfer.ErrNotAllowed
+}
+
+// Arrive runs on the guest of a VM migrated to this node, once committed (the VM is this node's
+// and its migration Committed): the disk server ended, the guest continued where the source
+// paused it, the run reported running here, and the target's side Running.
+func (s *Source) Arrive(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmrun.Meta, rec *vmm.Record) error {
+	mig := vm.Status.Migration
+	if mig == nil || mig.UID != m.Migration || mig.Phase != impv1.MigrationCommitted || vm.Status.NodeName != s.Node {
+		return nil // not committed (yet): the guest waits paused
+	}
+	_ = qemu.StopDiskServer(dir) // gone with an agent that restarted since: nothing to end
+	if err := qemu.ResumeIncoming(dir, rec, time.Minute); err != nil {
+		return fmt.Errorf("running on the guest of a migrated VM: %w", err)
+	}
+	m.Migration = ""
+	if err := vmrun.WriteMeta(dir, m); err != nil {
+		return err
+	}
+	rt := m.Status()
+	now := metav1.Now()
+	rt.State, rt.StartedAt, rt.GuestReady, rt.Message = impv1.RuntimeRunning, &now, true, "migrated from node "+mig.SourceNode
+	if r := vm.Status.Runtime; r != nil && r.Instance == rt.Instance && r.Run == rt.Run {
+		rt.StartedAt, rt.Ready = r.StartedAt, r.Ready // the same run, on
+	}
+	if err := s.Runs.Report(ctx, vm, rt); err != nil {
+		return err
+	}
+	s.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Arrived", "Migrate", "The VM runs on node %s, moved from node %s", s.Node, mig.SourceNode)
+	return s.Reports.Report(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: mig.Name}, "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentRunning})
+}

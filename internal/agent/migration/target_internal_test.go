@@ -1,0 +1,42 @@
+package migration
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/syscode-labs/imp/internal/agent/transfer"
+)
+
+// TestOnlyTheSourceOpensStreams: the target takes a migration's streams from the migration's
+// source node alone, only while it waits for that migration, one memory stream only (a second
+// would have the VMM take a second state), and no stream of another name.
+func TestOnlyTheSourceOpensStreams(t *testing.T) {
+	tg := &Target{in: map[types.UID]*incoming{"mig-1": {source: "node-a", dir: t.TempDir()}}}
+	ctx := context.Background()
+	for _, tc := range []struct {
+		node, name string
+		uid        types.UID
+	}{
+		{"node-c", "memory", "mig-1"}, // another node's agent
+		{"node-c", "disk", "mig-1"},
+		{"node-a", "memory", "mig-2"}, // a migration this node does not wait for
+		{"node-a", "config", "mig-1"}, // no such stream
+		{"node-a", "../../etc", "mig-1"},
+	} {
+		if _, err := tg.Authorize(ctx, tc.node, tc.uid, tc.name); !errors.Is(err, transfer.ErrNotAllowed) {
+			t.Errorf("%s opening %s of %s: %v; want refused", tc.node, tc.name, tc.uid, err)
+		}
+	}
+	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "disk"); err != nil {
+		t.Errorf("the source's disk stream: %v", err)
+	}
+	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "memory"); err != nil {
+		t.Errorf("the source's memory stream: %v", err)
+	}
+	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "memory"); !errors.Is(err, transfer.ErrNotAllowed) {
+		t.Errorf("a second memory stream: %v; want refused", err)
+	}
+}
