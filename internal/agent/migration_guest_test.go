@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -209,4 +210,118 @@ func TestLiveMigrationBetweenNodes(t *testing.T) {
 	}
 	t.Logf("moved a running VM (192 MiB, TCG) between two nodes' agents: %v from the migration's creation to Succeeded, downtime %v, %d MiB sent",
 		took.Round(time.Millisecond), mig.Status.Downtime.Duration, mig.Status.BytesMoved>>20)
+}
+
+// TestAMigrationWhoseTargetDiesLeavesTheVM: the target's VMM, waiting for the state, is killed
+// (kill -9) as soon as the target reports its place ready. The migration fails; the VM stays
+// on its source, the same run, its count going on there; the target's place is removed; and
+// the VM moves when asked again.
+func TestAMigrationWhoseTargetDiesLeavesTheVM(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	pool := "mig-" + sfx
+	nodes := []string{"imp-migf-a-" + sfx, "imp-migf-b-" + sfx}
+	for _, n := range nodes {
+		poolNode(t, c, n, pool)
+	}
+	startOperator(t, c)
+	ids := migrationIdentities(t, nodes...)
+	for _, n := range nodes {
+		startAgent(t, c, agent.Options{NodeName: n, StateDir: filepath.Join(tmp, n), Kernel: kernel, Initramfs: initrd,
+			MigrationAddr: freeAddr(t), MigrationIdentity: ids[n], CgroupRoot: noCgroups})
+	}
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "stayer"}, Spec: impv1.ImpVMSpec{
+		Image: host + "/hello:v1", Args: []string{"serve"}, NodeSelector: map[string]string{"imp.test/pool": pool},
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("192Mi"))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	get := func() *impv1.ImpVM {
+		v := &impv1.ImpVM{}
+		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	g.Eventually(func() bool {
+		vm = get()
+		return vm.Status.Phase == impv1.VMRunning && vm.Status.Runtime != nil && vm.Status.Runtime.GuestReady
+	}).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+		return diagnose(c.Client, vm, func(node string) string { return filepath.Join(tmp, node) })
+	})
+	source, target := vm.Status.NodeName, nodes[0]
+	if source == nodes[0] {
+		target = nodes[1]
+	}
+	vmDir := func(node string) string { return filepath.Join(tmp, node, "vms", string(vm.UID)) }
+	consoleOn := func(node string) string {
+		b, _ := os.ReadFile(filepath.Join(vmDir(node), qemu.ConsoleLog))
+		return string(b)
+	}
+	migrate := func(name string) *impv1.ImpVMMigration {
+		mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name}}
+		if err := c.Client.Create(ctx, mig); err != nil {
+			t.Fatal(err)
+		}
+		return mig
+	}
+	mig := migrate("dies")
+	killed := false
+	g.Eventually(func() impv1.MigrationPhase {
+		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig); err != nil {
+			return ""
+		}
+		if tg := mig.Status.Target; !killed && tg != nil && tg.State == impv1.MigrationAgentReady {
+			rec, err := vmm.ReadRecord(vmDir(target))
+			if err != nil {
+				t.Fatalf("the target reported ready with no VMM recorded: %v", err)
+			}
+			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
+			killed = true
+		}
+		return mig.Status.Phase
+	}).WithTimeout(5*time.Minute).WithPolling(5*time.Millisecond).Should(Equal(impv1.MigrationFailed), func() string {
+		b, _ := json.MarshalIndent(mig.Status, "", " ")
+		return "the migration: " + string(b)
+	})
+	if !killed {
+		t.Fatalf("the migration ended before the target was ready: %+v", mig.Status)
+	}
+	t.Logf("the migration failed: %s: %s", mig.Status.Reason, mig.Status.Message)
+	stayed := get()
+	if stayed.Status.NodeName != source || stayed.Status.Instance != vm.Status.Instance || stayed.Status.RestartCount != vm.Status.RestartCount ||
+		stayed.Status.Runtime == nil || stayed.Status.Runtime.State != impv1.RuntimeRunning {
+		t.Errorf("after the failed migration the VM is on %s, instance %d run %d, run %+v; want it running on %s as before",
+			stayed.Status.NodeName, stayed.Status.Instance, stayed.Status.RestartCount, stayed.Status.Runtime, source)
+	}
+	// Its count goes on on the source.
+	n := len(ticks(consoleOn(source)))
+	g.Eventually(func() int { return len(ticks(consoleOn(source))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
+		func() string { return "the source's console:\n" + consoleOn(source) })
+	g.Eventually(func() bool {
+		_, err := os.Stat(vmDir(target))
+		return os.IsNotExist(err)
+	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
+	g.Eventually(func() *impv1.MigrationStatus { return get().Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
+
+	again := migrate("again")
+	g.Eventually(func() impv1.MigrationPhase {
+		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(again), again); err != nil {
+			return ""
+		}
+		return again.Status.Phase
+	}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.MigrationSucceeded), func() string {
+		b, _ := json.MarshalIndent(again.Status, "", " ")
+		return "the second migration: " + string(b)
+	})
+	if got := get(); got.Status.NodeName != target || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount {
+		t.Errorf("after the second migration the VM is on %s, instance %d run %d", got.Status.NodeName, got.Status.Instance, got.Status.RestartCount)
+	}
 }
