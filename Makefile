@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes images chart-push
 
 all: build
 
@@ -90,6 +90,9 @@ bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs 
 
 bench-wake: ## An idle-suspended VM (QEMU/TCG, 256 MiB): first request → first byte P50/P99, beside the running VM and its plain resume (the floor); the memory given back.
 	IMP_BENCH=wake go test -count=1 -v -timeout 30m -run '^TestBenchWake$$' ./internal/agent/ | grep -E '^(wake|  )|^(ok|FAIL|---)'
+
+bench-migrate: ## A running 256 MiB guest (QEMU/TCG) moved between two nodes' agents, back and forth: downtime and creation → Succeeded, P50 and worst.
+	IMP_BENCH=migrate go test -count=1 -v -timeout 30m -run '^TestBenchMigrate$$' ./internal/agent/ | grep -E '^(migrate|  )|^(ok|FAIL|---)'
 
 bench-idle: ## A warm pool's idle member (QEMU/TCG, 256 MiB): VMM CPU and PSS running idle against paused; cont and the first exec after it.
 	IMP_BENCH=idle go test -count=1 -v -timeout 30m -run '^TestBenchIdle$$' ./internal/agent/ | grep -E '^(idle|  )|^(ok|FAIL|---)'

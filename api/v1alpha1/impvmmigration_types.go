@@ -209,4 +209,10 @@ type MigrationStatus struct {
 	// sourceNode is the node the VM moves from.
 	// +optional
 	SourceNode string `json:"sourceNode,omitempty"`
+	// instance and run are the VM's run the migration moves (status.instance and
+	// status.restartCount when it began): a VM whose run changed meanwhile is not committed.
+	// +optional
+	Instance int64 `json:"instance,omitempty"`
+	// +optional
+	Run int32 `json:"run,omitempty"`
 }

@@ -101,6 +101,105 @@ func ticks(log string) []int {
 	return out
 }
 
+// migWorld is two nodes of one pool, each its own agent taking migrations over mutually
+// authenticated TLS with node certificates, the operator, and a registry with the test image.
+type migWorld struct {
+	c             *testcluster.Cluster
+	ns, pool, tmp string
+	host          string
+	nodes         []string
+}
+
+func newMigWorld(t *testing.T, prefix string) *migWorld {
+	c := testcluster.Require(t, shared)
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	w := &migWorld{c: c, ns: ns, pool: prefix + "-" + sfx, tmp: t.TempDir()}
+	kernel, initrd := testguest.Artifacts(t, w.tmp)
+	w.host = testregistry.Start(t, "", "")
+	testguest.Image(t, w.host, "hello")
+	w.nodes = []string{"imp-" + prefix + "-a-" + sfx, "imp-" + prefix + "-b-" + sfx}
+	for _, n := range w.nodes {
+		poolNode(t, c, n, w.pool)
+	}
+	startOperator(t, c)
+	ids := migrationIdentities(t, w.nodes...)
+	for _, n := range w.nodes {
+		startAgent(t, c, agent.Options{NodeName: n, StateDir: filepath.Join(w.tmp, n), Kernel: kernel, Initramfs: initrd,
+			MigrationAddr: freeAddr(t), MigrationIdentity: ids[n], CgroupRoot: noCgroups})
+	}
+	return w
+}
+
+// run makes a VM of mem counting a tick a second on its console and waits until its guest is
+// ready; it returns the VM then.
+func (w *migWorld) run(t *testing.T, name, mem string) *impv1.ImpVM {
+	t.Helper()
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMSpec{
+		Image: w.host + "/hello:v1", Args: []string{"serve"}, NodeSelector: map[string]string{"imp.test/pool": w.pool},
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse(mem))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
+	if err := w.c.Client.Create(context.Background(), vm); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() bool {
+		vm = w.get(t, vm)
+		return vm.Status.Phase == impv1.VMRunning && vm.Status.Runtime != nil && vm.Status.Runtime.GuestReady
+	}).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
+		return diagnose(w.c.Client, vm, func(node string) string { return filepath.Join(w.tmp, node) })
+	})
+	return vm
+}
+
+func (w *migWorld) get(t *testing.T, vm *impv1.ImpVM) *impv1.ImpVM {
+	t.Helper()
+	v := &impv1.ImpVM{}
+	if err := w.c.Client.Get(context.Background(), client.ObjectKeyFromObject(vm), v); err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// other is the node of the two that is not node.
+func (w *migWorld) other(node string) string {
+	if node == w.nodes[0] {
+		return w.nodes[1]
+	}
+	return w.nodes[0]
+}
+
+func (w *migWorld) vmDir(node string, vm *impv1.ImpVM) string {
+	return filepath.Join(w.tmp, node, "vms", string(vm.UID))
+}
+
+func (w *migWorld) console(node string, vm *impv1.ImpVM) string {
+	b, _ := os.ReadFile(filepath.Join(w.vmDir(node, vm), qemu.ConsoleLog))
+	return string(b)
+}
+
+// migrate makes migration name of vm, and waits until it is in phase want; each look at it is
+// given to seen first, when set. It returns the migration then.
+func (w *migWorld) migrate(t *testing.T, name string, vm *impv1.ImpVM, want impv1.MigrationPhase, seen func(*impv1.ImpVMMigration)) *impv1.ImpVMMigration {
+	t.Helper()
+	ctx := context.Background()
+	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name}}
+	if err := w.c.Client.Create(ctx, mig); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() impv1.MigrationPhase {
+		if err := w.c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig); err != nil {
+			return ""
+		}
+		if seen != nil {
+			seen(mig)
+		}
+		return mig.Status.Phase
+	}).WithTimeout(5*time.Minute).WithPolling(5*time.Millisecond).Should(Equal(want), func() string {
+		b, _ := json.MarshalIndent(mig.Status, "", " ")
+		return "migration " + name + ": " + string(b) + "\nthe VM: " + diagnose(w.c.Client, vm, func(node string) string { return filepath.Join(w.tmp, node) })
+	})
+	return mig
+}
+
 // TestLiveMigrationBetweenNodes: two nodes, each its own agent taking migrations over mutually
 // authenticated TLS with node certificates; a VM counting a tick a second on its console boots
 // on one under QEMU/TCG. An ImpVMMigration moves it to the other: the target prepares its place
@@ -109,75 +208,20 @@ func ticks(log string) []int {
 // same (UID, instance, run: not restarted), its count goes on from where it was on the target
 // (no tick 0 again), the source's VMM and state are gone, and the migration says what it took.
 func TestLiveMigrationBetweenNodes(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	sfx := ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	pool := "mig-" + sfx
-	nodes := []string{"imp-mig-a-" + sfx, "imp-mig-b-" + sfx}
-	for _, n := range nodes {
-		poolNode(t, c, n, pool)
-	}
-	startOperator(t, c)
-	ids := migrationIdentities(t, nodes...)
-	for _, n := range nodes {
-		startAgent(t, c, agent.Options{NodeName: n, StateDir: filepath.Join(tmp, n), Kernel: kernel, Initramfs: initrd,
-			MigrationAddr: freeAddr(t), MigrationIdentity: ids[n], CgroupRoot: noCgroups})
-	}
-	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "mover"}, Spec: impv1.ImpVMSpec{
-		Image: host + "/hello:v1", Args: []string{"serve"}, NodeSelector: map[string]string{"imp.test/pool": pool},
-		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("192Mi"))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
-	if err := c.Client.Create(ctx, vm); err != nil {
-		t.Fatal(err)
-	}
+	w := newMigWorld(t, "mig")
 	g := NewWithT(t)
-	get := func() *impv1.ImpVM {
-		v := &impv1.ImpVM{}
-		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), v); err != nil {
-			t.Fatal(err)
-		}
-		return v
-	}
-	consoleOn := func(node string) string {
-		b, _ := os.ReadFile(filepath.Join(tmp, node, "vms", string(vm.UID), qemu.ConsoleLog))
-		return string(b)
-	}
-	g.Eventually(func() bool {
-		vm = get()
-		return vm.Status.Phase == impv1.VMRunning && vm.Status.Runtime != nil && vm.Status.Runtime.GuestReady
-	}).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
-		return diagnose(c.Client, vm, func(node string) string { return filepath.Join(tmp, node) })
-	})
-	source, target := vm.Status.NodeName, nodes[0]
-	if source == nodes[0] {
-		target = nodes[1]
-	}
-	g.Eventually(func() int { return len(ticks(consoleOn(source))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
-
-	seen := ticks(consoleOn(source)) // the source's count when the migration begins
-	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "move"}, Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name}}
+	vm := w.run(t, "mover", "192Mi")
+	source := vm.Status.NodeName
+	target := w.other(source)
+	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
+	seen := ticks(w.console(source, vm)) // the source's count when the migration begins
 	began := time.Now()
-	if err := c.Client.Create(ctx, mig); err != nil {
-		t.Fatal(err)
-	}
-	g.Eventually(func() impv1.MigrationPhase {
-		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig); err != nil {
-			return ""
-		}
-		return mig.Status.Phase
-	}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.MigrationSucceeded), func() string {
-		b, _ := json.MarshalIndent(mig.Status, "", " ")
-		return "the migration: " + string(b) + "\nthe VM: " + diagnose(c.Client, vm, func(node string) string { return filepath.Join(tmp, node) })
-	})
+	mig := w.migrate(t, "move", vm, impv1.MigrationSucceeded, nil)
 	took := time.Since(began)
 	if mig.Status.TargetNode != target || mig.Status.SourceNode != source {
 		t.Errorf("the migration went from %s to %s; want from %s to %s", mig.Status.SourceNode, mig.Status.TargetNode, source, target)
 	}
-	moved := get()
+	moved := w.get(t, vm)
 	if moved.UID != vm.UID || moved.Status.NodeName != target || moved.Status.Instance != vm.Status.Instance || moved.Status.RestartCount != vm.Status.RestartCount {
 		t.Errorf("after the migration the VM is %s on %s, instance %d run %d; want %s on %s, instance %d run %d", moved.UID, moved.Status.NodeName,
 			moved.Status.Instance, moved.Status.RestartCount, vm.UID, target, vm.Status.Instance, vm.Status.RestartCount)
@@ -185,28 +229,27 @@ func TestLiveMigrationBetweenNodes(t *testing.T) {
 	if rt := moved.Status.Runtime; rt == nil || rt.State != impv1.RuntimeRunning || !rt.GuestReady {
 		t.Errorf("after the migration the VM's run: %+v", rt)
 	}
-	if moved.Status.Migration != nil {
-		t.Errorf("the VM still names a migration: %+v", moved.Status.Migration)
-	}
+	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil(),
+		"the VM still names its migration")
 	// The count goes on where the source left it: the same guest, not a new boot (whose count
 	// would start at 0 again). The migration took about a second: a few ticks at most between.
-	g.Eventually(func() int { return len(ticks(consoleOn(target))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">=", 2),
-		func() string { return "the target's console:\n" + consoleOn(target) })
-	after := ticks(consoleOn(target))
+	g.Eventually(func() int { return len(ticks(w.console(target, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">=", 2),
+		func() string { return "the target's console:\n" + w.console(target, vm) })
+	after := ticks(w.console(target, vm))
 	last := seen[len(seen)-1]
 	if after[0] <= last || after[0] > last+int(took/time.Second)+5 {
 		t.Errorf("the source's count when the migration began: %v; the target's first ticks %v: the count did not go on", seen, after)
 	}
 	// The source lets the VM go: its VMM and its state.
 	g.Eventually(func() bool {
-		_, err := os.Stat(filepath.Join(tmp, source, "vms", string(vm.UID)))
+		_, err := os.Stat(w.vmDir(source, vm))
 		return os.IsNotExist(err)
 	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the source kept the migrated VM's state")
-	if all, here := vmm.Marked(string(vm.UID)), vmm.MarkedIn(string(vm.UID), filepath.Join(tmp, target, "vms", string(vm.UID))); len(all) != 1 || len(here) != 1 {
+	if all, here := vmm.Marked(string(vm.UID)), vmm.MarkedIn(string(vm.UID), w.vmDir(target, vm)); len(all) != 1 || len(here) != 1 {
 		t.Errorf("VMMs of the VM after the migration: %v, the target's %v; want the target's one alone", all, here)
 	}
 	if mig.Status.Downtime == nil || mig.Status.BytesMoved <= 0 || mig.Status.CommittedAt == nil {
-		t.Errorf("the migration's figures: %+v", mig.Status)
+		t.Fatalf("the migration's figures: %+v", mig.Status)
 	}
 	t.Logf("moved a running VM (192 MiB, TCG) between two nodes' agents: %v from the migration's creation to Succeeded, downtime %v, %d MiB sent",
 		took.Round(time.Millisecond), mig.Status.Downtime.Duration, mig.Status.BytesMoved>>20)
@@ -217,111 +260,44 @@ func TestLiveMigrationBetweenNodes(t *testing.T) {
 // on its source, the same run, its count going on there; the target's place is removed; and
 // the VM moves when asked again.
 func TestAMigrationWhoseTargetDiesLeavesTheVM(t *testing.T) {
-	c := testcluster.Require(t, shared)
-	ctx := context.Background()
-	ns := c.Namespace(t)
-	sfx := ns[len(ns)-5:]
-	tmp := t.TempDir()
-	kernel, initrd := testguest.Artifacts(t, tmp)
-	host := testregistry.Start(t, "", "")
-	testguest.Image(t, host, "hello")
-	pool := "mig-" + sfx
-	nodes := []string{"imp-migf-a-" + sfx, "imp-migf-b-" + sfx}
-	for _, n := range nodes {
-		poolNode(t, c, n, pool)
-	}
-	startOperator(t, c)
-	ids := migrationIdentities(t, nodes...)
-	for _, n := range nodes {
-		startAgent(t, c, agent.Options{NodeName: n, StateDir: filepath.Join(tmp, n), Kernel: kernel, Initramfs: initrd,
-			MigrationAddr: freeAddr(t), MigrationIdentity: ids[n], CgroupRoot: noCgroups})
-	}
-	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "stayer"}, Spec: impv1.ImpVMSpec{
-		Image: host + "/hello:v1", Args: []string{"serve"}, NodeSelector: map[string]string{"imp.test/pool": pool},
-		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("192Mi"))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
-	if err := c.Client.Create(ctx, vm); err != nil {
-		t.Fatal(err)
-	}
+	w := newMigWorld(t, "migf")
 	g := NewWithT(t)
-	get := func() *impv1.ImpVM {
-		v := &impv1.ImpVM{}
-		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), v); err != nil {
-			t.Fatal(err)
-		}
-		return v
-	}
-	g.Eventually(func() bool {
-		vm = get()
-		return vm.Status.Phase == impv1.VMRunning && vm.Status.Runtime != nil && vm.Status.Runtime.GuestReady
-	}).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string {
-		return diagnose(c.Client, vm, func(node string) string { return filepath.Join(tmp, node) })
-	})
-	source, target := vm.Status.NodeName, nodes[0]
-	if source == nodes[0] {
-		target = nodes[1]
-	}
-	vmDir := func(node string) string { return filepath.Join(tmp, node, "vms", string(vm.UID)) }
-	consoleOn := func(node string) string {
-		b, _ := os.ReadFile(filepath.Join(vmDir(node), qemu.ConsoleLog))
-		return string(b)
-	}
-	migrate := func(name string) *impv1.ImpVMMigration {
-		mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name}}
-		if err := c.Client.Create(ctx, mig); err != nil {
-			t.Fatal(err)
-		}
-		return mig
-	}
-	mig := migrate("dies")
+	vm := w.run(t, "stayer", "192Mi")
+	source := vm.Status.NodeName
+	target := w.other(source)
 	killed := false
-	g.Eventually(func() impv1.MigrationPhase {
-		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig); err != nil {
-			return ""
-		}
+	mig := w.migrate(t, "dies", vm, impv1.MigrationFailed, func(mig *impv1.ImpVMMigration) {
 		if tg := mig.Status.Target; !killed && tg != nil && tg.State == impv1.MigrationAgentReady {
-			rec, err := vmm.ReadRecord(vmDir(target))
+			rec, err := vmm.ReadRecord(w.vmDir(target, vm))
 			if err != nil {
 				t.Fatalf("the target reported ready with no VMM recorded: %v", err)
 			}
 			_ = syscall.Kill(rec.Pid, syscall.SIGKILL)
 			killed = true
 		}
-		return mig.Status.Phase
-	}).WithTimeout(5*time.Minute).WithPolling(5*time.Millisecond).Should(Equal(impv1.MigrationFailed), func() string {
-		b, _ := json.MarshalIndent(mig.Status, "", " ")
-		return "the migration: " + string(b)
 	})
 	if !killed {
 		t.Fatalf("the migration ended before the target was ready: %+v", mig.Status)
 	}
 	t.Logf("the migration failed: %s: %s", mig.Status.Reason, mig.Status.Message)
-	stayed := get()
+	stayed := w.get(t, vm)
 	if stayed.Status.NodeName != source || stayed.Status.Instance != vm.Status.Instance || stayed.Status.RestartCount != vm.Status.RestartCount ||
 		stayed.Status.Runtime == nil || stayed.Status.Runtime.State != impv1.RuntimeRunning {
 		t.Errorf("after the failed migration the VM is on %s, instance %d run %d, run %+v; want it running on %s as before",
 			stayed.Status.NodeName, stayed.Status.Instance, stayed.Status.RestartCount, stayed.Status.Runtime, source)
 	}
 	// Its count goes on on the source.
-	n := len(ticks(consoleOn(source)))
-	g.Eventually(func() int { return len(ticks(consoleOn(source))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
-		func() string { return "the source's console:\n" + consoleOn(source) })
+	n := len(ticks(w.console(source, vm)))
+	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
+		func() string { return "the source's console:\n" + w.console(source, vm) })
 	g.Eventually(func() bool {
-		_, err := os.Stat(vmDir(target))
+		_, err := os.Stat(w.vmDir(target, vm))
 		return os.IsNotExist(err)
 	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
-	g.Eventually(func() *impv1.MigrationStatus { return get().Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
+	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
 
-	again := migrate("again")
-	g.Eventually(func() impv1.MigrationPhase {
-		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(again), again); err != nil {
-			return ""
-		}
-		return again.Status.Phase
-	}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.MigrationSucceeded), func() string {
-		b, _ := json.MarshalIndent(again.Status, "", " ")
-		return "the second migration: " + string(b)
-	})
-	if got := get(); got.Status.NodeName != target || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount {
+	w.migrate(t, "again", vm, impv1.MigrationSucceeded, nil)
+	if got := w.get(t, vm); got.Status.NodeName != target || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount {
 		t.Errorf("after the second migration the VM is on %s, instance %d run %d", got.Status.NodeName, got.Status.Instance, got.Status.RestartCount)
 	}
 }

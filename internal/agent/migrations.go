@@ -116,8 +116,9 @@ func migrating(ctx context.Context, a *Agent, vm *impv1.ImpVM, dir string, m *vm
 		if err := a.APIReader.Get(ctx, client.ObjectKeyFromObject(vm), fresh); err != nil {
 			return true, client.IgnoreNotFound(err)
 		}
-		if mg := fresh.Status.Migration; fresh.UID != vm.UID || fresh.Status.NodeName != a.Opts.NodeName || mg != nil && mg.UID == held {
-			return true, nil // moved, or paused for a migration still under way: its commit or its end decides
+		if mg := fresh.Status.Migration; fresh.UID != vm.UID || fresh.Status.NodeName != a.Opts.NodeName || mg != nil && mg.UID == held ||
+			a.migrations != nil && a.migrations.Busy(held) {
+			return true, nil // moved, paused for a migration still under way, or still sending: its end decides
 		}
 		if err := a.drivers.Continue(ctx, vm.HostUID(), rec); err != nil {
 			return true, fmt.Errorf("running on the guest of %s that a migration paused: %w", vm.Name, err)

@@ -32,7 +32,9 @@ type Endpoint struct {
 // Start serves until ctx ends.
 func (e *Endpoint) Start(ctx context.Context) error {
 	files := &transfer.Server{Authorize: e.Files, Log: e.Log}
-	streams := &transfer.Streams{Authorize: e.Streams}
+	// Two streams a migration (its disk's, its memory's): sixteen take eight migrations to or
+	// from the node at once.
+	streams := &transfer.Streams{Authorize: e.Streams, Concurrent: 16}
 	mux := http.NewServeMux()
 	mux.Handle("GET /migrations/{uid}/files/{name}", files.Handler())
 	mux.Handle("POST /migrations/{uid}/streams/{name}", streams.Handler())

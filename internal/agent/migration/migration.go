@@ -58,7 +58,7 @@ func (r Reports) Report(ctx context.Context, mig types.NamespacedName, side stri
 		return err
 	}
 	obj := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: mig.Namespace, Name: mig.Name}}
-	if err := r.Client.Status().Patch(ctx, obj, client.RawPatch(types.MergePatchType, p)); err != nil {
+	if err := r.Client.Status().Patch(ctx, obj, client.RawPatch(types.MergePatchType, p)); client.IgnoreNotFound(err) != nil {
 		return fmt.Errorf("reporting the %s of migration %s as %s: %w", side, mig.Name, rep.State, err)
 	}
 	return nil
@@ -113,6 +113,13 @@ func marked(dir string) types.UID {
 type once struct {
 	mu      sync.Mutex
 	running map[types.UID]bool
+}
+
+// busy says whether key's function runs.
+func (o *once) busy(key types.UID) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.running[key]
 }
 
 // start runs f in the background unless f of key runs already; it reports whether it started.

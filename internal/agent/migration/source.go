@@ -52,7 +52,12 @@ type Source struct {
 	sending once
 	mu      sync.Mutex
 	sent    map[types.UID]time.Time // progress last reported, by migration
+	done    map[types.UID]bool      // migrations sent, or failed: never sent again
 }
+
+// Busy says whether the sending of migration uid is under way: the guest's state is QEMU's
+// until it ends (paused, or running on).
+func (s *Source) Busy(uid types.UID) bool { return s.sending.busy(uid) }
 
 // Sending says whether the VM's migration (status.migration) asks this node, its source, to
 // send it now.
@@ -73,10 +78,37 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 	mig := *vm.Status.Migration
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: mig.Name}
 	log := s.Log.WithValues("migration", key, "vm", vm.Name, "to", mig.TargetNode)
+	s.mu.Lock()
+	done := s.done[mig.UID]
+	s.mu.Unlock()
+	if done {
+		return // sent, or failed: once per migration
+	}
 	s.sending.start(mig.UID, log, func() {
+		defer func() {
+			s.mu.Lock()
+			if s.done == nil {
+				s.done = map[types.UID]bool{}
+			}
+			s.done[mig.UID] = true
+			delete(s.sent, mig.UID)
+			s.mu.Unlock()
+		}()
 		ctx, cancel := context.WithTimeout(context.Background(), 2*Timeout)
 		defer cancel()
 		stats, err := s.send(ctx, key, mig, dir, rec)
+		if err != nil && rec.Kind != string(impv1.VMMFirecracker) {
+			// What the migration left goes: QEMU's migration and the disk's mirror, waited for.
+			// One that completed all the same has the guest paused for good, the target all
+			// of its state.
+			completed, aerr := qemu.AbandonOut(dir, time.Minute)
+			if aerr != nil {
+				log.Error(aerr, "ending a failed migration's work in the VMM")
+			}
+			if completed {
+				err = nil
+			}
+		}
 		if err != nil {
 			_ = os.Remove(filepath.Join(dir, OutFile)) // the guest runs on here
 			log.Error(err, "sending a VM")
@@ -174,13 +206,19 @@ func (s *Source) Files(ctx context.Context, node string, uid types.UID) (map[str
 	return nil, transfer.ErrNotAllowed
 }
 
-// Arrive runs on the guest of a VM migrated to this node, once committed (the VM is this node's
-// and its migration Committed): the disk server ended, the guest continued where the source
+// Arrive runs on the guest of a VM migrated to this node, once committed: the VM is this node's
+// (only the commit moves a VM's nodeName to its migration's target) and this run is its current
+// one. Its status.migration may be gone by then (a migration deleted just after its commit):
+// the VM's node is what says. The disk server ended, the guest continued where the source
 // paused it, the run reported running here, and the target's side Running.
 func (s *Source) Arrive(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmrun.Meta, rec *vmm.Record) error {
 	mig := vm.Status.Migration
-	if mig == nil || mig.UID != m.Migration || mig.Phase != impv1.MigrationCommitted || vm.Status.NodeName != s.Node {
-		return nil // not committed (yet): the guest waits paused
+	if vm.Status.NodeName != s.Node || m.Instance != vm.Status.Instance || m.Run != vm.Status.RestartCount || mig != nil && mig.UID != m.Migration {
+		return nil // not committed: the guest waits paused
+	}
+	source := "another node"
+	if mig != nil {
+		source = "node " + mig.SourceNode
 	}
 	_ = qemu.StopDiskServer(dir) // gone with an agent that restarted since: nothing to end
 	if err := qemu.ResumeIncoming(dir, rec, time.Minute); err != nil {
@@ -192,13 +230,16 @@ func (s *Source) Arrive(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmr
 	}
 	rt := m.Status()
 	now := metav1.Now()
-	rt.State, rt.StartedAt, rt.GuestReady, rt.Message = impv1.RuntimeRunning, &now, true, "migrated from node "+mig.SourceNode
+	rt.State, rt.StartedAt, rt.GuestReady, rt.Message = impv1.RuntimeRunning, &now, true, "migrated from "+source
 	if r := vm.Status.Runtime; r != nil && r.Instance == rt.Instance && r.Run == rt.Run {
 		rt.StartedAt, rt.Ready = r.StartedAt, r.Ready // the same run, on
 	}
 	if err := s.Runs.Report(ctx, vm, rt); err != nil {
 		return err
 	}
-	s.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Arrived", "Migrate", "The VM runs on node %s, moved from node %s", s.Node, mig.SourceNode)
+	s.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Arrived", "Migrate", "The VM runs on node %s, moved from %s", s.Node, source)
+	if mig == nil {
+		return nil
+	}
 	return s.Reports.Report(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: mig.Name}, "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentRunning})
 }

@@ -65,6 +65,7 @@ type incoming struct {
 	dir    string
 	rec    *vmm.Record
 	taking bool // the memory stream is being taken
+	disk   bool // the disk's stream is open (one, the mirror's)
 }
 
 // SetupWithManager registers the target's controller with mgr (its cache from CacheByObject).
@@ -183,15 +184,13 @@ func (t *Target) make(ctx context.Context, mig *impv1.ImpVMMigration, vm *impv1.
 	if old.UID != vm.UID || old.Instance != vm.Status.Instance || old.Run != vm.Status.RestartCount || old.Token == "" {
 		return nil, fmt.Errorf("the source's record is of run %s %d.%d, not the VM's %d.%d", old.UID, old.Instance, old.Run, vm.Status.Instance, vm.Status.RestartCount)
 	}
-	kept := &vmrun.Meta{Token: old.Token} // what this node keeps of the source's: the guest's token alone
+	// What this node keeps of the source's: the guest's token alone. The run's meta says whose
+	// migration it is from the first write on (the sweep keeps it while the migration is under way).
+	kept := &vmrun.Meta{Token: old.Token, Migration: mig.UID}
 	// The image the source's base disk came from, by digest, whatever its tag says now.
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: kept, Incoming: true, Pinned: old.Digest}
 	defer r.Done()
 	if err := t.Prepare(ctx, r); err != nil {
-		return nil, err
-	}
-	r.Meta.Migration = mig.UID
-	if err := vmrun.WriteMeta(dir, r.Meta); err != nil {
 		return nil, err
 	}
 	f, err := vmm.ListenUnix(filepath.Join(dir, DiskSocket))
@@ -217,6 +216,10 @@ func (t *Target) Authorize(_ context.Context, node string, uid types.UID, name s
 	}
 	switch name {
 	case "disk":
+		if in.disk {
+			return nil, transfer.ErrNotAllowed // one disk stream per migration
+		}
+		in.disk = true
 		return func(c net.Conn) {
 			d, err := vmm.DialUnix(filepath.Join(in.dir, DiskSocket))
 			if err != nil {

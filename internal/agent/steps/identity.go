@@ -49,6 +49,9 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 	if r.Old != nil && r.Old.Instance == m.Instance {
 		m.Endpoint = r.Old.Endpoint // kept across the placement's runs
 	}
+	if r.Incoming && r.Old != nil {
+		m.Migration = r.Old.Migration // the run a migration brings: its guest waits for the commit
+	}
 	if r.Old != nil && r.Old.Token != "" {
 		m.Token = r.Old.Token
 	} else {

@@ -131,11 +131,10 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 				return ctrl.Result{}, err
 			}
 		}
-		if st.Phase.Committed() && !st.Phase.Finished() {
-			// Deleted after its commit: the VM is the target's; what is left is letting go.
-			if err := r.letGo(ctx, mig); err != nil {
-				return ctrl.Result{}, err
-			}
+		// Whatever its phase, the VM lets go of it before it goes (deleted after its commit,
+		// the VM is the target's, whose agent runs it on by its node alone).
+		if err := r.letGo(ctx, mig); err != nil {
+			return ctrl.Result{}, err
 		}
 		r.Placer.Release(mig.UID)
 		if controllerutil.RemoveFinalizer(mig, Finalizer) {
@@ -204,6 +203,8 @@ func movable(vm *impv1.ImpVM) (reason, message string) {
 		return ReasonVMNotRunning, "the VM is not running with its guest ready (phase " + string(st.Phase) + ")"
 	case impv1.WarmPoolOf(vm) != "":
 		return ReasonCannotMove, "the VM is a warm pool's member: its pool places its members"
+	case vm.HostUID() != vm.UID:
+		return ReasonCannotMove, "the VM runs on a warm pool member's run (a claim served warm): moving it is not built yet"
 	case vm.Spec.NodeName != "":
 		return ReasonCannotMove, "the VM asks for node " + vm.Spec.NodeName + " (spec.nodeName)"
 	case len(vm.Spec.Volumes) > 0:
@@ -233,7 +234,8 @@ func (r *Reconciler) begin(ctx context.Context, mig *impv1.ImpVMMigration) (ctrl
 	}
 	if vm.Status.Migration == nil {
 		orig := vm.DeepCopy()
-		vm.Status.Migration = &impv1.MigrationStatus{Name: mig.Name, UID: mig.UID, Phase: impv1.MigrationScheduling, SourceNode: vm.Status.NodeName}
+		vm.Status.Migration = &impv1.MigrationStatus{Name: mig.Name, UID: mig.UID, Phase: impv1.MigrationScheduling, SourceNode: vm.Status.NodeName,
+			Instance: vm.Status.Instance, Run: vm.Status.RestartCount}
 		if err := r.Client.Status().Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 			if apierrors.IsConflict(err) {
 				return ctrl.Result{Requeue: true}, nil // looked at again as it is now
@@ -323,6 +325,9 @@ func (r *Reconciler) await(ctx context.Context, mig *impv1.ImpVMMigration) (ctrl
 		return ctrl.Result{}, r.fail(ctx, mig, ReasonSourceFailed, "the source node failed: "+src.Message)
 	case vm.Status.NodeName != st.SourceNode:
 		return ctrl.Result{}, r.fail(ctx, mig, ReasonVMChanged, "the VM left its source node "+st.SourceNode)
+	case vm.Status.Instance != vm.Status.Migration.Instance || vm.Status.RestartCount != vm.Status.Migration.Run || vm.Status.Phase != impv1.VMRunning:
+		// Restarted, stopped or ended meanwhile: the state the target took is not the VM's.
+		return ctrl.Result{}, r.fail(ctx, mig, ReasonVMChanged, "the VM's run changed during the migration (a restart, a stop or its end)")
 	}
 	if reason, msg := movable(vm); reason != "" && (src == nil || src.State != impv1.MigrationAgentPaused) {
 		// The VM stopped running of itself (it exited, was suspended): nothing to move. A guest

@@ -295,3 +295,50 @@ func (q *QMP) mirror() (*blockJob, error) {
 	}
 	return nil, nil
 }
+
+// AbandonOut ends what an outgoing migration of the VM in dir left behind when MigrateOut or
+// MirrorDisk returned an error (a deadline, a QMP error, a receiver gone): the migration
+// cancelled and waited for until QEMU says it ended, the disk's mirror cancelled without being
+// completed and its connection removed. It reports whether the migration had completed all
+// the same: then the guest is paused for good ("postmigrate") and the receiver has the whole
+// state; else QEMU runs the guest on here.
+func AbandonOut(dir string, timeout time.Duration) (completed bool, err error) {
+	q, err := DialQMP(dir, 10*time.Second)
+	if err != nil {
+		return false, err
+	}
+	defer q.Close()
+	_ = q.conn.SetDeadline(time.Now().Add(timeout))
+	_, _ = q.Execute("migrate_cancel", nil)
+	for ended := false; !ended; {
+		raw, err := q.Execute("query-migrate", nil)
+		if err != nil {
+			return false, err
+		}
+		var st struct {
+			Status string `json:"status"`
+		}
+		_ = json.Unmarshal(raw, &st)
+		switch st.Status {
+		case "completed":
+			completed, ended = true, true
+		case "", "none", "failed", "cancelled":
+			ended = true
+		default:
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if job, err := q.mirror(); err == nil && job != nil {
+		if _, err := q.Execute("block-job-cancel", map[string]any{"device": mirrorJob, "force": true}); err != nil {
+			return completed, fmt.Errorf("cancelling the disk's mirror: %w", err)
+		}
+		for job != nil {
+			time.Sleep(10 * time.Millisecond)
+			if job, err = q.mirror(); err != nil {
+				return completed, err
+			}
+		}
+	}
+	_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob}) // none when the mirror never began or was finished
+	return completed, nil
+}
