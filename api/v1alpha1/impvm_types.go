@@ -327,6 +327,14 @@ type ImpVMSpec struct {
 	// +kubebuilder:default=Always
 	RunStrategy RunStrategy `json:"runStrategy,omitempty"`
 
+	// evictionStrategy says what becomes of the running VM when its node is evacuated
+	// (kubectl imp drain, the taint imp.dev/evacuate:NoExecute): Migrate moves it to another
+	// node with its memory (an ImpVMMigration); None (the default) leaves it running where it
+	// is, as node maintenance that keeps VMs in place does.
+	// +optional
+	// +kubebuilder:validation:Enum=Migrate;None
+	EvictionStrategy EvictionStrategy `json:"evictionStrategy,omitempty"`
+
 	// terminationGracePeriodSeconds is how long the guest has to shut down cleanly before its
 	// VMM is killed.
 	// +optional

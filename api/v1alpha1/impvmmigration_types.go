@@ -5,6 +5,24 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
+// EvictionStrategy is what becomes of a running VM when its node is evacuated.
+type EvictionStrategy string
+
+const (
+	// EvictionMigrate: the VM is moved to another node with its memory.
+	EvictionMigrate EvictionStrategy = "Migrate"
+	// EvictionNone: the VM stays where it is.
+	EvictionNone EvictionStrategy = "None"
+)
+
+// EvacuateTaint, on a Node with effect NoExecute, evacuates it: its VMs whose evictionStrategy
+// is Migrate are moved off it, a few at a time (kubectl imp drain sets it, with the node
+// cordoned). It keeps new VMs off the node as any untolerated NoExecute taint does.
+const EvacuateTaint = "imp.dev/evacuate"
+
+// EvacuationLabel, on an ImpVMMigration, names the node whose evacuation made it.
+const EvacuationLabel = "imp.dev/evacuation"
+
 // MigrationPhase is where a migration stands (docs/migration.md).
 // +kubebuilder:validation:Enum=Pending;Scheduling;Preparing;Transferring;Committed;Succeeded;Failed
 type MigrationPhase string

@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -10,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -26,6 +28,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/transfer"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/kubectlimp"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
@@ -41,7 +44,8 @@ const noCgroups = "-"
 func poolNode(t *testing.T, c *testcluster.Cluster, name, pool string) {
 	t.Helper()
 	ctx := context.Background()
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/pool": pool}}}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/pool": pool,
+		"imp.test/node": name}}}
 	if err := c.Client.Create(ctx, node); err != nil {
 		t.Fatal(err)
 	}
@@ -132,12 +136,15 @@ func newMigWorld(t *testing.T, prefix string) *migWorld {
 }
 
 // run makes a VM of mem counting a tick a second on its console and waits until its guest is
-// ready; it returns the VM then.
-func (w *migWorld) run(t *testing.T, name, mem string) *impv1.ImpVM {
+// ready; it returns the VM then. Each of set changes the VM before it is made.
+func (w *migWorld) run(t *testing.T, name, mem string, set ...func(*impv1.ImpVM)) *impv1.ImpVM {
 	t.Helper()
 	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMSpec{
 		Image: w.host + "/hello:v1", Args: []string{"serve"}, NodeSelector: map[string]string{"imp.test/pool": w.pool},
 		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse(mem))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
+	for _, f := range set {
+		f(vm)
+	}
 	if err := w.c.Client.Create(context.Background(), vm); err != nil {
 		t.Fatal(err)
 	}
@@ -296,8 +303,71 @@ func TestAMigrationWhoseTargetDiesLeavesTheVM(t *testing.T) {
 	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
 	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
 
-	w.migrate(t, "again", vm, impv1.MigrationSucceeded, nil)
+	// Asked again with kubectl imp migrate, which waits and says where it went.
+	if out := kubectlImp(t, w.c.Kubeconfig(t), w.ns, "migrate", vm.Name, "--to", target, "--timeout", "5m"); !strings.Contains(out, "runs on node "+target) {
+		t.Errorf("kubectl imp migrate printed:\n%s", out)
+	}
 	if got := w.get(t, vm); got.Status.NodeName != target || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount {
 		t.Errorf("after the second migration the VM is on %s, instance %d run %d", got.Status.NodeName, got.Status.Instance, got.Status.RestartCount)
 	}
+}
+
+// TestDrainMovesWhatMayMove: two VMs on one node, one with evictionStrategy Migrate, one with
+// None (the default). `kubectl imp drain NODE` cordons and taints the node and waits: the
+// first moves to the other node with its memory (the same run), the second stays running where
+// it is, and new VMs go elsewhere; `kubectl imp undrain NODE` ends it.
+func TestDrainMovesWhatMayMove(t *testing.T) {
+	w := newMigWorld(t, "drain")
+	ctx := context.Background()
+	mover := w.run(t, "mover", "192Mi", func(vm *impv1.ImpVM) { vm.Spec.EvictionStrategy = impv1.EvictionMigrate })
+	node := mover.Status.NodeName
+	stayer := w.run(t, "stayer", "192Mi", func(vm *impv1.ImpVM) { vm.Spec.NodeSelector["imp.test/node"] = node })
+	out := kubectlImp(t, w.c.Kubeconfig(t), w.ns, "drain", node, "--timeout", "5m")
+	for _, want := range []string{"cordoned and tainted", "impvm " + w.ns + "/stayer stays (evictionStrategy None)", "evacuated"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("kubectl imp drain printed no %q:\n%s", want, out)
+		}
+	}
+	moved := w.get(t, mover)
+	if moved.Status.NodeName != w.other(node) || moved.Status.Instance != mover.Status.Instance || moved.Status.RestartCount != mover.Status.RestartCount {
+		t.Errorf("after the drain the Migrate VM is on %s, instance %d run %d; want it moved to %s, the same run",
+			moved.Status.NodeName, moved.Status.Instance, moved.Status.RestartCount, w.other(node))
+	}
+	if got := w.get(t, stayer); got.Status.NodeName != node || got.Status.Instance != stayer.Status.Instance || got.Status.Runtime == nil ||
+		got.Status.Runtime.State != impv1.RuntimeRunning {
+		t.Errorf("after the drain the None VM is on %s, instance %d, run %+v; want it running on %s as before", got.Status.NodeName, got.Status.Instance,
+			got.Status.Runtime, node)
+	}
+	n := &corev1.Node{}
+	if err := w.c.Client.Get(ctx, client.ObjectKey{Name: node}, n); err != nil {
+		t.Fatal(err)
+	}
+	if !n.Spec.Unschedulable {
+		t.Error("the drained node is not cordoned")
+	}
+	kubectlImp(t, w.c.Kubeconfig(t), w.ns, "undrain", node)
+	if err := w.c.Client.Get(ctx, client.ObjectKey{Name: node}, n); err != nil {
+		t.Fatal(err)
+	}
+	for _, taint := range n.Spec.Taints {
+		if taint.Key == impv1.EvacuateTaint {
+			t.Errorf("undrained, the node keeps %v", taint)
+		}
+	}
+	if n.Spec.Unschedulable {
+		t.Error("undrained, the node is still cordoned")
+	}
+}
+
+// kubectlImp runs `kubectl imp ARGS...` against the cluster and returns what it printed.
+func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	cmd := kubectlimp.NewCommand(strings.NewReader(""), &out, &errOut)
+	cmd.SetArgs(append([]string{"--kubeconfig", kubeconfig, "-n", ns}, args...))
+	if err := cmd.Execute(); err != nil {
+		t.Fatalf("kubectl imp %v: %v\n%s%s", args, err, out.String(), errOut.String())
+	}
+	t.Logf("kubectl imp %v:\n%s", args, out.String())
+	return out.String()
 }

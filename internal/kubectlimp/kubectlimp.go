@@ -61,8 +61,9 @@ func NewCommand(in io.Reader, out, errOut io.Writer) *cobra.Command {
 		Use:   "kubectl-imp",
 		Short: "Act on IMP microVMs",
 		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, exec,
-port-forward, console, suspend, resume, snapshot, stop, start and restart; rollout status, history
-and undo follow and reverse the updates of ImpVMPools; claim takes a VM of an ImpWarmPool. Suspending creates an
+port-forward, console, suspend, resume, snapshot, stop, start, restart and migrate; drain and undrain
+evacuate a node; rollout status, history and undo follow and reverse the updates of ImpVMPools;
+claim takes a VM of an ImpWarmPool. Suspending creates an
 ImpVMSuspension of the VM's name (RBAC grants it apart from editing VMs; the audit log says who);
 resuming deletes it. logs, exec, port-forward and console are the VM's subresources in the API
 group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
@@ -112,6 +113,7 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 		&cobra.Command{Use: "restart NAME", Short: "Restart a VM's workload (a new run on its node)", Args: cobra.ExactArgs(1), RunE: o.run(o.restart)},
 	)
 	root.AddCommand(o.rolloutCommand())
+	root.AddCommand(o.migrateCommands()...)
 	root.AddCommand(o.accessCommands(a)...)
 	return root
 }

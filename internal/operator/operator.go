@@ -29,6 +29,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/endpoints"
+	"github.com/syscode-labs/imp/internal/controller/evacuation"
 	"github.com/syscode-labs/imp/internal/controller/idle"
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
 	"github.com/syscode-labs/imp/internal/controller/impnode"
@@ -185,6 +186,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	if err := (&impvmmigration.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Clock: o.Clock,
 		Placer: impvm.Migrations{R: vms}}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMMigration reconciler: %w", err)
+	}
+	if err := (&evacuation.Reconciler{Client: mgr.GetClient(), Recorder: recorder, Clock: o.Clock}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the evacuation of nodes: %w", err)
 	}
 	if o.PressureLifecycle {
 		if o.PressureSettle == 0 {
