@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"encoding/json"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -17,9 +18,11 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -28,10 +31,13 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/transfer"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/kubectlimp"
+	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testnetns"
 	"github.com/syscode-labs/imp/internal/testregistry"
 )
 
@@ -370,4 +376,100 @@ func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
 	}
 	t.Logf("kubectl imp %v:\n%s", args, out.String())
 	return out.String()
+}
+
+// TestAMigratedVMKeepsItsAddressAndService: two nodes, each a network namespace with its own
+// agent taking migrations, joined by an underlay (the overlay between them) and each with an
+// endpoint block; a "pod" namespace routed through node B. A web VM on an ImpNetwork with
+// port 8080 (a readiness probe) behind a Service boots on node A and moves to node B: it keeps
+// its address (and so its MAC) and its run; its Service endpoint moves into B's block, ready,
+// and answers from the pod with the VM's greeting.
+func TestAMigratedVMKeepsItsAddressAndService(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	nsA, nsB, pod := testnetns.New(t, "imp-ma-"+sfx), testnetns.New(t, "imp-mb-"+sfx), testnetns.New(t, "imp-mp-"+sfx)
+	testnetns.Link(t, nsA, "under0", "192.168.76.1/24", nsB, "under0", "192.168.76.2/24")
+	testnetns.Link(t, nsB, "eth1", "192.168.75.1/24", pod, "eth0", "192.168.75.2/24")
+	ph := testnetns.Handle(t, pod)
+	pl, _ := ph.LinkByName("eth0")
+	if err := ph.RouteAdd(&netlink.Route{LinkIndex: pl.Attrs().Index, Gw: net.ParseIP("192.168.75.1")}); err != nil {
+		t.Fatal(err)
+	}
+	pool := "mignet-" + sfx
+	nodeA, nodeB := "imp-mna-"+sfx, "imp-mnb-"+sfx
+	poolNode(t, c, nodeA, pool)
+	poolNode(t, c, nodeB, pool)
+	startOperatorWith(t, c, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2,
+		EndpointRange: netip.MustParsePrefix("100.73.0.0/16"), EndpointBlockBits: 24})
+	ids := migrationIdentities(t, nodeA, nodeB)
+	for _, n := range []struct{ node, netns, vtep string }{{nodeA, nsA, "192.168.76.1"}, {nodeB, nsB, "192.168.76.2"}} {
+		startAgent(t, c, agent.Options{NodeName: n.node, StateDir: filepath.Join(tmp, n.node), Kernel: kernel, Initramfs: initrd,
+			NetNS: n.netns, NetNSDir: testnetns.PinDir(t), OverlayAddress: netip.MustParseAddr(n.vtep), EndpointBlocks: true,
+			MigrationAddr: freeAddr(t), MigrationIdentity: ids[n.node], CgroupRoot: noCgroups})
+	}
+	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.95.0.0/24"}}); err != nil {
+		t.Fatal(err)
+	}
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "web", Labels: map[string]string{"app": "web"}}, Spec: impv1.ImpVMSpec{
+		Image: host + "/hello:v1", Args: []string{"web"}, NodeSelector: map[string]string{"imp.test/pool": pool},
+		NetworkRef: &impv1.NetworkReference{Name: "net"}, Ports: []impv1.VMPort{{Name: "http", Port: 8080, Protocol: corev1.ProtocolTCP}},
+		ReadinessProbe: &impv1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromString("http")}},
+			PeriodSeconds: 1, FailureThreshold: 1, SuccessThreshold: 1, TimeoutSeconds: 1},
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("192Mi"))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
+	if err := c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Client.Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "web"}, Spec: corev1.ServiceSpec{
+		Selector: map[string]string{"app": "web"}, Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}}}}); err != nil {
+		t.Fatal(err)
+	}
+	sw := &svcWorld{c: c}
+	g := NewWithT(t)
+	g.Eventually(func() []string { return sw.endpoints(ns) }).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(
+		ConsistOf(MatchRegexp(`^100\.73\.\d+\.\d+:8080 web true$`)), func() string {
+			return diagnose(c.Client, vm, func(node string) string { return filepath.Join(tmp, node) })
+		})
+	if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), vm); err != nil {
+		t.Fatal(err)
+	}
+	if vm.Status.NodeName != nodeA { // of two nodes with as much free, the first by name
+		t.Fatalf("the VM went to %s", vm.Status.NodeName)
+	}
+	before := sw.endpoints(ns)[0]
+	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "move"}, Spec: impv1.ImpVMMigrationSpec{VMName: "web", TargetNode: nodeB}}
+	if err := c.Client.Create(ctx, mig); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.MigrationPhase {
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig)
+		return mig.Status.Phase
+	}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.MigrationSucceeded), func() string {
+		b, _ := json.MarshalIndent(mig.Status, "", " ")
+		return string(b)
+	})
+	moved := &impv1.ImpVM{}
+	if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vm), moved); err != nil {
+		t.Fatal(err)
+	}
+	if moved.Status.NodeName != nodeB || moved.Status.IP != vm.Status.IP || moved.Status.Instance != vm.Status.Instance || moved.Status.RestartCount != vm.Status.RestartCount {
+		t.Errorf("after the migration: on %s, address %s, instance %d run %d; want on %s with address %s, the same run", moved.Status.NodeName, moved.Status.IP,
+			moved.Status.Instance, moved.Status.RestartCount, nodeB, vm.Status.IP)
+	}
+	var after string
+	g.Eventually(func() []string { return sw.endpoints(ns) }).WithTimeout(2 * time.Minute).WithPolling(100 * time.Millisecond).Should(
+		ConsistOf(MatchRegexp(`^100\.73\.\d+\.\d+:8080 web true$`)))
+	after = sw.endpoints(ns)[0]
+	if after == before {
+		t.Errorf("the Service endpoint stayed %s: node B's block is not node A's", before)
+	}
+	ep := strings.Fields(after)[0]
+	g.Eventually(func() string { return get(pod, ep) }).WithTimeout(time.Minute).Should(Equal("hello from web"),
+		"the moved VM's endpoint "+ep+" from the pod")
+	t.Logf("moved a web VM with its address %s; its Service endpoint %s → %s; paused %v", vm.Status.IP, strings.Fields(before)[0], ep, mig.Status.Downtime.Duration)
 }

@@ -72,8 +72,9 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 // migrateInPlan is the plan of a migration's target: the VM's place made as a start makes it
 // (its state directory, image, configuration disk, identity — with the guest's token, which the
 // source's record gave as r.Old — and network attachment with its address and MAC), its
-// writable disk empty for the source's mirror, and its VMM started waiting for the state
-// (r.Incoming). Its failpoints are "migrate-in/<step>".
+// writable disk empty for the source's mirror, its ports exposed at an endpoint of this node's,
+// and its VMM started waiting for the state (r.Incoming). Its failpoints are
+// "migrate-in/<step>".
 func migrateInPlan(a *Agent, vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	insecure := a.Opts.InsecureRegistries
 	ss := []steps.Step{steps.StateDir{},
@@ -82,7 +83,9 @@ func migrateInPlan(a *Agent, vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 			NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }},
 		steps.ConfigDisk{}, migration.EmptyDisk{}, steps.Identity{IDs: a.drivers}, steps.Intent{}}
 	if vm.Spec.NetworkRef != nil {
-		ss = append(ss, steps.Network{Attacher: a.networks})
+		// Its ports at an endpoint of this node's block: the Services follow once the run is
+		// reported here (its endpoint in the report), after the commit.
+		ss = append(ss, steps.Network{Attacher: a.networks}, steps.Expose{Exposer: a.exposer})
 	}
 	ss = append(ss, steps.Exec{Launcher: launcher{a.drivers}})
 	return plan.Plan[*vmrun.Run]{Name: "migrate-in", Reason: "MigrationFailed", Steps: ss}
@@ -116,9 +119,17 @@ func migrating(ctx context.Context, a *Agent, vm *impv1.ImpVM, dir string, m *vm
 		if err := a.APIReader.Get(ctx, client.ObjectKeyFromObject(vm), fresh); err != nil {
 			return true, client.IgnoreNotFound(err)
 		}
-		if mg := fresh.Status.Migration; fresh.UID != vm.UID || fresh.Status.NodeName != a.Opts.NodeName || mg != nil && mg.UID == held ||
-			a.migrations != nil && a.migrations.Busy(held) {
-			return true, nil // moved, paused for a migration still under way, or still sending: its end decides
+		mg := fresh.Status.Migration
+		if fresh.UID != vm.UID || fresh.Status.NodeName != a.Opts.NodeName || a.migrations != nil && a.migrations.Busy(held) {
+			return true, nil // moved, or still sending: its end decides
+		}
+		if mg != nil && mg.UID == held {
+			if a.migrations != nil && mg.Phase == impv1.MigrationTransferring && (fresh.Status.Migration.SourceNode == a.Opts.NodeName) {
+				// Paused for a migration this agent no longer sends (it restarted): say where
+				// it stands.
+				return true, a.migrations.Recover(ctx, fresh, dir, held)
+			}
+			return true, nil // paused for a migration still under way: its commit or its end decides
 		}
 		if err := a.drivers.Continue(ctx, vm.HostUID(), rec); err != nil {
 			return true, fmt.Errorf("running on the guest of %s that a migration paused: %w", vm.Name, err)

@@ -221,17 +221,18 @@ func (s *StandIns) refuse(uid types.UID, why string) {
 	if st == nil {
 		return
 	}
-	st.in.Refuse()
 	retry := s.Retry
 	if retry <= 0 {
 		retry = 10 * time.Second
 	}
-	time.AfterFunc(retry, st.in.Rearm)
+	// Said before its clients are told: whoever sees the refusal finds why.
 	vm := &impv1.ImpVM{}
 	if err := s.API.Get(context.Background(), st.key, vm); err == nil {
 		s.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "WakeFailed", "Resume",
 			"The idle VM was not woken (%s): what arrives for it is refused for %v, then may wake it again; its state stays on node for a resume", why, retry)
 	}
+	st.in.Refuse()
+	time.AfterFunc(retry, st.in.Rearm)
 }
 
 // Down stops standing in for the VM kept under uid, if anything does, and keeps what was held

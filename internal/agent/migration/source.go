@@ -189,6 +189,50 @@ func (s *Source) progress(key types.NamespacedName, uid types.UID, sent int64) {
 	_ = s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentSending, Bytes: sent})
 }
 
+// Recover finishes, after the agent restarted, the sending of migration mig (which the VM's
+// status.migration still names) that the guest in dir is held for (OutFile), when no sending of
+// this agent runs it: a migration QEMU completed is reported Paused with its figures; one that
+// ended without completing is reported Failed, its guest running on; one still running is
+// ended (the agent's end of its streams went with the agent that stopped).
+func (s *Source) Recover(ctx context.Context, vm *impv1.ImpVM, dir string, mig types.UID) error {
+	if s.Busy(mig) {
+		return nil
+	}
+	m := vm.Status.Migration
+	if m == nil || m.UID != mig {
+		return nil
+	}
+	key := types.NamespacedName{Namespace: vm.Namespace, Name: m.Name}
+	s.mu.Lock()
+	if s.done == nil {
+		s.done = map[types.UID]bool{}
+	}
+	s.done[mig] = true // never sent again by this agent, whatever comes of it
+	s.mu.Unlock()
+	state, stats, err := qemu.OutgoingState(dir)
+	if err != nil {
+		return fmt.Errorf("reading where a migration stands: %w", err)
+	}
+	if state != "completed" {
+		completed, err := qemu.AbandonOut(dir, time.Minute)
+		if err != nil {
+			return err
+		}
+		if !completed {
+			if err := os.Remove(filepath.Join(dir, OutFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return err
+			}
+			return s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentFailed,
+				Message: "the source's agent restarted while sending; the VM runs on here"})
+		}
+		if _, stats, err = qemu.OutgoingState(dir); err != nil {
+			return err
+		}
+	}
+	return s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: stats.Bytes,
+		Downtime: &metav1.Duration{Duration: stats.Downtime}})
+}
+
 // Files is the source's answer to the target's fetch of a migration's files: the run's record
 // (its guest's token), to the migration's target only, while it moves.
 func (s *Source) Files(ctx context.Context, node string, uid types.UID) (map[string]transfer.File, error) {

@@ -190,7 +190,9 @@ func (t *Target) make(ctx context.Context, mig *impv1.ImpVMMigration, vm *impv1.
 	// The image the source's base disk came from, by digest, whatever its tag says now.
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: kept, Incoming: true, Pinned: old.Digest}
 	defer r.Done()
-	if err := t.Prepare(ctx, r); err != nil {
+	pctx, cancel := context.WithTimeout(ctx, Timeout) // an image pull, an endpoint block waited for: bounded
+	defer cancel()
+	if err := t.Prepare(pctx, r); err != nil {
 		return nil, err
 	}
 	f, err := vmm.ListenUnix(filepath.Join(dir, DiskSocket))

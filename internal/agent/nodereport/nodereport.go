@@ -75,6 +75,12 @@ type Reporter struct {
 
 	once sync.Once
 	now  chan struct{} // Soon's
+
+	// written is the report last written (without its heartbeatTime), over the ImpNode of
+	// resourceVersion over: a cache that still shows that version has not seen the write, and
+	// is compared with it rather than written again. Only the report's loop touches them.
+	written *impv1.ImpNodeStatus
+	over    string
 }
 
 // Networks report the networks plumbed on the node.
@@ -193,13 +199,20 @@ func (r *Reporter) report(ctx context.Context, kernel, initrd *impv1.Artifact) e
 		Reason: impv1.ReasonAgentReady, Message: fmt.Sprintf("qemu (%s) available", r.Accel)})
 	// Written only when it changed: every agent watches ImpNodes, so a write reaches every
 	// node. The heartbeat is the agent's Lease; heartbeatTime says when the report was written.
-	if equality.Semantic.DeepEqual(orig.Status, node.Status) {
+	seen := orig.Status
+	if r.written != nil && orig.ResourceVersion == r.over {
+		seen = *r.written // the cache is behind this reporter's last write
+		seen.HeartbeatTime = node.Status.HeartbeatTime
+	}
+	if equality.Semantic.DeepEqual(seen, node.Status) {
 		return nil
 	}
+	over := orig.ResourceVersion
 	node.Status.HeartbeatTime = &now
 	if err := r.Client.Status().Patch(ctx, node, client.MergeFrom(orig)); err != nil {
 		return fmt.Errorf("reporting ImpNode %s: %w", r.NodeName, err)
 	}
+	r.written, r.over = node.Status.DeepCopy(), over
 	return nil
 }
 

@@ -9,11 +9,14 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -440,5 +443,44 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 	}
 	if got := e.vm("vm").Status.Migration; got != nil {
 		t.Errorf("a migration that could not start left its name on the VM: %+v", got)
+	}
+}
+
+// TestOnlyEditorsMigrate: moving a VM is an ImpVMMigration, which the edit role may create and
+// the view role may not (the chart's roles): a viewer's migration is refused by the API server.
+func TestOnlyEditorsMigrate(t *testing.T) {
+	cl := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := cl.Namespace(t)
+	as := func(user, role string) client.Client {
+		t.Helper()
+		rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: user + "-" + role},
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+			Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}}}
+		if err := cl.Client.Create(ctx, rb); err != nil {
+			t.Fatal(err)
+		}
+		// The binding is in force once the authorizer grants what both roles grant.
+		NewWithT(t).Eventually(func() bool {
+			sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user,
+				ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: ns, Verb: "get", Group: impv1.GroupVersion.Group, Resource: "impvmmigrations"}}}
+			return cl.Client.Create(ctx, sar) == nil && sar.Status.Allowed
+		}).WithTimeout(30*time.Second).WithPolling(50*time.Millisecond).Should(BeTrue(), user+"'s binding never took effect")
+		cfg := rest.CopyConfig(cl.Config)
+		cfg.Impersonate = rest.ImpersonationConfig{UserName: user}
+		c, err := client.New(cfg, client.Options{Scheme: cl.Scheme})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	mig := func() *impv1.ImpVMMigration {
+		return &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, GenerateName: "m-"}, Spec: impv1.ImpVMMigrationSpec{VMName: "vm"}}
+	}
+	if err := as("vera", "imp-view").Create(ctx, mig()); !apierrors.IsForbidden(err) {
+		t.Errorf("a viewer's migration: %v; want Forbidden", err)
+	}
+	if err := as("eddie", "imp-edit").Create(ctx, mig()); err != nil {
+		t.Errorf("an editor's migration: %v", err)
 	}
 }

@@ -342,3 +342,34 @@ func AbandonOut(dir string, timeout time.Duration) (completed bool, err error) {
 	_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob}) // none when the mirror never began or was finished
 	return completed, nil
 }
+
+// OutgoingState is where the outgoing migration of the VM in dir stands, as its QEMU says:
+// "completed" (the guest paused for good, the figures its stats), "active" and the like while
+// it runs, "failed" or "cancelled" after it ended without completing, "none" for none.
+func OutgoingState(dir string) (string, MigrationStats, error) {
+	q, err := DialQMP(dir, 10*time.Second)
+	if err != nil {
+		return "", MigrationStats{}, err
+	}
+	defer q.Close()
+	raw, err := q.Execute("query-migrate", nil)
+	if err != nil {
+		return "", MigrationStats{}, err
+	}
+	var st struct {
+		Status    string `json:"status"`
+		TotalTime int64  `json:"total-time"`
+		Downtime  int64  `json:"downtime"`
+		RAM       struct {
+			Transferred int64 `json:"transferred"`
+		} `json:"ram"`
+	}
+	if err := json.Unmarshal(raw, &st); err != nil {
+		return "", MigrationStats{}, err
+	}
+	if st.Status == "" {
+		st.Status = "none"
+	}
+	return st.Status, MigrationStats{Total: time.Duration(st.TotalTime) * time.Millisecond, Downtime: time.Duration(st.Downtime) * time.Millisecond,
+		Bytes: st.RAM.Transferred}, nil
+}
