@@ -176,7 +176,7 @@ func TestIdleVMsWakeOnTraffic(t *testing.T) {
 	}
 	t.Logf("refused in %v", time.Since(began).Round(time.Millisecond))
 	// The Event is recorded before the refusal, and written by the recorder a moment later.
-	g.Eventually(func() string { return eventsOf(c.Client, ns, "idle") }).WithTimeout(30*time.Second).Should(ContainSubstring("WakeFailed"))
+	g.Eventually(func() string { return eventsOf(c.Client, ns, "idle") }).WithTimeout(30 * time.Second).Should(ContainSubstring("WakeFailed"))
 	if !suspended() {
 		t.Errorf("woken without room: events:\n%s", eventsOf(c.Client, ns, "idle"))
 	}

@@ -450,9 +450,10 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 // the view role may not (the chart's roles): a viewer's migration is refused by the API server.
 func TestOnlyEditorsMigrate(t *testing.T) {
 	cl := testcluster.Require(t, shared)
+	cl.InstallChartObjects(t, "ClusterRole") // the chart's user roles
 	ctx := context.Background()
 	ns := cl.Namespace(t)
-	as := func(user, role string) client.Client {
+	as := func(user, role, verb string) client.Client {
 		t.Helper()
 		rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: user + "-" + role},
 			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
@@ -460,10 +461,10 @@ func TestOnlyEditorsMigrate(t *testing.T) {
 		if err := cl.Client.Create(ctx, rb); err != nil {
 			t.Fatal(err)
 		}
-		// The binding is in force once the authorizer grants what both roles grant.
+		// The binding is in force once the authorizer grants verb, which role grants.
 		NewWithT(t).Eventually(func() bool {
 			sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user,
-				ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: ns, Verb: "get", Group: impv1.GroupVersion.Group, Resource: "impvmmigrations"}}}
+				ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: ns, Verb: verb, Group: impv1.GroupVersion.Group, Resource: "impvmmigrations"}}}
 			return cl.Client.Create(ctx, sar) == nil && sar.Status.Allowed
 		}).WithTimeout(30*time.Second).WithPolling(50*time.Millisecond).Should(BeTrue(), user+"'s binding never took effect")
 		cfg := rest.CopyConfig(cl.Config)
@@ -477,10 +478,10 @@ func TestOnlyEditorsMigrate(t *testing.T) {
 	mig := func() *impv1.ImpVMMigration {
 		return &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, GenerateName: "m-"}, Spec: impv1.ImpVMMigrationSpec{VMName: "vm"}}
 	}
-	if err := as("vera", "imp-view").Create(ctx, mig()); !apierrors.IsForbidden(err) {
+	if err := as("vera", "imp-view", "get").Create(ctx, mig()); !apierrors.IsForbidden(err) {
 		t.Errorf("a viewer's migration: %v; want Forbidden", err)
 	}
-	if err := as("eddie", "imp-edit").Create(ctx, mig()); err != nil {
+	if err := as("eddie", "imp-edit", "create").Create(ctx, mig()); err != nil {
 		t.Errorf("an editor's migration: %v", err)
 	}
 }
