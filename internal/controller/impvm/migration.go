@@ -28,11 +28,21 @@ func (m Migrations) Target(ctx context.Context, vm *impv1.ImpVM, hold types.UID,
 	if err != nil {
 		return "", err
 	}
+	// Only a node that takes migrations, and boots guests with the source's kernel and
+	// initramfs: the guest's memory holds the kernel it booted, and its state the devices
+	// this kernel knows.
+	source, _ := r.fleet.agent(vm.Status.NodeName)
 	var nodes []placement.Node
 	for _, n := range r.candidates() {
-		if n.Node.Name != vm.Status.NodeName && (target == "" || n.Node.Name == target) {
-			nodes = append(nodes, n)
+		if n.Node.Name == vm.Status.NodeName || target != "" && n.Node.Name != target || n.Report == nil ||
+			n.Report.Status.MigrationEndpoint == "" || !sameArtifact(source, n.Report, func(s *impv1.ImpNodeStatus) *impv1.Artifact { return s.Kernel }) ||
+			!sameArtifact(source, n.Report, func(s *impv1.ImpNodeStatus) *impv1.Artifact { return s.Initramfs }) {
+			continue
 		}
+		nodes = append(nodes, n)
+	}
+	if len(nodes) == 0 {
+		return "", &placement.Unschedulable{Message: "no other node takes migrations with the source's kernel and initramfs" + onlyTarget(target)}
 	}
 	// The copy counts against the namespace's quota while it is held, as a new VM would;
 	// the VM's claims stay the VM's (the migration holds none).
@@ -82,4 +92,24 @@ func (m Migrations) Moved(ctx context.Context, vm *impv1.ImpVM, node string) err
 		return fmt.Errorf("moving the address of migrated VM %s to node %s: %w", vm.Name, node, err)
 	}
 	return nil
+}
+
+// sameArtifact says whether the artifact of of the two reports is the same file (by its hash),
+// or neither reports one.
+func sameArtifact(a, b *impv1.ImpNode, of func(*impv1.ImpNodeStatus) *impv1.Artifact) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	x, y := of(&a.Status), of(&b.Status)
+	if x == nil || y == nil {
+		return x == y
+	}
+	return x.SHA256 == y.SHA256
+}
+
+func onlyTarget(target string) string {
+	if target == "" {
+		return ""
+	}
+	return " (asked for node " + target + ")"
 }

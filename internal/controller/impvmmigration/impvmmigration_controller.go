@@ -209,6 +209,8 @@ func movable(vm *impv1.ImpVM) (reason, message string) {
 		return ReasonCannotMove, "the VM asks for node " + vm.Spec.NodeName + " (spec.nodeName)"
 	case len(vm.Spec.Volumes) > 0:
 		return ReasonCannotMove, "the VM has volumes: moving them is not built yet (docs/migration.md)"
+	case st.Resources != nil && st.Resources.VMM == impv1.VMMFirecracker:
+		return ReasonCannotMove, "the VM runs under Firecracker: moving it is not built yet (docs/migration.md)"
 	}
 	return "", ""
 }

@@ -67,9 +67,14 @@ func newEnv(t *testing.T) *env {
 	return e
 }
 
-// node makes a Ready node of the test's with an agent report of 4 vCPUs and memGi, and returns
-// its name.
+// node makes a Ready node of the test's with an agent report of 4 vCPUs and memGi, taking
+// migrations with the kernel all the test's nodes have, and returns its name.
 func (e *env) node(name string, memGi int64) string {
+	return e.nodeWith(name, memGi, "127.0.0.1:10261", "k1")
+}
+
+// nodeWith is node with the agent's migration endpoint and kernel hash as given ("": none).
+func (e *env) nodeWith(name string, memGi int64, endpoint, kernel string) string {
 	e.t.Helper()
 	ctx := context.Background()
 	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "mig-" + name + "-" + e.sfx, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/pool": e.ns}}}
@@ -90,6 +95,8 @@ func (e *env) node(name string, memGi int64) string {
 		Allocatable: &impv1.NodeResources{VCPUs: 4, Memory: *resource.NewQuantity(memGi<<30, resource.BinarySI)},
 		VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg"}},
 		Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, LastTransitionTime: metav1.Now()}},
+		MigrationEndpoint: endpoint,
+		Kernel:            &impv1.Artifact{Path: "/boot/vmlinuz", SHA256: kernel},
 	}
 	if err := e.c.Status().Update(ctx, rep); err != nil {
 		e.t.Fatal(err)
@@ -430,6 +437,18 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 	NewWithT(t).Eventually(func() string { return e.migration("tight").Status.Message }).WithTimeout(time.Minute).Should(ContainSubstring("too little free memory"))
 	if m := e.phase("tight", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTimedOut {
 		t.Errorf("a migration to a node with no room: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	// Nodes that could hold it but take no migrations (an agent without the endpoint), or boot
+	// guests with another kernel, are no target: the migration waits, saying why, and times out.
+	old, other := e.nodeWith("old", 8, "", "k1"), e.nodeWith("other", 8, "127.0.0.1:10261", "k2")
+	for _, target := range []string{old, other} {
+		name := "to-" + target[:strings.Index(target, "-"+e.sfx)][4:]
+		e.migrate(name, "vm", target, ptr.To[int32](10))
+		NewWithT(t).Eventually(func() string { return e.migration(name).Status.Message }).WithTimeout(time.Minute).Should(
+			ContainSubstring("takes migrations with the source's kernel"))
+		if m := e.phase(name, impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTimedOut {
+			t.Errorf("a migration to %s: %s %q", target, m.Status.Reason, m.Status.Message)
+		}
 	}
 	halted := e.vm("vm")
 	halted.Spec.RunStrategy = impv1.RunStrategyHalted
