@@ -1,7 +1,6 @@
 package agent_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -32,7 +31,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
-	"github.com/syscode-labs/imp/internal/kubectlimp"
+	"github.com/syscode-labs/imp/internal/kubectlimp/kubectlimptest"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/testcluster"
@@ -310,7 +309,7 @@ func TestAMigrationWhoseTargetDiesLeavesTheVM(t *testing.T) {
 	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
 
 	// Asked again with kubectl imp migrate, which waits and says where it went.
-	if out := kubectlImp(t, w.c.Kubeconfig(t), w.ns, "migrate", vm.Name, "--to", target, "--timeout", "5m"); !strings.Contains(out, "runs on node "+target) {
+	if out := kubectlimptest.Run(t, w.c.Kubeconfig(t), w.ns, "migrate", vm.Name, "--to", target, "--timeout", "5m"); !strings.Contains(out, "runs on node "+target) {
 		t.Errorf("kubectl imp migrate printed:\n%s", out)
 	}
 	if got := w.get(t, vm); got.Status.NodeName != target || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount {
@@ -328,7 +327,7 @@ func TestDrainMovesWhatMayMove(t *testing.T) {
 	mover := w.run(t, "mover", "192Mi", func(vm *impv1.ImpVM) { vm.Spec.EvictionStrategy = impv1.EvictionMigrate })
 	node := mover.Status.NodeName
 	stayer := w.run(t, "stayer", "192Mi", func(vm *impv1.ImpVM) { vm.Spec.NodeSelector["imp.test/node"] = node })
-	out := kubectlImp(t, w.c.Kubeconfig(t), w.ns, "drain", node, "--timeout", "5m")
+	out := kubectlimptest.Run(t, w.c.Kubeconfig(t), w.ns, "drain", node, "--timeout", "5m")
 	for _, want := range []string{"cordoned and tainted", "impvm " + w.ns + "/stayer stays (evictionStrategy None)", "evacuated"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("kubectl imp drain printed no %q:\n%s", want, out)
@@ -351,7 +350,7 @@ func TestDrainMovesWhatMayMove(t *testing.T) {
 	if !n.Spec.Unschedulable {
 		t.Error("the drained node is not cordoned")
 	}
-	kubectlImp(t, w.c.Kubeconfig(t), w.ns, "undrain", node)
+	kubectlimptest.Run(t, w.c.Kubeconfig(t), w.ns, "undrain", node)
 	if err := w.c.Client.Get(ctx, client.ObjectKey{Name: node}, n); err != nil {
 		t.Fatal(err)
 	}
@@ -363,19 +362,6 @@ func TestDrainMovesWhatMayMove(t *testing.T) {
 	if n.Spec.Unschedulable {
 		t.Error("undrained, the node is still cordoned")
 	}
-}
-
-// kubectlImp runs `kubectl imp ARGS...` against the cluster and returns what it printed.
-func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
-	t.Helper()
-	var out, errOut bytes.Buffer
-	cmd := kubectlimp.NewCommand(strings.NewReader(""), &out, &errOut)
-	cmd.SetArgs(append([]string{"--kubeconfig", kubeconfig, "-n", ns}, args...))
-	if err := cmd.Execute(); err != nil {
-		t.Fatalf("kubectl imp %v: %v\n%s%s", args, err, out.String(), errOut.String())
-	}
-	t.Logf("kubectl imp %v:\n%s", args, out.String())
-	return out.String()
 }
 
 // TestAMigratedVMKeepsItsAddressAndService: two nodes, each a network namespace with its own

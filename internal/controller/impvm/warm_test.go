@@ -1,10 +1,8 @@
 package impvm_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"strings"
 	"sync"
 	"testing"
 
@@ -19,7 +17,7 @@ import (
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	"github.com/syscode-labs/imp/internal/kubectlimp"
+	"github.com/syscode-labs/imp/internal/kubectlimp/kubectlimptest"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
@@ -161,10 +159,10 @@ func TestWarmPoolClaims(t *testing.T) {
 	}).Should(Equal(3.0))
 
 	// kubectl imp claim: a claim of the pool, Ready, and how it started.
-	out := kubectlImp(t, e.cl.Kubeconfig(t), e.ns, "claim", "p", "by-kubectl", "--env", "WHO=kubectl", "--wait")
+	out := kubectlimptest.Run(t, e.cl.Kubeconfig(t), e.ns, "claim", "p", "by-kubectl", "--env", "WHO=kubectl", "--wait")
 	g.Expect(out).To(MatchRegexp(`impvm/by-kubectl ready on node \S+ in \S+: warm \(member p-\w+\)`))
 	g.Expect(e.get("by-kubectl").Spec.Env).To(Equal([]impv1.EnvVar{{Name: "WHO", Value: "kubectl"}}))
-	g.Expect(kubectlImp(t, e.cl.Kubeconfig(t), e.ns, "status", "by-kubectl")).To(MatchRegexp(`Started:\s+warm \(member p-\w+ of impwarmpool/p\)`))
+	g.Expect(kubectlimptest.Run(t, e.cl.Kubeconfig(t), e.ns, "status", "by-kubectl")).To(MatchRegexp(`Started:\s+warm \(member p-\w+ of impwarmpool/p\)`))
 
 	// Scale.
 	e.scale("p", 5)
@@ -447,18 +445,6 @@ func metric(t *testing.T, name string, labels ...string) float64 {
 		}
 	}
 	return 0
-}
-
-// kubectlImp runs `kubectl imp ARGS...` against the cluster and returns what it printed.
-func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
-	t.Helper()
-	var out, errOut bytes.Buffer
-	cmd := kubectlimp.NewCommand(strings.NewReader(""), &out, &errOut)
-	cmd.SetArgs(append([]string{"--kubeconfig", kubeconfig, "-n", ns}, args...))
-	if err := cmd.Execute(); err != nil {
-		t.Fatalf("kubectl imp %v: %v\n%s%s", args, err, out.String(), errOut.String())
-	}
-	return out.String()
 }
 
 // TestFailedHandoverIsRestored: a node that cannot hand the member to its claim (the member's

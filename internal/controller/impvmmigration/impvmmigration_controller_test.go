@@ -92,9 +92,9 @@ func (e *env) nodeWith(name string, memGi int64, endpoint, kernel string) string
 	}
 	e.t.Cleanup(func() { _ = e.c.Delete(context.Background(), rep) })
 	rep.Status = impv1.ImpNodeStatus{
-		Allocatable: &impv1.NodeResources{VCPUs: 4, Memory: *resource.NewQuantity(memGi<<30, resource.BinarySI)},
-		VMMs:        []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg"}},
-		Conditions:  []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, LastTransitionTime: metav1.Now()}},
+		Allocatable:       &impv1.NodeResources{VCPUs: 4, Memory: *resource.NewQuantity(memGi<<30, resource.BinarySI)},
+		VMMs:              []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg"}},
+		Conditions:        []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, LastTransitionTime: metav1.Now()}},
 		MigrationEndpoint: endpoint,
 		Kernel:            &impv1.Artifact{Path: "/boot/vmlinuz", SHA256: kernel},
 	}

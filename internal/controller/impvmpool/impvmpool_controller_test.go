@@ -1,7 +1,6 @@
 package impvmpool_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -31,7 +30,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/impvmpool"
-	"github.com/syscode-labs/imp/internal/kubectlimp"
+	"github.com/syscode-labs/imp/internal/kubectlimp/kubectlimptest"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
@@ -141,19 +140,6 @@ func members(c *testcluster.Cluster, ns string) (names []string, images map[stri
 	}
 	sort.Strings(names)
 	return names, images
-}
-
-// kubectlImp runs `kubectl imp ARGS...` against the cluster and returns what it printed.
-func kubectlImp(t *testing.T, kubeconfig, ns string, args ...string) string {
-	t.Helper()
-	var out, errOut bytes.Buffer
-	cmd := kubectlimp.NewCommand(strings.NewReader(""), &out, &errOut)
-	cmd.SetArgs(append([]string{"--kubeconfig", kubeconfig, "-n", ns}, args...))
-	if err := cmd.Execute(); err != nil {
-		t.Fatalf("kubectl imp %v: %v\n%s%s", args, err, out.String(), errOut.String())
-	}
-	t.Logf("kubectl imp %v:\n%s", args, out.String())
-	return out.String()
 }
 
 // sample calls f every 20 ms until the returned function is called, which returns the values
@@ -318,9 +304,9 @@ func TestScaleAndRoll(t *testing.T) {
 	// kubectl imp rollout undo: back to the first template, whose revision is renumbered 3;
 	// the members roll back.
 	kc := c.Kubeconfig(t)
-	g.Expect(kubectlImp(t, kc, ns, "rollout", "history", "impvmpool/web")).To(MatchRegexp(`1\s+` + first + `\s+registry.test/app:1\s*\n2\s+web-\w+\s+registry.test/app:2\s+\(current\)`))
-	g.Expect(kubectlImp(t, kc, ns, "rollout", "undo", "impvmpool/web")).To(ContainSubstring(`impvmpool "web" rolled back to revision 1`))
-	g.Expect(kubectlImp(t, kc, ns, "rollout", "status", "impvmpool/web", "--timeout", "60s")).To(ContainSubstring(`impvmpool "web" successfully rolled out`))
+	g.Expect(kubectlimptest.Run(t, kc, ns, "rollout", "history", "impvmpool/web")).To(MatchRegexp(`1\s+` + first + `\s+registry.test/app:1\s*\n2\s+web-\w+\s+registry.test/app:2\s+\(current\)`))
+	g.Expect(kubectlimptest.Run(t, kc, ns, "rollout", "undo", "impvmpool/web")).To(ContainSubstring(`impvmpool "web" rolled back to revision 1`))
+	g.Expect(kubectlimptest.Run(t, kc, ns, "rollout", "status", "impvmpool/web", "--timeout", "60s")).To(ContainSubstring(`impvmpool "web" successfully rolled out`))
 	rolledTo("registry.test/app:1")
 	g.Expect(revs()).To(HaveLen(2))
 	g.Expect(revs()).To(HaveKeyWithValue(first, int64(3)))
