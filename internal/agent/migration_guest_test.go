@@ -257,6 +257,8 @@ func TestLiveMigrationBetweenNodes(t *testing.T) {
 		_, err := os.Stat(w.vmDir(source, vm))
 		return os.IsNotExist(err)
 	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the source kept the migrated VM's state")
+	// The source's VMM ended there is not the VM's run: it runs on, reported so.
+	g.Consistently(func() impv1.RuntimeState { return w.get(t, vm).Status.Runtime.State }).WithTimeout(2 * time.Second).Should(Equal(impv1.RuntimeRunning))
 	if all, here := vmm.Marked(string(vm.UID)), vmm.MarkedIn(string(vm.UID), w.vmDir(target, vm)); len(all) != 1 || len(here) != 1 {
 		t.Errorf("VMMs of the VM after the migration: %v, the target's %v; want the target's one alone", all, here)
 	}

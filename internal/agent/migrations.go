@@ -34,7 +34,7 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 	reports := migration.Reports{Client: a.Client, Node: o.NodeName}
 	endpoints := migration.Endpoints{Reader: a.APIReader}
 	a.migrations = &migration.Source{Client: a.Client, Node: o.NodeName, VMDir: a.vmDir, Identity: o.MigrationIdentity, Reports: reports,
-		Runs: a.reports, Endpoints: endpoints, Recorder: a.Recorder, Log: log}
+		Runs: a.reports, Endpoints: endpoints, Recorder: a.Recorder, Unwatch: a.Runs.Stop, Log: log}
 	target := &migration.Target{Client: a.Client, APIReader: a.APIReader, Node: o.NodeName, VMDir: a.vmDir,
 		Prepare: func(ctx context.Context, r *vmrun.Run) error {
 			p := migrateInPlan(a, r.VM)

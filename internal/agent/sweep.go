@@ -196,6 +196,9 @@ func (a *Agent) recoverState(ctx context.Context, dir string, cause error) error
 func (a *Agent) removeLocal(ctx context.Context, dir string, m *vmrun.Meta) error {
 	// The directory's name is the UID its run is kept under, whatever its record says.
 	t := &vmrun.Teardown{UID: types.UID(filepath.Base(dir)), Dir: dir, Name: m.Namespace + "/" + m.Name}
+	// The VM is not this node's: the end of its VMM here is not its run's (it may run on
+	// elsewhere, moved by a migration), and its monitor does not report it.
+	a.Runs.Stop(t.UID)
 	if err := a.teardownPlan().Run(ctx, t); err != nil {
 		return err
 	}

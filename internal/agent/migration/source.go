@@ -47,7 +47,11 @@ type Source struct {
 	Runs      RunReports
 	Endpoints Endpoints
 	Recorder  EventRecorder
-	Log       logr.Logger
+	// Unwatch stops following the run of a VM (its monitor): once its guest is paused for a
+	// migration, its VMM's end (the run let go after the commit) is not the VM's, which runs
+	// on elsewhere, and must not be reported as such.
+	Unwatch func(uid types.UID)
+	Log     logr.Logger
 
 	sending once
 	mu      sync.Mutex
@@ -118,6 +122,7 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 			}
 			return
 		}
+		s.Unwatch(vm.HostUID())
 		log.Info("sent a VM; its guest is paused for the commit", "total", stats.Total.String(), "downtime", stats.Downtime.String(), "bytes", stats.Bytes)
 		if err := s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: stats.Bytes,
 			Downtime: &metav1.Duration{Duration: stats.Downtime}}); err != nil {
@@ -229,6 +234,7 @@ func (s *Source) Recover(ctx context.Context, vm *impv1.ImpVM, dir string, mig t
 			return err
 		}
 	}
+	s.Unwatch(vm.HostUID())
 	return s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: stats.Bytes,
 		Downtime: &metav1.Duration{Duration: stats.Downtime}})
 }
