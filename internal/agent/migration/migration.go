@@ -14,7 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
+	"io"
 	"os"
 	"path/filepath"
 	"sync"
@@ -90,7 +90,7 @@ func socketPair() (mine, vmms *os.File, err error) {
 }
 
 // bridgeTo bridges c to a new socket pair and returns the end for the VMM.
-func bridgeTo(c net.Conn) (*os.File, error) {
+func bridgeTo(c io.ReadWriteCloser) (*os.File, error) {
 	mine, vmms, err := socketPair()
 	if err != nil {
 		c.Close()

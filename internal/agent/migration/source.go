@@ -1,9 +1,13 @@
 package migration
 
 import (
+	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"sync"
@@ -154,7 +158,7 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 		}
 		return bridgeTo(c)
 	}
-	disk, err := open("disk")
+	disk, err := openDisk(ctx, cfg, addr, mig.UID)
 	if err != nil {
 		return none, err
 	}
@@ -293,3 +297,40 @@ func (s *Source) Arrive(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmr
 	}
 	return s.Reports.Report(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: mig.Name}, "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentRunning})
 }
+
+// nbdMagic opens what an NBD server sends first.
+var nbdMagic = []byte("NBDMAGIC")
+
+// Greeting bounds the wait for the target's disk server to greet the source's mirror.
+const Greeting = 30 * time.Second
+
+// openDisk opens the disk's stream to the target and waits, within Greeting, for its disk
+// server's greeting before it hands the stream to the VMM: QEMU connects to an NBD server in its
+// main loop, and a peer that never speaks would hold it there, the guest with it. The greeting
+// read goes to the VMM with the rest.
+func openDisk(ctx context.Context, cfg *tls.Config, addr string, uid types.UID) (*os.File, error) {
+	c, err := transfer.DialStream(ctx, cfg, addr, uid, "disk")
+	if err != nil {
+		return nil, err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(Greeting))
+	first := make([]byte, len(nbdMagic))
+	if _, err := io.ReadFull(c, first); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("the target's disk server did not greet the mirror: %w", err)
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	if !bytes.Equal(first, nbdMagic) {
+		c.Close()
+		return nil, errors.New("the target's disk stream is not an NBD server's")
+	}
+	return bridgeTo(greeted{Reader: io.MultiReader(bytes.NewReader(first), c), Conn: c})
+}
+
+// greeted is a connection whose first bytes were read already: Read gives them again first.
+type greeted struct {
+	io.Reader
+	net.Conn
+}
+
+func (g greeted) Read(p []byte) (int, error) { return g.Reader.Read(p) }

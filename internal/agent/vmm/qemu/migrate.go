@@ -32,6 +32,9 @@ type MigrateOptions struct {
 	// receiver runs on is the one the memory knows.
 	MirroredDisk bool
 	Timeout      time.Duration
+	// Stall ends a migration that sent nothing for that long while active (default a minute):
+	// a receiver that stopped reading holds no sender until its Timeout.
+	Stall time.Duration
 }
 
 // MigrateOut sends the running guest of the VM in dir, live, over conn (a connected stream
@@ -70,6 +73,11 @@ func MigrateOut(dir string, conn *os.File, o MigrateOptions) (MigrationStats, er
 	if _, err := q.Execute("migrate", map[string]any{"uri": "fd:imp-migration"}); err != nil {
 		return MigrationStats{}, fmt.Errorf("starting the migration: %w", err)
 	}
+	stall := o.Stall
+	if stall <= 0 {
+		stall = time.Minute
+	}
+	sent, moved := int64(-1), time.Now()
 	for {
 		raw, err := q.Execute("query-migrate", nil)
 		if err != nil {
@@ -102,6 +110,12 @@ func MigrateOut(dir string, conn *os.File, o MigrateOptions) (MigrationStats, er
 				_, _ = q.Execute("migrate_cancel", nil)
 				return MigrationStats{}, err
 			}
+		}
+		if st.RAM.Transferred != sent {
+			sent, moved = st.RAM.Transferred, time.Now()
+		} else if st.Status == "active" && time.Since(moved) > stall {
+			_, _ = q.Execute("migrate_cancel", nil)
+			return MigrationStats{}, fmt.Errorf("migrating the VM: nothing sent for %v (the receiver stopped reading)", stall)
 		}
 		if o.Progress != nil && st.RAM.Total > 0 {
 			o.Progress(st.RAM.Transferred, st.RAM.Total)
