@@ -151,13 +151,6 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 	if err != nil {
 		return none, err
 	}
-	open := func(name string) (*os.File, error) {
-		c, err := transfer.DialStream(ctx, cfg, addr, mig.UID, name)
-		if err != nil {
-			return nil, err
-		}
-		return bridgeTo(c)
-	}
 	disk, err := openDisk(ctx, cfg, addr, mig.UID)
 	if err != nil {
 		return none, err
@@ -168,11 +161,15 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 		return none, fmt.Errorf("mirroring the writable disk: %w", err)
 	}
 	// From here the guest may be paused for this migration: said on the node first, so that an
-	// agent that restarts knows why (Stay).
+	// agent that restarts knows why (Held, Recover).
 	if err := os.WriteFile(filepath.Join(dir, OutFile), []byte(mig.UID), 0o600); err != nil {
 		return none, err
 	}
-	memory, err := open("memory")
+	c, err := transfer.DialStream(ctx, cfg, addr, mig.UID, "memory")
+	if err != nil {
+		return none, err
+	}
+	memory, err := bridgeTo(c)
 	if err != nil {
 		return none, err
 	}
