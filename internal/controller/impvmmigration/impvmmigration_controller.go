@@ -226,6 +226,9 @@ func (r *Reconciler) begin(ctx context.Context, mig *impv1.ImpVMMigration) (ctrl
 		return ctrl.Result{}, r.fail(ctx, mig, ReasonVMNotFound, fmt.Sprintf("ImpVM %s does not exist in namespace %s", mig.Spec.VMName, mig.Namespace))
 	}
 	if m := vm.Status.Migration; m != nil && m.UID != mig.UID {
+		if over, err := r.over(ctx, vm, m); err != nil || over {
+			return ctrl.Result{Requeue: over}, err // the VM is let go of a migration that ended: looked at again
+		}
 		return ctrl.Result{}, r.fail(ctx, mig, ReasonBusy, fmt.Sprintf("ImpVMMigration %s is moving the VM: one migration at a time", m.Name))
 	}
 	if reason, msg := movable(vm); reason != "" {
@@ -466,6 +469,30 @@ func (r *Reconciler) fail(ctx context.Context, mig *impv1.ImpVMMigration, reason
 	r.Recorder.Eventf(mig, nil, corev1.EventTypeWarning, reason, "Migrate", "%s", msg)
 	r.Placer.Release(mig.UID)
 	return r.letGo(ctx, mig)
+}
+
+// over lets vm go of the migration m its status names when that migration ended before the VM
+// was let go of it (it failed, or is gone; an operator that stopped between the two writes, or
+// a migration begun just after another ended), and says whether it did. A committed one is the
+// VM's record of its move: only its own end lets go of it.
+func (r *Reconciler) over(ctx context.Context, vm *impv1.ImpVM, m *impv1.MigrationStatus) (bool, error) {
+	if m.Phase.Committed() {
+		return false, nil
+	}
+	other := &impv1.ImpVMMigration{}
+	err := r.APIReader.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: m.Name}, other)
+	if err != nil && !apierrors.IsNotFound(err) {
+		return false, err
+	}
+	if err == nil && other.UID == m.UID && !other.Status.Phase.Finished() {
+		return false, nil
+	}
+	orig := vm.DeepCopy()
+	vm.Status.Migration = nil
+	if err := r.Client.Status().Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		return false, fmt.Errorf("letting VM %s go of migration %s, which ended: %w", vm.Name, m.Name, err)
+	}
+	return true, nil
 }
 
 // letGo removes the migration from its VM's status, if the VM names it.

@@ -450,9 +450,8 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 			t.Errorf("a migration to %s: %s %q", target, m.Status.Reason, m.Status.Message)
 		}
 	}
-	halted := e.vm("vm")
-	halted.Spec.RunStrategy = impv1.RunStrategyHalted
-	if err := e.c.Update(context.Background(), halted); err != nil {
+	// A merge patch: the VM's status moves meanwhile (the last migration letting go of it).
+	if err := e.c.Patch(context.Background(), e.vm("vm"), client.RawPatch(types.MergePatchType, []byte(`{"spec":{"runStrategy":"Halted"}}`))); err != nil {
 		t.Fatal(err)
 	}
 	NewWithT(t).Eventually(func() impv1.VMPhase { return e.vm("vm").Status.Phase }).WithTimeout(time.Minute).ShouldNot(Equal(impv1.VMRunning))
