@@ -112,10 +112,14 @@ func nodeWithOperator(t *testing.T, c *testcluster.Cluster, nodeName string) {
 	startOperator(t, c)
 }
 
-// readyNode registers a Ready Node labelled for IMP and with imp.test/node=nodeName.
-func readyNode(t *testing.T, c *testcluster.Cluster, nodeName string) {
+// readyNode registers a Ready Node labelled for IMP and with imp.test/node=nodeName, and the
+// labels given.
+func readyNode(t *testing.T, c *testcluster.Cluster, nodeName string, labels ...string) {
 	ctx := context.Background()
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/node": nodeName}}}
+	for i := 0; i+1 < len(labels); i += 2 {
+		node.Labels[labels[i]] = labels[i+1]
+	}
 	if err := c.Client.Create(ctx, node); err != nil {
 		t.Fatal(err)
 	}

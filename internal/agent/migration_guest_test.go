@@ -45,20 +45,10 @@ import (
 // sides) the same cgroup, and its memory limit.
 const noCgroups = "-"
 
-// poolNode registers a Ready Node labelled for IMP and with imp.test/pool=pool.
+// poolNode registers a Ready Node labelled for IMP, with imp.test/pool=pool.
 func poolNode(t *testing.T, c *testcluster.Cluster, name, pool string) {
 	t.Helper()
-	ctx := context.Background()
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/pool": pool,
-		"imp.test/node": name}}}
-	if err := c.Client.Create(ctx, node); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Client.Delete(context.Background(), node) })
-	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", LastTransitionTime: metav1.Now()}}
-	if err := c.Client.Status().Update(ctx, node); err != nil {
-		t.Fatal(err)
-	}
+	readyNode(t, c, name, "imp.test/pool", pool)
 }
 
 // migrationIdentities are the agents' certificates of nodes, as the operator's signer issues

@@ -122,12 +122,12 @@ func (o *once) busy(key types.UID) bool {
 	return o.running[key]
 }
 
-// start runs f in the background unless f of key runs already; it reports whether it started.
-func (o *once) start(key types.UID, log logr.Logger, f func()) bool {
+// start runs f in the background unless f of key runs already.
+func (o *once) start(key types.UID, log logr.Logger, f func()) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.running[key] {
-		return false
+		return
 	}
 	if o.running == nil {
 		o.running = map[types.UID]bool{}
@@ -146,5 +146,4 @@ func (o *once) start(key types.UID, log logr.Logger, f func()) bool {
 		}()
 		f()
 	}()
-	return true
 }
