@@ -55,12 +55,13 @@ func main() {
 	n := flag.Int("n", 10, "VMs")
 	agentBin := flag.String("agent", "bin/imp-agent", "imp-agent binary")
 	heapProfile := flag.String("heap-profile", "", "write the agent's heap profile, taken with all the VMs running, to this file")
+	cpuProfile := flag.String("cpu-profile", "", "write the agent's CPU profile over 10 s with all the VMs running and idle to this file")
 	reportDelay := flag.Duration("report-delay", time.Second, "the agent's --starting-report-delay: Running is written that long after the VMM's exec unless the guest is ready first (negative: at once)")
 	flag.Parse()
 	ctrl.SetLogger(zap.New(zap.Level(zapcore.ErrorLevel)))
 	// testguest and testregistry take a testing.TB: run the benchmark inside one.
 	res := testing.Benchmark(func(b *testing.B) {
-		if err := run(b, *n, *agentBin, *reportDelay, *heapProfile); err != nil {
+		if err := run(b, *n, *agentBin, *reportDelay, profiles{heap: *heapProfile, cpu: *cpuProfile}); err != nil {
 			b.Fatal(err)
 		}
 	})
@@ -69,7 +70,10 @@ func main() {
 	}
 }
 
-func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapProfile string) error {
+// profiles are the files the agent's profiles are written to ("": not taken).
+type profiles struct{ heap, cpu string }
+
+func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof profiles) error {
 	ctx := context.Background()
 	cl, err := testcluster.Start()
 	if err != nil {
@@ -133,7 +137,7 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 	metricsAddr := ml.Addr().String()
 	ml.Close()
 	pprofAddr := "0"
-	if heapProfile != "" {
+	if prof.heap != "" || prof.cpu != "" {
 		pl, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return err
@@ -193,6 +197,7 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 
 	time.Sleep(3 * time.Second) // the agent settles: its node report is written
 	rss0 := rss(agent.Process.Pid)
+	cpu0 := idleCPU(agent.Process.Pid, 10*time.Second)
 	create := func(name string) error {
 		mu.Lock()
 		seen[name] = &times{created: time.Now()}
@@ -301,13 +306,26 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, heapPr
 		return err
 	}
 	rssN := rss(agent.Process.Pid)
-	if heapProfile != "" {
-		if err := fetch("http://"+pprofAddr+"/debug/pprof/heap", heapProfile); err != nil {
+	var cpuN string
+	if prof.cpu != "" {
+		// The profile over the same window as the figure.
+		done := make(chan error, 1)
+		go func() { done <- fetch("http://"+pprofAddr+"/debug/pprof/profile?seconds=10", prof.cpu) }()
+		cpuN = idleCPU(agent.Process.Pid, 10*time.Second)
+		if err := <-done; err != nil {
+			return fmt.Errorf("the agent's CPU profile: %w", err)
+		}
+	} else {
+		cpuN = idleCPU(agent.Process.Pid, 10*time.Second)
+	}
+	if prof.heap != "" {
+		if err := fetch("http://"+pprofAddr+"/debug/pprof/heap", prof.heap); err != nil {
 			return fmt.Errorf("the agent's heap profile: %w", err)
 		}
 	}
 	phase(fmt.Sprintf("%d VMs created at once", n), names, before, requests)
 	fmt.Printf("  agent RSS %v with 0 VMs, %v with %d VMs\n", rss0, rssN, n+len(single)+1)
+	fmt.Printf("  agent CPU idle %v with 0 VMs, %v with %d VMs running (over 10 s each)\n", cpu0, cpuN, n+len(single)+1)
 	fmt.Printf("  agent Go runtime with %d VMs: %s\n", n+len(single)+1, goRuntime(metricsAddr))
 	return nil
 }
@@ -417,6 +435,30 @@ type memory struct{ rss, anon, file int64 }
 
 func (m memory) String() string {
 	return fmt.Sprintf("%d MiB (anonymous %d, file %d)", m.rss>>10, m.anon>>10, m.file>>10)
+}
+
+// idleCPU is the CPU time pid spends per second over d, in milliseconds per second.
+func idleCPU(pid int, d time.Duration) string {
+	before := cpuTicks(pid)
+	time.Sleep(d)
+	return fmt.Sprintf("%.1f ms/s", float64(cpuTicks(pid)-before)*10/d.Seconds())
+}
+
+// cpuTicks is pid's user and system time in clock ticks (100 a second on Linux).
+func cpuTicks(pid int) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The fields after the command, which may hold spaces, in its parentheses.
+	i := strings.LastIndexByte(string(b), ')')
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	u, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return u + st
 }
 
 func rss(pid int) memory {

@@ -47,6 +47,9 @@ type side struct {
 }
 
 func run(base, head string, runs int, dir string, benchArgs []string) error {
+	// Worktrees in a directory of its own making are removed at the end (the logs stay);
+	// in one given with -dir they are kept, for the next comparison to build on.
+	keep := dir != ""
 	if dir == "" {
 		var err error
 		if dir, err = os.MkdirTemp("", "bench-compare"); err != nil {
@@ -54,6 +57,16 @@ func run(base, head string, runs int, dir string, benchArgs []string) error {
 		}
 	}
 	sides := []*side{{name: "base", rev: base}, {name: "head", rev: head}}
+	if !keep {
+		defer func() {
+			for _, s := range sides {
+				if s.dir != "" {
+					_ = sh("", "git", "worktree", "remove", "--force", s.dir)
+				}
+			}
+			fmt.Printf("logs: %s\n", dir)
+		}()
+	}
 	for _, s := range sides {
 		s.dir = filepath.Join(dir, s.name)
 		full, err := output("git", "rev-parse", "--verify", s.rev+"^{commit}")
