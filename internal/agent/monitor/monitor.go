@@ -190,8 +190,10 @@ func reportedBooted(vm *impv1.ImpVM, meta *vmrun.Meta) bool {
 type watch struct {
 	dial func() (net.Conn, error)
 	// conn, when not nil, is a connection to the guest channel to follow before dialing.
-	conn    net.Conn
-	alive   func() bool
+	conn  net.Conn
+	alive func() bool
+	// exited, when not nil, is the VMM's end as the kernel tells it (vmm.Record.Exited).
+	exited  func(context.Context) <-chan struct{}
 	report  func(context.Context, impv1.RuntimeStatus)
 	capLogs func() error
 	ended   func()
@@ -207,6 +209,10 @@ type watch struct {
 	bootTimeout time.Duration
 	kill        func()
 }
+
+// aliveBackstop is how often a run whose VMM's end the kernel tells (watch.exited) is also
+// checked by its record, should that tell nothing.
+const aliveBackstop = 5 * time.Second
 
 // probeReportInterval bounds how often a run's readiness reaches the API server, whatever
 // its guest reports.
@@ -335,6 +341,64 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *vmrun.Meta, log log
 		defer t.Stop()
 		bootDeadline = t.C
 	}
+	// finish reports how the run ended, once its VMM has.
+	finish := func() {
+		// The guest's last words may still be in the channel: read it to its end.
+		drain := time.After(2 * time.Second)
+	drained:
+		for events != nil {
+			select {
+			case ev, ok := <-events:
+				if !ok {
+					break drained
+				}
+				switch {
+				case ev.Kind == guestchan.Exit || ev.Kind == guestchan.Error:
+					end = &ev
+				case ev.Kind == guestchan.Probe && !ev.OK && ev.Probe != probe.Readiness:
+					killed = &ev
+					w.unhealthy(ev)
+				}
+			case <-drain:
+				break drained
+			}
+		}
+		w.ended()
+		rt := base
+		now := metav1.Now()
+		rt.State, rt.FinishedAt = impv1.RuntimeExited, &now
+		switch {
+		case killed != nil:
+			rt.Reason, rt.Message = impv1.ReasonLivenessProbeFailed, fmt.Sprintf("the %s probe failed: %s", killed.Probe, killed.Message)
+			if end != nil && end.Kind == guestchan.Exit {
+				code := end.Code
+				rt.ExitCode = &code
+			}
+		case end != nil && end.Kind == guestchan.Exit:
+			code := end.Code
+			rt.ExitCode, rt.Reason, rt.Message = &code, "WorkloadExited", "the workload exited"
+		case end != nil:
+			rt.Reason, rt.Message = "GuestError", end.Message
+		case bootTimedOut:
+			rt.Reason = impv1.ReasonBootTimeout
+			rt.Message = fmt.Sprintf("the guest was not ready %v after its VMM started (its console: kubectl imp logs); the VMM was ended", w.bootTimeout)
+		default:
+			rt.Reason, rt.Message = "VMMExited", "the VMM exited without the guest reporting an exit"
+			if tail := w.tail(); tail != "" {
+				rt.Message += ": " + guestchan.Sanitize(tail) // the VMM's log holds what its guest made it say
+			}
+		}
+		w.report(ctx, rt)
+	}
+	// The VMM's end, from the kernel where it can say: then the ticker only backs it up, and
+	// a VM that runs costs its monitor no read of /proc four times a second.
+	var exited <-chan struct{}
+	if w.exited != nil {
+		exited = w.exited(ctx)
+	}
+	if exited != nil {
+		tick.Reset(aliveBackstop)
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -398,56 +462,14 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *vmrun.Meta, log log
 			case guestchan.Exit, guestchan.Error:
 				end = &ev
 			}
+		case <-exited:
+			finish()
+			return
 		case <-tick.C:
 			if w.alive() {
 				continue
 			}
-			// The guest's last words may still be in the channel: read it to its end.
-			drain := time.After(2 * time.Second)
-		drained:
-			for events != nil {
-				select {
-				case ev, ok := <-events:
-					if !ok {
-						break drained
-					}
-					switch {
-					case ev.Kind == guestchan.Exit || ev.Kind == guestchan.Error:
-						end = &ev
-					case ev.Kind == guestchan.Probe && !ev.OK && ev.Probe != probe.Readiness:
-						killed = &ev
-						w.unhealthy(ev)
-					}
-				case <-drain:
-					break drained
-				}
-			}
-			w.ended()
-			rt := base
-			now := metav1.Now()
-			rt.State, rt.FinishedAt = impv1.RuntimeExited, &now
-			switch {
-			case killed != nil:
-				rt.Reason, rt.Message = impv1.ReasonLivenessProbeFailed, fmt.Sprintf("the %s probe failed: %s", killed.Probe, killed.Message)
-				if end != nil && end.Kind == guestchan.Exit {
-					code := end.Code
-					rt.ExitCode = &code
-				}
-			case end != nil && end.Kind == guestchan.Exit:
-				code := end.Code
-				rt.ExitCode, rt.Reason, rt.Message = &code, "WorkloadExited", "the workload exited"
-			case end != nil:
-				rt.Reason, rt.Message = "GuestError", end.Message
-			case bootTimedOut:
-				rt.Reason = impv1.ReasonBootTimeout
-				rt.Message = fmt.Sprintf("the guest was not ready %v after its VMM started (its console: kubectl imp logs); the VMM was ended", w.bootTimeout)
-			default:
-				rt.Reason, rt.Message = "VMMExited", "the VMM exited without the guest reporting an exit"
-				if tail := w.tail(); tail != "" {
-					rt.Message += ": " + guestchan.Sanitize(tail) // the VMM's log holds what its guest made it say
-				}
-			}
-			w.report(ctx, rt)
+			finish()
 			return
 		}
 	}

@@ -725,3 +725,35 @@ func TestFreezeTakesTheGuestsWordOnly(t *testing.T) {
 	}
 	guest.Close()
 }
+
+// TestTheKernelTellsTheEnd: a run whose VMM's end the kernel tells (watch.exited) is reported
+// ended when it says so, the guest's exit code kept, though its record still reads alive (a
+// process not yet reaped) and the backstop's tick is seconds away.
+func TestTheKernelTellsTheEnd(t *testing.T) {
+	exited := make(chan struct{})
+	reports := make(chan impv1.RuntimeStatus, 8)
+	w := watch{
+		alive:  func() bool { return true },
+		exited: func(context.Context) <-chan struct{} { return exited },
+		report: func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt },
+	}
+	const token = "the-token"
+	guest, done := followChannel(t, w, &vmrun.Meta{Token: token, Started: time.Now()})
+	for _, line := range []string{`{"event":"hello","token":"` + token + `"}`, `{"event":"ready"}`, `{"event":"exit","code":3}`} {
+		if _, err := guest.Write([]byte(line + "\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wantReady(t, reports, "the guest")
+	guest.Close()
+	close(exited)
+	select {
+	case rt := <-reports:
+		if rt.State != impv1.RuntimeExited || rt.ExitCode == nil || *rt.ExitCode != 3 {
+			t.Errorf("reported %s (exit code %v, %q); want Exited with the guest's code 3", rt.State, rt.ExitCode, rt.Message)
+		}
+	case <-time.After(aliveBackstop - time.Second):
+		t.Fatal("the end the kernel told was not reported before the backstop's tick")
+	}
+	<-done
+}

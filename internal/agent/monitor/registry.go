@@ -98,9 +98,10 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 	}
 	m.console = &console{open: func() (vmmdriver.ConsoleWriter, error) { return drv.OpenConsole(dir) }}
 	w := watch{
-		dial:  func() (net.Conn, error) { return drv.Dial(dir) },
-		conn:  conn,
-		alive: rec.Alive,
+		dial:   func() (net.Conn, error) { return drv.Dial(dir) },
+		conn:   conn,
+		alive:  rec.Alive,
+		exited: rec.Exited,
 		report: func(ctx context.Context, rt impv1.RuntimeStatus) {
 			if err := retryReport(ctx, reportBackoff, func(ctx context.Context) error {
 				vm := &impv1.ImpVM{}
