@@ -111,7 +111,7 @@ bin/devtool agent-cert "$STATE/access-ca/tls.crt" "$STATE/access-ca/tls.key" "$N
 rm -rf "$STATE/access-ca"
 start imp-agent bin/imp-agent --kubeconfig "$KUBECONFIG" --node-name "$NODE" --state-dir "$STATE/node" \
   --local-registry "127.0.0.1:$REGISTRY_PORT" --access-cert-dir "$STATE/access" --access-bind-address 127.0.0.1:10260 \
-  --migration-bind-address 127.0.0.1:10261 \
+  --migration-bind-address 127.0.0.1:10261 --migration-bandwidth 1Gi \
   --kernel "$KERNEL" --initramfs "$STATE/boot/initramfs.cpio.gz" --reserve-vcpus 0 --vcpu-overcommit 4 --endpoint-blocks \
   --metrics-bind-address 127.0.0.1:18090 --health-probe-bind-address 127.0.0.1:18091 --log-format text
 for p in 18081 18091; do

@@ -165,6 +165,7 @@ func run() error {
 	fs.StringVar(&metricsAddr, "metrics-bind-address", ":8090", "address of the Prometheus metrics endpoint, HTTPS with the API server's authentication and authorization (0 disables it)")
 	fs.StringVar(&accessAddr, "access-bind-address", ":10260", "address of the access endpoint (exec, port-forward, console log) that IMP's subresource server reaches over mutual TLS")
 	fs.StringVar(&migrationAddr, "migration-bind-address", "", "address where the agent takes migrations of VMs to this node, over mutual TLS with the agents' certificates (the access endpoint's, so it needs one); empty: the node takes part in no migration")
+	bytesFlag(fs, &opts.MigrationBandwidth, "migration-bandwidth", "0", "bytes a second that the node's migration streams send, together, at most (1Gi: a gibibyte a second); 0: unbounded")
 	fs.StringVar(&opts.MigrationEndpoint, "migration-endpoint", "", "host:port where other nodes' agents reach --migration-bind-address (reported on this node's ImpNode); default: the bind address")
 	fs.StringVar(&accessDir, "access-cert-dir", "", "directory of the access endpoint's tls.crt, tls.key and the client CA ca.crt, read again when they change; empty: no access endpoint")
 	fs.DurationVar(&opts.HeartbeatInterval, "heartbeat-interval", 10*time.Second, "how often the agent renews its heartbeat Lease (imp-agent-NODE in --run-secret-namespace)")

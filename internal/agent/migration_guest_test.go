@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -31,6 +32,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/kubectlimp/kubectlimptest"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/pki"
@@ -52,8 +54,9 @@ func poolNode(t *testing.T, c *testcluster.Cluster, name, pool string) {
 }
 
 // migrationIdentities are the agents' certificates of nodes, as the operator's signer issues
-// them (serving and client use), under one CA.
-func migrationIdentities(t *testing.T, nodes ...string) map[string]transfer.Identity {
+// them (serving and client use), under one CA; each node's is also written to dir/<node>, as
+// an agent's --access-cert-dir holds it (tls.crt, tls.key, ca.crt).
+func migrationIdentities(t *testing.T, dir string, nodes ...string) map[string]transfer.Identity {
 	t.Helper()
 	ca, err := pki.NewCA("imp-agents", time.Now(), time.Hour)
 	if err != nil {
@@ -73,6 +76,15 @@ func migrationIdentities(t *testing.T, nodes ...string) map[string]transfer.Iden
 			t.Fatal(err)
 		}
 		ids[node] = func() (*tls.Certificate, *x509.CertPool, error) { return &cert, pool, nil }
+		files := filepath.Join(dir, node)
+		if err := os.MkdirAll(files, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		for name, b := range map[string][]byte{"tls.crt": leaf.Cert, "tls.key": leaf.Key, "ca.crt": ca.Cert} {
+			if err := os.WriteFile(filepath.Join(files, name), b, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
 	return ids
 }
@@ -103,31 +115,73 @@ func ticks(log string) []int {
 // migWorld is two nodes of one pool, each its own agent taking migrations over mutually
 // authenticated TLS with node certificates, the operator, and a registry with the test image.
 type migWorld struct {
-	c             *testcluster.Cluster
-	ns, pool, tmp string
-	host          string
-	nodes         []string
+	c              *testcluster.Cluster
+	ns, pool, tmp  string
+	host           string
+	nodes          []string
+	kernel, initrd string
+	ids            map[string]transfer.Identity
+	addrs          map[string]string // each node's migration endpoint
+	bin            string            // the imp-agent binary (startProcessAgent)
 }
 
 func newMigWorld(t *testing.T, prefix string) *migWorld {
+	w := newMigNodes(t, prefix)
+	for _, n := range w.nodes {
+		w.startAgent(t, n)
+	}
+	return w
+}
+
+// newMigNodes is a migWorld with no agent started yet.
+func newMigNodes(t *testing.T, prefix string) *migWorld {
 	c := testcluster.Require(t, shared)
 	ns := c.Namespace(t)
 	sfx := ns[len(ns)-5:]
-	w := &migWorld{c: c, ns: ns, pool: prefix + "-" + sfx, tmp: t.TempDir()}
-	kernel, initrd := testguest.Artifacts(t, w.tmp)
+	w := &migWorld{c: c, ns: ns, pool: prefix + "-" + sfx, tmp: t.TempDir(), addrs: map[string]string{}}
+	w.kernel, w.initrd = testguest.Artifacts(t, w.tmp)
 	w.host = testregistry.Start(t, "", "")
 	testguest.Image(t, w.host, "hello")
 	w.nodes = []string{"imp-" + prefix + "-a-" + sfx, "imp-" + prefix + "-b-" + sfx}
 	for _, n := range w.nodes {
 		poolNode(t, c, n, w.pool)
+		w.addrs[n] = freeAddr(t)
 	}
 	startOperator(t, c)
-	ids := migrationIdentities(t, w.nodes...)
-	for _, n := range w.nodes {
-		startAgent(t, c, agent.Options{NodeName: n, StateDir: filepath.Join(w.tmp, n), Kernel: kernel, Initramfs: initrd,
-			MigrationAddr: freeAddr(t), MigrationIdentity: ids[n], CgroupRoot: noCgroups})
-	}
+	w.ids = migrationIdentities(t, filepath.Join(w.tmp, "certs"), w.nodes...)
 	return w
+}
+
+// startAgent starts node's agent in this process.
+func (w *migWorld) startAgent(t *testing.T, node string) {
+	startAgent(t, w.c, agent.Options{NodeName: node, StateDir: filepath.Join(w.tmp, node), Kernel: w.kernel, Initramfs: w.initrd,
+		MigrationAddr: w.addrs[node], MigrationIdentity: w.ids[node], CgroupRoot: noCgroups})
+}
+
+// startProcessAgent starts node's agent as a process of its own, the imp-agent binary, with env
+// added to its environment (a failpoint); its identity from files, as the chart's would be.
+func (w *migWorld) startProcessAgent(t *testing.T, node string, env ...string) *exec.Cmd {
+	t.Helper()
+	if w.bin == "" {
+		w.bin = filepath.Join(w.tmp, "imp-agent")
+		if out, err := exec.Command("go", "build", "-o", w.bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
+			t.Fatalf("building imp-agent: %v\n%s", err, out)
+		}
+	}
+	killVMMs(t, filepath.Join(w.tmp, node), node)
+	cmd := exec.Command(w.bin, "--kubeconfig", w.c.KubeconfigAs(t, testcluster.Agent, node), "--node-name", node, "--state-dir", filepath.Join(w.tmp, node),
+		"--netns-dir", testnetns.PinDir(t), "--local-registry", "127.0.0.1", "--kernel", w.kernel, "--initramfs", w.initrd,
+		"--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4", "--cgroup-root", "",
+		"--access-bind-address", "127.0.0.1:0", "--access-cert-dir", filepath.Join(w.tmp, "certs", node),
+		"--migration-bind-address", w.addrs[node], "--heartbeat-interval", "1s",
+		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	return cmd
 }
 
 // run makes a VM of mem counting a tick a second on its console and waits until its guest is
@@ -385,7 +439,7 @@ func TestAMigratedVMKeepsItsAddressAndService(t *testing.T) {
 	poolNode(t, c, nodeB, pool)
 	startOperatorWith(t, c, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2,
 		EndpointRange: netip.MustParsePrefix("100.73.0.0/16"), EndpointBlockBits: 24})
-	ids := migrationIdentities(t, nodeA, nodeB)
+	ids := migrationIdentities(t, filepath.Join(tmp, "certs"), nodeA, nodeB)
 	for _, n := range []struct{ node, netns, vtep string }{{nodeA, nsA, "192.168.76.1"}, {nodeB, nsB, "192.168.76.2"}} {
 		startAgent(t, c, agent.Options{NodeName: n.node, StateDir: filepath.Join(tmp, n.node), Kernel: kernel, Initramfs: initrd,
 			NetNS: n.netns, NetNSDir: testnetns.PinDir(t), OverlayAddress: netip.MustParseAddr(n.vtep), EndpointBlocks: true,
@@ -450,4 +504,103 @@ func TestAMigratedVMKeepsItsAddressAndService(t *testing.T) {
 	g.Eventually(func() string { return get(pod, ep) }).WithTimeout(time.Minute).Should(Equal("hello from web"),
 		"the moved VM's endpoint "+ep+" from the pod")
 	t.Logf("moved a web VM with its address %s; its Service endpoint %s → %s; paused %v", vm.Status.IP, strings.Fields(before)[0], ep, mig.Status.Downtime.Duration)
+}
+
+// TestASourceAgentKilledMidMigration: the source's agent runs as a process of its own and is
+// killed (at a failpoint: it exits at once, as kill -9 would leave it) twice in a migration's
+// course, and started again each time. Killed with the disk mirrored and the memory not yet
+// sent: the agent that returns finds the guest held for the migration, says the migration
+// failed, and the VM runs on where it is, the same run, its count going on. Killed with
+// everything sent and the guest paused, before it said so: the agent that returns finds QEMU's
+// migration completed and says so; the operator commits, and the VM runs on on the target, the
+// same run, counting on from where it stood; the source keeps nothing of it.
+func TestASourceAgentKilledMidMigration(t *testing.T) {
+	w := newMigNodes(t, "migk")
+	ctx := context.Background()
+	g := NewWithT(t)
+	source, target := w.nodes[0], w.nodes[1]
+	proc := w.startProcessAgent(t, source, failpoint.EnvVar+"=migration-mirrored")
+	vm := w.run(t, "held", "192Mi") // the only node with an agent yet
+	if vm.Status.NodeName != source {
+		t.Fatalf("the VM went to %s; want %s", vm.Status.NodeName, source)
+	}
+	w.startAgent(t, target)
+	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
+	rec, err := vmm.ReadRecord(w.vmDir(source, vm))
+	if err != nil {
+		t.Fatal(err)
+	}
+	migrate := func(name string) *impv1.ImpVMMigration {
+		t.Helper()
+		mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name, TargetNode: target}}
+		if err := w.c.Client.Create(ctx, mig); err != nil {
+			t.Fatal(err)
+		}
+		return mig
+	}
+	ended := func(mig *impv1.ImpVMMigration, want impv1.MigrationPhase) {
+		t.Helper()
+		g.Eventually(func() impv1.MigrationPhase {
+			_ = w.c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig)
+			return mig.Status.Phase
+		}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(want), func() string {
+			b, _ := json.MarshalIndent(mig.Status, "", " ")
+			return "migration " + mig.Name + ": " + string(b)
+		})
+	}
+
+	// Killed with the disk mirrored, the memory not yet sent.
+	first := migrate("first")
+	waitCrashed(t, proc, 5*time.Minute)
+	if !rec.Alive() {
+		t.Fatal("the VM's VMM ended with its agent")
+	}
+	proc = w.startProcessAgent(t, source, failpoint.EnvVar+"=migration-sent")
+	ended(first, impv1.MigrationFailed)
+	if s := first.Status.Source; s == nil || s.State != impv1.MigrationAgentFailed || !strings.Contains(s.Message, "restarted") {
+		t.Errorf("the source's report of the first migration: %+v; want Failed, its agent having restarted", s)
+	}
+	stayed := w.get(t, vm)
+	if stayed.Status.NodeName != source || stayed.Status.Instance != vm.Status.Instance || stayed.Status.RestartCount != vm.Status.RestartCount ||
+		stayed.Status.Runtime == nil || stayed.Status.Runtime.State != impv1.RuntimeRunning {
+		t.Errorf("after the first migration the VM is on %s, instance %d run %d, run %+v; want it running on %s as before",
+			stayed.Status.NodeName, stayed.Status.Instance, stayed.Status.RestartCount, stayed.Status.Runtime, source)
+	}
+	n := len(ticks(w.console(source, vm)))
+	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
+		func() string { return "the source's console:\n" + w.console(source, vm) })
+	g.Eventually(func() bool {
+		_, err := os.Stat(w.vmDir(target, vm))
+		return os.IsNotExist(err)
+	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
+	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
+
+	// Killed with everything sent and the guest paused, before it said so.
+	second := migrate("second")
+	waitCrashed(t, proc, 5*time.Minute)
+	seen := ticks(w.console(source, vm))
+	began := time.Now()
+	w.startProcessAgent(t, source)
+	ended(second, impv1.MigrationSucceeded)
+	moved := w.get(t, vm)
+	if moved.UID != vm.UID || moved.Status.NodeName != target || moved.Status.Instance != vm.Status.Instance || moved.Status.RestartCount != vm.Status.RestartCount {
+		t.Errorf("after the second migration the VM is %s on %s, instance %d run %d; want %s on %s, instance %d run %d", moved.UID, moved.Status.NodeName,
+			moved.Status.Instance, moved.Status.RestartCount, vm.UID, target, vm.Status.Instance, vm.Status.RestartCount)
+	}
+	if s := second.Status.Source; s == nil || s.State != impv1.MigrationAgentPaused || second.Status.BytesMoved <= 0 {
+		t.Errorf("the second migration: source %+v, %d bytes moved; want Paused with what QEMU sent", s, second.Status.BytesMoved)
+	}
+	g.Eventually(func() int { return len(ticks(w.console(target, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">=", 2),
+		func() string { return "the target's console:\n" + w.console(target, vm) })
+	after, last := ticks(w.console(target, vm)), seen[len(seen)-1]
+	if after[0] <= last || after[0] > last+int(time.Since(began)/time.Second)+5 {
+		t.Errorf("the source's count when its agent was killed: %v; the target's first ticks %v: the count did not go on", seen, after)
+	}
+	g.Eventually(func() bool {
+		_, err := os.Stat(w.vmDir(source, vm))
+		return os.IsNotExist(err)
+	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the source kept the migrated VM's state")
+	if all, here := vmm.Marked(string(vm.UID)), vmm.MarkedIn(string(vm.UID), w.vmDir(target, vm)); len(all) != 1 || len(here) != 1 {
+		t.Errorf("VMMs of the VM after the migration: %v, the target's %v; want the target's one alone", all, here)
+	}
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/pullnet"
 	"github.com/syscode-labs/imp/internal/agent/steps"
+	"github.com/syscode-labs/imp/internal/agent/transfer"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
@@ -33,9 +34,10 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 	log := mgr.GetLogger().WithName("migration")
 	reports := migration.Reports{Client: a.Client, Node: o.NodeName}
 	endpoints := migration.Endpoints{Reader: a.APIReader}
-	a.migrations = &migration.Source{Client: a.Client, Node: o.NodeName, VMDir: a.vmDir, Identity: o.MigrationIdentity, Reports: reports,
+	limit := transfer.NewLimit(o.MigrationBandwidth) // what the node sends, both sides together
+	a.migrations = &migration.Source{Limit: limit, Client: a.Client, Node: o.NodeName, VMDir: a.vmDir, Identity: o.MigrationIdentity, Reports: reports,
 		Runs: a.reports, Endpoints: endpoints, Recorder: a.Recorder, Unwatch: a.Runs.Stop, Log: log}
-	target := &migration.Target{Client: a.Client, APIReader: a.APIReader, Node: o.NodeName, VMDir: a.vmDir,
+	target := &migration.Target{Limit: limit, Client: a.Client, APIReader: a.APIReader, Node: o.NodeName, VMDir: a.vmDir,
 		Prepare: func(ctx context.Context, r *vmrun.Run) error {
 			p := migrateInPlan(a, r.VM)
 			for {

@@ -26,6 +26,9 @@ type Options struct {
 	// source or target (package migration). Unset: the node takes part in none.
 	MigrationAddr, MigrationEndpoint string
 	MigrationIdentity                transfer.Identity
+	// MigrationBandwidth bounds, in bytes a second, what the node's migration streams send
+	// together (0: unbounded).
+	MigrationBandwidth int64
 	// IdleWakeTimeout is how long what arrives for an idle-suspended VM is held for it to be
 	// woken before it is refused (default 30s); IdleInterval how often the activity of VMs
 	// with an idle policy is read (default 2s). See package idle.

@@ -22,6 +22,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"golang.org/x/sys/unix"
+	"golang.org/x/time/rate"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -89,15 +90,21 @@ func socketPair() (mine, vmms *os.File, err error) {
 	return os.NewFile(uintptr(fds[0]), "migration-agent"), os.NewFile(uintptr(fds[1]), "migration-vmm"), nil
 }
 
-// bridgeTo bridges c to a new socket pair and returns the end for the VMM.
-func bridgeTo(c io.ReadWriteCloser) (*os.File, error) {
+// bridgeTo bridges c to a new socket pair and returns the end for the VMM, and a channel closed
+// once the bridge has ended: every byte the VMM wrote gone out on c, which stays within lim
+// (the node's bound, shared by its streams; nil: none).
+func bridgeTo(c io.ReadWriteCloser, lim *rate.Limiter) (*os.File, <-chan struct{}, error) {
 	mine, vmms, err := socketPair()
 	if err != nil {
 		c.Close()
-		return nil, err
+		return nil, nil, err
 	}
-	go transfer.Bridge(c, mine)
-	return vmms, nil
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		transfer.Bridge(transfer.Throttled(c, lim), mine)
+	}()
+	return vmms, done, nil
 }
 
 // marked reads the migration OutFile in dir names, "" for none.

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"golang.org/x/time/rate"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -25,6 +26,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/failpoint"
 )
 
 // Downtime is how long a guest may be paused for the last of its state.
@@ -55,7 +57,10 @@ type Source struct {
 	// migration, its VMM's end (the run let go after the commit) is not the VM's, which runs
 	// on elsewhere, and must not be reported as such.
 	Unwatch func(uid types.UID)
-	Log     logr.Logger
+	// Limit bounds what the node's migration streams send, together (transfer.NewLimit; nil:
+	// unbounded).
+	Limit *rate.Limiter
+	Log   logr.Logger
 
 	sending once
 	mu      sync.Mutex
@@ -126,6 +131,7 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 			}
 			return
 		}
+		failpoint.Crash("migration-sent") // all sent, the guest paused, not yet said
 		s.Unwatch(vm.HostUID())
 		log.Info("sent a VM; its guest is paused for the commit", "total", stats.Total.String(), "downtime", stats.Downtime.String(), "bytes", stats.Bytes)
 		if err := s.Reports.Report(ctx, key, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: stats.Bytes,
@@ -151,7 +157,7 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 	if err != nil {
 		return none, err
 	}
-	disk, err := openDisk(ctx, cfg, addr, mig.UID)
+	disk, err := openDisk(ctx, cfg, addr, mig.UID, s.Limit)
 	if err != nil {
 		return none, err
 	}
@@ -165,17 +171,29 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 	if err := os.WriteFile(filepath.Join(dir, OutFile), []byte(mig.UID), 0o600); err != nil {
 		return none, err
 	}
+	failpoint.Crash("migration-mirrored") // the disk mirrored, the memory not yet sent
 	c, err := transfer.DialStream(ctx, cfg, addr, mig.UID, "memory")
 	if err != nil {
 		return none, err
 	}
-	memory, err := bridgeTo(c)
+	memory, bridged, err := bridgeTo(c, s.Limit)
 	if err != nil {
 		return none, err
 	}
-	defer memory.Close()
-	return qemu.MigrateOut(dir, memory, qemu.MigrateOptions{Downtime: Downtime, MirroredDisk: true, Timeout: Timeout,
+	stats, err := qemu.MigrateOut(dir, memory, qemu.MigrateOptions{Downtime: Downtime, MirroredDisk: true, Timeout: Timeout,
 		Progress: func(sent, _ int64) { s.progress(key, mig.UID, sent) }})
+	memory.Close()
+	if err != nil {
+		return stats, err
+	}
+	// QEMU is done once the state is in the agent's socket: it is sent once the bridge has
+	// written it all out (QEMU has closed its end), not before.
+	select {
+	case <-bridged:
+	case <-time.After(Greeting):
+		return stats, errors.New("the VM's state did not leave the node within " + Greeting.String() + " of QEMU's end")
+	}
+	return stats, nil
 }
 
 // progress reports the bytes sent, at most every second.
@@ -305,7 +323,7 @@ const Greeting = 30 * time.Second
 // server's greeting before it hands the stream to the VMM: QEMU connects to an NBD server in its
 // main loop, and a peer that never speaks would hold it there, the guest with it. The greeting
 // read goes to the VMM with the rest.
-func openDisk(ctx context.Context, cfg *tls.Config, addr string, uid types.UID) (*os.File, error) {
+func openDisk(ctx context.Context, cfg *tls.Config, addr string, uid types.UID, lim *rate.Limiter) (*os.File, error) {
 	c, err := transfer.DialStream(ctx, cfg, addr, uid, "disk")
 	if err != nil {
 		return nil, err
@@ -321,7 +339,8 @@ func openDisk(ctx context.Context, cfg *tls.Config, addr string, uid types.UID) 
 		c.Close()
 		return nil, errors.New("the target's disk stream is not an NBD server's")
 	}
-	return bridgeTo(greeted{Reader: io.MultiReader(bytes.NewReader(first), c), Conn: c})
+	f, _, err := bridgeTo(greeted{Reader: io.MultiReader(bytes.NewReader(first), c), Conn: c}, lim)
+	return f, err
 }
 
 // greeted is a connection whose first bytes were read already: Read gives them again first.

@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/go-logr/logr"
+	"golang.org/x/time/rate"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -51,7 +52,9 @@ type Target struct {
 	Identity  transfer.Identity
 	Reports   Reports
 	Endpoints Endpoints
-	Log       logr.Logger
+	// Limit bounds what the node's migration streams send, together (shared with its Source).
+	Limit *rate.Limiter
+	Log   logr.Logger
 
 	mu sync.Mutex
 	in map[types.UID]*incoming // by migration UID
@@ -228,7 +231,7 @@ func (t *Target) Authorize(_ context.Context, node string, uid types.UID, name s
 				c.Close()
 				return
 			}
-			transfer.Bridge(c, d)
+			transfer.Bridge(transfer.Throttled(c, t.Limit), d)
 		}, nil
 	case "memory":
 		if in.taking {
@@ -242,7 +245,7 @@ func (t *Target) Authorize(_ context.Context, node string, uid types.UID, name s
 
 // take has the VMM take the state from c, then reports it Loaded (or Failed).
 func (t *Target) take(in *incoming, c net.Conn) {
-	vmms, err := bridgeTo(c)
+	vmms, _, err := bridgeTo(c, t.Limit)
 	ctx := context.Background()
 	if err == nil {
 		err = qemu.MigrateIn(in.dir, in.rec, vmms, Timeout)
