@@ -20,6 +20,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/controller/impvmmigration"
 	"github.com/syscode-labs/imp/internal/controller/impvmpool"
 	"github.com/syscode-labs/imp/internal/controller/volumeholder"
 	"github.com/syscode-labs/imp/internal/logging"
@@ -48,6 +49,7 @@ func run() error {
 		leaderElectionNS       string
 		logOpts                logging.Options
 		concurrency            int
+		migrationsPerNamespace int
 		vmOpts                 = impvm.DefaultOptions()
 		pressureLifecycle      bool
 		pressureSettle         time.Duration
@@ -67,6 +69,7 @@ func run() error {
 	fs.BoolVar(&leaderElect, "leader-elect", true, "elect a leader so that only one replica acts at a time")
 	fs.StringVar(&leaderElectionNS, "leader-election-namespace", "", "namespace of the leader election Lease (default: the pod's namespace)")
 	fs.IntVar(&concurrency, "vm-concurrency", 4, "how many ImpVMs are reconciled at once")
+	fs.IntVar(&migrationsPerNamespace, "migrations-per-namespace", impvmmigration.DefaultPerNamespace, "ImpVMMigrations of one namespace under way at once; more wait Pending (Queued), in the order they came; -1: unbounded")
 	fs.DurationVar(&vmOpts.NodeLostGracePeriod, "node-lost-grace-period", vmOpts.NodeLostGracePeriod, "how long a VM's node may be NotReady with its agent silent before the VM is reported NodeUnreachable (it moves only once the node is fenced)")
 	fs.DurationVar(&vmOpts.AgentHeartbeatTimeout, "agent-heartbeat-timeout", vmOpts.AgentHeartbeatTimeout, "how long a node's agent may go without a heartbeat before the node takes no more VMs")
 	fs.DurationVar(&vmOpts.RestartBackoffBase, "restart-backoff-base", vmOpts.RestartBackoffBase, "first delay before restarting a VM that exited; doubles per restart")
@@ -157,7 +160,7 @@ func run() error {
 		return fmt.Errorf("adding health checks: %w", err)
 	}
 	ctx := ctrl.SetupSignalHandler()
-	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency, EndpointRange: endpointRange, EndpointBlockBits: endpointBlockBits,
+	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency, MigrationsPerNamespace: migrationsPerNamespace, EndpointRange: endpointRange, EndpointBlockBits: endpointBlockBits,
 		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout, VolumeHolderImage: holderImage,
 		PoolCreatesPerSecond: poolCreates, PoolCreateBurst: poolBurst}); err != nil {
 		return err

@@ -54,6 +54,9 @@ type Options struct {
 	VM impvm.Options
 	// Concurrency is how many ImpVMs are reconciled at once.
 	Concurrency int
+	// MigrationsPerNamespace bounds the migrations of one namespace under way at once (0:
+	// impvmmigration.DefaultPerNamespace; less than 0: unbounded).
+	MigrationsPerNamespace int
 	// Clock defaults to the real clock.
 	Clock clock.PassiveClock
 	// PressureLifecycle turns the pressure lifecycle on (chart value pressureLifecycle.enabled).
@@ -184,7 +187,7 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 		return fmt.Errorf("setting up the idle reconciler: %w", err)
 	}
 	if err := (&impvmmigration.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: recorder, Clock: o.Clock,
-		Placer: impvm.Migrations{R: vms}}).SetupWithManager(mgr); err != nil {
+		Placer: impvm.Migrations{R: vms}, PerNamespace: o.MigrationsPerNamespace}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpVMMigration reconciler: %w", err)
 	}
 	if err := (&evacuation.Reconciler{Client: mgr.GetClient(), Recorder: recorder, Clock: o.Clock}).SetupWithManager(mgr); err != nil {

@@ -14,6 +14,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -60,7 +62,16 @@ const (
 	ReasonVMChanged    = "VMChanged"
 	ReasonSucceeded    = "Succeeded"
 	ReasonMigrating    = "Migrating"
+	// ReasonQueued: a migration waits, Pending, for one of its namespace's under way to end.
+	ReasonQueued = "Queued"
 )
+
+// DefaultPerNamespace is how many migrations of one namespace are under way at once unless
+// told otherwise (Reconciler.PerNamespace); the others wait Pending, in the order they came.
+const DefaultPerNamespace = 4
+
+// queuedRetry is how often a queued migration looks again.
+const queuedRetry = 2 * time.Second
 
 // Placer chooses and holds the room of a migration's target (impvm.Migrations), and moves the
 // VM's address once it is committed.
@@ -83,6 +94,10 @@ type Reconciler struct {
 	Recorder  EventRecorder
 	Clock     clock.PassiveClock
 	Placer    Placer
+	// PerNamespace bounds the migrations of one namespace under way at once (each holds room
+	// on its target and sends a VM's memory over the network): a tenant's many migrations
+	// wait their turn. 0: DefaultPerNamespace; less than 0: unbounded.
+	PerNamespace int
 }
 
 func (r *Reconciler) now() metav1.Time {
@@ -238,6 +253,19 @@ func (r *Reconciler) begin(ctx context.Context, mig *impv1.ImpVMMigration) (ctrl
 		return ctrl.Result{}, r.fail(ctx, mig, ReasonNoTarget, "the target node is the VM's own node "+vm.Status.NodeName)
 	}
 	if vm.Status.Migration == nil {
+		// Its namespace's turn first (a VM already the migration's began before it stopped).
+		if msg, err := r.ahead(ctx, mig); err != nil || msg != "" {
+			if err != nil {
+				return ctrl.Result{}, err
+			}
+			if c := meta.FindStatusCondition(mig.Status.Conditions, impv1.ReadyCondition); c == nil || c.Message != msg {
+				err = r.setStatus(ctx, mig, func(st *impv1.ImpVMMigrationStatus) {
+					st.Phase = impv1.MigrationPending
+					setReady(st, metav1.ConditionFalse, ReasonQueued, msg, mig.Generation)
+				})
+			}
+			return ctrl.Result{RequeueAfter: queuedRetry}, err
+		}
 		orig := vm.DeepCopy()
 		vm.Status.Migration = &impv1.MigrationStatus{Name: mig.Name, UID: mig.UID, Phase: impv1.MigrationScheduling, SourceNode: vm.Status.NodeName,
 			Instance: vm.Status.Instance, Run: vm.Status.RestartCount}
@@ -253,6 +281,50 @@ func (r *Reconciler) begin(ctx context.Context, mig *impv1.ImpVMMigration) (ctrl
 		st.Phase, st.VMUID, st.SourceNode, st.StartedAt = impv1.MigrationScheduling, vm.UID, vm.Status.Migration.SourceNode, &now
 		setReady(st, metav1.ConditionFalse, ReasonMigrating, "choosing the target node", mig.Generation)
 	})
+}
+
+func (r *Reconciler) perNamespace() int {
+	if r.PerNamespace == 0 {
+		return DefaultPerNamespace
+	}
+	return r.PerNamespace
+}
+
+// ahead says why mig waits ("" when it may begin): its namespace's migrations under way, and
+// those created before it and still waiting, which go first, are as many as the namespace may
+// have at once. As the API server has them: the cache may not have seen the last one begun.
+func (r *Reconciler) ahead(ctx context.Context, mig *impv1.ImpVMMigration) (string, error) {
+	limit := r.perNamespace()
+	if limit < 0 {
+		return "", nil
+	}
+	var list impv1.ImpVMMigrationList
+	if err := r.APIReader.List(ctx, &list, client.InNamespace(mig.Namespace)); err != nil {
+		return "", fmt.Errorf("listing the migrations of namespace %s: %w", mig.Namespace, err)
+	}
+	var busy, before []string
+	for i := range list.Items {
+		o := &list.Items[i]
+		switch {
+		case o.UID == mig.UID || o.Status.Phase.Finished() || !o.DeletionTimestamp.IsZero():
+		case o.Status.Phase != "" && o.Status.Phase != impv1.MigrationPending:
+			busy = append(busy, o.Name)
+		case o.CreationTimestamp.Before(&mig.CreationTimestamp) || o.CreationTimestamp.Equal(&mig.CreationTimestamp) && o.Name < mig.Name:
+			before = append(before, o.Name)
+		}
+	}
+	if len(busy)+len(before) < limit {
+		return "", nil
+	}
+	sort.Strings(busy)
+	msg := fmt.Sprintf("queued: namespace %s may have %d migrations under way at once; under way: %d", mig.Namespace, limit, len(busy))
+	if len(busy) > 0 {
+		msg += " (" + strings.Join(busy, ", ") + ")"
+	}
+	if len(before) > 0 {
+		msg += fmt.Sprintf("; queued before this one: %d", len(before))
+	}
+	return msg, nil
 }
 
 // schedule chooses the target and holds its room; it tries again while no node has room, until
@@ -437,6 +509,7 @@ func (r *Reconciler) finish(ctx context.Context, mig *impv1.ImpVMMigration) (ctr
 	}); err != nil {
 		return ctrl.Result{}, err
 	}
+	observeEnd(&mig.Status)
 	r.Placer.Release(mig.UID)
 	return ctrl.Result{}, r.letGo(ctx, mig)
 }
@@ -466,6 +539,7 @@ func (r *Reconciler) fail(ctx context.Context, mig *impv1.ImpVMMigration, reason
 	}); err != nil {
 		return err
 	}
+	observeEnd(&mig.Status)
 	r.Recorder.Eventf(mig, nil, corev1.EventTypeWarning, reason, "Migrate", "%s", msg)
 	r.Placer.Release(mig.UID)
 	return r.letGo(ctx, mig)

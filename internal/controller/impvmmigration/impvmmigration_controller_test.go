@@ -3,6 +3,7 @@ package impvmmigration_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -21,6 +22,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/config"
+	crmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -44,7 +46,10 @@ type env struct {
 	sfx string
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t *testing.T) *env { return newEnvWith(t, nil) }
+
+// newEnvWith is newEnv with the operator's options changed by set.
+func newEnvWith(t *testing.T, set func(*operator.Options)) *env {
 	cl := testcluster.Require(t, shared)
 	// The agents' writes go through the chart's admission policy, as in a cluster.
 	cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
@@ -52,6 +57,9 @@ func newEnv(t *testing.T) *env {
 	e := &env{t: t, cl: cl, c: cl.Client, ns: ns, sfx: ns[len(ns)-5:]}
 	opts := operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}
 	opts.VM.AgentHeartbeatTimeout = time.Hour // the doubles beat no Lease
+	if set != nil {
+		set(&opts)
+	}
 	mgr, err := ctrl.NewManager(cl.As(t, testcluster.Operator), ctrl.Options{Scheme: cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0", Controller: config.Controller{SkipNameValidation: ptr.To(true)}, Cache: operator.CacheOptions(opts)})
 	if err != nil {
@@ -232,6 +240,7 @@ func TestAMigrationMovesTheVMOnce(t *testing.T) {
 		target = b
 	}
 	ctx := context.Background()
+	before := gathered(t)
 	e.migrate("move", "vm", "", nil)
 	m := e.phase("move", impv1.MigrationPreparing)
 	if m.Status.SourceNode != source || m.Status.TargetNode != target || m.Status.VMUID != vm.UID || m.Status.StartedAt == nil {
@@ -329,6 +338,19 @@ func TestAMigrationMovesTheVMOnce(t *testing.T) {
 	if m.Status.CompletedAt == nil || !isReady(m) {
 		t.Errorf("succeeded: %+v", m.Status)
 	}
+	// Counted once, with its figures.
+	after := gathered(t)
+	for name, want := range map[string]float64{
+		`imp_vm_migrations_total{reason="Succeeded",result="Succeeded"}`: 1,
+		`imp_vm_migration_sent_bytes_total`:                              120 << 20,
+		`imp_vm_migration_downtime_seconds_count`:                        1,
+		`imp_vm_migration_downtime_seconds_sum`:                          0.049,
+		`imp_vm_migration_duration_seconds_count{result="Succeeded"}`:    1,
+	} {
+		if got := after[name] - before[name]; got < want-1e-9 || got > want+1e-9 {
+			t.Errorf("%s grew by %v; want %v", name, got, want)
+		}
+	}
 	NewWithT(t).Eventually(func() *impv1.MigrationStatus { return e.vm("vm").Status.Migration }).WithTimeout(time.Minute).Should(BeNil(),
 		"the VM still names its migration")
 	if got := e.vm("vm"); got.Status.NodeName != target || got.Status.Phase != impv1.VMRunning {
@@ -377,6 +399,7 @@ func TestAMigrationThatCannotCommitLeavesTheVM(t *testing.T) {
 		}
 	}
 
+	before := gathered(t)
 	e.migrate("fails", "vm", target, nil)
 	e.phase("fails", impv1.MigrationPreparing)
 	NewWithT(t).Eventually(func() error {
@@ -384,6 +407,9 @@ func TestAMigrationThatCannotCommitLeavesTheVM(t *testing.T) {
 	}).WithTimeout(time.Minute).WithPolling(200 * time.Millisecond).Should(Succeed())
 	if m := e.phase("fails", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTargetFailed || !strings.Contains(m.Status.Message, "no room for the tap") {
 		t.Errorf("a failed target: %s %q", m.Status.Reason, m.Status.Message)
+	}
+	if got := gathered(t)[`imp_vm_migrations_total{reason="TargetFailed",result="Failed"}`] - before[`imp_vm_migrations_total{reason="TargetFailed",result="Failed"}`]; got != 1 {
+		t.Errorf("a failed target counted %v times; want once", got)
 	}
 	steady("after a failed target")
 
@@ -502,4 +528,68 @@ func TestOnlyEditorsMigrate(t *testing.T) {
 	if err := as("eddie", "imp-edit", "create").Create(ctx, mig()); err != nil {
 		t.Errorf("an editor's migration: %v", err)
 	}
+}
+
+// gathered is the operator's migration metrics as this process's registry has them, by
+// name{labels} (a histogram's _count and _sum).
+func gathered(t *testing.T) map[string]float64 {
+	t.Helper()
+	families, err := crmetrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		if !strings.HasPrefix(f.GetName(), "imp_vm_migration") {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, fmt.Sprintf("%s=%q", l.GetName(), l.GetValue()))
+			}
+			suffix := ""
+			if len(labels) > 0 {
+				suffix = "{" + strings.Join(labels, ",") + "}"
+			}
+			switch {
+			case m.GetCounter() != nil:
+				out[f.GetName()+suffix] = m.GetCounter().GetValue()
+			case m.GetHistogram() != nil:
+				out[f.GetName()+"_count"+suffix] = float64(m.GetHistogram().GetSampleCount())
+				out[f.GetName()+"_sum"+suffix] = m.GetHistogram().GetSampleSum()
+			}
+		}
+	}
+	return out
+}
+
+// TestMigrationsOfANamespaceWaitTheirTurn: with one migration of a namespace under way at once,
+// a second waits Pending, saying why (Queued), and holds neither its VM nor room; it begins once
+// the first ended.
+func TestMigrationsOfANamespaceWaitTheirTurn(t *testing.T) {
+	e := newEnvWith(t, func(o *operator.Options) { o.MigrationsPerNamespace = 1 })
+	e.node("a", 8)
+	e.node("b", 8)
+	e.running("one", "1Gi")
+	e.running("two", "1Gi")
+	first := e.migrate("first", "one", "", nil)
+	e.phase("first", impv1.MigrationPreparing)
+	e.migrate("second", "two", "", nil)
+	NewWithT(t).Eventually(func() string {
+		m := e.migration("second")
+		for _, c := range m.Status.Conditions {
+			if c.Type == impv1.ReadyCondition && m.Status.Phase == impv1.MigrationPending {
+				return c.Reason + ": " + c.Message
+			}
+		}
+		return string(m.Status.Phase)
+	}).WithTimeout(time.Minute).Should(And(HavePrefix(impvmmigration.ReasonQueued+": "), ContainSubstring("under way: 1 (first)")))
+	if m := e.vm("two").Status.Migration; m != nil {
+		t.Errorf("a queued migration holds its VM: %+v", m)
+	}
+	if err := e.c.Delete(context.Background(), first); err != nil {
+		t.Fatal(err)
+	}
+	e.phase("second", impv1.MigrationPreparing)
 }
