@@ -91,8 +91,8 @@ bench-snapshot: ## QEMU/TCG guests of 256 MiB: create → Ready P50/P99 cold vs 
 bench-wake: ## An idle-suspended VM (QEMU/TCG, 256 MiB): first request → first byte P50/P99, beside the running VM and its plain resume (the floor); the memory given back.
 	IMP_BENCH=wake go test -count=1 -v -timeout 30m -run '^TestBenchWake$$' ./internal/agent/ | grep -E '^(wake|  )|^(ok|FAIL|---)'
 
-bench-migrate: ## Running guests of 128 MiB, 256 MiB and 1 GiB (QEMU/TCG) moved between two nodes' agents: downtime, creation → Succeeded, MiB/s beside loopback and disk.
-	IMP_BENCH=migrate go test -count=1 -v -timeout 30m -run '^TestBenchMigrate$$' ./internal/agent/ | grep -E '^(migrate|  )|^(ok|FAIL|---)'
+bench-migrate: ## Running guests of 128 MiB, 256 MiB and 1 GiB (QEMU/TCG) moved between two nodes' agents: downtime, creation → Succeeded, MiB/s beside loopback and disk; then a busy 1 GiB guest dirtying 512 MiB at 1 GiB/s.
+	IMP_BENCH=migrate go test -count=1 -v -timeout 30m -run '^TestBenchMigrate(Busy)?$$' ./internal/agent/ | grep -E '^(migrate|  )|^(ok|FAIL|---)'
 
 bench-idle: ## A warm pool's idle member (QEMU/TCG, 256 MiB): VMM CPU and PSS running idle against paused; cont and the first exec after it.
 	IMP_BENCH=idle go test -count=1 -v -timeout 30m -run '^TestBenchIdle$$' ./internal/agent/ | grep -E '^(idle|  )|^(ok|FAIL|---)'

@@ -604,3 +604,30 @@ func TestASourceAgentKilledMidMigration(t *testing.T) {
 		t.Errorf("VMMs of the VM after the migration: %v, the target's %v; want the target's one alone", all, here)
 	}
 }
+
+// TestABusyGuestMoves: a guest that dirties its memory faster than this machine sends it (256
+// MiB of pages at 1 GiB/s) moves all the same, within its migration's timeout, the same run:
+// past the first rounds its vCPU is slowed until what is left fits the downtime. Without that
+// (QEMU's auto-converge) such a migration sends for ever and times out, the guest staying.
+func TestABusyGuestMoves(t *testing.T) {
+	w := newMigWorld(t, "migb")
+	vm := w.run(t, "busy", "512Mi", func(vm *impv1.ImpVM) { vm.Spec.Args = []string{"dirty", "256", "1024"} })
+	NewWithT(t).Eventually(func() int { return len(ticks(w.console(vm.Status.NodeName, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
+	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "busy"},
+		Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name, TimeoutSeconds: ptr.To[int32](240)}}
+	if err := w.c.Client.Create(context.Background(), mig); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() impv1.MigrationPhase {
+		_ = w.c.Client.Get(context.Background(), client.ObjectKeyFromObject(mig), mig)
+		return mig.Status.Phase
+	}).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Or(Equal(impv1.MigrationSucceeded), Equal(impv1.MigrationFailed)))
+	if mig.Status.Phase != impv1.MigrationSucceeded {
+		t.Fatalf("the busy guest's migration: %s %s: %s (%d MiB sent)", mig.Status.Phase, mig.Status.Reason, mig.Status.Message, mig.Status.BytesMoved>>20)
+	}
+	if got := w.get(t, vm); got.Status.NodeName == vm.Status.NodeName || got.Status.RestartCount != vm.Status.RestartCount {
+		t.Errorf("after the migration the VM is on %s, run %d; want it moved, the same run", got.Status.NodeName, got.Status.RestartCount)
+	}
+	t.Logf("a busy guest (512 MiB, dirtying 256 MiB at 1 GiB/s) moved: %v from start to end, downtime %v, %d MiB sent",
+		mig.Status.CompletedAt.Sub(mig.Status.StartedAt.Time), mig.Status.Downtime.Duration, mig.Status.BytesMoved>>20)
+}

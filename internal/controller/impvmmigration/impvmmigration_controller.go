@@ -32,6 +32,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/placement"
 )
 
@@ -451,6 +452,7 @@ func (r *Reconciler) commit(ctx context.Context, mig *impv1.ImpVMMigration, vm *
 	if err := r.Client.Status().Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 		return fmt.Errorf("committing the migration of VM %s: %w", vm.Name, err) // a conflict: decided again on the newer version
 	}
+	failpoint.Crash("migration-committed") // the VM moved, the migration not yet told
 	r.Recorder.Eventf(vm, mig, corev1.EventTypeNormal, "Migrated", "Migrate", "The VM moved from node %s to node %s (paused %v)",
 		st.SourceNode, st.TargetNode, downtime(st.Source))
 	return r.recordCommit(ctx, mig)

@@ -5,7 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -28,6 +31,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/controller/impvmmigration"
+	"github.com/syscode-labs/imp/internal/failpoint"
 	"github.com/syscode-labs/imp/internal/operator"
 	"github.com/syscode-labs/imp/internal/testcluster"
 )
@@ -50,17 +54,13 @@ func newEnv(t *testing.T) *env { return newEnvWith(t, nil) }
 
 // newEnvWith is newEnv with the operator's options changed by set.
 func newEnvWith(t *testing.T, set func(*operator.Options)) *env {
-	cl := testcluster.Require(t, shared)
-	// The agents' writes go through the chart's admission policy, as in a cluster.
-	cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-	ns := cl.Namespace(t)
-	e := &env{t: t, cl: cl, c: cl.Client, ns: ns, sfx: ns[len(ns)-5:]}
+	e := newEnvNoOperator(t)
 	opts := operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}
 	opts.VM.AgentHeartbeatTimeout = time.Hour // the doubles beat no Lease
 	if set != nil {
 		set(&opts)
 	}
-	mgr, err := ctrl.NewManager(cl.As(t, testcluster.Operator), ctrl.Options{Scheme: cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"},
+	mgr, err := ctrl.NewManager(e.cl.As(t, testcluster.Operator), ctrl.Options{Scheme: e.cl.Scheme, Metrics: metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0", Controller: config.Controller{SkipNameValidation: ptr.To(true)}, Cache: operator.CacheOptions(opts)})
 	if err != nil {
 		t.Fatal(err)
@@ -71,8 +71,57 @@ func newEnvWith(t *testing.T, set func(*operator.Options)) *env {
 		t.Fatal(err)
 	}
 	testcluster.RunManager(t, mgr)
+	return e
+}
+
+// newEnvNoOperator is the test's cluster, namespace and agent doubles, with no operator.
+func newEnvNoOperator(t *testing.T) *env {
+	cl := testcluster.Require(t, shared)
+	// The agents' writes go through the chart's admission policy, as in a cluster.
+	cl.InstallChartObjects(t, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+	ns := cl.Namespace(t)
+	e := &env{t: t, cl: cl, c: cl.Client, ns: ns, sfx: ns[len(ns)-5:]}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
 	e.runVMs(ctx)
 	return e
+}
+
+var (
+	operatorBinary     sync.Once
+	operatorBinaryPath string
+	operatorBinaryErr  error
+)
+
+// startOperatorProcess runs the imp-operator binary against the test's cluster, with env added
+// to its environment (a failpoint); the channel closes when it has ended, with its exit code.
+func (e *env) startOperatorProcess(env ...string) <-chan int {
+	e.t.Helper()
+	operatorBinary.Do(func() {
+		dir, err := os.MkdirTemp("", "imp-operator-bin")
+		if err != nil {
+			operatorBinaryErr = err
+			return
+		}
+		operatorBinaryPath = filepath.Join(dir, "imp-operator")
+		if out, err := exec.Command("go", "build", "-o", operatorBinaryPath, "github.com/syscode-labs/imp/cmd/imp-operator").CombinedOutput(); err != nil {
+			operatorBinaryErr = fmt.Errorf("building imp-operator: %v\n%s", err, out)
+		}
+	})
+	if operatorBinaryErr != nil {
+		e.t.Fatal(operatorBinaryErr)
+	}
+	cmd := exec.Command(operatorBinaryPath, "--kubeconfig", e.cl.KubeconfigAs(e.t, testcluster.Operator), "--leader-elect=false",
+		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error", "--agent-heartbeat-timeout", "1h")
+	cmd.Stderr = os.Stderr
+	cmd.Env = append(os.Environ(), env...)
+	if err := cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	exited, done := make(chan int, 1), make(chan struct{})
+	go func() { _ = cmd.Wait(); exited <- cmd.ProcessState.ExitCode(); close(done) }()
+	e.t.Cleanup(func() { _ = cmd.Process.Kill(); <-done })
+	return exited
 }
 
 // node makes a Ready node of the test's with an agent report of 4 vCPUs and memGi, taking
@@ -592,4 +641,53 @@ func TestMigrationsOfANamespaceWaitTheirTurn(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.phase("second", impv1.MigrationPreparing)
+}
+
+// TestAnOperatorKilledAtTheCommit: the operator runs as a process and is killed (at a failpoint:
+// it exits at once, as kill -9 would leave it) just after the commit's write, the VM's node
+// moved to the target, before the migration is told. The operator that returns finds the commit
+// on the VM, records it, and the migration succeeds once the target runs the VM: no second
+// commit, no failure, the VM on its target.
+func TestAnOperatorKilledAtTheCommit(t *testing.T) {
+	e := newEnvNoOperator(t)
+	exited := e.startOperatorProcess(failpoint.EnvVar + "=migration-committed")
+	e.node("a", 8)
+	e.node("b", 8)
+	vm := e.running("vm", "1Gi")
+	source := vm.Status.NodeName
+	e.migrate("move", "vm", "", nil)
+	m := e.phase("move", impv1.MigrationPreparing)
+	target := m.Status.TargetNode
+	src, tgt := e.agent(source), e.agent(target)
+	say := func(a client.Client, side string, r impv1.MigrationAgentReport) {
+		t.Helper()
+		NewWithT(t).Eventually(func() error { return e.report(a, "move", side, r) }).WithTimeout(time.Minute).Should(Succeed())
+	}
+	say(tgt, "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentReady})
+	e.phase("move", impv1.MigrationTransferring)
+	say(tgt, "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentLoaded, Bytes: 64 << 20})
+	say(src, "source", impv1.MigrationAgentReport{State: impv1.MigrationAgentPaused, Bytes: 64 << 20, Downtime: &metav1.Duration{Duration: 30 * time.Millisecond}})
+	select {
+	case code := <-exited:
+		if code != failpoint.ExitCode {
+			t.Fatalf("the operator ended with %d, not at its failpoint", code)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the operator never reached its failpoint")
+	}
+	if got, m := e.vm("vm"), e.migration("move"); got.Status.NodeName != target || m.Status.Phase != impv1.MigrationTransferring {
+		t.Fatalf("at the failpoint: the VM on %s, the migration %s; want the VM on %s, the migration not yet told", got.Status.NodeName, m.Status.Phase, target)
+	}
+
+	e.startOperatorProcess()
+	m = e.phase("move", impv1.MigrationCommitted)
+	if m.Status.CommittedAt == nil || m.Status.Downtime == nil || m.Status.Downtime.Duration != 30*time.Millisecond {
+		t.Errorf("the commit recorded: %+v", m.Status)
+	}
+	say(tgt, "target", impv1.MigrationAgentReport{State: impv1.MigrationAgentRunning, Bytes: 64 << 20})
+	e.phase("move", impv1.MigrationSucceeded)
+	NewWithT(t).Eventually(func() *impv1.MigrationStatus { return e.vm("vm").Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
+	if got := e.vm("vm"); got.Status.NodeName != target || got.Status.Instance != vm.Status.Instance || got.Status.Phase != impv1.VMRunning {
+		t.Errorf("after the migration: the VM %s on %s, instance %d; want running on %s, instance %d", got.Status.Phase, got.Status.NodeName, got.Status.Instance, target, vm.Status.Instance)
+	}
 }

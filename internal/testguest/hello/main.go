@@ -26,6 +26,9 @@
 //	                  through O_DIRECT (no page cache; aligned buffers)
 //	tool-dial ADDR    prints what a TCP connection to ADDR first says
 //	tool-ifaces       prints each non-loopback interface: "NAME MAC ADDR/BITS..."
+//	dirty MIB RATE  serve's tick a second, and dirties a buffer of MIB MiB as it runs: RATE
+//	        MiB a second of its pages written, one byte a page, page after page (a busy guest
+//	        for migration benchmarks: the rate it keeps is what its vCPU's time allows)
 //	counter counts in memory, one every 100 ms from 0, until SIGTERM; serves TCP on :7000
 //	        ("count N host H": the count and the host name as they are when asked)
 //	web     serves HTTP until SIGTERM on :8080 (GET / answers "hello from <host name>", GET
@@ -144,6 +147,16 @@ func main() {
 		<-term
 		fmt.Println("hello: terminating")
 		os.Exit(0)
+	case "dirty":
+		mib, _ := strconv.Atoi(arg(2))
+		rate, _ := strconv.Atoi(arg(3))
+		go func() {
+			for i := 0; ; i++ {
+				time.Sleep(time.Second)
+				fmt.Printf("hello: tick %d\n", i)
+			}
+		}()
+		dirty(max(mib, 1)<<20, max(rate, 1)<<20)
 	case "counter":
 		var n atomic.Int64
 		go func() {
@@ -443,4 +456,29 @@ func measureIO(path string, mib int64, direct bool) (string, error) {
 	}
 	randR := float64(n) / time.Since(start).Seconds()
 	return fmt.Sprintf("seqwrite %.1f seqread %.1f randwrite %.0f randread %.0f", seqW, seqR, randW, randR), nil
+}
+
+// arg is the program's argument i, "" when there is none.
+func arg(i int) string {
+	if len(os.Args) > i {
+		return os.Args[i]
+	}
+	return ""
+}
+
+// dirty writes one byte in each page of a buffer of size bytes, page after page and round
+// again, rate bytes of pages a second, paced every 10 ms; for ever.
+func dirty(size, rate int) {
+	const page = 4096
+	buf := make([]byte, size)
+	perTick := max(rate/100/page, 1)
+	p, n := 0, byte(0)
+	for tick := time.NewTicker(10 * time.Millisecond); ; <-tick.C {
+		for range perTick {
+			buf[p] = n
+			if p += page; p >= len(buf) {
+				p, n = 0, n+1
+			}
+		}
+	}
 }
