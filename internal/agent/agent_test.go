@@ -593,26 +593,30 @@ func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
 	testguest.Image(t, pw.host, "hello")
 	nodeWithOperator(t, c, pw.node)
 	pw.stateDir = filepath.Join(tmp, "state")
-	bin := filepath.Join(tmp, "imp-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
-		t.Fatalf("building imp-agent: %v\n%s", err, out)
-	}
+	bin := testcluster.Binary(t, "github.com/syscode-labs/imp/cmd/imp-agent")
 	kubeconfig := c.KubeconfigAs(t, testcluster.Agent, pw.node)
 	killVMMs(t, pw.stateDir, pw.node)
 	nsDir := testnetns.PinDir(t)
 	pw.startAgent = func(env ...string) *exec.Cmd {
-		cmd := exec.Command(bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir, "--local-registry", "127.0.0.1",
+		return startProcess(t, env, bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir, "--local-registry", "127.0.0.1",
 			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4",
 			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
-		cmd.Env = append(os.Environ(), env...)
-		cmd.Stderr = os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		return cmd
 	}
 	return pw
+}
+
+// startProcess starts bin with args, env added to its environment and its stderr the test's;
+// the test's end kills it.
+func startProcess(t *testing.T, env []string, bin string, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	return cmd
 }
 
 // vm returns (does not create) a VM of the test image, serving, on the world's node.

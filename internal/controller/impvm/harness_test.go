@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -404,21 +403,7 @@ func (e *env) startOperatorProcess() (kill func()) {
 // environment (a failpoint); exited is closed when the process has ended.
 func (e *env) startOperatorProcessWith(env ...string) (kill func(), exited <-chan struct{}) {
 	e.t.Helper()
-	operatorBinary.Do(func() {
-		dir, err := os.MkdirTemp("", "imp-operator-bin")
-		if err != nil {
-			operatorBinaryErr = err
-			return
-		}
-		operatorBinaryPath = filepath.Join(dir, "imp-operator")
-		if out, err := exec.Command("go", "build", "-o", operatorBinaryPath, "github.com/syscode-labs/imp/cmd/imp-operator").CombinedOutput(); err != nil {
-			operatorBinaryErr = fmt.Errorf("building imp-operator: %v\n%s", err, out)
-		}
-	})
-	if operatorBinaryErr != nil {
-		e.t.Fatal(operatorBinaryErr)
-	}
-	cmd := exec.Command(operatorBinaryPath, "--kubeconfig", e.cl.KubeconfigAs(e.t, testcluster.Operator), "--leader-elect=false",
+	cmd := exec.Command(testcluster.Binary(e.t, "github.com/syscode-labs/imp/cmd/imp-operator"), "--kubeconfig", e.cl.KubeconfigAs(e.t, testcluster.Operator), "--leader-elect=false",
 		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error",
 		"--restart-backoff-base", e.opts.VM.RestartBackoffBase.String(), "--restart-backoff-max", e.opts.VM.RestartBackoffMax.String(),
 		"--node-lost-grace-period", e.opts.VM.NodeLostGracePeriod.String(), "--agent-heartbeat-timeout", e.opts.VM.AgentHeartbeatTimeout.String(),
@@ -434,9 +419,3 @@ func (e *env) startOperatorProcessWith(env ...string) (kill func(), exited <-cha
 	e.t.Cleanup(kill)
 	return kill, done
 }
-
-var (
-	operatorBinary     sync.Once
-	operatorBinaryPath string
-	operatorBinaryErr  error
-)

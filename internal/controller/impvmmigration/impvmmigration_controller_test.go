@@ -6,9 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -87,31 +85,11 @@ func newEnvNoOperator(t *testing.T) *env {
 	return e
 }
 
-var (
-	operatorBinary     sync.Once
-	operatorBinaryPath string
-	operatorBinaryErr  error
-)
-
 // startOperatorProcess runs the imp-operator binary against the test's cluster, with env added
 // to its environment (a failpoint); the channel closes when it has ended, with its exit code.
 func (e *env) startOperatorProcess(env ...string) <-chan int {
 	e.t.Helper()
-	operatorBinary.Do(func() {
-		dir, err := os.MkdirTemp("", "imp-operator-bin")
-		if err != nil {
-			operatorBinaryErr = err
-			return
-		}
-		operatorBinaryPath = filepath.Join(dir, "imp-operator")
-		if out, err := exec.Command("go", "build", "-o", operatorBinaryPath, "github.com/syscode-labs/imp/cmd/imp-operator").CombinedOutput(); err != nil {
-			operatorBinaryErr = fmt.Errorf("building imp-operator: %v\n%s", err, out)
-		}
-	})
-	if operatorBinaryErr != nil {
-		e.t.Fatal(operatorBinaryErr)
-	}
-	cmd := exec.Command(operatorBinaryPath, "--kubeconfig", e.cl.KubeconfigAs(e.t, testcluster.Operator), "--leader-elect=false",
+	cmd := exec.Command(testcluster.Binary(e.t, "github.com/syscode-labs/imp/cmd/imp-operator"), "--kubeconfig", e.cl.KubeconfigAs(e.t, testcluster.Operator), "--leader-elect=false",
 		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error", "--agent-heartbeat-timeout", "1h")
 	cmd.Stderr = os.Stderr
 	cmd.Env = append(os.Environ(), env...)
