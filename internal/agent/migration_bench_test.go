@@ -10,6 +10,9 @@ import (
 	"time"
 
 	. "github.com/onsi/gomega"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
@@ -106,27 +109,27 @@ func diskRate(t *testing.T) float64 {
 }
 
 // TestBenchMigrateBusy is part of `make bench-migrate` (IMP_BENCH=migrate): a guest of 1 GiB
-// that dirties 512 MiB of its memory at 1 GiB/s of pages while it moves (hello dirty), moved
-// rounds times: QEMU's auto-converge slows its vCPU until what is left fits the downtime.
-// (Without it, such a migration never ends: docs/migration.md.)
+// that dirties 512 MiB of its memory at 1 GiB/s of pages while it moves (hello dirty), asked to
+// move within 60 s: what was sent, and how it ended (pre-copy alone does not catch up with it:
+// docs/migration.md).
 func TestBenchMigrateBusy(t *testing.T) {
 	if os.Getenv("IMP_BENCH") != "migrate" {
 		t.Skip("a benchmark: make bench-migrate")
 	}
-	const rounds = 2
 	w := newMigWorld(t, "bmigb")
 	vm := w.run(t, "busy", "1Gi", func(vm *impv1.ImpVM) { vm.Spec.Args = []string{"dirty", "512", "1024"} })
 	// Its buffer written whole (half a second at its rate) and dirtied since.
 	NewWithT(t).Eventually(func() int { return len(ticks(w.console(vm.Status.NodeName, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
-	var downtimes, totals []time.Duration
-	var sent int64
-	for i := range rounds {
-		began := time.Now()
-		mig := w.migrate(t, fmt.Sprintf("busy-%d", i), vm, impv1.MigrationSucceeded, nil)
-		totals = append(totals, time.Since(began))
-		downtimes = append(downtimes, mig.Status.Downtime.Duration)
-		sent += mig.Status.BytesMoved
+	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "busy"},
+		Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name, TimeoutSeconds: ptr.To[int32](60)}}
+	if err := w.c.Client.Create(t.Context(), mig); err != nil {
+		t.Fatal(err)
 	}
-	fmt.Printf("  busy   1Gi dirtying 512 MiB at 1 GiB/s: downtime P50 %-7v max %-7v  created -> Succeeded P50 %-8v max %-8v  sent %4d MiB each\n",
-		pct(downtimes, 50), pct(downtimes, 100), pct(totals, 50), pct(totals, 100), sent/rounds>>20)
+	NewWithT(t).Eventually(func() bool {
+		_ = w.c.Client.Get(t.Context(), client.ObjectKeyFromObject(mig), mig)
+		return mig.Status.Phase.Finished()
+	}).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(BeTrue())
+	took := mig.Status.CompletedAt.Sub(mig.Status.StartedAt.Time)
+	fmt.Printf("  busy   1Gi dirtying 512 MiB at 1 GiB/s, 60 s allowed: %s %s after %v, %d MiB sent (%.0f MiB/s), downtime %v\n",
+		mig.Status.Phase, mig.Status.Reason, took, mig.Status.BytesMoved>>20, float64(mig.Status.BytesMoved)/(1<<20)/took.Seconds(), mig.Status.Downtime)
 }

@@ -162,26 +162,13 @@ func (w *migWorld) startAgent(t *testing.T, node string) {
 // added to its environment (a failpoint); its identity from files, as the chart's would be.
 func (w *migWorld) startProcessAgent(t *testing.T, node string, env ...string) *exec.Cmd {
 	t.Helper()
-	if w.bin == "" {
-		w.bin = filepath.Join(w.tmp, "imp-agent")
-		if out, err := exec.Command("go", "build", "-o", w.bin, "github.com/syscode-labs/imp/cmd/imp-agent").CombinedOutput(); err != nil {
-			t.Fatalf("building imp-agent: %v\n%s", err, out)
-		}
-	}
 	killVMMs(t, filepath.Join(w.tmp, node), node)
-	cmd := exec.Command(w.bin, "--kubeconfig", w.c.KubeconfigAs(t, testcluster.Agent, node), "--node-name", node, "--state-dir", filepath.Join(w.tmp, node),
+	return startProcess(t, env, testcluster.Binary(t, "github.com/syscode-labs/imp/cmd/imp-agent"), "--kubeconfig", w.c.KubeconfigAs(t, testcluster.Agent, node), "--node-name", node, "--state-dir", filepath.Join(w.tmp, node),
 		"--netns-dir", testnetns.PinDir(t), "--local-registry", "127.0.0.1", "--kernel", w.kernel, "--initramfs", w.initrd,
 		"--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4", "--cgroup-root", "",
 		"--access-bind-address", "127.0.0.1:0", "--access-cert-dir", filepath.Join(w.tmp, "certs", node),
 		"--migration-bind-address", w.addrs[node], "--heartbeat-interval", "1s",
 		"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
-	cmd.Env = append(os.Environ(), env...)
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	return cmd
 }
 
 // run makes a VM of mem counting a tick a second on its console and waits until its guest is
@@ -213,6 +200,28 @@ func (w *migWorld) get(t *testing.T, vm *impv1.ImpVM) *impv1.ImpVM {
 		t.Fatal(err)
 	}
 	return v
+}
+
+// stayed checks vm after a migration to target that failed: running on source as before (the
+// same instance and run), its count going on there, the migration's place on the target
+// removed, and no migration named.
+func (w *migWorld) stayed(t *testing.T, vm *impv1.ImpVM, source, target string) {
+	t.Helper()
+	g := NewWithT(t)
+	got := w.get(t, vm)
+	if got.Status.NodeName != source || got.Status.Instance != vm.Status.Instance || got.Status.RestartCount != vm.Status.RestartCount ||
+		got.Status.Runtime == nil || got.Status.Runtime.State != impv1.RuntimeRunning {
+		t.Errorf("after the failed migration the VM is on %s, instance %d run %d, run %+v; want it running on %s as before",
+			got.Status.NodeName, got.Status.Instance, got.Status.RestartCount, got.Status.Runtime, source)
+	}
+	n := len(ticks(w.console(source, vm)))
+	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
+		func() string { return "the source's console:\n" + w.console(source, vm) })
+	g.Eventually(func() bool {
+		_, err := os.Stat(w.vmDir(target, vm))
+		return os.IsNotExist(err)
+	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
+	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
 }
 
 // other is the node of the two that is not node.
@@ -294,7 +303,7 @@ func TestLiveMigrationBetweenNodes(t *testing.T) {
 	after := ticks(w.console(target, vm))
 	last := seen[len(seen)-1]
 	if after[0] <= last || after[0] > last+int(took/time.Second)+5 {
-		t.Errorf("the source's count when the migration began: %v; the target's first ticks %v: the count did not go on", seen, after)
+		t.Errorf("the source's count when the migration began: %v; the target's first ticks %v: the count did not go on; the target's console:\n%s", seen, after, w.console(target, vm))
 	}
 	// The source lets the VM go: its VMM and its state.
 	g.Eventually(func() bool {
@@ -319,7 +328,6 @@ func TestLiveMigrationBetweenNodes(t *testing.T) {
 // the VM moves when asked again.
 func TestAMigrationWhoseTargetDiesLeavesTheVM(t *testing.T) {
 	w := newMigWorld(t, "migf")
-	g := NewWithT(t)
 	vm := w.run(t, "stayer", "192Mi")
 	source := vm.Status.NodeName
 	target := w.other(source)
@@ -338,21 +346,7 @@ func TestAMigrationWhoseTargetDiesLeavesTheVM(t *testing.T) {
 		t.Fatalf("the migration ended before the target was ready: %+v", mig.Status)
 	}
 	t.Logf("the migration failed: %s: %s", mig.Status.Reason, mig.Status.Message)
-	stayed := w.get(t, vm)
-	if stayed.Status.NodeName != source || stayed.Status.Instance != vm.Status.Instance || stayed.Status.RestartCount != vm.Status.RestartCount ||
-		stayed.Status.Runtime == nil || stayed.Status.Runtime.State != impv1.RuntimeRunning {
-		t.Errorf("after the failed migration the VM is on %s, instance %d run %d, run %+v; want it running on %s as before",
-			stayed.Status.NodeName, stayed.Status.Instance, stayed.Status.RestartCount, stayed.Status.Runtime, source)
-	}
-	// Its count goes on on the source.
-	n := len(ticks(w.console(source, vm)))
-	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
-		func() string { return "the source's console:\n" + w.console(source, vm) })
-	g.Eventually(func() bool {
-		_, err := os.Stat(w.vmDir(target, vm))
-		return os.IsNotExist(err)
-	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
-	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
+	w.stayed(t, vm, source, target)
 
 	// Asked again with kubectl imp migrate, which waits and says where it went.
 	if out := kubectlimptest.Run(t, w.c.Kubeconfig(t), w.ns, "migrate", vm.Name, "--to", target, "--timeout", "5m"); !strings.Contains(out, "runs on node "+target) {
@@ -560,20 +554,7 @@ func TestASourceAgentKilledMidMigration(t *testing.T) {
 	if s := first.Status.Source; s == nil || s.State != impv1.MigrationAgentFailed || !strings.Contains(s.Message, "restarted") {
 		t.Errorf("the source's report of the first migration: %+v; want Failed, its agent having restarted", s)
 	}
-	stayed := w.get(t, vm)
-	if stayed.Status.NodeName != source || stayed.Status.Instance != vm.Status.Instance || stayed.Status.RestartCount != vm.Status.RestartCount ||
-		stayed.Status.Runtime == nil || stayed.Status.Runtime.State != impv1.RuntimeRunning {
-		t.Errorf("after the first migration the VM is on %s, instance %d run %d, run %+v; want it running on %s as before",
-			stayed.Status.NodeName, stayed.Status.Instance, stayed.Status.RestartCount, stayed.Status.Runtime, source)
-	}
-	n := len(ticks(w.console(source, vm)))
-	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(2*time.Minute).Should(BeNumerically(">", n+2),
-		func() string { return "the source's console:\n" + w.console(source, vm) })
-	g.Eventually(func() bool {
-		_, err := os.Stat(w.vmDir(target, vm))
-		return os.IsNotExist(err)
-	}).WithTimeout(2*time.Minute).Should(BeTrue(), "the failed migration's place on the target is still there")
-	g.Eventually(func() *impv1.MigrationStatus { return w.get(t, vm).Status.Migration }).WithTimeout(time.Minute).Should(BeNil())
+	w.stayed(t, vm, source, target)
 
 	// Killed with everything sent and the guest paused, before it said so.
 	second := migrate("second")
@@ -605,16 +586,18 @@ func TestASourceAgentKilledMidMigration(t *testing.T) {
 	}
 }
 
-// TestABusyGuestMoves: a guest that dirties its memory faster than this machine sends it (256
-// MiB of pages at 1 GiB/s) moves all the same, within its migration's timeout, the same run:
-// past the first rounds its vCPU is slowed until what is left fits the downtime. Without that
-// (QEMU's auto-converge) such a migration sends for ever and times out, the guest staying.
-func TestABusyGuestMoves(t *testing.T) {
+// TestABusyGuestThatCannotMoveStays: a guest that dirties its memory faster than this machine
+// sends it (256 MiB of pages at 1 GiB/s) is not moved: pre-copy never catches up, the migration
+// times out, and the guest runs on on its source, the same run, counting on. (QEMU's
+// auto-converge would slow it until it fits; under TCG here it left guests with corrupt
+// memory: docs/migration.md.)
+func TestABusyGuestThatCannotMoveStays(t *testing.T) {
 	w := newMigWorld(t, "migb")
 	vm := w.run(t, "busy", "512Mi", func(vm *impv1.ImpVM) { vm.Spec.Args = []string{"dirty", "256", "1024"} })
-	NewWithT(t).Eventually(func() int { return len(ticks(w.console(vm.Status.NodeName, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
+	source := vm.Status.NodeName
+	NewWithT(t).Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
 	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "busy"},
-		Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name, TimeoutSeconds: ptr.To[int32](240)}}
+		Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name, TimeoutSeconds: ptr.To[int32](30)}}
 	if err := w.c.Client.Create(context.Background(), mig); err != nil {
 		t.Fatal(err)
 	}
@@ -622,12 +605,9 @@ func TestABusyGuestMoves(t *testing.T) {
 		_ = w.c.Client.Get(context.Background(), client.ObjectKeyFromObject(mig), mig)
 		return mig.Status.Phase
 	}).WithTimeout(5 * time.Minute).WithPolling(time.Second).Should(Or(Equal(impv1.MigrationSucceeded), Equal(impv1.MigrationFailed)))
-	if mig.Status.Phase != impv1.MigrationSucceeded {
-		t.Fatalf("the busy guest's migration: %s %s: %s (%d MiB sent)", mig.Status.Phase, mig.Status.Reason, mig.Status.Message, mig.Status.BytesMoved>>20)
+	t.Logf("a busy guest (512 MiB, dirtying 256 MiB at 1 GiB/s): %s %s, %d MiB sent", mig.Status.Phase, mig.Status.Reason, mig.Status.BytesMoved>>20)
+	if mig.Status.Phase != impv1.MigrationFailed {
+		t.Fatalf("the busy guest's migration %s: pre-copy caught up with a guest dirtying faster than it sends", mig.Status.Phase)
 	}
-	if got := w.get(t, vm); got.Status.NodeName == vm.Status.NodeName || got.Status.RestartCount != vm.Status.RestartCount {
-		t.Errorf("after the migration the VM is on %s, run %d; want it moved, the same run", got.Status.NodeName, got.Status.RestartCount)
-	}
-	t.Logf("a busy guest (512 MiB, dirtying 256 MiB at 1 GiB/s) moved: %v from start to end, downtime %v, %d MiB sent",
-		mig.Status.CompletedAt.Sub(mig.Status.StartedAt.Time), mig.Status.Downtime.Duration, mig.Status.BytesMoved>>20)
+	w.stayed(t, vm, source, w.other(source))
 }

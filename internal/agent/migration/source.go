@@ -190,8 +190,8 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 	// written it all out (QEMU has closed its end), not before.
 	select {
 	case <-bridged:
-	case <-time.After(Greeting):
-		return stats, errors.New("the VM's state did not leave the node within " + Greeting.String() + " of QEMU's end")
+	case <-time.After(Drain):
+		return stats, errors.New("the VM's state did not leave the node within " + Drain.String() + " of QEMU's end")
 	}
 	return stats, nil
 }
@@ -315,6 +315,9 @@ func (s *Source) Arrive(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmr
 
 // nbdMagic opens what an NBD server sends first.
 var nbdMagic = []byte("NBDMAGIC")
+
+// Drain bounds the wait, once QEMU has sent a VM's state, for the agent to have written it out.
+const Drain = 30 * time.Second
 
 // Greeting bounds the wait for the target's disk server to greet the source's mirror.
 const Greeting = 30 * time.Second

@@ -32,11 +32,6 @@ type MigrateOptions struct {
 	// receiver runs on is the one the memory knows.
 	MirroredDisk bool
 	Timeout      time.Duration
-	// NoThrottle: a guest that dirties its memory faster than it is sent is not slowed down
-	// (QEMU's auto-converge is on otherwise: past the first rounds the guest's vCPUs are
-	// throttled, more each round, until what is left fits the downtime), and such a
-	// migration never ends.
-	NoThrottle bool
 	// Stall ends a migration that sent nothing for that long while active (default a minute):
 	// a receiver that stopped reading holds no sender until its Timeout.
 	Stall time.Duration
@@ -69,8 +64,7 @@ func MigrateOut(dir string, conn *os.File, o MigrateOptions) (MigrationStats, er
 		return MigrationStats{}, err
 	}
 	if _, err := q.Execute("migrate-set-capabilities", map[string]any{"capabilities": []map[string]any{
-		{"capability": "pause-before-switchover", "state": o.MirroredDisk},
-		{"capability": "auto-converge", "state": !o.NoThrottle}}}); err != nil {
+		{"capability": "pause-before-switchover", "state": o.MirroredDisk}}}); err != nil {
 		return MigrationStats{}, err
 	}
 	if err := q.SendFD("imp-migration", conn); err != nil {
