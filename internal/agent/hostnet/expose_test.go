@@ -30,7 +30,7 @@ func guestBehind(t *testing.T, h *hostnet.Host, n hostnet.Network, vm, ip string
 	if l, err := sh.LinkByName(tap); err != nil || sh.LinkDel(l) != nil {
 		t.Fatalf("removing the tap %s: %v", tap, err)
 	}
-	g := testnetns.New(t, "imp-hn-g"+n.Name)
+	g := testnetns.New(t, "imp-hn-g"+n.Name+"-"+vm)
 	testnetns.Link(t, space, tap, "", g, "eth0", ip+"/24")
 	br, _ := sh.LinkByName(n.BridgeName())
 	tl, _ := sh.LinkByName(tap)

@@ -480,7 +480,7 @@ func (h *Host) Prune(keep func(vmUID string) bool) error {
 		if left == 0 {
 			errs = append(errs, h.removeSpace(s))
 		} else {
-			errs = append(errs, s.pruneTapChains(), h.pruneExposures(s))
+			errs = append(errs, s.pruneTapChains(), s.prunePolicies(), h.pruneExposures(s))
 		}
 	}
 	errs = append(errs, h.pruneNode(), h.cleanNode())

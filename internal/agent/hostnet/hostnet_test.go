@@ -171,12 +171,13 @@ func TestNetworkLifecycle(t *testing.T) {
 	// The node's: input 6 (replies over transit links, transit links, VXLAN peers, VXLAN
 	// frames of the peers' VMs: IPv4, ARP, the rest dropped), forward 8 (replies over transit
 	// links, between networks, not IPv4, link-local, four overlay ports), 1 masquerade; the
-	// network's: input 4, forward 17 (bridged, replies, exposed VMs both ways, the 11
-	// non-public ranges, public egress, the rest), 2 masquerade (egress, exposed VMs), bridge
-	// prerouting 2, bridge postrouting 1 (each tap's in- chain); the tap's chain: 6 (5
-	// anti-spoofing, the count of what passed), its in- chain 1 (the count of what it gets).
-	if len(rules) != 15+26+7 {
-		t.Errorf("rules after Attach = %d, want 48:\n%s", len(rules), strings.Join(rules, "\n"))
+	// network's: input 4, forward 19 (policy both ways, bridged, replies, exposed VMs both
+	// ways, the 11 non-public ranges, public egress, the rest), 2 masquerade (egress, exposed
+	// VMs), bridge prerouting 2, bridge postrouting 1 (each tap's in- chain); the tap's chain:
+	// 6 (5 anti-spoofing, the count of what passed), its in- chain 1 (the count of what it
+	// gets).
+	if len(rules) != 15+28+7 {
+		t.Errorf("rules after Attach = %d, want 50:\n%s", len(rules), strings.Join(rules, "\n"))
 	}
 	if forwarding(t, ns) != "1" {
 		t.Error("IPv4 forwarding is off with a NAT network present")

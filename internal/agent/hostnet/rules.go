@@ -98,13 +98,16 @@ func networkRules(id string, n Network, overlay bool) []rule {
 		{spaceInput, fmt.Sprintf("iifname %q meta l4proto icmp accept", br),
 			cat(ifname(expr.MetaKeyIIFNAME, br, true), l4proto(unix.IPPROTO_ICMP), verdict(expr.VerdictAccept))},
 		{spaceInput, "counter drop", drop()},
+	}
+	rs = append(rs, policyDispatch(br)...)
+	rs = append(rs, []rule{
 		// Frames bridged within the network, locally or over the overlay, pass the forward
 		// hook too where br_netfilter is on: in and out are the bridge itself.
 		{spaceForward, fmt.Sprintf("iifname %q oifname %q accept", br, br),
 			cat(ifname(expr.MetaKeyIIFNAME, br, true), ifname(expr.MetaKeyOIFNAME, br, true), verdict(expr.VerdictAccept))},
 		{spaceForward, fmt.Sprintf("oifname %q ct state established,related accept", br),
 			cat(ifname(expr.MetaKeyOIFNAME, br, true), ctEstablished(), verdict(expr.VerdictAccept))},
-	}
+	}...)
 	rs = append(rs, exposedRules(br, up)...) // before egress: replies to any client pass
 	if n.NAT {
 		rs = append(rs, egressRules(br, up, n.Egress)...)
@@ -358,6 +361,8 @@ func (s *space) createTables() {
 	}
 	_ = s.nft.AddSet(tapsMap, nil)
 	_ = s.nft.AddSet(tapsInMap, nil)
+	_ = s.nft.AddSet(polInMap, nil)
+	_ = s.nft.AddSet(polOutMap, nil)
 }
 
 func (s *space) replaceRules(chains []*nftables.Chain, owner string, want []rule) error {
@@ -470,7 +475,8 @@ func (h *Host) TapCounters(n Network, vmUID string) (in, out uint64, err error) 
 // removeTapRules removes tap's chains (its anti-spoofing chain, its in- chain) and their
 // entries in the maps.
 func (s *space) removeTapRules(tap string) error {
-	return errors.Join(s.removeTapChain(tap, tapChain(tap), tapsMap), s.removeTapChain(tap, tapInChain(tap), tapsInMap))
+	id := strings.TrimPrefix(tap, tapPrefix)
+	return errors.Join(s.removeTapChain(tap, tapChain(tap), tapsMap), s.removeTapChain(tap, tapInChain(tap), tapsInMap), s.removePolicy(id))
 }
 
 // removeTapChain removes c, one of tap's chains, and its entry in map m, when there.
@@ -543,8 +549,15 @@ func (h *Host) Rules() ([]string, error) {
 		if err != nil {
 			return nil, err
 		}
-		for _, c := range chains {
-			if strings.HasPrefix(c.Name, "tap-") || strings.HasPrefix(c.Name, "in-") {
+		pol, err := s.nft.ListChainsOfTableFamily(nftables.TableFamilyINet)
+		if err != nil {
+			return nil, err
+		}
+		for _, c := range append(chains, pol...) {
+			if c.Table.Name != inetTable.Name {
+				continue
+			}
+			if strings.HasPrefix(c.Name, "tap-") || strings.HasPrefix(c.Name, "in-") || strings.HasPrefix(c.Name, "ing-") || strings.HasPrefix(c.Name, "egr-") {
 				rs, err := listRules(s.nft, []*nftables.Chain{c}, nsPrefix+s.id)
 				if err != nil {
 					return nil, err

@@ -21,6 +21,8 @@ type space struct {
 	ns   netns.NsHandle
 	nl   *netlink.Handle
 	nft  *nftables.Conn
+	// brnf: bridged frames pass the IP hooks here (bridgeToIP).
+	brnf bool
 }
 
 func (s *space) close() {

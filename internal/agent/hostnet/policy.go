@@ -1,0 +1,470 @@
+package hostnet
+
+import (
+	"cmp"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/google/nftables/userdata"
+	mnl "github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// NetworkPolicy on a VM is enforced in its network's namespace, at the forward hook, where
+// every path into and out of a VM passes: frames bridged between VMs of the network (local
+// taps and the overlay; br_netfilter shows them to the IP hooks, turned on in every network's
+// namespace), connections from the transit link to the VM (pods, the node, anything the node
+// routes to its endpoint address, after the DNAT and before the source becomes the gateway),
+// and the VM's NAT egress. The first packet of each connection (conntrack's new) is looked up
+// by its destination in the map polin and by its source in polout; a VM that policies isolate
+// has an entry there jumping to its chain, ing-<id> or egr-<id>, which returns what some rule
+// allows and drops the rest. Nothing of this ever accepts: what passes still meets the
+// network's and the node's rules (anti-spoofing before, egress and the node's drops after).
+// Replies, and packets of connections already allowed, are not looked at again.
+
+var (
+	// polInMap and polOutMap send a new connection to the chain of the VM it goes to (by
+	// destination address) and of the VM it comes from (by source address).
+	polInMap  = &nftables.Set{Table: inetTable, Name: "polin", IsMap: true, KeyType: nftables.TypeIPAddr, DataType: nftables.TypeVerdict}
+	polOutMap = &nftables.Set{Table: inetTable, Name: "polout", IsMap: true, KeyType: nftables.TypeIPAddr, DataType: nftables.TypeVerdict}
+)
+
+// Policy is what the NetworkPolicies that select a VM let reach it (Ingress) and leave it
+// (Egress). A nil side is not isolated: everything passes, as for a pod no policy selects.
+// An empty, non-nil side allows nothing.
+type Policy struct {
+	Ingress, Egress []Allow
+}
+
+// Allow is one thing a policy allows: peers, on each side of the network's namespace, and
+// ports.
+type Allow struct {
+	// Network are peers on the network's own segment: its VMs, here and on other nodes.
+	Network []netip.Prefix
+	// Outside are peers beyond the network's transit link: pods, nodes, anything routed.
+	Outside []netip.Prefix
+	// Ports, when empty, is every protocol and port.
+	Ports []PortRange
+}
+
+// polSide is one direction of a VM's policy: its chain, its map, and how a packet names the
+// peer (the source coming in, the destination going out) and the network's side it is on.
+type polSide struct {
+	word   string // "ing" or "egr"
+	m      *nftables.Set
+	peerAt uint32       // the peer's address in the IPv4 header: 12 (source) or 16 (destination)
+	peer   string       // "saddr" or "daddr"
+	dev    expr.MetaKey // where the peer is: the input or the output device
+	devw   string       // "iifname" or "oifname"
+}
+
+var (
+	ingress = polSide{"ing", polInMap, 12, "saddr", expr.MetaKeyIIFNAME, "iifname"}
+	egress  = polSide{"egr", polOutMap, 16, "daddr", expr.MetaKeyOIFNAME, "oifname"}
+)
+
+func (p polSide) chain(id string) *nftables.Chain {
+	return &nftables.Chain{Name: p.word + "-" + id, Table: inetTable}
+}
+
+// policyDispatch are the forward chain's first rules: a new connection into the bridge goes
+// to the chain of the VM it is for, one out of the bridge to the chain of the VM it is from.
+// The map is keyed by the VM's address, which only a local VM of the network has: a packet
+// coming in over the transit link is never taken for a VM's own.
+func policyDispatch(br string) []rule {
+	vmap := func(dev expr.MetaKey, at uint32, m *nftables.Set) []expr.Any {
+		return cat(ifname(dev, br, true), ctNew(), ipv4(), []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: at, Len: 4},
+			&expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: m.Name},
+		})
+	}
+	return []rule{
+		{spaceForward, fmt.Sprintf("iifname %q ct state new ip saddr vmap @polout", br), vmap(expr.MetaKeyIIFNAME, 12, polOutMap)},
+		{spaceForward, fmt.Sprintf("oifname %q ct state new ip daddr vmap @polin", br), vmap(expr.MetaKeyOIFNAME, 16, polInMap)},
+	}
+}
+
+func ctNew() []expr.Any {
+	return []expr.Any{
+		&expr.Ct{Register: 1, Key: expr.CtKeySTATE},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: nativeU32(expr.CtStateBitNEW), Xor: nativeU32(0)},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: nativeU32(0)},
+	}
+}
+
+// polGroup is the peers of one side of the namespace that a VM's policy allows on one port
+// range (or on every port): one set and one rule.
+type polGroup struct {
+	dev   string // the bridge or the transit link
+	ports *PortRange
+	peers []netip.Prefix
+}
+
+func (g polGroup) key() string {
+	if g.ports == nil {
+		return g.dev + " all"
+	}
+	return fmt.Sprintf("%s %d %d-%d", g.dev, g.ports.Protocol, g.ports.From, g.ports.To)
+}
+
+// polGroups gathers allows into groups, one per side and port range, their peers merged.
+func polGroups(br, up string, allows []Allow) []polGroup {
+	by := map[string]*polGroup{}
+	add := func(dev string, ports *PortRange, peers []netip.Prefix) {
+		if len(peers) == 0 {
+			return
+		}
+		g := polGroup{dev: dev, ports: ports}
+		if have := by[g.key()]; have != nil {
+			have.peers = append(have.peers, peers...)
+			return
+		}
+		g.peers = slices.Clone(peers)
+		by[g.key()] = &g
+	}
+	for _, a := range allows {
+		if len(a.Ports) == 0 {
+			add(br, nil, a.Network)
+			add(up, nil, a.Outside)
+			continue
+		}
+		for i := range a.Ports {
+			p := a.Ports[i]
+			add(br, &p, a.Network)
+			add(up, &p, a.Outside)
+		}
+	}
+	out := make([]polGroup, 0, len(by))
+	for _, g := range by {
+		out = append(out, *g)
+	}
+	slices.SortFunc(out, func(a, b polGroup) int { return strings.Compare(a.key(), b.key()) })
+	return out
+}
+
+// polSet is one of a VM's sets: its name and its address ranges, merged.
+type polSet struct {
+	name   string
+	ranges [][2]uint32 // first and last address, inclusive, ascending and apart
+}
+
+// policyRules are the chain of one side of a VM's policy and the sets its rules look up: per
+// group, the peers' addresses (and the port range) return; everything else is counted and
+// dropped.
+func policyRules(side polSide, id, br, up string, allows []Allow) ([]rule, []polSet) {
+	c := side.chain(id)
+	var rs []rule
+	var sets []polSet
+	for i, g := range polGroups(br, up, allows) {
+		s := polSet{name: fmt.Sprintf("%s-%s-%d", side.word, id, i), ranges: mergeRanges(g.peers)}
+		sets = append(sets, s)
+		text := fmt.Sprintf("%s %q ip %s @%s", side.devw, g.dev, side.peer, s.name)
+		e := cat(ifname(side.dev, g.dev, true), []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: side.peerAt, Len: 4},
+			&expr.Lookup{SourceRegister: 1, SetName: s.name},
+		})
+		if g.ports != nil {
+			text += fmt.Sprintf(" meta l4proto %d th dport %d-%d", g.ports.Protocol, g.ports.From, g.ports.To)
+			e = cat(e, l4proto(g.ports.Protocol), dportRange(g.ports.From, g.ports.To))
+		}
+		rs = append(rs, rule{c, text + " return", cat(e, verdict(expr.VerdictReturn))})
+	}
+	rs = append(rs, rule{c, "counter drop", drop()})
+	return rs, sets
+}
+
+// mergeRanges turns prefixes into ascending address ranges that neither overlap nor touch.
+func mergeRanges(ps []netip.Prefix) [][2]uint32 {
+	var rs [][2]uint32
+	for _, p := range ps {
+		if !p.Addr().Is4() {
+			continue
+		}
+		p = p.Masked()
+		a := p.Addr().As4()
+		first := binary.BigEndian.Uint32(a[:])
+		last := first | uint32(uint64(1)<<(32-p.Bits())-1)
+		rs = append(rs, [2]uint32{first, last})
+	}
+	slices.SortFunc(rs, func(a, b [2]uint32) int { return cmp.Compare(a[0], b[0]) })
+	var out [][2]uint32
+	for _, r := range rs {
+		if n := len(out); n > 0 && uint64(r[0]) <= uint64(out[n-1][1])+1 {
+			out[n-1][1] = max(out[n-1][1], r[1])
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// elements are s's ranges as an interval set's elements: each range's first address, and the
+// address after its last as the interval's end (none after 255.255.255.255).
+func (s polSet) elements() []nftables.SetElement {
+	var es []nftables.SetElement
+	for _, r := range s.ranges {
+		es = append(es, nftables.SetElement{Key: binary.BigEndian.AppendUint32(nil, r[0])})
+		if r[1] != ^uint32(0) {
+			es = append(es, nftables.SetElement{Key: binary.BigEndian.AppendUint32(nil, r[1]+1), IntervalEnd: true})
+		}
+	}
+	return es
+}
+
+func (s polSet) set() *nftables.Set {
+	return &nftables.Set{Table: inetTable, Name: s.name, KeyType: nftables.TypeIPAddr, Interval: true}
+}
+
+// policyTag is the comment of a side's rules: a hash of the rules and of their sets' contents,
+// so that a chain already right (peers included) is left alone.
+func policyTag(id string, rs []rule, sets []polSet) string {
+	sum := sha256.New()
+	for _, r := range rs {
+		fmt.Fprintln(sum, r.chain.Name, r.text)
+	}
+	for _, s := range sets {
+		fmt.Fprintln(sum, s.name, s.ranges)
+	}
+	return "imp:pol-" + id + ":" + hex.EncodeToString(sum.Sum(nil))[:12]
+}
+
+// SetPolicy makes the VM vmUID of n, attached at ip, subject to p: what NetworkPolicies let
+// reach it and leave it. A side already as p says is left alone; one that is not is replaced,
+// chain, sets and map entry, in one atomic batch. It needs the VM attached.
+func (h *Host) SetPolicy(n Network, vmUID string, ip netip.Addr, p Policy) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	s, err := h.openSpace(n.id())
+	if err != nil {
+		return err
+	}
+	if s == nil {
+		return fmt.Errorf("network %s is not on the node: attach the VM first", n.Key())
+	}
+	if !n.Prefix.Contains(ip) {
+		return fmt.Errorf("address %s is not of network %s", ip, n.Key())
+	}
+	if p.Ingress != nil || p.Egress != nil {
+		if err := s.bridgeToIP(); err != nil {
+			return err
+		}
+	}
+	id := shortID(vmUID)
+	for _, side := range []struct {
+		polSide
+		allows []Allow
+	}{{ingress, p.Ingress}, {egress, p.Egress}} {
+		if side.allows == nil {
+			if err := s.removePolicySide(side.polSide, id, ip); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := s.setPolicySide(side.polSide, id, bridgePrefix+s.id, uplinkPrefix+s.id, ip, side.allows); err != nil {
+			return fmt.Errorf("policy of VM %s: %w", vmUID, err)
+		}
+	}
+	return nil
+}
+
+// setPolicySide makes side's chain of the VM with id, its sets and its map entry those of
+// allows, in one batch, unless they already are.
+func (s *space) setPolicySide(side polSide, id, br, up string, ip netip.Addr, allows []Allow) error {
+	c := side.chain(id)
+	rs, sets := policyRules(side, id, br, up, allows)
+	t := policyTag(id, rs, sets)
+	have, err := getRules(s.nft, c)
+	if err != nil {
+		have = nil // no chain yet
+	}
+	if len(have) == len(rs) && slices.IndexFunc(have, func(r *nftables.Rule) bool { return comment(r) != t }) < 0 &&
+		s.mapHas(side.m, ip, c) {
+		return nil
+	}
+	s.createTables()
+	s.nft.AddChain(c)
+	s.nft.FlushChain(c)
+	for _, old := range setsOf(have) {
+		s.nft.DelSet(&nftables.Set{Table: inetTable, Name: old})
+	}
+	for _, ps := range sets {
+		if err := s.nft.AddSet(ps.set(), ps.elements()); err != nil {
+			return fmt.Errorf("set %s: %w", ps.name, err)
+		}
+	}
+	for _, r := range rs {
+		s.nft.AddRule(&nftables.Rule{Table: inetTable, Chain: c, Exprs: r.exprs, UserData: userdata.AppendString(nil, userdata.TypeComment, t)})
+	}
+	key := ip.As4()
+	el := []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}}}
+	// An entry of the address for another chain (the VM's previous id at this address) is
+	// replaced: delete then add, in the batch; deleting an absent element fails the batch, so
+	// only what is there goes.
+	if cur := s.mapEntry(side.m, ip); cur != "" {
+		if err := s.nft.SetDeleteElements(side.m, []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: cur}}}); err != nil {
+			return err
+		}
+	}
+	if err := s.nft.SetAddElements(side.m, el); err != nil {
+		return err
+	}
+	if err := s.nft.Flush(); err != nil {
+		return fmt.Errorf("replacing the %s policy: %w", side.word, err)
+	}
+	return nil
+}
+
+// setsOf are the sets rules look up.
+func setsOf(rs []*nftables.Rule) []string {
+	var out []string
+	for _, r := range rs {
+		for _, e := range r.Exprs {
+			if l, ok := e.(*expr.Lookup); ok && l.SetName != "" && !slices.Contains(out, l.SetName) {
+				out = append(out, l.SetName)
+			}
+		}
+	}
+	return out
+}
+
+// mapEntry is the chain m sends ip to, or "".
+func (s *space) mapEntry(m *nftables.Set, ip netip.Addr) string {
+	es, err := s.nft.GetSetElements(m)
+	if err != nil {
+		return ""
+	}
+	key := ip.As4()
+	for _, e := range es {
+		if string(e.Key) == string(key[:]) {
+			return verdictChain(e.Val)
+		}
+	}
+	return ""
+}
+
+// verdictChain is the chain a map element's verdict jumps to, read from its data as the
+// kernel gives it (the library keeps a verdict's attributes undecoded in Val).
+func verdictChain(val []byte) string {
+	ad, err := mnl.NewAttributeDecoder(val)
+	if err != nil {
+		return ""
+	}
+	for ad.Next() {
+		if ad.Type() == unix.NFTA_VERDICT_CHAIN {
+			return ad.String()
+		}
+	}
+	return ""
+}
+
+func (s *space) mapHas(m *nftables.Set, ip netip.Addr, c *nftables.Chain) bool {
+	return s.mapEntry(m, ip) == c.Name
+}
+
+// removePolicySide removes side's chain of the VM with id, its sets, and the map's entry for
+// ip when it points there.
+func (s *space) removePolicySide(side polSide, id string, ip netip.Addr) error {
+	c := side.chain(id)
+	if _, err := s.nft.ListChain(c.Table, c.Name); err != nil {
+		return nil // no such chain: nothing to remove
+	}
+	have, err := getRules(s.nft, c)
+	if err != nil {
+		return err
+	}
+	if ip.IsValid() && s.mapHas(side.m, ip, c) {
+		key := ip.As4()
+		if err := s.nft.SetDeleteElements(side.m, []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}}}); err != nil {
+			return err
+		}
+	} else if err := s.unmapChain(side.m, c); err != nil {
+		return err
+	}
+	s.nft.FlushChain(c)
+	for _, old := range setsOf(have) {
+		s.nft.DelSet(&nftables.Set{Table: inetTable, Name: old})
+	}
+	s.nft.DelChain(c)
+	if err := s.nft.Flush(); err != nil {
+		return fmt.Errorf("removing the %s policy of %s: %w", side.word, id, err)
+	}
+	return nil
+}
+
+// unmapChain adds to the batch the removal of m's entries that jump to c.
+func (s *space) unmapChain(m *nftables.Set, c *nftables.Chain) error {
+	es, err := s.nft.GetSetElements(m)
+	if err != nil {
+		return nil // no map: no entry
+	}
+	var gone []nftables.SetElement
+	for _, e := range es {
+		if verdictChain(e.Val) == c.Name {
+			gone = append(gone, nftables.SetElement{Key: e.Key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}})
+		}
+	}
+	if len(gone) == 0 {
+		return nil
+	}
+	return s.nft.SetDeleteElements(m, gone)
+}
+
+// removePolicy removes both sides of the policy of the VM with id.
+func (s *space) removePolicy(id string) error {
+	return errors.Join(s.removePolicySide(ingress, id, netip.Addr{}), s.removePolicySide(egress, id, netip.Addr{}))
+}
+
+// prunePolicies removes the policies of VMs whose tap is gone.
+func (s *space) prunePolicies() error {
+	chains, err := s.nft.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return fmt.Errorf("listing chains of %s: %w", s.path, err)
+	}
+	var errs []error
+	for _, c := range chains {
+		if c.Table.Name != inetTable.Name {
+			continue
+		}
+		for _, side := range []polSide{ingress, egress} {
+			if id, ok := strings.CutPrefix(c.Name, side.word+"-"); ok {
+				if _, err := s.nl.LinkByName(tapPrefix + id); isNotFound(err) {
+					errs = append(errs, s.removePolicySide(side, id, netip.Addr{}))
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// errNoBridgeNetfilter: the kernel does not show bridged frames to the IP hooks, so no
+// policy between VMs of a network could be enforced.
+var errNoBridgeNetfilter = errors.New("the kernel does not pass bridged frames through nftables' IP hooks (br_netfilter): NetworkPolicy between VMs of a network cannot be enforced; load the br_netfilter module")
+
+// bridgeToIP has the namespace show bridged frames to the IP hooks (br_netfilter's
+// bridge-nf-call-iptables, per namespace), where policy is enforced.
+func (s *space) bridgeToIP() error {
+	if s.brnf {
+		return nil
+	}
+	err := runIn(s.ns, func() error {
+		const knob = "/proc/sys/net/bridge/bridge-nf-call-iptables"
+		if err := os.WriteFile(knob, []byte("1"), 0o644); err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				return errNoBridgeNetfilter
+			}
+			return fmt.Errorf("setting %s: %w", knob, err)
+		}
+		return nil
+	})
+	s.brnf = err == nil
+	return err
+}
