@@ -33,6 +33,16 @@ type ImpIPAddressSpec struct {
 	// +optional
 	// +kubebuilder:validation:MaxLength=253
 	NodeName string `json:"nodeName,omitempty"`
+	// vmLabels are the VM's labels, kept by the operator: NetworkPolicies select the VM as a
+	// peer by them, on every node, without any node hearing of the VM's status changes.
+	// +optional
+	VMLabels map[string]string `json:"vmLabels,omitempty"`
+	// vmPorts are the VM's named ports (spec.ports with a name), kept by the operator: a
+	// NetworkPolicy's egress rule may name them.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=64
+	VMPorts []VMPort `json:"vmPorts,omitempty"`
 }
 
 // ImpIPAddress records that one VM holds one address of an ImpNetwork. The operator creates it
@@ -61,6 +71,17 @@ type ImpIPAddressList struct {
 	metav1.TypeMeta `json:",inline"`
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []ImpIPAddress `json:"items"`
+}
+
+// NamedPorts are the ports of ps with a name, as an ImpIPAddress carries them.
+func NamedPorts(ps []VMPort) []VMPort {
+	var out []VMPort
+	for _, p := range ps {
+		if p.Name != "" {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // IPAddressName is the name of the ImpIPAddress of address on network.

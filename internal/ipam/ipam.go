@@ -173,6 +173,8 @@ func (a *Allocator) claimFree(ctx context.Context, net *impv1.ImpNetwork, vm *im
 				Address:  addr.String(),
 				VMRef:    impv1.VMReference{Name: vm.Name, UID: vm.UID},
 				NodeName: node,
+				VMLabels: vm.Labels,
+				VMPorts:  impv1.NamedPorts(vm.Spec.Ports),
 			},
 		}
 		if err := controllerutil.SetOwnerReference(vm, claim, a.scheme); err != nil {

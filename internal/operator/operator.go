@@ -31,6 +31,7 @@ import (
 	"github.com/syscode-labs/imp/internal/controller/endpoints"
 	"github.com/syscode-labs/imp/internal/controller/evacuation"
 	"github.com/syscode-labs/imp/internal/controller/idle"
+	"github.com/syscode-labs/imp/internal/controller/impipaddress"
 	"github.com/syscode-labs/imp/internal/controller/impnetwork"
 	"github.com/syscode-labs/imp/internal/controller/impnode"
 	"github.com/syscode-labs/imp/internal/controller/impquota"
@@ -151,6 +152,9 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := nets.SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpNetwork reconciler: %w", err)
+	}
+	if err := (&impipaddress.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the ImpIPAddress reconciler: %w", err)
 	}
 	if err := (&impquota.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the ImpQuota reconciler: %w", err)

@@ -766,3 +766,42 @@ func TestDeletionOutlastsItsTimeout(t *testing.T) {
 	eventually(t, func() bool { return e.get("held") == nil }).Should(BeTrue())
 	eventually(t, claims).Should(Equal(0))
 }
+
+// TestAddressesCarryTheVMsLabels: a VM's address carries its labels and named ports from its
+// placement on, and follows them when they change: each node's NetworkPolicies select VM peers
+// from the addresses alone.
+func TestAddressesCarryTheVMsLabels(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.node("n", 8, 8)
+	e.create(&impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.40.0.0/24"}})
+	e.startOperator()
+	vm := e.vm("web", 1, "256Mi")
+	vm.Labels = map[string]string{"app": "web"}
+	vm.Spec.NetworkRef = &impv1.NetworkReference{Name: "net"}
+	vm.Spec.Ports = []impv1.VMPort{{Name: "http", Port: 8080}, {Port: 9090}}
+	e.create(vm)
+	address := func() impv1.ImpIPAddressSpec {
+		var list impv1.ImpIPAddressList
+		if err := e.c.List(ctx, &list, client.InNamespace(e.ns)); err != nil || len(list.Items) != 1 {
+			return impv1.ImpIPAddressSpec{}
+		}
+		return list.Items[0].Spec
+	}
+	eventually(t, func() map[string]string { return address().VMLabels }).Should(Equal(map[string]string{"app": "web"}))
+	if got := address().VMPorts; len(got) != 1 || got[0].Name != "http" || got[0].Port != 8080 {
+		t.Errorf("the address's ports: %+v, want http 8080 alone", got)
+	}
+	cur := e.get("web")
+	cur.Labels = map[string]string{"app": "web", "tier": "front"}
+	if err := e.c.Update(ctx, cur); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() map[string]string { return address().VMLabels }).Should(Equal(map[string]string{"app": "web", "tier": "front"}))
+	cur = e.get("web")
+	cur.Labels = nil
+	if err := e.c.Update(ctx, cur); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, func() map[string]string { return address().VMLabels }).Should(BeEmpty())
+}
