@@ -144,7 +144,7 @@ func TestCompile(t *testing.T) {
 				"out 192.168.1.1/32 132 0-65535", "out 192.168.1.1/32 17 53-53", "out 192.168.1.1/32 6 1000-2000", "out 192.168.1.1/32 6 80-80"}},
 		{name: "egress to a named port: each peer's own number; an ipBlock has none",
 			ps: []*networkingv1.NetworkPolicy{policy("x", sel(), egressOnly, nil, []networkingv1.NetworkPolicyEgressRule{{
-				To: []networkingv1.NetworkPolicyPeer{{NamespaceSelector: sel(), PodSelector: sel("app", "client")}, {IPBlock: &networkingv1.IPBlock{CIDR: "8.8.8.8/32"}}},
+				To:    []networkingv1.NetworkPolicyPeer{{NamespaceSelector: sel(), PodSelector: sel("app", "client")}, {IPBlock: &networkingv1.IPBlock{CIDR: "8.8.8.8/32"}}},
 				Ports: []networkingv1.NetworkPolicyPort{{Port: ptr.To(intstr.FromString("http"))}},
 			}})},
 			out: []string{"net 10.0.0.3/32 6 5432-5432", "out 192.168.1.1/32 6 9000-9000", "out 192.168.2.1/32 6 9001-9001"}},
