@@ -42,6 +42,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/imagefetch"
 	"github.com/syscode-labs/imp/internal/agent/migration"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
+	"github.com/syscode-labs/imp/internal/agent/netpolicy"
 	"github.com/syscode-labs/imp/internal/agent/nodenet"
 	"github.com/syscode-labs/imp/internal/agent/nodereport"
 	"github.com/syscode-labs/imp/internal/agent/pullnet"
@@ -172,6 +173,11 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err := a.networks.SetupWithManager(mgr); err != nil {
 		return err
 	}
+	policies := &netpolicy.Enforcer{Client: a.Client, Net: a.net, Networks: a.networks, Recorder: a.Recorder, Fleet: a.networks.Fleet()}
+	if err := policies.SetupWithManager(mgr); err != nil {
+		return err
+	}
+	a.networks.Policies = policies
 	if err := a.snapshots.SetupWithManager(mgr); err != nil {
 		return err
 	}

@@ -82,7 +82,7 @@ func (w *World) Selecting(vm VM) []*networkingv1.NetworkPolicy {
 func (w *World) Compile(vm VM) hostnet.Policy {
 	var out hostnet.Policy
 	for _, p := range w.Selecting(vm) {
-		ingress, egress := types(p)
+		ingress, egress := policyTypes(p)
 		if ingress {
 			if out.Ingress == nil {
 				out.Ingress = []hostnet.Allow{}
@@ -103,9 +103,9 @@ func (w *World) Compile(vm VM) hostnet.Policy {
 	return out
 }
 
-// types are the directions p isolates: its policyTypes, or, where the API server has not
+// policyTypes are the directions p isolates: its policyTypes, or, where the API server has not
 // defaulted them, Ingress always and Egress when it has egress rules.
-func types(p *networkingv1.NetworkPolicy) (ingress, egress bool) {
+func policyTypes(p *networkingv1.NetworkPolicy) (ingress, egress bool) {
 	if len(p.Spec.PolicyTypes) == 0 {
 		return true, len(p.Spec.Egress) > 0
 	}

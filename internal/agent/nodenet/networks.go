@@ -51,6 +51,8 @@ type Networks struct {
 	Net       *hostnet.Host
 	// Changed is told when the networks plumbed here change (the node report says them).
 	Changed func()
+	// Policies, when set, sets a VM's NetworkPolicies as it is attached, before its VMM runs.
+	Policies Policies
 
 	fleet cache.Cache
 
@@ -123,6 +125,27 @@ func (n *Networks) all() []reconcile.Request {
 		reqs = append(reqs, reconcile.Request{NamespacedName: key})
 	}
 	return reqs
+}
+
+// Policies sets the NetworkPolicies of a VM attached to n at ip.
+type Policies interface {
+	Apply(ctx context.Context, vm *impv1.ImpVM, n hostnet.Network, ip netip.Addr) error
+}
+
+// Fleet is the cache of every ImpIPAddress of the cluster, once the controller is set up.
+func (n *Networks) Fleet() cache.Cache { return n.fleet }
+
+// HostNetwork is the node's form of vm's ImpNetwork, read from the cache.
+func (n *Networks) HostNetwork(ctx context.Context, vm *impv1.ImpVM) (hostnet.Network, error) {
+	ref := vm.Spec.NetworkRef
+	if ref == nil {
+		return hostnet.Network{}, errors.New("the VM has no network")
+	}
+	net := &impv1.ImpNetwork{}
+	if err := n.Client.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, net); err != nil {
+		return hostnet.Network{}, fmt.Errorf("reading ImpNetwork %s: %w", ref.Name, err)
+	}
+	return hostNetwork(net)
 }
 
 // hostNetwork is net as hostnet plumbs it.
@@ -359,6 +382,14 @@ func (n *Networks) attach(ctx context.Context, vm *impv1.ImpVM, attach func(host
 	at, err := attach(hn, string(vm.HostUID()), ip)
 	if err != nil {
 		return none, nil, fmt.Errorf("attaching to ImpNetwork %s: %w", ref.Name, err)
+	}
+	if n.Policies != nil {
+		if err := n.Policies.Apply(ctx, vm, hn, ip); err != nil {
+			if at.Tap != nil {
+				at.Tap.Close()
+			}
+			return none, nil, fmt.Errorf("setting the NetworkPolicies of the VM: %w", err)
+		}
 	}
 	n.Kick(types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name})
 	gn := &guestinit.Net{Address: netip.PrefixFrom(ip, hn.Prefix.Bits()), Gateway: hn.Gateway, MTU: n.Net.MTU(), MAC: hostnet.MAC(ip).String()}
