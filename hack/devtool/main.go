@@ -31,6 +31,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/syscode-labs/imp/internal/initramfs"
+	"github.com/syscode-labs/imp/internal/testguest/reach"
 )
 
 func main() {
@@ -71,7 +72,13 @@ func run(args []string) error {
 	case len(args) >= 2 && args[0] == "-p":
 		return localPathHelper(args)
 	}
-	return fmt.Errorf("usage: devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool get URL | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
+	if code, ok := reach.Main(os.Stdout, args); ok {
+		if code != 0 {
+			os.Exit(code)
+		}
+		return nil
+	}
+	return fmt.Errorf("usage: devtool serve NAME PORT... | devtool probe TIMEOUT TARGET... | devtool watch TARGET INTERVAL DURATION | devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool get URL | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {

@@ -9,6 +9,7 @@ import (
 	authenticationv1 "k8s.io/api/authentication/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -178,6 +179,33 @@ func TestAgentWritesAreNodeScoped(t *testing.T) {
 		if _, err := nodereport.RenewHeartbeat(ctx, asA, asA, testcluster.ChartNamespace, nodeA, time.Second, l); err != nil {
 			t.Errorf("the agent of %s could not renew its heartbeat: %v", nodeA, err)
 		}
+	}
+	// NetworkPolicy: a VM's labels reach every node's policies through the operator's
+	// ImpIPAddresses; an agent writing one, relabelling its own VM or writing a policy would
+	// widen what other nodes let its VMs reach.
+	addr := &impv1.ImpIPAddress{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: impv1.IPAddressName("net", "10.9.0.2")},
+		Spec: impv1.ImpIPAddressSpec{Network: "net", Address: "10.9.0.2", VMRef: impv1.VMReference{Name: "on-a", UID: vms["on-a"].UID}, NodeName: nodeA}}
+	if err := c.Client.Create(ctx, addr); err != nil {
+		t.Fatal(err)
+	}
+	if err := asA.Patch(ctx, addr, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"vmLabels":{"app":"db"}}}`))); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent of %s relabelled a VM's address: %v", nodeA, err)
+	}
+	if err := asA.Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "on-a"}},
+		client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"labels":{"app":"db"}}}`))); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent of %s relabelled its VM: %v", nodeA, err)
+	}
+	if err := asA.Status().Patch(ctx, &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "on-a"}},
+		client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"labels":{"app":"db"}}}`))); err == nil {
+		var vm impv1.ImpVM
+		if err := c.Client.Get(ctx, client.ObjectKeyFromObject(vms["on-a"]), &vm); err != nil || vm.Labels["app"] == "db" {
+			t.Errorf("the agent of %s relabelled its VM through its status: %v %v", nodeA, vm.Labels, err)
+		}
+	}
+	pol := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "open"}, Spec: networkingv1.NetworkPolicySpec{
+		Ingress: []networkingv1.NetworkPolicyIngressRule{{}}}}
+	if err := asA.Create(ctx, pol); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent of %s wrote a NetworkPolicy: %v", nodeA, err)
 	}
 
 	var got impv1.ImpVM

@@ -509,7 +509,10 @@ network:
 	}
 
 	// ## Services reach VMs (docs/networking.md): kube-proxy and CoreDNS of the real node.
-	checkServices(t, sh, must, eventually, tmp, root, registry, ref.String(), realNode)
+	client := checkServices(t, sh, must, eventually, tmp, root, registry, ref.String(), realNode)
+
+	// ## NetworkPolicy (docs/networking.md): the reachability matrix, pods and VMs.
+	checkNetworkPolicy(t, sh, must, eventually, env, tmp, client, ref.String(), realNode)
 
 	// ## Pools (docs/pools.md): scaled, rolled and undone behind a Service, real guests.
 	if vmmKind == "" || vmmKind == "qemu" {

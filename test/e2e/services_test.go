@@ -18,8 +18,10 @@ import (
 // on the real node fetches http://web.web.svc.cluster.local/ forty times and both VMs answer; a
 // NodePort reaches them from the node; a headless Service resolves one A record per ready VM,
 // which are the VMs' endpoint addresses.
+//
+// It returns the pods' client image (devtool), which later checks use too.
 func checkServices(t *testing.T, sh func(string) (string, error), must func(string, ...string) string,
-	eventually func(string, time.Duration, func() error), dir, root, registry, image, node string) {
+	eventually func(string, time.Duration, func() error), dir, root, registry, image, node string) (client string) {
 	t.Helper()
 	run := sh
 	// The pods' client: devtool's fetch and resolve, as an image of its own.
@@ -29,7 +31,7 @@ func checkServices(t *testing.T, sh func(string) (string, error), must func(stri
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("building devtool: %v\n%s", err, out)
 	}
-	client := registry + "/imp-node/client:1"
+	client = registry + "/imp-node/client:1"
 	must(devtool + " image " + client + " " + devtool)
 
 	var objs strings.Builder
@@ -170,6 +172,7 @@ spec:
 	}
 	checkIdle(t, run, must, eventually, dir, image, node, pod)
 	must("kubectl delete namespace web --timeout=5m") // its VMs go through their agent
+	return client
 }
 
 // checkIdle (docs/suspend.md, "Idle VMs"): a VM of namespace web serving HTTP behind a

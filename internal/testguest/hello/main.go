@@ -65,6 +65,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/syscode-labs/imp/internal/testguest/reach"
 )
 
 func main() {
@@ -293,6 +295,9 @@ func tool(name string, args []string) int {
 		}
 		fmt.Println(out)
 		return 0
+	case "tool-reach": // a reachability matrix's server, prober and watcher (package reach)
+		code, _ := reach.Main(os.Stdout, args)
+		return code
 	case "tool-dial":
 		c, err := net.DialTimeout("tcp", args[0], 3*time.Second)
 		if err != nil {
