@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-netpol bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes images chart-push
 
 all: build
 
@@ -78,6 +78,9 @@ bench-services: ## A QEMU/TCG guest behind a Service: VM Ready → endpoint read
 
 bench-net: ## Tap + bridge + rules setup per VM (P50/P99) with 100 VMs on one node; overlay sync (root).
 	go run ./test/bench/net -n 100
+
+bench-netpol: ## 1,000 NetworkPolicies, 1,000 pods' and VMs' addresses, 50 VMs on the node: the time to apply a change; a TCP stream to a VM (bridged, and routed to its endpoint) under policy against none (root).
+	IMP_BENCH=netpol go test -count=1 -v -timeout 10m -run '^TestBenchNetpol$$' ./internal/agent/hostnet/ | grep -E '^netpol|^(ok|FAIL|---)'
 
 bench-overhead: ## Memory a QEMU VMM holds beyond its guest's RAM, for guests of 128, 256 and 512 MiB.
 	go run ./test/bench/overhead -sizes 128,256,512

@@ -306,10 +306,14 @@ func (s *space) setPolicySide(side polSide, id, br, up string, ip netip.Addr, al
 	}
 	key := ip.As4()
 	el := []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}}}
-	// An entry of the address for another chain (the VM's previous id at this address) is
-	// replaced: delete then add, in the batch; deleting an absent element fails the batch, so
-	// only what is there goes.
-	if cur := s.mapEntry(side.m, ip); cur != "" {
+	// The map's entries go first, in the batch: those for the chain under another address (a
+	// warm member's, readdressed to its claim's), and the one of this address for another
+	// chain (a VM gone whose address this one took). Deleting an absent element fails the
+	// batch, so only what is there goes.
+	if err := s.unmapChain(side.m, c); err != nil {
+		return err
+	}
+	if cur := s.mapEntry(side.m, ip); cur != "" && cur != c.Name {
 		if err := s.nft.SetDeleteElements(side.m, []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: cur}}}); err != nil {
 			return err
 		}

@@ -148,6 +148,14 @@ func TestPolicyOnEveryPath(t *testing.T) {
 		}
 	}
 
+	// Readdressed (a warm member handed to its claim): the policy follows the VM to its new
+	// address, and the old address is no longer held to it.
+	set("vm-b", b, hostnet.Policy{Ingress: []hostnet.Allow{}})
+	check("b isolated", "b→a:8080", "a→pod:9090", "b→pod:9090")
+	set("vm-b", netip.MustParseAddr("10.71.0.9"), hostnet.Policy{Ingress: []hostnet.Allow{}})
+	check("b's policy moved to another address", all...)
+	set("vm-b", b, hostnet.Policy{})
+
 	// Detaching a VM removes its policy with its tap.
 	set("vm-b", b, hostnet.Policy{Ingress: []hostnet.Allow{}, Egress: []hostnet.Allow{}})
 	if err := h.Detach("vm-b"); err != nil {
