@@ -202,7 +202,7 @@ func checkNetworkPolicy(t *testing.T, sh func(string) (string, error), must func
 		fmt.Fprintf(&objs, `---
 apiVersion: v1
 kind: Namespace
-metadata: {name: np-%[1]s, labels: {np: %[1]s}}
+metadata: {name: np-%[1]s, labels: {np: "%[1]s"}}
 ---
 apiVersion: imp.dev/v1alpha1
 kind: ImpNetwork
@@ -289,7 +289,7 @@ spec:
 		{name: "default deny egress", policies: policyYAML("np-x", "deny-out", "{}", "[Egress]", "", ""),
 			allow: func(src, dst entity, _ string) bool { return !is(src, "va", "vb") }},
 		{name: "allow from a namespace", policies: policyYAML("np-x", "from-y", "{matchLabels: {app: va}}", "[Ingress]",
-			"[{from: [{namespaceSelector: {matchLabels: {np: y}}}]}]", ""),
+			"[{from: [{namespaceSelector: {matchLabels: {np: \"y\"}}}]}]", ""),
 			allow: ingressTo("va", func(src entity, _ string) bool { return src.ns == "np-y" })},
 		{name: "allow from a pod label", policies: policyYAML("np-x", "from-px", "{matchLabels: {app: va}}", "[Ingress]",
 			"[{from: [{podSelector: {matchLabels: {app: px}}}]}]", ""),
@@ -327,7 +327,12 @@ spec:
 			allow: func(src, dst entity, _ string) bool { return !is(src, "vc") && !is(dst, "vc") }},
 	}
 	for _, c := range cases {
-		file := "netpol-" + strings.ReplaceAll(c.name, " ", "-") + ".yaml"
+		file := "netpol-" + strings.Map(func(r rune) rune {
+			if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' {
+				return r
+			}
+			return '-'
+		}, c.name) + ".yaml"
 		if c.policies != "" {
 			if err := os.WriteFile(filepath.Join(dir, file), []byte(c.policies), 0o644); err != nil {
 				t.Fatal(err)

@@ -171,9 +171,10 @@ func TestNetworkLifecycle(t *testing.T) {
 	// The node's: input 6 (replies over transit links, transit links, VXLAN peers, VXLAN
 	// frames of the peers' VMs: IPv4, ARP, the rest dropped), forward 8 (replies over transit
 	// links, between networks, not IPv4, link-local, four overlay ports), 1 masquerade; the
-	// network's: input 4, forward 19 (policy both ways, bridged, replies, exposed VMs both
-	// ways, the 11 non-public ranges, public egress, the rest), 2 masquerade (egress, exposed
-	// VMs), bridge prerouting 2, bridge postrouting 1 (each tap's in- chain); the tap's chain:
+	// network's: input 4, forward 18 (policy of VMs' ingress, bridged, replies, exposed VMs
+	// both ways, the 11 non-public ranges, public egress, the rest), polpre 1 (policy of VMs'
+	// egress), 2 masquerade (egress, exposed VMs), bridge prerouting 2, bridge postrouting 1
+	// (each tap's in- chain); the tap's chain:
 	// 6 (5 anti-spoofing, the count of what passed), its in- chain 1 (the count of what it
 	// gets).
 	if len(rules) != 15+28+7 {

@@ -57,29 +57,54 @@ type Allow struct {
 }
 
 // polSide is one direction of a VM's policy: its chain, its map, and how a packet names the
-// peer (the source coming in, the destination going out) and the network's side it is on.
+// peer (the source coming in, the destination going out).
 type polSide struct {
 	word   string // "ing" or "egr"
 	m      *nftables.Set
-	peerAt uint32       // the peer's address in the IPv4 header: 12 (source) or 16 (destination)
-	peer   string       // "saddr" or "daddr"
-	dev    expr.MetaKey // where the peer is: the input or the output device
-	devw   string       // "iifname" or "oifname"
+	peerAt uint32 // the peer's address in the IPv4 header: 12 (source) or 16 (destination)
+	peer   string // "saddr" or "daddr"
 }
 
 var (
-	ingress = polSide{"ing", polInMap, 12, "saddr", expr.MetaKeyIIFNAME, "iifname"}
-	egress  = polSide{"egr", polOutMap, 16, "daddr", expr.MetaKeyOIFNAME, "oifname"}
+	ingress = polSide{"ing", polInMap, 12, "saddr"}
+	egress  = polSide{"egr", polOutMap, 16, "daddr"}
 )
+
+// polPreChain looks a VM's new connections up in polout as they arrive from its tap, before
+// any DNAT of the network's namespace (the domain egress proxy's redirect): a VM's egress is
+// checked against the destination it named.
+var polPreChain = &nftables.Chain{Name: "polpre", Table: inetTable, Type: nftables.ChainTypeFilter,
+	Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(-150), Policy: &accept}
+
+// polPath tells the two sides of the network's namespace a peer can be on: on the network's
+// segment (its VMs) or beyond its transit link. Coming in, the input device says it; going out,
+// before routing, the destination does (the network's prefix is its segment).
+type polPath struct {
+	segment bool
+	text    string
+	exprs   func() []expr.Any
+}
+
+func ingressPaths(br, up string) (seg, out polPath) {
+	return polPath{true, fmt.Sprintf("iifname %q", br), func() []expr.Any { return ifname(expr.MetaKeyIIFNAME, br, true) }},
+		polPath{false, fmt.Sprintf("iifname %q", up), func() []expr.Any { return ifname(expr.MetaKeyIIFNAME, up, true) }}
+}
+
+func egressPaths(p netip.Prefix) (seg, out polPath) {
+	p = p.Masked()
+	return polPath{true, fmt.Sprintf("ip daddr %s", p), func() []expr.Any { return prefixCmp(16, p, expr.CmpOpEq) }},
+		polPath{false, fmt.Sprintf("ip daddr != %s", p), func() []expr.Any { return prefixCmp(16, p, expr.CmpOpNeq) }}
+}
 
 func (p polSide) chain(id string) *nftables.Chain {
 	return &nftables.Chain{Name: p.word + "-" + id, Table: inetTable}
 }
 
-// policyDispatch are the forward chain's first rules: a new connection into the bridge goes
-// to the chain of the VM it is for, one out of the bridge to the chain of the VM it is from.
-// The map is keyed by the VM's address, which only a local VM of the network has: a packet
-// coming in over the transit link is never taken for a VM's own.
+// policyDispatch sends a new connection out of the bridge to the chain of the VM it is from
+// (in prerouting, before any DNAT), and one into the bridge to the chain of the VM it is for
+// (the forward chain's first rule, after the DNAT to a VM). The maps are keyed by the VM's
+// address, which only a local VM of the network has: a packet coming in over the transit link
+// is never taken for a VM's own.
 func policyDispatch(br string) []rule {
 	vmap := func(dev expr.MetaKey, at uint32, m *nftables.Set) []expr.Any {
 		return cat(ifname(dev, br, true), ctNew(), ipv4(), []expr.Any{
@@ -88,7 +113,7 @@ func policyDispatch(br string) []rule {
 		})
 	}
 	return []rule{
-		{spaceForward, fmt.Sprintf("iifname %q ct state new ip saddr vmap @polout", br), vmap(expr.MetaKeyIIFNAME, 12, polOutMap)},
+		{polPreChain, fmt.Sprintf("iifname %q ct state new ip saddr vmap @polout", br), vmap(expr.MetaKeyIIFNAME, 12, polOutMap)},
 		{spaceForward, fmt.Sprintf("oifname %q ct state new ip daddr vmap @polin", br), vmap(expr.MetaKeyOIFNAME, 16, polInMap)},
 	}
 }
@@ -104,26 +129,26 @@ func ctNew() []expr.Any {
 // polGroup is the peers of one side of the namespace that a VM's policy allows on one port
 // range (or on every port): one set and one rule.
 type polGroup struct {
-	dev   string // the bridge or the transit link
+	path  polPath
 	ports *PortRange
 	peers []netip.Prefix
 }
 
 func (g polGroup) key() string {
 	if g.ports == nil {
-		return g.dev + " all"
+		return g.path.text + " all"
 	}
-	return fmt.Sprintf("%s %d %d-%d", g.dev, g.ports.Protocol, g.ports.From, g.ports.To)
+	return fmt.Sprintf("%s %d %d-%d", g.path.text, g.ports.Protocol, g.ports.From, g.ports.To)
 }
 
 // polGroups gathers allows into groups, one per side and port range, their peers merged.
-func polGroups(br, up string, allows []Allow) []polGroup {
+func polGroups(seg, out polPath, allows []Allow) []polGroup {
 	by := map[string]*polGroup{}
-	add := func(dev string, ports *PortRange, peers []netip.Prefix) {
+	add := func(path polPath, ports *PortRange, peers []netip.Prefix) {
 		if len(peers) == 0 {
 			return
 		}
-		g := polGroup{dev: dev, ports: ports}
+		g := polGroup{path: path, ports: ports}
 		if have := by[g.key()]; have != nil {
 			have.peers = append(have.peers, peers...)
 			return
@@ -133,22 +158,22 @@ func polGroups(br, up string, allows []Allow) []polGroup {
 	}
 	for _, a := range allows {
 		if len(a.Ports) == 0 {
-			add(br, nil, a.Network)
-			add(up, nil, a.Outside)
+			add(seg, nil, a.Network)
+			add(out, nil, a.Outside)
 			continue
 		}
 		for i := range a.Ports {
 			p := a.Ports[i]
-			add(br, &p, a.Network)
-			add(up, &p, a.Outside)
+			add(seg, &p, a.Network)
+			add(out, &p, a.Outside)
 		}
 	}
-	out := make([]polGroup, 0, len(by))
+	groups := make([]polGroup, 0, len(by))
 	for _, g := range by {
-		out = append(out, *g)
+		groups = append(groups, *g)
 	}
-	slices.SortFunc(out, func(a, b polGroup) int { return strings.Compare(a.key(), b.key()) })
-	return out
+	slices.SortFunc(groups, func(a, b polGroup) int { return strings.Compare(a.key(), b.key()) })
+	return groups
 }
 
 // polSet is one of a VM's sets: its name and its address ranges, merged.
@@ -160,15 +185,15 @@ type polSet struct {
 // policyRules are the chain of one side of a VM's policy and the sets its rules look up: per
 // group, the peers' addresses (and the port range) return; everything else is counted and
 // dropped.
-func policyRules(side polSide, id, br, up string, allows []Allow) ([]rule, []polSet) {
+func policyRules(side polSide, id string, seg, out polPath, allows []Allow) ([]rule, []polSet) {
 	c := side.chain(id)
 	var rs []rule
 	var sets []polSet
-	for i, g := range polGroups(br, up, allows) {
+	for i, g := range polGroups(seg, out, allows) {
 		s := polSet{name: fmt.Sprintf("%s-%s-%d", side.word, id, i), ranges: mergeRanges(g.peers)}
 		sets = append(sets, s)
-		text := fmt.Sprintf("%s %q ip %s @%s", side.devw, g.dev, side.peer, s.name)
-		e := cat(ifname(side.dev, g.dev, true), []expr.Any{
+		text := fmt.Sprintf("%s ip %s @%s", g.path.text, side.peer, s.name)
+		e := cat(g.path.exprs(), []expr.Any{
 			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: side.peerAt, Len: 4},
 			&expr.Lookup{SourceRegister: 1, SetName: s.name},
 		})
@@ -269,7 +294,11 @@ func (h *Host) SetPolicy(n Network, vmUID string, ip netip.Addr, p Policy) error
 			}
 			continue
 		}
-		if err := s.setPolicySide(side.polSide, id, bridgePrefix+s.id, uplinkPrefix+s.id, ip, side.allows); err != nil {
+		seg, out := ingressPaths(bridgePrefix+s.id, uplinkPrefix+s.id)
+		if side.word == egress.word {
+			seg, out = egressPaths(n.Prefix)
+		}
+		if err := s.setPolicySide(side.polSide, id, seg, out, ip, side.allows); err != nil {
 			return fmt.Errorf("policy of VM %s: %w", vmUID, err)
 		}
 	}
@@ -278,9 +307,9 @@ func (h *Host) SetPolicy(n Network, vmUID string, ip netip.Addr, p Policy) error
 
 // setPolicySide makes side's chain of the VM with id, its sets and its map entry those of
 // allows, in one batch, unless they already are.
-func (s *space) setPolicySide(side polSide, id, br, up string, ip netip.Addr, allows []Allow) error {
+func (s *space) setPolicySide(side polSide, id string, seg, out polPath, ip netip.Addr, allows []Allow) error {
 	c := side.chain(id)
-	rs, sets := policyRules(side, id, br, up, allows)
+	rs, sets := policyRules(side, id, seg, out, allows)
 	t := policyTag(id, rs, sets)
 	have, err := getRules(s.nft, c)
 	if err != nil {

@@ -31,7 +31,9 @@ import (
 // In each network's namespace, which IMP owns whole (input and forward drop by default):
 //
 //	table inet imp   chain input       the gateway answers ICMP, and replies; nothing else
-//	                 chain forward     bridged frames; egress to the transit link with NAT; replies
+//	                 chain forward     bridged frames; egress to the transit link with NAT; replies;
+//	                                   first, a new connection to a VM to its policy (map polin)
+//	                 chain polpre      a VM's new connection to its policy (map polout), before DNAT
 //	                 chain postrouting masquerade to the network's transit address
 //	table bridge imp chain prerouting  each tap to its own chain (map taps), other taps dropped
 //	                 chain tap-<tap>   anti-spoofing of one tap; counts what passed (its VM's traffic out)
@@ -66,7 +68,7 @@ var (
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(-200), Policy: &accept}
 	brPostChain = &nftables.Chain{Name: "postrouting", Table: bridgeTable, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityFilter, Policy: &accept}
-	spaceChains = []*nftables.Chain{spaceInput, spaceForward, natChain, dnatChain, brPreChain, brPostChain}
+	spaceChains = []*nftables.Chain{spaceInput, spaceForward, natChain, dnatChain, brPreChain, brPostChain, polPreChain}
 
 	// tapsMap sends each tap's frames to its chain.
 	tapsMap = &nftables.Set{Table: bridgeTable, Name: "taps", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
