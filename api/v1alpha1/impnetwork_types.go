@@ -52,6 +52,21 @@ type EgressSpec struct {
 	// +listType=atomic
 	// +kubebuilder:validation:MaxItems=32
 	Deny []EgressRule `json:"deny,omitempty"`
+
+	// domains, when set, are the only names the VMs reach over HTTP and HTTPS: every TCP
+	// connection to port 80 or 443 outside the network goes through the node's egress proxy,
+	// which lets it out only when the request's Host or the TLS server name (SNI) is one of
+	// these — an exact name (api.github.com) or one leading wildcard label (*.pypi.org:
+	// files.pypi.org, not pypi.org) — resolves the name itself with the node's resolver, and
+	// refuses, with a reset, a name that resolves to an address these rules would not let out
+	// (private ranges unless allowed, the node, link-local, the cluster's denied ranges). Other
+	// ports follow internet, allow and deny. Needs nat.enabled.
+	// +optional
+	// +listType=set
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:items:MaxLength=253
+	// +kubebuilder:validation:items:Pattern=`^(\*\.)?([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]*[a-z0-9])?$`
+	Domains []string `json:"domains,omitempty"`
 }
 
 // EgressRule is a destination: an IPv4 CIDR, and optionally ports.
@@ -119,6 +134,7 @@ type DNSSpec struct {
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.gateway) || !isCIDR(self.cidr) || !isIP(self.gateway) || cidr(self.cidr).containsIP(self.gateway)",message="gateway must be inside cidr",fieldPath=".gateway"
 // +kubebuilder:validation:XValidation:rule="!has(self.gateway) || !isCIDR(self.cidr) || !isIP(self.gateway) || self.gateway != string(cidr(self.cidr).ip())",message="gateway must not be the network address of cidr",fieldPath=".gateway"
+// +kubebuilder:validation:XValidation:rule="!has(self.egress) || !has(self.egress.domains) || size(self.egress.domains) == 0 || (has(self.nat) && self.nat.enabled)",message="egress.domains needs nat.enabled: a network without NAT has no egress",fieldPath=".egress.domains"
 type ImpNetworkSpec struct {
 	// cidr is the network's IPv4 range in canonical form, such as 10.100.0.0/24, from /8 to /30.
 	// It must not overlap 0.0.0.0/8, loopback, link-local, multicast or 240.0.0.0/4, nor a

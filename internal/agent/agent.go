@@ -36,6 +36,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
+	"github.com/syscode-labs/imp/internal/agent/egressproxy"
 	"github.com/syscode-labs/imp/internal/agent/handover"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/idle"
@@ -178,6 +179,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	a.networks.Policies = policies
+	a.networks.Domains = &egressproxy.Proxies{Host: a.net, Decided: egressproxy.Reporter{Client: a.Client, Recorder: a.Recorder}.Decided}
 	if err := a.snapshots.SetupWithManager(mgr); err != nil {
 		return err
 	}

@@ -18,6 +18,9 @@ type Egress struct {
 	Internet bool
 	Allow    []EgressRule
 	Deny     []EgressRule
+	// Proxy sends the VMs' TCP connections to ports 80 and 443 outside the network through
+	// the domain egress proxy on the gateway (ProxyPort) instead of these rules.
+	Proxy bool
 }
 
 // EgressRule is a destination: a prefix and, when Ports is not empty, only those ports.

@@ -99,8 +99,12 @@ func networkRules(id string, n Network, overlay bool) []rule {
 		{spaceInput, `iifname "lo" accept`, cat(ifname(expr.MetaKeyIIFNAME, "lo", true), verdict(expr.VerdictAccept))},
 		{spaceInput, fmt.Sprintf("iifname %q meta l4proto icmp accept", br),
 			cat(ifname(expr.MetaKeyIIFNAME, br, true), l4proto(unix.IPPROTO_ICMP), verdict(expr.VerdictAccept))},
-		{spaceInput, "counter drop", drop()},
 	}
+	if n.NAT && n.Egress.Proxy {
+		rs = append(rs, proxyInput(br))
+		rs = append(rs, proxyRules(br, n)...)
+	}
+	rs = append(rs, rule{spaceInput, "counter drop", drop()})
 	rs = append(rs, policyDispatch(br)...)
 	rs = append(rs, []rule{
 		// Frames bridged within the network, locally or over the overlay, pass the forward

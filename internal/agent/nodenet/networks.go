@@ -53,6 +53,11 @@ type Networks struct {
 	Changed func()
 	// Policies, when set, sets a VM's NetworkPolicies as it is attached, before its VMM runs.
 	Policies Policies
+	// Domains, when set, runs the domain egress proxy of each network here that names
+	// domains (egressproxy.Proxies).
+	Domains interface {
+		Ensure(n hostnet.Network, domains []string, present bool) error
+	}
 
 	fleet cache.Cache
 
@@ -172,7 +177,7 @@ func hostEgress(spec *impv1.EgressSpec) (hostnet.Egress, error) {
 	if spec == nil {
 		return hostnet.PublicEgress, nil
 	}
-	e := hostnet.Egress{Internet: spec.Internet != impv1.EgressInternetDeny}
+	e := hostnet.Egress{Internet: spec.Internet != impv1.EgressInternetDeny, Proxy: len(spec.Domains) > 0}
 	rules := func(in []impv1.EgressRule) ([]hostnet.EgressRule, error) {
 		var out []hostnet.EgressRule
 		for _, r := range in {
@@ -237,6 +242,13 @@ func (n *Networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result
 		return ctrl.Result{}, err
 	}
 	present, err := n.Net.Sync(hn, peers)
+	if err == nil && n.Domains != nil {
+		var domains []string
+		if net.UID != "" && net.Spec.Egress != nil {
+			domains = net.Spec.Egress.Domains
+		}
+		err = n.Domains.Ensure(hn, domains, present)
+	}
 	n.record(req.NamespacedName, hn, present, err)
 	if err != nil {
 		if net.UID != "" {
