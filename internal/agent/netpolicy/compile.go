@@ -61,6 +61,8 @@ type World struct {
 	VMs []VM
 
 	selectors map[*metav1.LabelSelector]labels.Selector
+	// index holds the pods' and VMs' indices by namespace and by label (candidates).
+	index map[string]*[2][]int
 }
 
 // everywhere is a peer list that says nothing: every address.
@@ -193,8 +195,10 @@ func (w *World) peers(ns string, vm VM, pr networkingv1.NetworkPolicyPeer) []pee
 	picked := func(l map[string]string) bool {
 		return pr.PodSelector == nil || w.matches(pr.PodSelector, l)
 	}
+	pods, vms := w.candidates(ns, pr)
 	var out []peer
-	for _, p := range w.Pods {
+	for _, i := range pods {
+		p := &w.Pods[i]
 		if !inNS(p.Namespace) || !picked(p.Labels) {
 			continue
 		}
@@ -209,13 +213,77 @@ func (w *World) peers(ns string, vm VM, pr networkingv1.NetworkPolicyPeer) []pee
 			out = append(out, pp)
 		}
 	}
-	for _, v := range w.VMs {
+	for _, i := range vms {
+		v := &w.VMs[i]
 		if v.Network != vm.Network || !v.Address.Is4() || !inNS(v.Namespace) || !picked(v.Labels) {
 			continue
 		}
 		out = append(out, peer{network: []netip.Prefix{netip.PrefixFrom(v.Address, 32)}, ports: v.Ports})
 	}
 	return out
+}
+
+// candidates are the pods and VMs (indices) a peer may select, a superset its selectors then
+// check: those of the policy's namespace when it names no other, and of those the ones with
+// the rarest of its pod selector's labels. The index is built once per World.
+func (w *World) candidates(ns string, pr networkingv1.NetworkPolicyPeer) (pods, vms []int) {
+	if w.index == nil {
+		w.index = map[string]*[2][]int{}
+		add := func(key string, kind, i int) {
+			e := w.index[key]
+			if e == nil {
+				e = &[2][]int{}
+				w.index[key] = e
+			}
+			e[kind] = append(e[kind], i)
+		}
+		for i, p := range w.Pods {
+			add("ns\x00"+p.Namespace, 0, i)
+			for k, v := range p.Labels {
+				add(k+"\x00"+v, 0, i)
+			}
+		}
+		for i, v := range w.VMs {
+			add("ns\x00"+v.Namespace, 1, i)
+			for k, val := range v.Labels {
+				add(k+"\x00"+val, 1, i)
+			}
+		}
+	}
+	var best *[2][]int
+	count := func(e *[2][]int) int { return len(e[0]) + len(e[1]) }
+	consider := func(key string) bool {
+		e := w.index[key]
+		if e == nil {
+			best = &[2][]int{}
+			return true // nothing has it: nothing is selected
+		}
+		if best == nil || count(e) < count(best) {
+			best = e
+		}
+		return false
+	}
+	if pr.NamespaceSelector == nil && consider("ns\x00"+ns) {
+		return nil, nil
+	}
+	if sel := pr.PodSelector; sel != nil {
+		for k, v := range sel.MatchLabels {
+			if consider(k + "\x00" + v) {
+				return nil, nil
+			}
+		}
+	}
+	if best != nil {
+		return best[0], best[1]
+	}
+	pods, vms = make([]int, len(w.Pods)), make([]int, len(w.VMs))
+	for i := range pods {
+		pods[i] = i
+	}
+	for i := range vms {
+		vms[i] = i
+	}
+	return pods, vms
 }
 
 // ipBlock is b's CIDR less its exceptions, as prefixes.
