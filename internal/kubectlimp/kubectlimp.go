@@ -269,6 +269,11 @@ func (o *options) status(ctx context.Context, c client.Client, ns string, args [
 	for _, cond := range st.Conditions {
 		fmt.Fprintf(w, "Condition %s:\t%s %s: %s\n", cond.Type, cond.Status, cond.Reason, cond.Message)
 	}
+	if vm.Spec.NetworkRef != nil {
+		if err := printPolicies(ctx, c, w, vm); err != nil {
+			return err
+		}
+	}
 	if err := w.Flush(); err != nil {
 		return err
 	}

@@ -184,6 +184,8 @@ type netpolCase struct {
 	name     string
 	policies string // manifests, applied before and deleted after
 	allow    func(src, dst entity, col string) bool
+	// status, when set, is what `kubectl imp status va` says of the policies selecting va.
+	status string
 }
 
 // checkNetworkPolicy runs the matrix: pods px (np-x) and py (np-y) through the node's CNI
@@ -319,7 +321,8 @@ spec:
 		{name: "two policies add up", policies: policyYAML("np-x", "from-px", "{matchLabels: {app: va}}", "[Ingress]",
 			"[{from: [{podSelector: {matchLabels: {app: px}}}]}]", "") + policyYAML("np-x", "from-vb", "{matchLabels: {app: va}}", "[Ingress]",
 			"[{from: [{podSelector: {matchLabels: {app: vb}}}], ports: [{protocol: UDP, port: 8081}]}]", ""),
-			allow: ingressTo("va", func(src entity, col string) bool { return is(src, "px") || (is(src, "vb") && !tcp(col)) })},
+			allow:  ingressTo("va", func(src entity, col string) bool { return is(src, "px") || (is(src, "vb") && !tcp(col)) }),
+			status: "ingress isolated, egress open: from-px (Ingress), from-vb (Ingress)"},
 		// Attack: a tenant's policies in np-y, one selecting every VM of np-y and one naming
 		// the labels of np-x's VMs, change nothing for np-x.
 		{name: "another namespace's policies", policies: policyYAML("np-y", "deny-all", "{}", "[Ingress, Egress]", "", "") +
@@ -340,6 +343,9 @@ spec:
 			must("kubectl apply -f " + file)
 		}
 		w.converge(c.name, w.expected(c.allow), 30*time.Second)
+		if c.status != "" {
+			must("kubectl imp -n np-x status va", "NetworkPolicies:", c.status)
+		}
 		if c.policies != "" {
 			must("kubectl delete -f " + file)
 		}

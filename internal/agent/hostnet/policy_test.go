@@ -20,8 +20,9 @@ import (
 // through B's endpoint address (the pod's own address is what the policy sees, not the
 // gateway's the VM sees), and out through NAT; peers on the network's segment are told apart
 // from peers beyond its transit link; ports and protocols count; replies always pass; a guest
-// forging a permitted peer's address is dropped before policy; a second identical SetPolicy
-// changes nothing; an empty policy and detaching leave nothing behind.
+// forging a permitted peer's address is dropped before policy; a policy allowing everything
+// never opens the node's own ports; a second identical SetPolicy changes nothing; an empty
+// policy and detaching leave nothing behind.
 func TestPolicyOnEveryPath(t *testing.T) {
 	node, pod := testnetns.New(t, "imp-hn-pol"), testnetns.New(t, "imp-hn-polp")
 	testnetns.Link(t, node, "eth1", "192.168.77.1/24", pod, "eth0", "192.168.77.2/24")
@@ -42,6 +43,7 @@ func TestPolicyOnEveryPath(t *testing.T) {
 		greet(t, g, ":8081", who)
 	}
 	greet(t, pod, ":9090", "pod")
+	greet(t, node, ":9100", "node") // the agent's, the kubelet's ports: never a VM's
 	if err := h.Expose(n, "vm-b", b, hostnet.Exposure{Endpoint: netip.MustParseAddr("100.72.0.3"),
 		Ports: []hostnet.Port{{Protocol: unix.IPPROTO_TCP, Port: 8080}, {Protocol: unix.IPPROTO_TCP, Port: 8081}}}); err != nil {
 		t.Fatal(err)
@@ -53,6 +55,7 @@ func TestPolicyOnEveryPath(t *testing.T) {
 		{"pod→b:8080", pod, "100.72.0.3:8080"},
 		{"a→pod:9090", ga, "192.168.77.2:9090"},
 		{"b→pod:9090", gb, "192.168.77.2:9090"},
+		{"a→node:9100", ga, "192.168.77.1:9100"},
 	}
 	check := func(step string, open ...string) {
 		t.Helper()
@@ -138,8 +141,13 @@ func TestPolicyOnEveryPath(t *testing.T) {
 	set("vm-b", b, hostnet.Policy{Ingress: []hostnet.Allow{{Network: []netip.Prefix{netip.PrefixFrom(a, 32)}, Ports: tcp8080}}})
 	check("a's egress and b's ingress", "a→b:8080", "b→a:8080", "b→pod:9090")
 
-	set("vm-a", a, hostnet.Policy{})
+	// A policy allowing everything opens nothing the node closes: the node stays out of reach.
+	everything := []hostnet.Allow{{Network: []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0")}, Outside: []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0")}}}
+	set("vm-a", a, hostnet.Policy{Ingress: everything, Egress: everything})
 	set("vm-b", b, hostnet.Policy{})
+	check("a allowed everything", all...)
+
+	set("vm-a", a, hostnet.Policy{})
 	check("policies removed", all...)
 	rules, _ := h.Rules()
 	for _, r := range rules {

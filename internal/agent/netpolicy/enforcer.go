@@ -123,6 +123,10 @@ func (e *Enforcer) Reconcile(ctx context.Context, _ reconcile.Request) (reconcil
 		if err := e.enforce(ctx, w, vm); err != nil {
 			failed = append(failed, vm.Name)
 			ctrl.LoggerFrom(ctx).Error(err, "setting the VM's network policy", "vm", client.ObjectKeyFromObject(vm))
+			if e.Recorder != nil {
+				e.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, "NetworkPolicyFailed", "Enforce",
+					"the node could not apply the NetworkPolicies that select the VM (its last policy stays): %v", err)
+			}
 		}
 	}
 	e.mu.Lock()
