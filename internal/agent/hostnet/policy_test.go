@@ -176,3 +176,47 @@ func TestPolicyOnEveryPath(t *testing.T) {
 		}
 	}
 }
+
+// TestPolicyAcrossNodes: VMs of one network on two nodes, over the overlay. B's ingress policy,
+// enforced on B's node, and A's egress policy, enforced on A's node, each hold for frames that
+// cross the underlay; replies pass.
+func TestPolicyAcrossNodes(t *testing.T) {
+	n1, n2 := testnetns.New(t, "imp-hn-pxa"), testnetns.New(t, "imp-hn-pxb")
+	testnetns.Link(t, n1, "under0", "192.0.2.1/24", n2, "under0", "192.0.2.2/24")
+	h1, h2 := open(t, n1, "192.0.2.1"), open(t, n2, "192.0.2.2")
+	n := network("pxn", "10.74.0.0/24", 4713, false)
+	a, b := netip.MustParseAddr("10.74.0.2"), netip.MustParseAddr("10.74.0.3")
+	ga, gb := guestBehind(t, h1, n, "vm-a", a.String()), guestBehind(t, h2, n, "vm-b", b.String())
+	if _, err := h1.Sync(n, []hostnet.Peer{{IP: b, VTEP: netip.MustParseAddr("192.0.2.2")}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h2.Sync(n, []hostnet.Peer{{IP: a, VTEP: netip.MustParseAddr("192.0.2.1")}}); err != nil {
+		t.Fatal(err)
+	}
+	greet(t, ga, ":8080", "a")
+	greet(t, gb, ":8080", "b")
+	greet(t, gb, ":8081", "b")
+	reach := func(step, from, to string, want bool) {
+		t.Helper()
+		got := ask(from, to)
+		if ok := !strings.HasPrefix(got, "error"); ok != want {
+			t.Errorf("%s: %s → %s: %q, want open %v", step, from, to, got, want)
+		}
+	}
+	reach("no policy", ga, "10.74.0.3:8080", true)
+	reach("no policy", gb, "10.74.0.2:8080", true)
+
+	tcp8080 := []hostnet.PortRange{{Protocol: unix.IPPROTO_TCP, From: 8080, To: 8080}}
+	if err := h2.SetPolicy(n, "vm-b", b, hostnet.Policy{Ingress: []hostnet.Allow{{Network: []netip.Prefix{netip.PrefixFrom(a, 32)}, Ports: tcp8080}}}); err != nil {
+		t.Fatal(err)
+	}
+	reach("b admits a on 8080", ga, "10.74.0.3:8080", true)
+	reach("b admits a on 8080", ga, "10.74.0.3:8081", false)
+	reach("b admits a on 8080", gb, "10.74.0.2:8080", true)
+
+	if err := h1.SetPolicy(n, "vm-a", a, hostnet.Policy{Egress: []hostnet.Allow{}}); err != nil {
+		t.Fatal(err)
+	}
+	reach("a isolated for egress", ga, "10.74.0.3:8080", false)
+	reach("a isolated for egress", gb, "10.74.0.2:8080", true) // a's replies pass
+}
