@@ -276,6 +276,7 @@ spec:
 	for _, e := range w.entities {
 		byName[e.name] = e
 	}
+	va := byName["va"]
 	py := byName["py"]
 	is := func(e entity, names ...string) bool { return slices.Contains(names, e.name) }
 	tcp := func(c string) bool { return strings.HasPrefix(c, "tcp") }
@@ -351,8 +352,34 @@ spec:
 		}
 	}
 
+	// Egress to a Service's ClusterIP: the node's kube-proxy picks px behind it after va's
+	// egress was checked, so the ClusterIP is allowed where px is, and not where it is not.
+	must(`kubectl -n np-x create service clusterip px --tcp=80:8080 && kubectl -n np-x label service px app- && ` +
+		`kubectl -n np-x patch service px --type merge -p '{"spec":{"selector":{"app":"px"}}}'`)
+	vip := strings.Trim(must(`kubectl -n np-x get service px -o jsonpath='{.spec.clusterIP}'`), "' \n")
+	must(fmt.Sprintf(`kubectl -n np-x patch impnetwork net --type merge -p '{"spec":{"egress":{"allow":[{"cidr":"%s"},{"cidr":"%s/32"}]}}}'`, podCIDR, vip))
+	viaService := func(want string) error {
+		out, err := w.command(va, "probe", "1s", "tcp:"+vip+":80").CombinedOutput()
+		if f := strings.Fields(string(out)); err != nil || len(f) != 2 || f[1] != want {
+			return fmt.Errorf("va → %s:80: %q %v, want %s", vip, out, err, want)
+		}
+		return nil
+	}
+	eventually("va reaching Service px with no policy", time.Minute, func() error { return viaService("px") })
+	for _, c := range []struct{ name, to, want string }{{"to-px", "px", "px"}, {"to-py", "py", "-"}} {
+		pol := policyYAML("np-x", c.name, "{matchLabels: {app: va}}", "[Egress]", "",
+			fmt.Sprintf("[{to: [{namespaceSelector: {}, podSelector: {matchLabels: {app: %s}}}]}]", c.to))
+		if err := os.WriteFile(filepath.Join(dir, "netpol-svc.yaml"), []byte(pol), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		must("kubectl apply -f netpol-svc.yaml")
+		eventually("va reaching Service px under egress "+c.name, 30*time.Second, func() error { return viaService(c.want) })
+		must("kubectl delete -f netpol-svc.yaml")
+	}
+	t.Logf("va under egress to px reaches Service px (%s:80) through kube-proxy; under egress to py it does not", vip)
+
 	// A policy added and removed while px probes va without pause: when each shows.
-	px, va := byName["px"], byName["va"]
+	px := byName["px"]
 	w.converge("before the watch", w.expected(all), 30*time.Second)
 	deny := policyYAML("np-x", "deny-in", "{matchLabels: {app: va}}", "[Ingress]", "", "")
 	if err := os.WriteFile(filepath.Join(dir, "netpol-watch.yaml"), []byte(deny), 0o644); err != nil {

@@ -59,6 +59,8 @@ type World struct {
 	Pods       []Pod
 	// VMs are the VMs with an address, on every node.
 	VMs []VM
+	// Services are the cluster's Services with their endpoints: a VM's egress to a ClusterIP.
+	Services []Service
 
 	selectors map[*metav1.LabelSelector]labels.Selector
 	// index holds the pods' and VMs' indices by namespace and by label (candidates).
@@ -101,6 +103,9 @@ func (w *World) Compile(vm VM) hostnet.Policy {
 				out.Egress = append(out.Egress, w.allows(p.Namespace, vm, r.To, r.Ports, false)...)
 			}
 		}
+	}
+	if len(out.Egress) > 0 {
+		out.Egress = w.throughServices(out.Egress)
 	}
 	return out
 }

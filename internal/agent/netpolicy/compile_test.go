@@ -219,3 +219,47 @@ func TestSubtract(t *testing.T) {
 		}
 	}
 }
+
+// TestServices: a VM isolated for egress reaches a Service's ClusterIP on a port only when one
+// of its allows lets it reach every ready endpoint of that port (kube-proxy picks one after
+// the VM's egress is checked); a Service with an endpoint it may not reach, or none, is not
+// opened; a VM not isolated for egress needs none of this.
+func TestServices(t *testing.T) {
+	udp := corev1.ProtocolUDP
+	toClients := policy("x", sel(), egressOnly, nil, []networkingv1.NetworkPolicyEgressRule{{
+		To:    []networkingv1.NetworkPolicyPeer{{NamespaceSelector: sel(), PodSelector: sel("app", "client")}},
+		Ports: []networkingv1.NetworkPolicyPort{{Protocol: &udp, Port: ptr.To(intstr.FromInt32(53))}, tcp(9000)},
+	}})
+	w, web := world(toClients)
+	w.Services = []Service{
+		{Namespace: "y", Name: "dns", ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}, Ports: []ServicePort{
+			{Protocol: udp, Port: 53, Endpoints: []netip.AddrPort{netip.MustParseAddrPort("192.168.1.1:53"), netip.MustParseAddrPort("192.168.2.1:53")}},
+			{Protocol: corev1.ProtocolTCP, Port: 53, Endpoints: []netip.AddrPort{netip.MustParseAddrPort("192.168.1.1:53")}}, // TCP 53 not allowed
+		}},
+		{Namespace: "x", Name: "web", ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.20")}, Ports: []ServicePort{
+			{Protocol: corev1.ProtocolTCP, Port: 80, Endpoints: []netip.AddrPort{netip.MustParseAddrPort("192.168.1.1:9000")}},
+		}},
+		{Namespace: "y", Name: "mixed", ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.30")}, Ports: []ServicePort{
+			{Protocol: corev1.ProtocolTCP, Port: 80, Endpoints: []netip.AddrPort{netip.MustParseAddrPort("192.168.1.1:9000"), netip.MustParseAddrPort("192.168.2.2:9000")}},
+		}},
+		{Namespace: "y", Name: "empty", ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.40")}, Ports: []ServicePort{{Protocol: udp, Port: 53}}},
+	}
+	got := flat(w.Compile(web).Egress)
+	for _, want := range []string{"out 10.96.0.10/32 17 53-53", "out 10.96.0.20/32 6 80-80"} {
+		if !slices.Contains(got, want) {
+			t.Errorf("egress %v lacks %s", got, want)
+		}
+	}
+	for _, l := range got {
+		for _, not := range []string{"10.96.0.10/32 6 ", "10.96.0.30", "10.96.0.40"} {
+			if strings.Contains(l, not) {
+				t.Errorf("egress opened %s", l)
+			}
+		}
+	}
+	w2, web2 := world()
+	w2.Services = w.Services
+	if p := w2.Compile(web2); p.Egress != nil {
+		t.Errorf("a VM no policy selects is isolated for egress: %v", flat(p.Egress))
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -30,6 +31,8 @@ import (
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=namespaces,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch
+// +kubebuilder:rbac:groups=discovery.k8s.io,resources=endpointslices,verbs=get;list;watch
 
 // Setter sets a VM's policy in its network's namespace (hostnet.Host).
 type Setter interface {
@@ -68,8 +71,10 @@ func (e *Enforcer) SetupWithManager(mgr ctrl.Manager) error {
 	var err error
 	e.objects, err = cache.New(mgr.GetConfig(), cache.Options{Scheme: mgr.GetScheme(), Mapper: mgr.GetRESTMapper(),
 		ByObject: map[client.Object]cache.ByObject{
-			&corev1.Pod{}:       {Transform: trimPod},
-			&corev1.Namespace{}: {Transform: trimMeta},
+			&corev1.Pod{}:                {Transform: trimPod},
+			&corev1.Namespace{}:          {Transform: trimMeta},
+			&corev1.Service{}:            {Transform: trimService},
+			&discoveryv1.EndpointSlice{}: {Transform: trimSlice},
 		}})
 	if err != nil {
 		return fmt.Errorf("creating the NetworkPolicy cache: %w", err)
@@ -85,6 +90,9 @@ func (e *Enforcer) SetupWithManager(mgr ctrl.Manager) error {
 	nsChanged := predicate.TypedFuncs[*corev1.Namespace]{UpdateFunc: func(ev event.TypedUpdateEvent[*corev1.Namespace]) bool {
 		return !mapsEqual(ev.ObjectOld.Labels, ev.ObjectNew.Labels)
 	}}
+	svcChanged := predicate.TypedFuncs[*corev1.Service]{UpdateFunc: func(ev event.TypedUpdateEvent[*corev1.Service]) bool {
+		return fmt.Sprint(ev.ObjectOld.Spec.ClusterIPs, ev.ObjectOld.Spec.Ports) != fmt.Sprint(ev.ObjectNew.Spec.ClusterIPs, ev.ObjectNew.Spec.Ports)
+	}}
 	vmChanged := predicate.TypedFuncs[*impv1.ImpVM]{UpdateFunc: func(ev event.TypedUpdateEvent[*impv1.ImpVM]) bool {
 		o, n := ev.ObjectOld, ev.ObjectNew
 		return o.Status.IP != n.Status.IP || !mapsEqual(o.Labels, n.Labels) || fmt.Sprint(o.Spec.Ports) != fmt.Sprint(n.Spec.Ports) || o.HostUID() != n.HostUID()
@@ -93,6 +101,8 @@ func (e *Enforcer) SetupWithManager(mgr ctrl.Manager) error {
 		WatchesRawSource(source.Kind(e.objects, &networkingv1.NetworkPolicy{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *networkingv1.NetworkPolicy) []reconcile.Request { return all(ctx, o) }))).
 		WatchesRawSource(source.Kind(e.objects, &corev1.Namespace{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *corev1.Namespace) []reconcile.Request { return all(ctx, o) }), nsChanged)).
 		WatchesRawSource(source.Kind(e.objects, &corev1.Pod{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *corev1.Pod) []reconcile.Request { return all(ctx, o) }), podChanged)).
+		WatchesRawSource(source.Kind(e.objects, &corev1.Service{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *corev1.Service) []reconcile.Request { return all(ctx, o) }), svcChanged)).
+		WatchesRawSource(source.Kind(e.objects, &discoveryv1.EndpointSlice{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *discoveryv1.EndpointSlice) []reconcile.Request { return all(ctx, o) }))).
 		WatchesRawSource(source.Kind(e.Fleet, &impv1.ImpIPAddress{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *impv1.ImpIPAddress) []reconcile.Request { return all(ctx, o) }))).
 		WatchesRawSource(source.Kind(mgr.GetCache(), &impv1.ImpVM{}, handler.TypedEnqueueRequestsFromMapFunc(func(ctx context.Context, o *impv1.ImpVM) []reconcile.Request { return all(ctx, o) }), vmChanged)).
 		Complete(e)
@@ -252,6 +262,9 @@ func (e *Enforcer) world(ctx context.Context, needs func(*World) bool) (*World, 
 			w.Pods = append(w.Pods, p)
 		}
 	}
+	if err := e.services(ctx, w); err != nil {
+		return nil, err
+	}
 	var ips impv1.ImpIPAddressList
 	if err := e.Fleet.List(ctx, &ips); err != nil {
 		return nil, fmt.Errorf("listing ImpIPAddresses: %w", err)
@@ -352,4 +365,95 @@ func trimMeta(o any) (any, error) {
 func trimmed(m metav1.ObjectMeta) metav1.ObjectMeta {
 	return metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion, Labels: m.Labels,
 		DeletionTimestamp: m.DeletionTimestamp}
+}
+
+// services reads the Services with a ClusterIP and their ready endpoints from the caches.
+func (e *Enforcer) services(ctx context.Context, w *World) error {
+	var svcs corev1.ServiceList
+	if err := e.objects.List(ctx, &svcs); err != nil {
+		return fmt.Errorf("listing Services: %w", err)
+	}
+	var slices discoveryv1.EndpointSliceList
+	if err := e.objects.List(ctx, &slices); err != nil {
+		return fmt.Errorf("listing EndpointSlices: %w", err)
+	}
+	bySvc := map[types.NamespacedName][]*discoveryv1.EndpointSlice{}
+	for i := range slices.Items {
+		s := &slices.Items[i]
+		if s.AddressType != discoveryv1.AddressTypeIPv4 {
+			continue
+		}
+		key := types.NamespacedName{Namespace: s.Namespace, Name: s.Labels[discoveryv1.LabelServiceName]}
+		bySvc[key] = append(bySvc[key], s)
+	}
+	for _, svc := range svcs.Items {
+		out := Service{Namespace: svc.Namespace, Name: svc.Name}
+		for _, ip := range svc.Spec.ClusterIPs {
+			if a, err := netip.ParseAddr(ip); err == nil && a.Is4() {
+				out.ClusterIPs = append(out.ClusterIPs, a)
+			}
+		}
+		if len(out.ClusterIPs) == 0 {
+			continue // headless, or not yet given an address
+		}
+		for _, sp := range svc.Spec.Ports {
+			port := ServicePort{Protocol: sp.Protocol, Port: sp.Port}
+			for _, s := range bySvc[types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}] {
+				for _, p := range s.Ports {
+					if p.Port == nil || ptrOr(p.Name) != sp.Name || ptrOr(p.Protocol) != sp.Protocol {
+						continue
+					}
+					for _, ep := range s.Endpoints {
+						if ep.Conditions.Ready != nil && !*ep.Conditions.Ready {
+							continue
+						}
+						for _, a := range ep.Addresses {
+							if ip, err := netip.ParseAddr(a); err == nil && *p.Port > 0 && *p.Port <= 65535 {
+								port.Endpoints = append(port.Endpoints, netip.AddrPortFrom(ip, uint16(*p.Port)))
+							}
+						}
+					}
+				}
+			}
+			out.Ports = append(out.Ports, port)
+		}
+		w.Services = append(w.Services, out)
+	}
+	return nil
+}
+
+func ptrOr[T any](p *T) T {
+	var zero T
+	if p == nil {
+		return zero
+	}
+	return *p
+}
+
+// trimService keeps of a Service its name, namespace, addresses and ports.
+func trimService(o any) (any, error) {
+	s, ok := o.(*corev1.Service)
+	if !ok {
+		return o, nil
+	}
+	out := &corev1.Service{ObjectMeta: trimmed(s.ObjectMeta)}
+	out.Spec.ClusterIPs = s.Spec.ClusterIPs
+	for _, p := range s.Spec.Ports {
+		out.Spec.Ports = append(out.Spec.Ports, corev1.ServicePort{Name: p.Name, Protocol: p.Protocol, Port: p.Port})
+	}
+	return out, nil
+}
+
+// trimSlice keeps of an EndpointSlice its Service, ports and endpoints' addresses and
+// readiness.
+func trimSlice(o any) (any, error) {
+	s, ok := o.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return o, nil
+	}
+	out := &discoveryv1.EndpointSlice{ObjectMeta: trimmed(s.ObjectMeta), AddressType: s.AddressType, Ports: s.Ports}
+	for _, ep := range s.Endpoints {
+		out.Endpoints = append(out.Endpoints, discoveryv1.Endpoint{Addresses: ep.Addresses, Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}})
+	}
+	return out, nil
 }

@@ -11,10 +11,12 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
@@ -182,4 +184,27 @@ func TestEnforcerFollowsTheAPI(t *testing.T) {
 
 	must(c.Client.Delete(ctx, pol))
 	within("the policy deleted", "in open eg open")
+
+	// Egress to the client pod: its Service's ClusterIP too, once the Service's one endpoint
+	// is the pod; not when another endpoint joins that the policy does not allow.
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: other, Name: "client"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}}
+	must(c.Client.Create(ctx, svc))
+	vip := svc.Spec.ClusterIP
+	slice := &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: other, Name: "client-1", Labels: map[string]string{discoveryv1.LabelServiceName: "client"}},
+		AddressType: discoveryv1.AddressTypeIPv4, Ports: []discoveryv1.EndpointPort{{Name: ptr.To("http"), Protocol: ptr.To(corev1.ProtocolTCP), Port: ptr.To[int32](8080)}},
+		Endpoints: []discoveryv1.Endpoint{{Addresses: []string{"192.168.5.5"}}}}
+	must(c.Client.Create(ctx, slice))
+	ons.Labels["team"] = "b"
+	must(c.Client.Update(ctx, ons))
+	out := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "out"},
+		Spec: networkingv1.NetworkPolicySpec{PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeEgress},
+			Egress: []networkingv1.NetworkPolicyEgressRule{{To: []networkingv1.NetworkPolicyPeer{
+				{NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"team": "b"}}}}}}}}
+	must(c.Client.Create(ctx, out))
+	within("egress to the pod's namespace", "in open eg [out "+vip+"/32 out 192.168.5.5/32]")
+	slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{Addresses: []string{"192.168.9.9"}})
+	must(c.Client.Update(ctx, slice))
+	within("an endpoint the policy does not allow joins", "in open eg [out 192.168.5.5/32]")
 }
