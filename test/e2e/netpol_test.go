@@ -354,8 +354,7 @@ spec:
 
 	// Egress to a Service's ClusterIP: the node's kube-proxy picks px behind it after va's
 	// egress was checked, so the ClusterIP is allowed where px is, and not where it is not.
-	must(`kubectl -n np-x create service clusterip px --tcp=80:8080 && kubectl -n np-x label service px app- && ` +
-		`kubectl -n np-x patch service px --type merge -p '{"spec":{"selector":{"app":"px"}}}'`)
+	must(`kubectl -n np-x create service clusterip px --tcp=80:8080`) // selects app=px
 	vip := strings.Trim(must(`kubectl -n np-x get service px -o jsonpath='{.spec.clusterIP}'`), "' \n")
 	must(fmt.Sprintf(`kubectl -n np-x patch impnetwork net --type merge -p '{"spec":{"egress":{"allow":[{"cidr":"%s"},{"cidr":"%s/32"}]}}}'`, podCIDR, vip))
 	viaService := func(want string) error {
