@@ -152,6 +152,7 @@ func run() error {
 		opts.DeniedEgress = append(opts.DeniedEgress, ps...)
 		return err
 	})
+	fs.StringVar(&opts.EgressNameserver, "egress-nameserver", "", "HOST:PORT of the DNS server the domain egress proxy asks (default: the node's resolv.conf's)")
 	fs.IntVar(&opts.VXLANPort, "vxlan-port", hostnet.DefaultVXLANPort, "UDP port of the VXLAN overlay (not 4789 or 8472, which CNIs use)")
 	fs.IntVar(&opts.MTU, "vm-mtu", hostnet.DefaultMTU, "MTU of VM interfaces, taps and overlay devices (underlay MTU minus 50)")
 	fs.Func("insecure-registry", "registry host:port reachable over plain HTTP (repeatable; loopback always is)", func(s string) error {

@@ -179,7 +179,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		return err
 	}
 	a.networks.Policies = policies
-	a.networks.Domains = &egressproxy.Proxies{Host: a.net, Decided: egressproxy.Reporter{Client: a.Client, Recorder: a.Recorder}.Decided}
+	a.networks.Domains = &egressproxy.Proxies{Host: a.net, Nameserver: o.EgressNameserver, Decided: egressproxy.Reporter{Client: a.Client, Recorder: a.Recorder}.Decided}
 	if err := a.snapshots.SetupWithManager(mgr); err != nil {
 		return err
 	}

@@ -119,6 +119,9 @@ type Options struct {
 	// DeniedEgress are destinations that NAT egress never reaches, beyond the node itself and
 	// link-local addresses: the cluster's pod and service ranges, say.
 	DeniedEgress []netip.Prefix
+	// EgressNameserver ("host:port") is the DNS server the domain egress proxy asks; empty,
+	// the node's resolv.conf's.
+	EgressNameserver string
 	// OverlayAddress is the node's underlay address for the VXLAN overlay between nodes;
 	// invalid leaves the node out of the overlay (its VMs reach only VMs on the same node).
 	OverlayAddress netip.Addr

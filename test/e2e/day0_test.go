@@ -245,7 +245,9 @@ guest:
     hostPath: %[4]s
 network:
   nsDir: %[5]s
-`, realNode, agentState, registry, kernel, filepath.Join(nodeState, "run/imp/netns"), noKVM, noKVM == "")
+  # The domain egress proxy asks the DNS server of the test's internet (checkDomainEgress).
+  egressNameserver: %[8]q
+`, realNode, agentState, registry, kernel, filepath.Join(nodeState, "run/imp/netns"), noKVM, noKVM == "", inetNameserver)
 	if err := os.WriteFile(filepath.Join(tmp, "values-this-machine.yaml"), []byte(machine), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -513,6 +515,8 @@ network:
 
 	// ## NetworkPolicy (docs/networking.md): the reachability matrix, pods and VMs.
 	checkNetworkPolicy(t, sh, must, eventually, env, tmp, client, ref.String(), realNode)
+	// ## Domain egress (docs/networking.md): allowed names only, through the node's proxy.
+	checkDomainEgress(t, sh, must, eventually, tmp, ref.String(), realNode)
 
 	// ## Pools (docs/pools.md): scaled, rolled and undone behind a Service, real guests.
 	if vmmKind == "" || vmmKind == "qemu" {

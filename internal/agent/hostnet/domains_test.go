@@ -2,30 +2,22 @@ package hostnet_test
 
 import (
 	"bufio"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"net/netip"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"golang.org/x/net/dns/dnsmessage"
 
 	"github.com/syscode-labs/imp/internal/agent/egressproxy"
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
+	"github.com/syscode-labs/imp/internal/testguest/reach"
+	"github.com/syscode-labs/imp/internal/testinet"
 	"github.com/syscode-labs/imp/internal/testnetns"
 )
 
@@ -48,11 +40,11 @@ func TestDomainEgress(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	serveHTTP(t, inet, "203.0.113.10:80")
-	serveHTTP(t, inet, "203.0.113.11:80")
-	serveTLS(t, inet, "203.0.113.10:443")
-	serveHTTP(t, inet, "203.0.113.11:8080")
-	serveDNS(t, inet, "203.0.113.10:53", map[string]string{
+	testinet.ServeHTTP(t, inet, "203.0.113.10:80")
+	testinet.ServeHTTP(t, inet, "203.0.113.11:80")
+	testinet.ServeTLS(t, inet, "203.0.113.10:443")
+	testinet.ServeHTTP(t, inet, "203.0.113.11:8080")
+	testinet.ServeDNS(t, inet, "203.0.113.10:53", map[string]string{
 		"allowed.test.":      "203.0.113.10",
 		"api.allowed.test.":  "203.0.113.10",
 		"other.test.":        "203.0.113.11",
@@ -179,124 +171,12 @@ func addr(p netip.Prefix) *netlink.Addr {
 }
 
 // fetchFrom sends one GET for host to dial from ns (over TLS with host as the server name)
-// and returns the answer's body, "reset" when the connection was reset, or the error.
+// and returns the answer's first line, "reset" when the connection was reset, or the error.
 func fetchFrom(t *testing.T, ns, dial, host string, useTLS bool) string {
 	t.Helper()
 	var out string
-	err := testnetns.Do(ns, func() error {
-		c, err := net.DialTimeout("tcp", dial, 3*time.Second)
-		if err != nil {
-			return err
-		}
-		defer c.Close()
-		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-		if useTLS {
-			tc := tls.Client(c, &tls.Config{ServerName: host, InsecureSkipVerify: true}) //nolint:gosec // the test's own server
-			if err := tc.Handshake(); err != nil {
-				return err
-			}
-			c = tc
-		}
-		if _, err := fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", host); err != nil {
-			return err
-		}
-		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		b := make([]byte, 256)
-		k, _ := resp.Body.Read(b)
-		out = strings.TrimSpace(string(b[:k]))
-		return nil
-	})
-	if errors.Is(err, syscall.ECONNRESET) {
-		return "reset"
-	}
-	if err != nil {
-		return "error: " + err.Error()
+	if err := testnetns.Do(ns, func() error { out = reach.Get(host, dial, useTLS, 5*time.Second); return nil }); err != nil {
+		t.Fatal(err)
 	}
 	return out
-}
-
-// serveHTTP answers every request at addr in ns with "http hello from <Host> at <local address>".
-func serveHTTP(t *testing.T, ns, addr string) {
-	t.Helper()
-	var l net.Listener
-	if err := testnetns.Do(ns, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		local, _, _ := net.SplitHostPort(r.Context().Value(http.LocalAddrContextKey).(net.Addr).String())
-		fmt.Fprintf(w, "http hello from %s at %s\n", r.Host, local)
-	}), ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { srv.Close() })
-}
-
-// serveTLS answers over TLS at addr in ns, with a certificate of its own, "tls hello from <SNI>".
-func serveTLS(t *testing.T, ns, addr string) {
-	t.Helper()
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test"}, NotBefore: time.Now().Add(-time.Hour),
-		NotAfter: time.Now().Add(time.Hour), DNSNames: []string{"*.allowed.test", "allowed.test", "other.test"}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var l net.Listener
-	if err := testnetns.Do(ns, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintf(w, "tls hello from %s\n", r.TLS.ServerName)
-	}), ReadHeaderTimeout: 5 * time.Second, TLSConfig: &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}}}
-	go func() { _ = srv.ServeTLS(l, "", "") }()
-	t.Cleanup(func() { srv.Close() })
-}
-
-// serveDNS answers A queries at addr (UDP) in ns from names; anything else is NXDOMAIN.
-func serveDNS(t *testing.T, ns, addr string, names map[string]string) {
-	t.Helper()
-	var pc net.PacketConn
-	if err := testnetns.Do(ns, func() (err error) { pc, err = net.ListenPacket("udp", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pc.Close() })
-	go func() {
-		buf := make([]byte, 512)
-		for {
-			k, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			var p dnsmessage.Parser
-			h, err := p.Start(buf[:k])
-			if err != nil {
-				continue
-			}
-			q, err := p.Question()
-			if err != nil {
-				continue
-			}
-			b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: h.ID, Response: true, Authoritative: true})
-			b.EnableCompression()
-			_ = b.StartQuestions()
-			_ = b.Question(q)
-			ip, ok := names[q.Name.String()]
-			if !ok || ip == "" {
-				b = dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: h.ID, Response: true, RCode: dnsmessage.RCodeNameError})
-				_ = b.StartQuestions()
-				_ = b.Question(q)
-			} else if q.Type == dnsmessage.TypeA {
-				_ = b.StartAnswers()
-				_ = b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 1},
-					dnsmessage.AResource{A: netip.MustParseAddr(ip).As4()})
-			}
-			out, err := b.Finish()
-			if err == nil {
-				_, _ = pc.WriteTo(out, from)
-			}
-		}
-	}()
 }

@@ -6,12 +6,16 @@ package reach
 
 import (
 	"bufio"
+	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -121,9 +125,40 @@ func Watch(w io.Writer, target string, interval, d time.Duration) {
 	}
 }
 
+// Get sends one GET for host to dial ("host:port"), over TLS with host as the server name
+// when useTLS (any certificate), and returns the answer's first line, "reset" when the
+// connection was reset, or "error: ...".
+func Get(host, dial string, useTLS bool, timeout time.Duration) string {
+	c, err := net.DialTimeout("tcp", dial, timeout)
+	if err == nil {
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(timeout))
+		if useTLS {
+			tc := tls.Client(c, &tls.Config{ServerName: host, InsecureSkipVerify: true}) //nolint:gosec // a probe, of the test's own servers
+			err = tc.Handshake()
+			c = tc
+		}
+	}
+	var resp *http.Response
+	if err == nil {
+		if _, err = fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", host); err == nil {
+			resp, err = http.ReadResponse(bufio.NewReader(c), nil)
+		}
+	}
+	switch {
+	case errors.Is(err, syscall.ECONNRESET):
+		return "reset"
+	case err != nil:
+		return "error: " + err.Error()
+	}
+	defer resp.Body.Close()
+	line, _ := bufio.NewReader(resp.Body).ReadString('\n')
+	return strings.TrimSpace(line)
+}
+
 // Main runs the tool of args for a program that carries it: "serve NAME PORT...", "probe
-// TIMEOUT TARGET...", "watch TARGET INTERVAL DURATION". It returns the exit code, and false
-// when args name none of them.
+// TIMEOUT TARGET...", "watch TARGET INTERVAL DURATION", "get [--tls] HOST DIAL". It returns
+// the exit code, and false when args name none of them.
 func Main(w io.Writer, args []string) (int, bool) {
 	if len(args) == 0 {
 		return 0, false
@@ -152,6 +187,17 @@ func Main(w io.Writer, args []string) (int, bool) {
 			return 2, true
 		}
 		Probe(w, d, args[2:])
+		return 0, true
+	case "get":
+		rest, useTLS := args[1:], false
+		if len(rest) > 0 && rest[0] == "--tls" {
+			rest, useTLS = rest[1:], true
+		}
+		if len(rest) != 2 {
+			fmt.Fprintln(w, "usage: get [--tls] HOST DIAL")
+			return 2, true
+		}
+		fmt.Fprintln(w, Get(rest[0], rest[1], useTLS, 5*time.Second))
 		return 0, true
 	case "watch":
 		if len(args) != 4 {
