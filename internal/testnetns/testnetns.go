@@ -151,6 +151,26 @@ func Link(t testing.TB, a, nameA, cidrA, b, nameB, cidrB string) {
 	}
 }
 
+// Serve listens on TCP addr in ns and gives each connection to handle, on a goroutine of its
+// own, until the test ends.
+func Serve(t testing.TB, ns, addr string, handle func(net.Conn)) {
+	t.Helper()
+	var l net.Listener
+	if err := Do(ns, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
+		t.Fatalf("listening on %s in %s: %v", addr, ns, err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go handle(c)
+		}
+	}()
+}
+
 // PinDir is a directory for the network namespaces a test's code pins (bind mounts); when the
 // test ends, whatever is still pinned there is unmounted before the directory goes.
 func PinDir(t testing.TB) string {

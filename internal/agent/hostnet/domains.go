@@ -58,13 +58,10 @@ func bePort(p uint16) []byte { return []byte{byte(p >> 8), byte(p)} }
 // ListenProxy listens for the domain egress proxy on n's gateway, in n's namespace.
 func (h *Host) ListenProxy(n Network) (net.Listener, error) {
 	h.mu.Lock()
-	s, err := h.openSpace(n.id())
+	s, err := h.plumbed(n)
 	h.mu.Unlock()
 	if err != nil {
 		return nil, err
-	}
-	if s == nil {
-		return nil, fmt.Errorf("network %s is not on the node", n.Key())
 	}
 	var l net.Listener
 	err = runIn(s.ns, func() (err error) {

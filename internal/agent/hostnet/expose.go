@@ -98,12 +98,9 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	s, err := h.openSpace(n.id())
+	s, err := h.plumbed(n)
 	if err != nil {
 		return err
-	}
-	if s == nil {
-		return fmt.Errorf("network %s is not on the node: attach the VM first", n.Key())
 	}
 	// A route of someone else's (the CNI's pod ranges, the node's own subnets) that holds the
 	// address wins: a /32 of IMP's would take its traffic.

@@ -52,22 +52,11 @@ func guestBehind(t *testing.T, h *hostnet.Host, n hostnet.Network, vm, ip string
 // greet serves TCP on addr in ns: each connection gets "<who> saw <remote address>".
 func greet(t *testing.T, ns, addr, who string) {
 	t.Helper()
-	var l net.Listener
-	if err := testnetns.Do(ns, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			host, _, _ := net.SplitHostPort(c.RemoteAddr().String())
-			fmt.Fprintf(c, "%s saw %s\n", who, host)
-			c.Close()
-		}
-	}()
+	testnetns.Serve(t, ns, addr, func(c net.Conn) {
+		host, _, _ := net.SplitHostPort(c.RemoteAddr().String())
+		fmt.Fprintf(c, "%s saw %s\n", who, host)
+		c.Close()
+	})
 }
 
 // ask connects from ns to addr and returns the greeting, or the error.

@@ -268,12 +268,9 @@ func policyTag(id string, rs []rule, sets []polSet) string {
 func (h *Host) SetPolicy(n Network, vmUID string, ip netip.Addr, p Policy) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	s, err := h.openSpace(n.id())
+	s, err := h.plumbed(n)
 	if err != nil {
 		return err
-	}
-	if s == nil {
-		return fmt.Errorf("network %s is not on the node: attach the VM first", n.Key())
 	}
 	if !n.Prefix.Contains(ip) {
 		return fmt.Errorf("address %s is not of network %s", ip, n.Key())

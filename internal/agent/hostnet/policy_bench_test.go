@@ -169,20 +169,7 @@ func TestBenchNetpol(t *testing.T) {
 // sink accepts TCP on addr in ns and reads each connection to its end.
 func sink(t *testing.T, ns, addr string) {
 	t.Helper()
-	var l net.Listener
-	if err := testnetns.Do(ns, func() (err error) { l, err = net.Listen("tcp", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() { _, _ = io.Copy(io.Discard, c); c.Close() }()
-		}
-	}()
+	testnetns.Serve(t, ns, addr, func(c net.Conn) { _, _ = io.Copy(io.Discard, c); c.Close() })
 }
 
 // stream sends to addr from ns for two seconds and returns MiB/s.

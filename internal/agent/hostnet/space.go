@@ -76,6 +76,18 @@ func (h *Host) openSpace(id string) (*space, error) {
 	return s, nil
 }
 
+// ErrNotOnNode: the network has no namespace on the node (no VM of it is attached here).
+var ErrNotOnNode = errors.New("the network is not on the node: attach a VM first")
+
+// plumbed opens n's namespace, which must be there. Called with h.mu held.
+func (h *Host) plumbed(n Network) (*space, error) {
+	s, err := h.openSpace(n.id())
+	if err == nil && s == nil {
+		err = fmt.Errorf("network %s: %w", n.Key(), ErrNotOnNode)
+	}
+	return s, err
+}
+
 // openSpaces opens every network namespace pinned on the node, removing what is left of
 // namespaces that are not (a file whose mount is gone).
 func (h *Host) openSpaces() ([]*space, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -179,7 +180,7 @@ func (e *Enforcer) enforce(ctx context.Context, w *World, vm *impv1.ImpVM) error
 		return err
 	}
 	err = e.set(w, vm, n, ip, false)
-	if err != nil && strings.Contains(err.Error(), "attach the VM first") {
+	if errors.Is(err, hostnet.ErrNotOnNode) {
 		return nil // not attached here (yet, or any more): its attach applies it
 	}
 	return err
