@@ -30,7 +30,7 @@ type Host interface {
 	ListenProxy(n hostnet.Network) (net.Listener, error)
 	DialFromNode(ctx context.Context, to netip.AddrPort) (net.Conn, error)
 	Resolver(nameserver string) *net.Resolver
-	Internal(n hostnet.Network) func(netip.Addr) string
+	Internal(n hostnet.Network) func(netip.Addr, uint16) string
 }
 
 // Proxies runs the domain egress proxy of each network of the node whose egress names
@@ -91,7 +91,7 @@ func (ps *Proxies) Ensure(n hostnet.Network, domains []string, present bool) err
 			Resolve: func(ctx context.Context, name string) ([]netip.Addr, error) {
 				return resolver.LookupNetIP(ctx, "ip4", name)
 			},
-			Internal: func(a netip.Addr) string { return ps.Host.Internal(*r.net.Load())(a) },
+			Internal: func(a netip.Addr, port uint16) string { return ps.Host.Internal(*r.net.Load())(a, port) },
 			Decided: func(d Decision) {
 				connections.WithLabelValues(n.Namespace, n.Name, d.Result).Inc()
 				if ps.Decided != nil {

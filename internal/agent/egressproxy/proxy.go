@@ -50,6 +50,16 @@ const (
 	RefusedDestination = "destination" // the guest dialled an internal address
 	RefusedUnresolved  = "unresolved"
 	RefusedUnreachable = "unreachable"
+	RefusedUpgrade     = "upgrade" // plain HTTP asking to become another protocol
+	RefusedLimit       = "limit"   // over the proxy's or the VM's bound of connections
+)
+
+// Bounds of connections: at once through a proxy, and of one VM; a spliced connection with
+// nothing in either direction for idleTimeout ends.
+const (
+	maxConns     = 1024
+	maxPerClient = 64
+	idleTimeout  = 10 * time.Minute
 )
 
 // Domains are the allowed names: exact ("api.github.com") or with one leading wildcard label
@@ -86,8 +96,8 @@ type Proxy struct {
 	OriginalDst func(net.Conn) (netip.AddrPort, error)
 	// Resolve resolves a name with the node's resolver.
 	Resolve func(ctx context.Context, name string) ([]netip.Addr, error)
-	// Internal says why an address may not be reached, or "".
-	Internal func(netip.Addr) string
+	// Internal says why an address may not be reached on a TCP port, or "".
+	Internal func(netip.Addr, uint16) string
 	// Dial connects from the node.
 	Dial func(ctx context.Context, to netip.AddrPort) (net.Conn, error)
 	// Decided is told of every connection (metrics, Events).
@@ -95,6 +105,10 @@ type Proxy struct {
 
 	domains atomic.Pointer[Domains]
 	wg      sync.WaitGroup
+
+	mu       sync.Mutex
+	conns    int
+	byClient map[netip.Addr]int
 }
 
 // SetDomains replaces the allowed names; connections already let out stay.
@@ -106,15 +120,60 @@ func (p *Proxy) Serve(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer func() { cancel(); p.wg.Wait() }()
 	go func() { <-ctx.Done(); p.Listener.Close() }()
+	backoff := 5 * time.Millisecond
 	for {
 		c, err := p.Listener.Accept()
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return nil
 			}
-			return fmt.Errorf("accepting: %w", err)
+			// Out of descriptors, say: wait and go on, as net/http's server does; never stop
+			// serving the network for good.
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, time.Second)
+			continue
 		}
-		p.wg.Go(func() { p.handle(ctx, c) })
+		backoff = 5 * time.Millisecond
+		client := addrPort(c.RemoteAddr()).Addr()
+		if !p.take(client) {
+			if p.Decided != nil {
+				p.Decided(Decision{Client: addrPort(c.RemoteAddr()), Result: RefusedLimit})
+			}
+			reset(c)
+			continue
+		}
+		p.wg.Go(func() {
+			defer p.give(client)
+			p.handle(ctx, c)
+		})
+	}
+}
+
+// take counts a connection of client in, unless the proxy or the client is at its bound.
+func (p *Proxy) take(client netip.Addr) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.byClient == nil {
+		p.byClient = map[netip.Addr]int{}
+	}
+	if p.conns >= maxConns || p.byClient[client] >= maxPerClient {
+		return false
+	}
+	p.conns++
+	p.byClient[client]++
+	return true
+}
+
+func (p *Proxy) give(client netip.Addr) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.conns--
+	if p.byClient[client]--; p.byClient[client] <= 0 {
+		delete(p.byClient, client)
 	}
 }
 
@@ -130,7 +189,8 @@ func (p *Proxy) handle(ctx context.Context, c net.Conn) {
 	}
 	defer c.Close()
 	defer up.Close()
-	from := io.MultiReader(bytes.NewReader(head), c)
+	fromClient := &waiting{c: c, wait: idleTimeout, left: -1}
+	from := io.MultiReader(bytes.NewReader(head), fromClient)
 	done := make(chan struct{}, 2)
 	closeWrite := func(dst net.Conn) {
 		if tc, ok := dst.(interface{ CloseWrite() error }); ok {
@@ -140,7 +200,7 @@ func (p *Proxy) handle(ctx context.Context, c net.Conn) {
 	go func() {
 		if head[0] == 0x16 {
 			_, _ = io.Copy(up, from)
-		} else if !p.requests(up, from, d) {
+		} else if !p.requests(up, from, fromClient, d) {
 			reset(c)
 			reset(up)
 		}
@@ -148,7 +208,7 @@ func (p *Proxy) handle(ctx context.Context, c net.Conn) {
 		done <- struct{}{}
 	}()
 	go func() {
-		_, _ = io.Copy(c, up)
+		_, _ = io.Copy(c, &waiting{c: up, wait: idleTimeout, left: -1})
 		closeWrite(c)
 		done <- struct{}{}
 	}()
@@ -159,15 +219,44 @@ func (p *Proxy) handle(ctx context.Context, c net.Conn) {
 	}
 }
 
+// waiting reads c, each read waiting at most wait: a bound on a request's head while one is
+// read, an idle timeout otherwise.
+type waiting struct {
+	c    net.Conn
+	wait time.Duration
+	// left, when not negative, is what may still be read (a request's head).
+	left int
+}
+
+func (w *waiting) Read(b []byte) (int, error) {
+	if w.left == 0 {
+		return 0, fmt.Errorf("a request's head longer than %d bytes", maxHello)
+	}
+	if w.left > 0 && len(b) > w.left {
+		b = b[:w.left]
+	}
+	_ = w.c.SetReadDeadline(time.Now().Add(w.wait))
+	n, err := w.c.Read(b)
+	if w.left > 0 {
+		w.left -= n
+	}
+	return n, err
+}
+
 // requests forwards the client's HTTP requests to up one by one, each checked to ask for the
 // name the connection was let out for: a second request of a kept-alive connection naming
 // another host (which a shared front end would route by its Host) ends the connection, and is
-// reported. After a request that upgrades the connection (a WebSocket) the rest is copied as
-// it is. It returns false when it refused a request.
-func (p *Proxy) requests(up io.Writer, from io.Reader, first Decision) bool {
+// reported; so does a request to upgrade the connection to another protocol (a WebSocket, h2c),
+// after which nothing could be checked (WebSockets pass over TLS, wss). Each request's head
+// is bounded in size and time; its body is not. It returns false when it refused a request.
+func (p *Proxy) requests(up io.Writer, from io.Reader, client *waiting, first Decision) bool {
 	br := bufio.NewReaderSize(from, 4096)
 	for {
+		// The head: at most maxHello more bytes from the client (what the reader holds
+		// already aside), within helloWait.
+		client.left, client.wait = maxHello, helloWait
 		req, err := http.ReadRequest(br)
+		client.left, client.wait = -1, idleTimeout
 		if err != nil {
 			return true // the client is done, or sent what is no request: the end
 		}
@@ -182,14 +271,17 @@ func (p *Proxy) requests(up io.Writer, from io.Reader, first Decision) bool {
 			}
 			return false
 		}
+		if req.Header.Get("Upgrade") != "" {
+			if p.Decided != nil {
+				p.Decided(Decision{Client: first.Client, Dialed: first.Dialed, Name: first.Name, Result: RefusedUpgrade,
+					Err: fmt.Errorf("Upgrade: %s over plain HTTP", bounded(req.Header.Get("Upgrade")))})
+			}
+			return false
+		}
 		if _, ok := req.Header["User-Agent"]; !ok {
 			req.Header["User-Agent"] = []string{""} // Write adds Go's otherwise
 		}
 		if err := req.Write(up); err != nil {
-			return true
-		}
-		if req.Header.Get("Upgrade") != "" {
-			_, _ = io.Copy(up, br)
 			return true
 		}
 	}
@@ -220,7 +312,7 @@ func (p *Proxy) decide(ctx context.Context, c net.Conn, d *Decision) (net.Conn, 
 	if doms := p.domains.Load(); doms == nil || !doms.Allows(name) {
 		return refuse(RefusedDomain, nil)
 	}
-	if why := p.Internal(dst.Addr()); why != "" {
+	if why := p.Internal(dst.Addr(), dst.Port()); why != "" {
 		return refuse(RefusedDestination, fmt.Errorf("dialled %s: %s", dst.Addr(), why))
 	}
 	rctx, cancel := context.WithTimeout(ctx, resolveWait)
@@ -238,7 +330,7 @@ func (p *Proxy) decide(ctx context.Context, c net.Conn, d *Decision) (net.Conn, 
 	// Any internal address among the answers refuses the name: an answer that mixes one in
 	// is a rebinding attempt, whichever address a retry would pick.
 	for _, a := range v4 {
-		if why := p.Internal(a); why != "" {
+		if why := p.Internal(a, dst.Port()); why != "" {
 			return refuse(RefusedInternal, fmt.Errorf("%s resolves to %s: %s", name, a, why))
 		}
 	}

@@ -102,12 +102,13 @@ func (h *Host) Resolver(nameserver string) *net.Resolver {
 	}}
 }
 
-// Internal says why n's VMs may not reach a through the egress proxy, or "": an address of
-// the node's, loopback, link-local, unspecified or multicast, the cluster's denied ranges and
-// the transit range, and what n's egress rules would drop (deny; non-public addresses its allow
-// does not list; everything its allow does not list with internet Deny).
-func (h *Host) Internal(n Network) func(netip.Addr) string {
-	return func(a netip.Addr) string {
+// Internal says why n's VMs may not reach a on TCP port through the egress proxy, or "": an
+// address of the node's, loopback, link-local, unspecified or multicast, the cluster's denied
+// ranges and the transit range; what n's egress denies (on that port); and a non-public address
+// its allow does not list (on that port). A name the network's domains allow may resolve to
+// any public address, whatever internet says: domains are what it allows over HTTP and HTTPS.
+func (h *Host) Internal(n Network) func(netip.Addr, uint16) string {
+	return func(a netip.Addr, port uint16) string {
 		switch {
 		case !a.Is4():
 			return "not an IPv4 address"
@@ -125,17 +126,14 @@ func (h *Host) Internal(n Network) func(netip.Addr) string {
 			return "an address of the node"
 		}
 		for _, r := range n.Egress.Deny {
-			if r.Prefix.Contains(a) && len(r.Ports) == 0 {
+			if r.holds(a, port) {
 				return "denied by the network's egress " + r.Prefix.String()
 			}
 		}
 		for _, r := range n.Egress.Allow {
-			if r.Prefix.Contains(a) {
+			if r.holds(a, port) {
 				return ""
 			}
-		}
-		if !n.Egress.Internet {
-			return "not in the network's egress allow list"
 		}
 		for _, p := range NonPublic {
 			if p.Contains(a) {
@@ -144,6 +142,23 @@ func (h *Host) Internal(n Network) func(netip.Addr) string {
 		}
 		return ""
 	}
+}
+
+// holds says whether r covers TCP port of a: its prefix holds a, and it names no ports or a
+// TCP range with port.
+func (r EgressRule) holds(a netip.Addr, port uint16) bool {
+	if !r.Prefix.Contains(a) {
+		return false
+	}
+	if len(r.Ports) == 0 {
+		return true
+	}
+	for _, pr := range r.Ports {
+		if pr.Protocol == unix.IPPROTO_TCP && port >= pr.From && port <= pr.To {
+			return true
+		}
+	}
+	return false
 }
 
 // nodeAddress says whether a is an address of the node's namespace.

@@ -2,11 +2,13 @@ package hostnet_test
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -146,6 +148,47 @@ func TestDomainEgress(t *testing.T) {
 		return nil
 	}); err != nil {
 		t.Fatal(err)
+	}
+
+	// Asking a plain HTTP connection to become another protocol (after which nothing could be
+	// checked) ends it; so does a request head past the bound, instead of growing without end.
+	if err := testnetns.Do(g, func() error {
+		for _, tc := range []struct{ what, req, answered string }{
+			{"an upgrade", "GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", ""},
+			{"an endless second head", "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\nGET / HTTP/1.1\r\nHost: allowed.test\r\nX-Long: " +
+				strings.Repeat("a", 40<<10), "http hello from allowed.test"},
+		} {
+			c, err := net.DialTimeout("tcp", "203.0.113.10:80", 3*time.Second)
+			if err != nil {
+				return err
+			}
+			start := time.Now()
+			_ = c.SetDeadline(start.Add(15 * time.Second))
+			_, _ = io.WriteString(c, tc.req)
+			b, err := io.ReadAll(c)
+			c.Close()
+			// Ended by the bound at once, not by the wait for more of the head (10 s).
+			if errors.Is(err, os.ErrDeadlineExceeded) || time.Since(start) > 5*time.Second {
+				t.Errorf("%s: ended after %v: %v", tc.what, time.Since(start), err)
+			}
+			if got := string(b); tc.answered == "" && got != "" || !strings.Contains(got, tc.answered) || strings.Count(got, "HTTP/1.1 200") > 1 {
+				t.Errorf("%s: answered %q", tc.what, got)
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	// With internet Deny, the allowed names are still reached: domains are what the network
+	// allows over HTTP and HTTPS.
+	closed := n
+	closed.Egress.Internet = false
+	if err := ps.Ensure(closed, []string{"allowed.test", "*.allowed.test"}, true); err != nil {
+		t.Fatal(err)
+	}
+	if got := fetchFrom(t, g, "203.0.113.10:80", "allowed.test", false); !strings.HasPrefix(got, "http hello from allowed.test") {
+		t.Errorf("allowed.test with internet Deny: %q", got)
 	}
 
 	// The list changes: other.test allowed from then on; the proxy stops with its domains.

@@ -16,6 +16,7 @@ import (
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	mnl "github.com/mdlayher/netlink"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -107,21 +108,24 @@ func (p polSide) chain(id string) *nftables.Chain {
 // is never taken for a VM's own.
 func policyDispatch(br string) []rule {
 	vmap := func(dev expr.MetaKey, at uint32, m *nftables.Set) []expr.Any {
-		return cat(ifname(dev, br, true), ctNew(), ipv4(), []expr.Any{
+		return cat(ifname(dev, br, true), ctNewOrInvalid(), ipv4(), []expr.Any{
 			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: at, Len: 4},
 			&expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: m.Name},
 		})
 	}
 	return []rule{
-		{polPreChain, fmt.Sprintf("iifname %q ct state new ip saddr vmap @polout", br), vmap(expr.MetaKeyIIFNAME, 12, polOutMap)},
-		{spaceForward, fmt.Sprintf("oifname %q ct state new ip daddr vmap @polin", br), vmap(expr.MetaKeyOIFNAME, 16, polInMap)},
+		{polPreChain, fmt.Sprintf("iifname %q ct state new,invalid ip saddr vmap @polout", br), vmap(expr.MetaKeyIIFNAME, 12, polOutMap)},
+		{spaceForward, fmt.Sprintf("oifname %q ct state new,invalid ip daddr vmap @polin", br), vmap(expr.MetaKeyOIFNAME, 16, polInMap)},
 	}
 }
 
-func ctNew() []expr.Any {
+// ctNewOrInvalid matches a connection's first packet, and packets conntrack calls invalid
+// (no connection of theirs, such as a lone FIN): those would otherwise pass as bridged frames
+// without any policy seeing them.
+func ctNewOrInvalid() []expr.Any {
 	return []expr.Any{
 		&expr.Ct{Register: 1, Key: expr.CtKeySTATE},
-		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: nativeU32(expr.CtStateBitNEW), Xor: nativeU32(0)},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: nativeU32(expr.CtStateBitNEW | expr.CtStateBitINVALID), Xor: nativeU32(0)},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: nativeU32(0)},
 	}
 }
@@ -473,6 +477,44 @@ func (s *space) prunePolicies() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// forgetFlows removes the namespace's connections of address ip, as a VM takes it: those of
+// a VM that held it before (or of this VM's earlier run) would otherwise carry on past the
+// policies, which look only at a connection's first packet.
+func (s *space) forgetFlows(ip netip.Addr) error {
+	var filters []netlink.CustomConntrackFilter
+	for _, tp := range []netlink.ConntrackFilterType{netlink.ConntrackOrigSrcIP, netlink.ConntrackOrigDstIP, netlink.ConntrackReplyAnyIP} {
+		f := &netlink.ConntrackFilter{}
+		if err := f.AddIP(tp, ip.AsSlice()); err != nil {
+			return err
+		}
+		filters = append(filters, f)
+	}
+	if _, err := s.nl.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, filters...); err != nil {
+		return fmt.Errorf("forgetting the connections of %s: %w", ip, err)
+	}
+	return nil
+}
+
+// tapAddr is the address tap's anti-spoofing rules hold, if any.
+func (s *space) tapAddr(tap string) netip.Addr {
+	rs, err := getRules(s.nft, tapChain(tap))
+	if err != nil {
+		return netip.Addr{}
+	}
+	for _, r := range rs {
+		for i, e := range r.Exprs {
+			p, ok := e.(*expr.Payload)
+			if !ok || p.Base != expr.PayloadBaseNetworkHeader || p.Offset != 12 || p.Len != 4 || i+1 >= len(r.Exprs) {
+				continue
+			}
+			if c, ok := r.Exprs[i+1].(*expr.Cmp); ok && len(c.Data) == 4 {
+				return netip.AddrFrom4([4]byte(c.Data))
+			}
+		}
+	}
+	return netip.Addr{}
 }
 
 // errNoBridgeNetfilter: the kernel does not show bridged frames to the IP hooks, so no

@@ -169,6 +169,16 @@ func TestPolicyOnEveryPath(t *testing.T) {
 	if err := h.Detach("vm-b"); err != nil {
 		t.Fatal(err)
 	}
+	// A VM taking B's address starts with none of B's connections, which policies, looking at
+	// a connection's first packet only, would never see.
+	at, err := h.Attach(n, "vm-b2", b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at.Tap.Close()
+	if left := flowsOf(t, at.NetNS, b); left != 0 {
+		t.Errorf("%d connections of B's address left for the VM that took it", left)
+	}
 	rules, _ = h.Rules()
 	for _, r := range rules {
 		if strings.Contains(r, " ing-") || strings.Contains(r, " egr-") {
@@ -219,4 +229,23 @@ func TestPolicyAcrossNodes(t *testing.T) {
 	}
 	reach("a isolated for egress", ga, "10.74.0.3:8080", false)
 	reach("a isolated for egress", gb, "10.74.0.2:8080", true) // a's replies pass
+}
+
+// flowsOf counts the connections conntrack holds in ns that involve ip.
+func flowsOf(t *testing.T, ns string, ip netip.Addr) int {
+	t.Helper()
+	flows, err := testnetns.Handle(t, ns).ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, f := range flows {
+		for _, a := range []net.IP{f.Forward.SrcIP, f.Forward.DstIP, f.Reverse.SrcIP, f.Reverse.DstIP} {
+			if a.Equal(ip.AsSlice()) {
+				n++
+				break
+			}
+		}
+	}
+	return n
 }

@@ -61,6 +61,9 @@ type Enforcer struct {
 
 	mu      sync.Mutex
 	applied map[types.UID]string // the hash of the policy set for each VM (its host UID)
+	// setting is held from reading the caches to setting the policies, by a reconcile and by
+	// an attach's Apply: neither sets a policy computed before the other's.
+	setting sync.Mutex
 }
 
 // key is the one request of the enforcer: every VM is computed at once.
@@ -111,6 +114,8 @@ func (e *Enforcer) SetupWithManager(mgr ctrl.Manager) error {
 
 // Reconcile computes and sets the policy of every VM of the node that is on a network.
 func (e *Enforcer) Reconcile(ctx context.Context, _ reconcile.Request) (reconcile.Result, error) {
+	e.setting.Lock()
+	defer e.setting.Unlock()
 	var vms impv1.ImpVMList
 	if err := e.Client.List(ctx, &vms); err != nil {
 		return reconcile.Result{}, fmt.Errorf("listing the node's VMs: %w", err)
@@ -127,9 +132,20 @@ func (e *Enforcer) Reconcile(ctx context.Context, _ reconcile.Request) (reconcil
 		return reconcile.Result{}, err
 	}
 	seen := map[types.UID]bool{}
+	// A warm member handed to a claim runs as the claim: its own ImpVM, still listed until it
+	// goes, is not enforced (both would set the one run's policy, each at its own address).
+	handed := map[types.UID]bool{}
+	for i := range vms.Items {
+		if vm := &vms.Items[i]; vm.HostUID() != vm.UID {
+			handed[vm.HostUID()] = true
+		}
+	}
 	var failed []string
 	for i := range vms.Items {
 		vm := &vms.Items[i]
+		if handed[vm.UID] {
+			continue
+		}
 		seen[vm.HostUID()] = true
 		if err := e.enforce(ctx, w, vm); err != nil {
 			failed = append(failed, vm.Name)
@@ -159,6 +175,8 @@ func (e *Enforcer) Apply(ctx context.Context, vm *impv1.ImpVM, n hostnet.Network
 	if !e.objects.WaitForCacheSync(ctx) || !e.Fleet.WaitForCacheSync(ctx) {
 		return fmt.Errorf("waiting for the NetworkPolicy caches: %w", ctx.Err())
 	}
+	e.setting.Lock()
+	defer e.setting.Unlock()
 	w, err := e.world(ctx, func(w *World) bool { return len(w.Selecting(target(vm, "", netip.Addr{}))) > 0 })
 	if err != nil {
 		return err
@@ -405,7 +423,10 @@ func (e *Enforcer) services(ctx context.Context, w *World) error {
 						continue
 					}
 					for _, ep := range s.Endpoints {
-						if ep.Conditions.Ready != nil && !*ep.Conditions.Ready {
+						// Ready ones, and serving ones too: kube-proxy falls back to serving
+						// (terminating) endpoints when none is ready.
+						c := ep.Conditions
+						if c.Ready != nil && !*c.Ready && (c.Serving == nil || !*c.Serving) {
 							continue
 						}
 						for _, a := range ep.Addresses {
@@ -446,7 +467,7 @@ func trimService(o any) (any, error) {
 }
 
 // trimSlice keeps of an EndpointSlice its Service, ports and endpoints' addresses and
-// readiness.
+// conditions.
 func trimSlice(o any) (any, error) {
 	s, ok := o.(*discoveryv1.EndpointSlice)
 	if !ok {
@@ -454,7 +475,7 @@ func trimSlice(o any) (any, error) {
 	}
 	out := &discoveryv1.EndpointSlice{ObjectMeta: trimmed(s.ObjectMeta), AddressType: s.AddressType, Ports: s.Ports}
 	for _, ep := range s.Endpoints {
-		out.Endpoints = append(out.Endpoints, discoveryv1.Endpoint{Addresses: ep.Addresses, Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}})
+		out.Endpoints = append(out.Endpoints, discoveryv1.Endpoint{Addresses: ep.Addresses, Conditions: ep.Conditions})
 	}
 	return out, nil
 }

@@ -16,7 +16,8 @@ type Service struct {
 	Ports           []ServicePort
 }
 
-// ServicePort is one port of a Service and its ready endpoints (address and target port).
+// ServicePort is one port of a Service and the endpoints (address and target port) kube-proxy
+// may pick: ready ones, and serving ones, which it falls back to when none is ready.
 type ServicePort struct {
 	Protocol  corev1.Protocol
 	Port      int32
