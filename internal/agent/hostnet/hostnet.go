@@ -267,10 +267,6 @@ func (h *Host) Attach(n Network, vmUID string, ip netip.Addr) (Attachment, error
 		f.Close()
 		return Attachment{}, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
 	}
-	if err := s.forgetFlows(ip); err != nil {
-		f.Close()
-		return Attachment{}, err
-	}
 	return Attachment{Tap: f, NetNS: s.path, Network: n, IP: ip}, nil
 }
 
@@ -288,12 +284,12 @@ func (h *Host) Readdress(n Network, vmUID string, ip netip.Addr) (Attachment, er
 	if err != nil {
 		return Attachment{}, err
 	}
-	moved := s.tapAddr(tapName) != ip
+	prev := s.tapAddr(tapName)
 	if err := s.ensureTapRules(tapName, ip); err != nil {
 		return Attachment{}, fmt.Errorf("anti-spoofing rules of %s: %w", tapName, err)
 	}
-	if moved { // a run adopted at its own address keeps its connections
-		if err := s.forgetFlows(ip); err != nil {
+	if prev.IsValid() && prev != ip { // a run adopted at its own address keeps its connections
+		if err := s.forgetFlows(prev); err != nil {
 			return Attachment{}, err
 		}
 	}

@@ -479,9 +479,10 @@ func (s *space) prunePolicies() error {
 	return errors.Join(errs...)
 }
 
-// forgetFlows removes the namespace's connections of address ip, as a VM takes it: those of
-// a VM that held it before (or of this VM's earlier run) would otherwise carry on past the
-// policies, which look only at a connection's first packet.
+// forgetFlows removes the namespace's connections of address ip, as the VM that held it lets
+// it go (its tap removed, or a warm member readdressed): they would otherwise carry on for the
+// address's next VM past the policies, which look only at a connection's first packet. A VM
+// suspended and resumed keeps its tap, and its connections (held ones included).
 func (s *space) forgetFlows(ip netip.Addr) error {
 	var filters []netlink.CustomConntrackFilter
 	for _, tp := range []netlink.ConntrackFilterType{netlink.ConntrackOrigSrcIP, netlink.ConntrackOrigDstIP, netlink.ConntrackReplyAnyIP} {

@@ -478,11 +478,15 @@ func (h *Host) TapCounters(n Network, vmUID string) (in, out uint64, err error) 
 	return in, out, nil
 }
 
-// removeTapRules removes tap's chains (its anti-spoofing chain, its in- chain) and their
-// entries in the maps.
+// removeTapRules removes tap's chains (its anti-spoofing chain, its in- chain, its policy) and
+// their entries in the maps, and forgets the connections of its address.
 func (s *space) removeTapRules(tap string) error {
 	id := strings.TrimPrefix(tap, tapPrefix)
-	return errors.Join(s.removeTapChain(tap, tapChain(tap), tapsMap), s.removeTapChain(tap, tapInChain(tap), tapsInMap), s.removePolicy(id))
+	var forget error
+	if ip := s.tapAddr(tap); ip.IsValid() {
+		forget = s.forgetFlows(ip) // its connections go with it: the address's next VM gets none
+	}
+	return errors.Join(forget, s.removeTapChain(tap, tapChain(tap), tapsMap), s.removeTapChain(tap, tapInChain(tap), tapsInMap), s.removePolicy(id))
 }
 
 // removeTapChain removes c, one of tap's chains, and its entry in map m, when there.
