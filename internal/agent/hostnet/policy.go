@@ -290,7 +290,7 @@ func (h *Host) SetPolicy(n Network, vmUID string, ip netip.Addr, p Policy) error
 		allows []Allow
 	}{{ingress, p.Ingress}, {egress, p.Egress}} {
 		if side.allows == nil {
-			if err := s.removePolicySide(side.polSide, id, ip); err != nil {
+			if err := s.removePolicySide(side.polSide, id); err != nil {
 				return err
 			}
 			continue
@@ -316,8 +316,9 @@ func (s *space) setPolicySide(side polSide, id string, seg, out polPath, ip neti
 	if err != nil {
 		have = nil // no chain yet
 	}
+	entries := s.mapEntries(side.m)
 	if len(have) == len(rs) && slices.IndexFunc(have, func(r *nftables.Rule) bool { return comment(r) != t }) < 0 &&
-		s.mapHas(side.m, ip, c) {
+		entries[ip] == c.Name {
 		return nil
 	}
 	s.createTables()
@@ -340,10 +341,10 @@ func (s *space) setPolicySide(side polSide, id string, seg, out polPath, ip neti
 	// warm member's, readdressed to its claim's), and the one of this address for another
 	// chain (a VM gone whose address this one took). Deleting an absent element fails the
 	// batch, so only what is there goes.
-	if err := s.unmapChain(side.m, c); err != nil {
+	if err := s.unmapChain(side.m, c, entries); err != nil {
 		return err
 	}
-	if cur := s.mapEntry(side.m, ip); cur != "" && cur != c.Name {
+	if cur := entries[ip]; cur != "" && cur != c.Name {
 		if err := s.nft.SetDeleteElements(side.m, []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: cur}}}); err != nil {
 			return err
 		}
@@ -370,19 +371,20 @@ func setsOf(rs []*nftables.Rule) []string {
 	return out
 }
 
-// mapEntry is the chain m sends ip to, or "".
-func (s *space) mapEntry(m *nftables.Set, ip netip.Addr) string {
+// mapEntries are the chains m sends each address to, read in one dump (none when there is no
+// map yet).
+func (s *space) mapEntries(m *nftables.Set) map[netip.Addr]string {
+	out := map[netip.Addr]string{}
 	es, err := s.nft.GetSetElements(m)
 	if err != nil {
-		return ""
+		return out
 	}
-	key := ip.As4()
 	for _, e := range es {
-		if string(e.Key) == string(key[:]) {
-			return verdictChain(e.Val)
+		if a, ok := netip.AddrFromSlice(e.Key); ok {
+			out[a] = verdictChain(e.Val)
 		}
 	}
-	return ""
+	return out
 }
 
 // verdictChain is the chain a map element's verdict jumps to, read from its data as the
@@ -400,13 +402,9 @@ func verdictChain(val []byte) string {
 	return ""
 }
 
-func (s *space) mapHas(m *nftables.Set, ip netip.Addr, c *nftables.Chain) bool {
-	return s.mapEntry(m, ip) == c.Name
-}
-
-// removePolicySide removes side's chain of the VM with id, its sets, and the map's entry for
-// ip when it points there.
-func (s *space) removePolicySide(side polSide, id string, ip netip.Addr) error {
+// removePolicySide removes side's chain of the VM with id, its sets, and the map's entries
+// that jump to it.
+func (s *space) removePolicySide(side polSide, id string) error {
 	c := side.chain(id)
 	if _, err := s.nft.ListChain(c.Table, c.Name); err != nil {
 		return nil // no such chain: nothing to remove
@@ -415,12 +413,7 @@ func (s *space) removePolicySide(side polSide, id string, ip netip.Addr) error {
 	if err != nil {
 		return err
 	}
-	if ip.IsValid() && s.mapHas(side.m, ip, c) {
-		key := ip.As4()
-		if err := s.nft.SetDeleteElements(side.m, []nftables.SetElement{{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}}}); err != nil {
-			return err
-		}
-	} else if err := s.unmapChain(side.m, c); err != nil {
+	if err := s.unmapChain(side.m, c, s.mapEntries(side.m)); err != nil {
 		return err
 	}
 	s.nft.FlushChain(c)
@@ -434,16 +427,14 @@ func (s *space) removePolicySide(side polSide, id string, ip netip.Addr) error {
 	return nil
 }
 
-// unmapChain adds to the batch the removal of m's entries that jump to c.
-func (s *space) unmapChain(m *nftables.Set, c *nftables.Chain) error {
-	es, err := s.nft.GetSetElements(m)
-	if err != nil {
-		return nil // no map: no entry
-	}
+// unmapChain adds to the batch the removal of m's entries (as entries read them) that jump
+// to c.
+func (s *space) unmapChain(m *nftables.Set, c *nftables.Chain, entries map[netip.Addr]string) error {
 	var gone []nftables.SetElement
-	for _, e := range es {
-		if verdictChain(e.Val) == c.Name {
-			gone = append(gone, nftables.SetElement{Key: e.Key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}})
+	for a, chain := range entries {
+		if chain == c.Name {
+			key := a.As4()
+			gone = append(gone, nftables.SetElement{Key: key[:], VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: c.Name}})
 		}
 	}
 	if len(gone) == 0 {
@@ -454,7 +445,7 @@ func (s *space) unmapChain(m *nftables.Set, c *nftables.Chain) error {
 
 // removePolicy removes both sides of the policy of the VM with id.
 func (s *space) removePolicy(id string) error {
-	return errors.Join(s.removePolicySide(ingress, id, netip.Addr{}), s.removePolicySide(egress, id, netip.Addr{}))
+	return errors.Join(s.removePolicySide(ingress, id), s.removePolicySide(egress, id))
 }
 
 // prunePolicies removes the policies of VMs whose tap is gone.
@@ -471,7 +462,7 @@ func (s *space) prunePolicies() error {
 		for _, side := range []polSide{ingress, egress} {
 			if id, ok := strings.CutPrefix(c.Name, side.word+"-"); ok {
 				if _, err := s.nl.LinkByName(tapPrefix + id); isNotFound(err) {
-					errs = append(errs, s.removePolicySide(side, id, netip.Addr{}))
+					errs = append(errs, s.removePolicySide(side, id))
 				}
 			}
 		}

@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -419,7 +420,7 @@ func (e *Enforcer) services(ctx context.Context, w *World) error {
 			port := ServicePort{Protocol: sp.Protocol, Port: sp.Port}
 			for _, s := range bySvc[types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}] {
 				for _, p := range s.Ports {
-					if p.Port == nil || ptrOr(p.Name) != sp.Name || ptrOr(p.Protocol) != sp.Protocol {
+					if p.Port == nil || ptr.Deref(p.Name, "") != sp.Name || ptr.Deref(p.Protocol, "") != sp.Protocol {
 						continue
 					}
 					for _, ep := range s.Endpoints {
@@ -442,14 +443,6 @@ func (e *Enforcer) services(ctx context.Context, w *World) error {
 		w.Services = append(w.Services, out)
 	}
 	return nil
-}
-
-func ptrOr[T any](p *T) T {
-	var zero T
-	if p == nil {
-		return zero
-	}
-	return *p
 }
 
 // trimService keeps of a Service its name, namespace, addresses and ports.
