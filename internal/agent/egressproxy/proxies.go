@@ -2,9 +2,11 @@ package egressproxy
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -89,7 +91,7 @@ func (ps *Proxies) Ensure(n hostnet.Network, domains []string, present bool) err
 		resolver := ps.Host.Resolver(ps.Nameserver)
 		r.proxy = &Proxy{Listener: l, OriginalDst: OriginalDst, Dial: ps.Host.DialFromNode,
 			Resolve: func(ctx context.Context, name string) ([]netip.Addr, error) {
-				return resolver.LookupNetIP(ctx, "ip4", name)
+				return lookup(ctx, resolver, ps.Nameserver, name)
 			},
 			Internal: func(a netip.Addr, port uint16) string { return ps.Host.Internal(*r.net.Load())(a, port) },
 			Decided: func(d Decision) {
@@ -149,4 +151,16 @@ func (r Reporter) Decided(n hostnet.Network, d Decision) {
 			"a connection to %q (dialled %s) was refused by the network's domain egress: %s", d.Name, d.Dialed, why)
 		return
 	}
+}
+
+// lookup resolves name as the absolute name it is: the node's search domains (a pod's resolv.conf
+// lists the cluster's, with ndots:5) are never tried, so a guest's name is neither looked up in
+// the cluster's zones nor costs a query per search domain before its own. An error names the
+// server asked (Go's names the first of resolv.conf's, even when dialling another).
+func lookup(ctx context.Context, r *net.Resolver, nameserver, name string) ([]netip.Addr, error) {
+	addrs, err := r.LookupNetIP(ctx, "ip4", strings.TrimSuffix(name, ".")+".")
+	if de := (*net.DNSError)(nil); nameserver != "" && errors.As(err, &de) {
+		de.Server = nameserver
+	}
+	return addrs, err
 }
