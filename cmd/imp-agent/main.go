@@ -34,6 +34,7 @@ import (
 	"github.com/syscode-labs/imp/internal/pki"
 	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 func main() {
@@ -196,6 +197,8 @@ func run() error {
 		fs.StringVar(pins[name], "pin-"+name, "", "sha256 the "+name+" must have (empty: not pinned); a VM does not start on a mismatch")
 	}
 	logOpts.BindFlags(fs)
+	var traces tracing.Config
+	traces.AddFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: imp-agent [flags]\n\nRuns the ImpVMs placed on this node.\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -270,6 +273,13 @@ func run() error {
 		}
 		opts.MigrationAddr, opts.MigrationIdentity = migrationAddr, srv.Identity
 	}
+	ctx := ctrl.SetupSignalHandler()
+	tp, stopTraces, err := tracing.Provider(ctx, traces, "imp-agent")
+	if err != nil {
+		return err
+	}
+	defer tracing.Flush(stopTraces)
+	opts.Traces = tp
 	a := &agent.Agent{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("imp-agent"), Opts: opts}
 	if err := a.SetupWithManager(mgr); err != nil {
 		return err
@@ -290,7 +300,7 @@ func run() error {
 		}
 	}
 	log.Info("starting imp-agent", "node", opts.NodeName, "accel", a.Opts.Accel)
-	return mgr.Start(ctrl.SetupSignalHandler())
+	return mgr.Start(ctx)
 }
 
 // loopbackOnly refuses an address off the node's loopback ("0" and "" disable the endpoint):

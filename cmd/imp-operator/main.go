@@ -12,13 +12,12 @@ import (
 	"syscall"
 	"time"
 
-	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/controller/impvm"
 	"github.com/syscode-labs/imp/internal/controller/impvmmigration"
 	"github.com/syscode-labs/imp/internal/controller/impvmpool"
@@ -28,6 +27,7 @@ import (
 	"github.com/syscode-labs/imp/internal/runsecret"
 	impscheme "github.com/syscode-labs/imp/internal/scheme"
 	"github.com/syscode-labs/imp/internal/subresources"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 func main() {
@@ -110,6 +110,8 @@ func run() error {
 	fs.DurationVar(&admissionTimeout, "wait-for-admission", 0, "instead of running: wait until the API server admits ImpVMs in --run-secret-namespace (a dry-run create, retried each second) for at most this long, then exit (the chart's post-install hook)")
 	fs.StringVar(&holderImage, "volume-holder-image", "", "image of the pods that hold VMs' PersistentVolumeClaims on their nodes, whose entrypoint holds with the argument \""+volumeholder.HoldArg+"\" (the chart: the operator's own image)")
 	logOpts.BindFlags(fs)
+	var traces tracing.Config
+	traces.AddFlags(fs)
 	fs.Float64Var(&poolCreates, "pool-creates-per-second", impvmpool.DefaultCreatesPerSecond, "members the ImpVMPools of one namespace may make per second, together (past --pool-create-burst): one tenant's pools cannot crowd the API server's priority level the operator's writes share")
 	fs.IntVar(&poolBurst, "pool-create-burst", impvmpool.DefaultCreateBurst, "members the ImpVMPools of one namespace may make at once before --pool-creates-per-second paces them")
 	fs.Usage = func() {
@@ -160,6 +162,14 @@ func run() error {
 		return fmt.Errorf("adding health checks: %w", err)
 	}
 	ctx := ctrl.SetupSignalHandler()
+	tp, stopTraces, err := tracing.Provider(ctx, traces, "imp-operator")
+	if err != nil {
+		return err
+	}
+	defer tracing.Flush(stopTraces)
+	if traces.Enabled() {
+		vmOpts.Traces = tp
+	}
 	if err := operator.Setup(ctx, mgr, operator.Options{VM: vmOpts, Concurrency: concurrency, MigrationsPerNamespace: migrationsPerNamespace, EndpointRange: endpointRange, EndpointBlockBits: endpointBlockBits,
 		PressureLifecycle: pressureLifecycle, PressureSettle: pressureSettle, PressureTimeout: pressureTimeout, VolumeHolderImage: holderImage,
 		PoolCreatesPerSecond: poolCreates, PoolCreateBurst: poolBurst}); err != nil {

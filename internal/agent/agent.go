@@ -22,6 +22,7 @@ import (
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"go.opentelemetry.io/otel/trace"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -55,6 +56,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/agent/volume"
 	"github.com/syscode-labs/imp/internal/agent/wake"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // +kubebuilder:rbac:groups=imp.dev,resources=impvms,verbs=get;list;watch
@@ -100,6 +102,8 @@ type Agent struct {
 	// hosts serialise the reconciles of the VMs whose runs one state directory keeps (a warm
 	// pool member's and its claim's).
 	hosts handover.Locks
+	// tracer starts the spans of the VMs' starts (Options.Traces).
+	tracer trace.Tracer
 
 	// stops are the stops in progress, by VM, under mu (for the map's operations alone). A
 	// VM's own reconcile is never concurrent with itself (controller-runtime), so a stop's
@@ -123,6 +127,7 @@ func CacheOptions(node string) cache.Options {
 func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	o := &a.Opts
 	o.defaults()
+	a.tracer = o.Traces.Tracer(tracing.AgentScope)
 	for _, d := range []string{"vms", "net", "snapshots"} {
 		if err := os.MkdirAll(filepath.Join(o.StateDir, d), 0o700); err != nil {
 			return fmt.Errorf("creating the state directory: %w", err)
@@ -145,7 +150,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	a.reports = runreport.New(a.Client, o.StartingReportDelay)
 	a.stops = map[types.UID]*vmrun.Stop{}
 	a.Runs = &monitor.Registry{Drivers: a.drivers, Recorder: a.Recorder, Report: a.reports.ReportRun, EndRun: a.endRun,
-		ConsoleLogBytes: o.ConsoleLogBytes, BootTimeout: o.BootTimeout}
+		ConsoleLogBytes: o.ConsoleLogBytes, BootTimeout: o.BootTimeout, Tracer: o.Traces.Tracer(tracing.AgentScope)}
 	a.snapshots = &snapshotter.Snapshotter{Client: a.Client, APIReader: a.APIReader, Recorder: a.Recorder, NodeName: o.NodeName,
 		SecretNamespace: o.RunSecretNamespace, PullTimeout: o.PullTimeout, MaxImageBytes: o.MaxImageBytes, Kernel: o.Kernel, Initramfs: o.Initramfs,
 		InsecureRegistries: o.InsecureRegistries, Store: &snapshot.Store{Dir: filepath.Join(o.StateDir, "snapshots")}, Images: images,

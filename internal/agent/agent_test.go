@@ -163,6 +163,11 @@ type world struct {
 }
 
 func newWorld(t *testing.T, opts ...func(*agent.Options)) *world {
+	return newWorldWith(t, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}, opts...)
+}
+
+// newWorldWith is newWorld with the operator's options op.
+func newWorldWith(t *testing.T, op operator.Options, opts ...func(*agent.Options)) *world {
 	c := testcluster.Require(t, shared)
 	ns := c.Namespace(t)
 	w := &world{c: c, ns: ns, node: "imp-e2e-" + ns[len(ns)-5:]}
@@ -171,7 +176,8 @@ func newWorld(t *testing.T, opts ...func(*agent.Options)) *world {
 	w.host = testregistry.Start(t, "", "")
 	w.ref = testguest.Image(t, w.host, "hello")
 
-	nodeWithOperator(t, c, w.node)
+	readyNode(t, c, w.node)
+	startOperatorWith(t, c, op)
 
 	w.stateDir = filepath.Join(tmp, "state")
 	o := agent.Options{NodeName: w.node, StateDir: w.stateDir, Kernel: kernel, Initramfs: initrd}

@@ -4,6 +4,8 @@ import (
 	"net/netip"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 	"k8s.io/client-go/tools/events"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -122,6 +124,8 @@ type Options struct {
 	// EgressNameserver ("host:port") is the DNS server the domain egress proxy asks; empty,
 	// the node's resolv.conf's.
 	EgressNameserver string
+	// Traces is where the spans of the VMs' starts go (package tracing); nil: nowhere.
+	Traces trace.TracerProvider
 	// OverlayAddress is the node's underlay address for the VXLAN overlay between nodes;
 	// invalid leaves the node out of the overlay (its VMs reach only VMs on the same node).
 	OverlayAddress netip.Addr
@@ -151,6 +155,9 @@ const DefaultBootTimeout = 3 * time.Minute
 
 // defaults sets what the options leave unset to its default.
 func (o *Options) defaults() {
+	if o.Traces == nil {
+		o.Traces = noop.NewTracerProvider()
+	}
 	if o.IdleWakeTimeout == 0 {
 		o.IdleWakeTimeout = 30 * time.Second
 	}

@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -25,6 +27,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/agent/volume"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // Reconcile makes the node match one VM.
@@ -273,14 +276,21 @@ var errFetching = errors.New("the image is being fetched")
 func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *vmrun.Meta) error {
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: old}
 	defer r.Done()
+	// This pass of the run's start, a child of the start's root span (package tracing): each
+	// step of the plan that acts is a child of it.
+	ctx, span := tracing.RunSpan(ctx, a.tracer, vm, tracing.SpanAgent)
+	defer span.End()
 	err := a.startPlan(vm, restores(vm, old)).Run(ctx, r)
 	var failed *plan.Failed
 	switch {
 	case errors.Is(err, plan.ErrWait):
+		span.SetAttributes(attribute.Bool("imp.wait", true))
 		return errFetching
 	case errors.As(err, &failed):
+		span.SetStatus(codes.Error, failed.Reason)
 		return a.startFailed(ctx, vm, failed.Reason, failed.Err)
 	case err != nil:
+		span.SetStatus(codes.Error, "Retry")
 		return err
 	}
 	steps.ObserveStart("total", time.Since(r.Image.Began))
@@ -313,9 +323,12 @@ func (a *Agent) startFailed(ctx context.Context, vm *impv1.ImpVM, reason string,
 func (a *Agent) finishRestore(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmrun.Meta, rec *vmm.Record) error {
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: m, Meta: m, Resume: true, Record: rec}
 	defer r.Done()
+	ctx, span := tracing.RunSpan(ctx, a.tracer, vm, tracing.SpanAgent)
+	defer span.End()
 	err := a.finishRestorePlan(vm).Run(ctx, r)
 	var failed *plan.Failed
 	if errors.As(err, &failed) {
+		span.SetStatus(codes.Error, failed.Reason)
 		if rec.Alive() {
 			_ = a.drivers.For(string(m.VMM)).Quit(ctx, vm.HostUID())
 		}

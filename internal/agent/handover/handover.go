@@ -32,6 +32,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // RecordFile, in the member's state directory, holds the UID of the claim its run was handed
@@ -193,6 +194,7 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 	m := &vmrun.Meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Host: old.HostUID(), Token: hex.EncodeToString(token),
 		Instance: vm.Status.Instance, Run: vm.Status.RestartCount, Started: time.Now(), Digest: old.Digest, VMM: old.VMM,
 		Session: old.Session, Readiness: vm.Spec.ReadinessProbe != nil, Endpoint: old.Endpoint,
+		Trace:   tracing.Trace(vm),
 		Restore: &vmrun.Restored{Snapshot: old.Restore.Snapshot, SnapshotUID: old.Restore.SnapshotUID, Token: old.Token}}
 	if err := s.IDs.Record(r.Dir, m); err != nil {
 		return err

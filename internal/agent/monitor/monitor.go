@@ -208,6 +208,8 @@ type watch struct {
 	// kill ends a VMM whose guest does not.
 	bootTimeout time.Duration
 	kill        func()
+	// bootSpan records the run's guest boot, from its VMM's start to ready (a span).
+	bootSpan func(ready time.Time)
 }
 
 // aliveBackstop is how often a run whose VMM's end the kernel tells (watch.exited) is also
@@ -426,6 +428,9 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *vmrun.Meta, log log
 				bootDeadline = nil
 				rt := base
 				boot := time.Since(meta.Started).Milliseconds()
+				if !w.booted && running == nil && w.bootSpan != nil {
+					w.bootSpan(time.Now())
+				}
 				rt.State, rt.GuestReady, rt.BootMilliseconds, rt.Message = impv1.RuntimeRunning, true, &boot, "the guest is ready"
 				switch {
 				case meta.Readiness && w.ready != nil && *w.ready:

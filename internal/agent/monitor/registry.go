@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
@@ -21,6 +23,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/guestsession"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // Drivers give the driver of a VMM kind.
@@ -41,6 +44,8 @@ type Registry struct {
 	ConsoleLogBytes int64
 	// BootTimeout bounds a guest's boot (agent.Options.BootTimeout; negative: none).
 	BootTimeout time.Duration
+	// Tracer, when set, records each run's guest boot as a span of its start (package tracing).
+	Tracer trace.Tracer
 
 	// mu guards byVM, for the map's operations alone: each monitor has a lock of its own.
 	mu   sync.Mutex
@@ -117,6 +122,15 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 		ready:       reportedReady(vm, meta),
 		booted:      reportedBooted(vm, meta),
 		bootTimeout: r.BootTimeout,
+		bootSpan: func(ready time.Time) {
+			if r.Tracer == nil || meta.Trace == "" {
+				return
+			}
+			_, sp := r.Tracer.Start(tracing.Remote(context.Background(), meta.Trace), tracing.SpanGuestBoot,
+				trace.WithTimestamp(meta.Started), trace.WithAttributes(attribute.String("k8s.namespace.name", key.Namespace),
+					attribute.String("imp.vm.name", key.Name), attribute.String("imp.vm.uid", string(meta.UID))))
+			sp.End(trace.WithTimestamp(ready))
+		},
 		kill: func() {
 			vm := &impv1.ImpVM{}
 			vm.Namespace, vm.Name, vm.UID = key.Namespace, key.Name, meta.UID

@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/syscode-labs/imp/internal/failpoint"
 )
@@ -85,6 +88,9 @@ type Plan[S any] struct {
 	Slow time.Duration
 }
 
+// tracerName names the plan runner's spans' instrumentation scope.
+const tracerName = "github.com/syscode-labs/imp/internal/agent/plan"
+
 // SlowStep is how long a step runs before it is logged as slow.
 const SlowStep = 30 * time.Second
 
@@ -122,8 +128,24 @@ func (p Plan[S]) step(ctx context.Context, st Step[S], s S) error {
 	}
 	began := time.Now()
 	stop := p.watch(ctx, st.Name(), began)
-	err = st.Do(ctx, s)
+	// A span of the step, a child of the span ctx carries (the agent's start of a run: package
+	// tracing), from its tracer provider: none when ctx carries none.
+	sctx, span := trace.SpanFromContext(ctx).TracerProvider().Tracer(tracerName).Start(ctx, "imp.agent."+p.Name+"."+st.Name(),
+		trace.WithTimestamp(began))
+	err = st.Do(sctx, s)
 	stop()
+	switch {
+	case errors.Is(err, ErrWait):
+		span.SetAttributes(attribute.Bool("imp.wait", true))
+	case err != nil:
+		// The reason, never the error: it may quote a tenant's registry or a guest.
+		reason := p.Reason
+		if f := (*Failed)(nil); errors.As(err, &f) && f.Reason != "" {
+			reason = f.Reason
+		}
+		span.SetStatus(codes.Error, reason)
+	}
+	span.End()
 	if err != nil {
 		return err
 	}

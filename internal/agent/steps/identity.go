@@ -9,6 +9,7 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // Identities decide who the VM's VMM is.
@@ -37,7 +38,8 @@ func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 	}
 	m := &vmrun.Meta{Namespace: vm.Namespace, Name: vm.Name, UID: vm.UID, Instance: vm.Status.Instance, Run: vm.Status.RestartCount,
 		Started: time.Now(), Digest: r.Image.Digest.DigestStr(), VMM: kind, Session: true,
-		Readiness: vm.Spec.ReadinessProbe != nil}
+		Readiness: vm.Spec.ReadinessProbe != nil,
+		Trace:     tracing.Trace(vm)}
 	if snap := r.Snapshot; snap != nil {
 		// The guest holds the snapshot's token, and its devices, until it takes on its own.
 		m.Session = snap.Manifest.Session

@@ -6,10 +6,12 @@ import (
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
+	"go.opentelemetry.io/otel/trace"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // Fetches is how Image gets the run's image: fetched off the reconcile workers, within the
@@ -71,6 +73,13 @@ func (s Image) Do(ctx context.Context, r *vmrun.Run) error {
 	img, err := s.Fetches.Take(vm, wait)
 	if err != nil {
 		return err
+	}
+	if !began {
+		// Fetched off the workers since an earlier pass began it: a span of the start's,
+		// from then to now.
+		t := trace.SpanFromContext(ctx).TracerProvider().Tracer(tracing.AgentScope)
+		_, sp := tracing.RunSpan(ctx, t, vm, tracing.SpanFetch, trace.WithTimestamp(img.Began))
+		sp.End()
 	}
 	r.Image = img
 	r.Defer(img.Release)

@@ -33,6 +33,9 @@ type Meta struct {
 	Instance int64     `json:"instance"`
 	Run      int32     `json:"run"`
 	Started  time.Time `json:"started"`
+	// Trace is the traceparent of the run's start (package tracing), which its guest's boot
+	// joins, whichever agent follows it.
+	Trace string `json:"trace,omitempty"`
 	// Digest is the image the VM's base disk was built from.
 	Digest string `json:"digest"`
 	// VMM runs the VM; JailUID is the uid it runs as (Firecracker in its jail, QEMU by

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -80,6 +81,9 @@ type Options struct {
 	// RunSecretNamespace is IMP's namespace, where each VM's run Secret goes
 	// (runsecret.DefaultNamespace when empty).
 	RunSecretNamespace string
+	// Traces is where the spans of the VMs' starts go (package tracing); nil: nowhere, and no
+	// VM is annotated with its trace.
+	Traces trace.TracerProvider
 }
 
 // DefaultOptions are the operator's defaults.
@@ -115,6 +119,7 @@ type Reconciler struct {
 	announced   announced // what each VM's last reconcile computed, for its Events
 	beats       heartbeats
 	fleet       fleet // placement's view of the nodes, kept by the watches
+	traces      startTraces
 
 	freed chan event.GenericEvent // capacity was released: retry unplaced VMs
 }
@@ -153,6 +158,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 			// Gone without passing through reconcileDelete (its finalizer removed by hand):
 			// what it held is free.
 			if uid, ok := r.holders.LoadAndDelete(req.NamespacedName); ok {
+				r.traces.forget(uid.(types.UID))
 				r.Ledger.Release(uid.(types.UID))
 				r.signalFreed()
 			}
@@ -166,9 +172,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 	if !vm.DeletionTimestamp.IsZero() {
 		return r.reconcileDelete(ctx, vm)
 	}
+	began := r.Clock.Now()
 	if !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) {
 		orig := vm.DeepCopy()
 		controllerutil.AddFinalizer(vm, impv1.VMFinalizer)
+		r.traces.annotate(vm) // in the same write
 		if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 			return ctrl.Result{}, fmt.Errorf("adding finalizer: %w", err)
 		}
@@ -205,6 +213,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 			return
 		}
 		r.recordTransition(s)
+		r.traces.observe(ctx, orig, vm, began, r.Clock.Now())
 	}()
 
 	for _, phase := range []func(context.Context, *scope) error{
@@ -769,6 +778,7 @@ func (r *Reconciler) runSecretNamespace() string {
 // reconcileDelete waits for the node's agent to confirm the VM is gone, then releases the
 // VM's address and node and lets the API server delete it.
 func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
+	r.traces.forget(vm.UID)
 	if !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) {
 		return ctrl.Result{}, nil
 	}

@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // Field indexes of the operator's ImpVM cache. NodeIndex is shared with the operator's other
@@ -76,6 +77,9 @@ func (r *Reconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager, con
 		}
 	}
 	r.freed = make(chan event.GenericEvent, 1)
+	if r.Options.Traces != nil {
+		r.traces.tracer = r.Options.Traces.Tracer(tracing.OperatorScope)
+	}
 
 	delay := r.Options.StartingReportDelay
 	return ctrl.NewControllerManagedBy(mgr).

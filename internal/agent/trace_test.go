@@ -1,0 +1,154 @@
+package agent_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	. "github.com/onsi/gomega"
+	"go.opentelemetry.io/otel/trace"
+	"k8s.io/apimachinery/pkg/api/meta"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent"
+	"github.com/syscode-labs/imp/internal/controller/impvm"
+	"github.com/syscode-labs/imp/internal/operator"
+	"github.com/syscode-labs/imp/internal/testotlp"
+	"github.com/syscode-labs/imp/internal/tracing"
+)
+
+// TestAVMStartIsOneTrace (docs/observability.md, "Traces"): the operator and the agent, each
+// exporting over OTLP/gRPC to a collector, make a real guest's start one trace: the operator's
+// root span from the VM seen to Ready, named by the VM's annotation; its placement; the agent's
+// start, each step of its plan beneath it; the image fetched; the guest's boot. The root lasts
+// what the test saw of create → Ready, within 10 %, and its children cover it within 10 %.
+func TestAVMStartIsOneTrace(t *testing.T) {
+	rx := testotlp.Start(t)
+	provider := func(service string) trace.TracerProvider {
+		tp, shutdown, err := tracing.Provider(context.Background(), tracing.Config{Endpoint: rx.GRPC, Protocol: tracing.ProtocolGRPC,
+			Insecure: true, SampleRatio: 1}, service)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tracing.Flush(shutdown) })
+		return tp
+	}
+	op := operator.Options{VM: impvm.DefaultOptions(), Concurrency: 2}
+	op.VM.Traces = provider("imp-operator")
+	w := newWorldWith(t, op, func(o *agent.Options) { o.Traces = provider("imp-agent") })
+	ctx := context.Background()
+	// The operator's root begins when it sees the VM: first, a VM it has seen (its finalizer
+	// added), so that its cache's start is not counted as the traced VM's.
+	seen := w.vm("seen")
+	seen.Spec.NodeSelector = map[string]string{"imp.test/node": "none"}
+	if err := w.c.Client.Create(ctx, seen); err != nil {
+		t.Fatal(err)
+	}
+	NewWithT(t).Eventually(func() []string { return w.get("seen").Finalizers }).WithTimeout(time.Minute).ShouldNot(BeEmpty())
+	vm := w.vm("traced", "serve")
+	created := time.Now()
+	if err := w.c.Client.Create(ctx, vm); err != nil {
+		t.Fatal(err)
+	}
+	g := NewWithT(t)
+	g.Eventually(func() bool {
+		v := w.get("traced")
+		return v != nil && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(5*time.Minute).WithPolling(20*time.Millisecond).Should(BeTrue(), func() string { return diagnose(w.c.Client, vm, func(string) string { return w.stateDir }) })
+	sawReady := time.Since(created)
+	v := w.get("traced")
+	start := tracing.StartOf(v.UID, v.Annotations[tracing.Annotation], 1, 0)
+	if v.Annotations[tracing.Annotation] != start.Annotation() {
+		t.Errorf("the VM's annotation %q, want its first start's root %q", v.Annotations[tracing.Annotation], start.Annotation())
+	}
+	var spans []testotlp.Span
+	g.Eventually(func() []string {
+		spans = nil
+		for _, s := range rx.Spans() {
+			if s.TraceID == start.TraceID.String() {
+				spans = append(spans, s)
+			}
+		}
+		return names(spans)
+	}).WithTimeout(time.Minute).Should(ContainElements(tracing.SpanStart, tracing.SpanPlace, tracing.SpanAgent, "imp.agent.start.exec",
+		"imp.agent.start.writable_disk", tracing.SpanGuestBoot))
+	byID := map[string]testotlp.Span{}
+	for _, s := range spans {
+		byID[s.SpanID] = s
+		t.Logf("%-28s %-13s %6dms +%dms", s.Name, s.Service, s.End.Sub(s.Start).Milliseconds(), s.Start.Sub(created).Milliseconds())
+	}
+	root := byID[start.SpanID.String()]
+	if root.Name != tracing.SpanStart || root.Parent != "" || root.Service != "imp-operator" || root.Attributes["imp.vm.name"] != "traced" {
+		t.Fatalf("the root span %+v, want the operator's %s of VM traced with the start's IDs", root, tracing.SpanStart)
+	}
+	for _, s := range spans {
+		want := map[string]string{tracing.SpanPlace: "imp-operator", tracing.SpanAgent: "imp-agent", tracing.SpanGuestBoot: "imp-agent",
+			tracing.SpanFetch: "imp-agent"}[s.Name]
+		switch {
+		case s.SpanID == root.SpanID:
+		case want != "":
+			if s.Parent != root.SpanID || s.Service != want {
+				t.Errorf("span %s: parent %s, service %s; want the root's child, of %s", s.Name, s.Parent, s.Service, want)
+			}
+		case strings.HasPrefix(s.Name, "imp.agent.start."):
+			if byID[s.Parent].Name != tracing.SpanAgent {
+				t.Errorf("step span %s's parent is %q, want %s", s.Name, byID[s.Parent].Name, tracing.SpanAgent)
+			}
+		default:
+			t.Errorf("an unexpected span in the start's trace: %+v", s)
+		}
+		if s.Error != "" {
+			t.Errorf("span %s reports an error: %s", s.Name, s.Error)
+		}
+	}
+	for _, once := range []string{tracing.SpanStart, tracing.SpanPlace, tracing.SpanGuestBoot, "imp.agent.start.exec"} {
+		if n := slices.Index(names(spans), once); n < 0 || slices.Contains(names(spans)[n+1:], once) {
+			t.Errorf("span %s is not in the trace once: %v", once, names(spans))
+		}
+	}
+	took := root.End.Sub(root.Start)
+	t.Logf("the root lasts %v; the test saw create → Ready in %v", took.Round(time.Millisecond), sawReady.Round(time.Millisecond))
+	if d := took - sawReady; d > sawReady/10 || -d > sawReady/10 {
+		t.Errorf("the root lasts %v; the test saw create → Ready in %v", took, sawReady)
+	}
+	var children []testotlp.Span
+	for _, s := range spans {
+		if s.Parent == root.SpanID {
+			children = append(children, s)
+		}
+	}
+	if covered := cover(children, root.Start, root.End); covered < took*9/10 {
+		t.Errorf("the root's children cover %v of its %v", covered, took)
+	}
+}
+
+func names(spans []testotlp.Span) []string {
+	var out []string
+	for _, s := range spans {
+		out = append(out, s.Name)
+	}
+	return out
+}
+
+// cover is how much of [from, to] the spans cover together.
+func cover(spans []testotlp.Span, from, to time.Time) time.Duration {
+	slices.SortFunc(spans, func(a, b testotlp.Span) int { return a.Start.Compare(b.Start) })
+	var total time.Duration
+	at := from
+	for _, s := range spans {
+		b, e := s.Start, s.End
+		if b.Before(at) {
+			b = at
+		}
+		if e.After(to) {
+			e = to
+		}
+		if e.After(b) {
+			total += e.Sub(b)
+			at = e
+		}
+	}
+	return total
+}

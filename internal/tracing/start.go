@@ -1,0 +1,199 @@
+package tracing
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"k8s.io/apimachinery/pkg/types"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+)
+
+// Annotation, on an ImpVM, is the W3C traceparent of its first start: written by the operator
+// when the VM is first seen (in the write that adds its finalizer), or set by whoever created
+// the VM, whose span the start then joins as a child. It is trusted for nothing but joining
+// spans: a malformed one is ignored, and it decides no sampling.
+const Annotation = "imp.dev/trace-context"
+
+// Span names of a VM's start (docs/observability.md lists them with their attributes).
+const (
+	SpanStart     = "imp.vm.start"         // the root: the operator's, from the VM seen to Ready
+	SpanPlace     = "imp.operator.place"   // the reconcile that placed the run, with its write
+	SpanAgent     = "imp.agent.start"      // the agent's start of the run: its plan
+	SpanGuestBoot = "imp.agent.guest_boot" // the VMM started to the guest's agent ready
+	// A plan's steps are "imp.agent.<plan>.<step>": imp.agent.start.network (package plan).
+	SpanFetch = "imp.agent.image_fetch" // the image fetched off the workers, in its parts
+)
+
+// Start is one start of a VM: its first (instance 1, run 0) or a later run. Its IDs are derived
+// from the VM's UID, instance and run (and the annotation, for the first), so that the
+// operator and the agent name the same trace and root span without telling each other.
+type Start struct {
+	TraceID trace.TraceID
+	SpanID  trace.SpanID // the root span's
+	// Parent is the creator's span a first start joins (the annotation, when not the
+	// operator's own).
+	Parent trace.SpanContext
+	// First links a later run to its VM's first start.
+	First trace.SpanContext
+}
+
+// StartOf is the start of run run of instance instance of the VM uid, whose annotation is
+// annotation ("" when it has none).
+func StartOf(uid types.UID, annotation string, instance int64, run int32) Start {
+	tid, sid := derive(uid, instance, run)
+	s := Start{TraceID: tid, SpanID: sid}
+	first := instance <= 1 && run == 0
+	if !first {
+		f := StartOf(uid, annotation, 1, 0)
+		s.First = f.SpanContext()
+		return s
+	}
+	if sc := parse(annotation); sc.IsValid() {
+		s.TraceID = sc.TraceID()
+		if sc.SpanID() != sid { // the creator's span, not the operator's annotation of this root
+			s.Parent = sc
+		}
+	}
+	return s
+}
+
+// derive is the trace and span IDs of a start: a hash of what names it.
+func derive(uid types.UID, instance int64, run int32) (trace.TraceID, trace.SpanID) {
+	h := sha256.New()
+	h.Write([]byte("imp.dev/trace/v1\x00"))
+	h.Write([]byte(uid))
+	var b [12]byte
+	binary.BigEndian.PutUint64(b[:8], uint64(instance))
+	binary.BigEndian.PutUint32(b[8:], uint32(run))
+	h.Write(b[:])
+	sum := h.Sum(nil)
+	var tid trace.TraceID
+	var sid trace.SpanID
+	copy(tid[:], sum[:16])
+	copy(sid[:], sum[16:24])
+	return tid, sid
+}
+
+// maxAnnotation bounds what is parsed of an annotation: a traceparent is 55 characters.
+const maxAnnotation = 256
+
+// parse reads a traceparent with OpenTelemetry's W3C propagator; anything it rejects (or
+// anything longer than maxAnnotation) is no span.
+func parse(v string) trace.SpanContext {
+	if v == "" || len(v) > maxAnnotation {
+		return trace.SpanContext{}
+	}
+	ctx := propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier{"traceparent": v})
+	return trace.SpanContextFromContext(ctx)
+}
+
+// SpanContext is the start's root span, as its children in another process see it.
+func (s Start) SpanContext() trace.SpanContext {
+	return trace.NewSpanContext(trace.SpanContextConfig{TraceID: s.TraceID, SpanID: s.SpanID,
+		TraceFlags: trace.FlagsSampled, Remote: true})
+}
+
+// Annotation is the traceparent naming the start's root span (what the operator writes).
+func (s Start) Annotation() string {
+	c := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(trace.ContextWithSpanContext(context.Background(), s.SpanContext()), c)
+	return c["traceparent"]
+}
+
+// Context is ctx with the start's root span as the parent of what is started in it: the
+// agent's spans of a run.
+func (s Start) Context(ctx context.Context) context.Context {
+	return trace.ContextWithRemoteSpanContext(ctx, s.SpanContext())
+}
+
+// Root starts the start's root span itself, with its derived IDs, begun at began (the
+// operator's, ended at Ready). The returned context carries it, for children.
+func (s Start) Root(ctx context.Context, t trace.Tracer, began time.Time, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	pctx := context.WithValue(ctx, fixedKey{}, fixedIDs{s.TraceID, s.SpanID})
+	if s.Parent.IsValid() {
+		pctx = trace.ContextWithRemoteSpanContext(pctx, s.Parent)
+	} else {
+		opts = append(opts, trace.WithNewRoot())
+	}
+	if s.First.IsValid() {
+		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: s.First}))
+	}
+	_, span := t.Start(pctx, SpanStart, append(opts, trace.WithTimestamp(began))...)
+	return trace.ContextWithSpan(ctx, span), span
+}
+
+// fixedIDs are the IDs the next span started in a context gets (a start's root).
+type fixedIDs struct {
+	trace trace.TraceID
+	span  trace.SpanID
+}
+
+type fixedKey struct{}
+
+// idGenerator gives a span started by Root its derived IDs, and any other random ones.
+type idGenerator struct{}
+
+func (idGenerator) NewIDs(ctx context.Context) (trace.TraceID, trace.SpanID) {
+	if f, ok := ctx.Value(fixedKey{}).(fixedIDs); ok {
+		return f.trace, f.span
+	}
+	var tid trace.TraceID
+	_, _ = rand.Read(tid[:])
+	return tid, newSpanID()
+}
+
+func (idGenerator) NewSpanID(ctx context.Context, tid trace.TraceID) trace.SpanID {
+	if f, ok := ctx.Value(fixedKey{}).(fixedIDs); ok && f.trace == tid {
+		return f.span
+	}
+	return newSpanID()
+}
+
+func newSpanID() trace.SpanID {
+	var sid trace.SpanID
+	_, _ = rand.Read(sid[:])
+	return sid
+}
+
+// Instrumentation scopes of the two processes' tracers.
+const (
+	OperatorScope = "github.com/syscode-labs/imp/internal/controller/impvm"
+	AgentScope    = "github.com/syscode-labs/imp/internal/agent"
+)
+
+// VMAttributes names the VM and its run on a span: identifiers only, never what the VM's spec
+// or its guest carries.
+func VMAttributes(vm *impv1.ImpVM) []attribute.KeyValue {
+	return []attribute.KeyValue{
+		attribute.String("k8s.namespace.name", vm.Namespace), attribute.String("imp.vm.name", vm.Name),
+		attribute.String("imp.vm.uid", string(vm.UID)), attribute.Int64("imp.vm.instance", vm.Status.Instance),
+		attribute.Int("imp.vm.run", int(vm.Status.RestartCount)), attribute.String("k8s.node.name", vm.Status.NodeName),
+	}
+}
+
+// Remote is ctx with the span traceparent names as a remote parent (a run's start, as its
+// record on the node keeps it); ctx as it is when traceparent is not one.
+func Remote(ctx context.Context, traceparent string) context.Context {
+	if sc := parse(traceparent); sc.IsValid() {
+		return trace.ContextWithRemoteSpanContext(ctx, sc)
+	}
+	return ctx
+}
+
+// RunSpan starts span name of the start of vm's current run, a child of its root.
+func RunSpan(ctx context.Context, t trace.Tracer, vm *impv1.ImpVM, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	s := StartOf(vm.UID, vm.Annotations[Annotation], vm.Status.Instance, vm.Status.RestartCount)
+	return t.Start(s.Context(ctx), name, append(opts, trace.WithAttributes(VMAttributes(vm)...))...)
+}
+
+// Trace is the traceparent of the start of vm's current run (what its record on the node keeps).
+func Trace(vm *impv1.ImpVM) string {
+	return StartOf(vm.UID, vm.Annotations[Annotation], vm.Status.Instance, vm.Status.RestartCount).Annotation()
+}

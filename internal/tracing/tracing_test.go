@@ -1,0 +1,148 @@
+package tracing_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.opentelemetry.io/otel/trace"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/syscode-labs/imp/internal/testotlp"
+	"github.com/syscode-labs/imp/internal/tracing"
+)
+
+// TestStartsAreNamedAlike: the operator and the agent derive one start's trace and root span
+// from the VM alone; the operator's annotation names that root; a creator's annotation makes
+// the first start its child, in its trace; later runs are traces of their own, linked to the
+// first; what is not a traceparent is ignored.
+func TestStartsAreNamedAlike(t *testing.T) {
+	first := tracing.StartOf("uid-1", "", 1, 0)
+	if again := tracing.StartOf("uid-1", "", 1, 0); !same(again, first) || !first.TraceID.IsValid() || !first.SpanID.IsValid() {
+		t.Fatalf("two derivations of one start differ or are invalid: %+v %+v", first, again)
+	}
+	if ours := tracing.StartOf("uid-1", first.Annotation(), 1, 0); !same(ours, first) {
+		t.Errorf("the operator's own annotation changed the start: %+v, want %+v", ours, first)
+	}
+	if other := tracing.StartOf("uid-2", "", 1, 0); other.TraceID == first.TraceID || other.SpanID == first.SpanID {
+		t.Error("two VMs' first starts share IDs")
+	}
+	creator := "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	joined := tracing.StartOf("uid-1", creator, 1, 0)
+	if joined.TraceID.String() != "0af7651916cd43dd8448eb211c80319c" || joined.Parent.SpanID().String() != "b7ad6b7169203331" ||
+		joined.SpanID != first.SpanID {
+		t.Errorf("a creator's traceparent: %+v, want its trace, its span the parent", joined)
+	}
+	later := tracing.StartOf("uid-1", creator, 1, 1)
+	if later.TraceID == joined.TraceID || later.Parent.IsValid() || later.First.SpanID() != joined.SpanID {
+		t.Errorf("a later run: %+v, want a trace of its own linked to the first start's root %v", later, joined.SpanID)
+	}
+	if moved := tracing.StartOf("uid-1", "", 2, 0); moved.TraceID == first.TraceID {
+		t.Error("a new placement shares its first start's trace")
+	}
+	for _, bad := range []string{
+		"garbage", "00-00000000000000000000000000000000-b7ad6b7169203331-01", "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+		"ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+		strings.Repeat("0", 4096), "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01" + strings.Repeat("-x", 200),
+	} {
+		if got := tracing.StartOf("uid-1", bad, 1, 0); !same(got, first) {
+			t.Errorf("annotation %.60q changed the start: %+v", bad, got)
+		}
+	}
+}
+
+// TestExportOverBothProtocols: spans reach a collector over OTLP/gRPC and OTLP/HTTP with the
+// headers of the headers file; a root started by Start.Root has the start's IDs, and its
+// children (another process's, from the annotation alone) are its children; a sample ratio of
+// 0 exports nothing, and a traceparent flagged sampled cannot ask for more.
+func TestExportOverBothProtocols(t *testing.T) {
+	rx := testotlp.Start(t)
+	headers := filepath.Join(t.TempDir(), "headers")
+	if err := os.WriteFile(headers, []byte("# the collector's token\nAuthorization: Bearer t0ken\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, c := range []struct{ protocol, endpoint, header string }{
+		{tracing.ProtocolGRPC, rx.GRPC, "authorization"},
+		{tracing.ProtocolHTTP, rx.HTTP, "Authorization"},
+	} {
+		tp, shutdown, err := tracing.Provider(ctx, tracing.Config{Endpoint: c.endpoint, Protocol: c.protocol, Insecure: true,
+			HeadersFile: headers, SampleRatio: 1}, "imp-test")
+		if err != nil {
+			t.Fatal(err)
+		}
+		uid := "uid-" + c.protocol
+		start := tracing.StartOf(types.UID(uid), "", 1, 0)
+		_, child := tp.Tracer("t").Start(start.Context(ctx), "child")
+		child.End()
+		_, root := start.Root(ctx, tp.Tracer("t"), time.Now().Add(-time.Second))
+		root.End()
+		tracing.Flush(shutdown)
+		var gotRoot, gotChild bool
+		for _, s := range rx.Spans() {
+			switch {
+			case s.Name == tracing.SpanStart && s.TraceID == start.TraceID.String():
+				gotRoot = s.SpanID == start.SpanID.String() && s.Parent == "" && s.Service == "imp-test" && s.End.Sub(s.Start) >= time.Second
+			case s.Name == "child" && s.TraceID == start.TraceID.String():
+				gotChild = s.Parent == start.SpanID.String()
+			}
+		}
+		if !gotRoot || !gotChild {
+			t.Errorf("%s: root with the start's IDs %v, its child %v: %+v", c.protocol, gotRoot, gotChild, rx.Spans())
+		}
+		if got := rx.Headers()[c.header]; got != "Bearer t0ken" {
+			t.Errorf("%s: the export's %s header is %q", c.protocol, c.header, got)
+		}
+	}
+
+	before := len(rx.Spans())
+	tp, shutdown, err := tracing.Provider(ctx, tracing.Config{Endpoint: rx.GRPC, Insecure: true, SampleRatio: 0}, "imp-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sampled := trace.ContextWithRemoteSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{1}, TraceFlags: trace.FlagsSampled, Remote: true}))
+	_, sp := tp.Tracer("t").Start(sampled, "asked for")
+	sp.End()
+	_, root := tracing.StartOf("uid-0", "", 1, 0).Root(ctx, tp.Tracer("t"), time.Now())
+	root.End()
+	tracing.Flush(shutdown)
+	if got := rx.Spans()[before:]; len(got) != 0 {
+		t.Errorf("ratio 0 exported %+v", got)
+	}
+}
+
+// TestBadConfigurations are refused at start, with what is wrong.
+func TestBadConfigurations(t *testing.T) {
+	big := filepath.Join(t.TempDir(), "big")
+	if err := os.WriteFile(big, []byte(strings.Repeat("a: b\n", 8<<10)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		conf tracing.Config
+		want string
+	}{
+		{tracing.Config{Endpoint: "x:4317", Protocol: "zipkin"}, "protocol"},
+		{tracing.Config{Endpoint: "x:4317", SampleRatio: 2}, "sample ratio"},
+		{tracing.Config{Endpoint: "x:4317", HeadersFile: big, SampleRatio: 1}, "over"},
+		{tracing.Config{Endpoint: "x:4317", CAFile: big, SampleRatio: 1}, "no PEM"},
+	} {
+		if _, _, err := tracing.Provider(context.Background(), c.conf, "imp-test"); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: %v, want an error saying %q", c.conf, err, c.want)
+		}
+	}
+	tp, _, err := tracing.Provider(context.Background(), tracing.Config{}, "imp-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, sp := tp.Tracer("t").Start(context.Background(), "x"); sp.IsRecording() {
+		t.Error("with no endpoint, spans are recorded")
+	}
+}
+
+func same(a, b tracing.Start) bool {
+	return a.TraceID == b.TraceID && a.SpanID == b.SpanID && a.Parent.Equal(b.Parent) && a.First.Equal(b.First)
+}
