@@ -402,3 +402,50 @@ func TestOperatorOffVMNodes(t *testing.T) {
 		}
 	}
 }
+
+// TestTracing: off by default (no flag, no mount); on, both binaries get the collector, the
+// protocol and the ratio, and the Secrets named are mounted where their flags point; the schema
+// refuses an endpoint-less or malformed configuration.
+func TestTracing(t *testing.T) {
+	for _, name := range []string{"Deployment/imp-operator", "DaemonSet/imp-runtime"} {
+		if strings.Contains(mustRender(t)[name], "tracing") {
+			t.Errorf("%s mentions tracing by default", name)
+		}
+	}
+	m := mustRender(t, "observability.tracing.enabled=true", "observability.tracing.endpoint=otel-collector.observability:4317",
+		"observability.tracing.sampleRatio=0.25", "observability.tracing.caSecret=otel-ca", "observability.tracing.headersSecret=otel-token")
+	dep := decode[appsv1.Deployment](t, m["Deployment/imp-operator"])
+	ds := decode[appsv1.DaemonSet](t, m["DaemonSet/imp-runtime"])
+	for name, spec := range map[string]corev1.PodSpec{"operator": dep.Spec.Template.Spec, "agent": ds.Spec.Template.Spec} {
+		args := strings.Join(spec.Containers[0].Args, " ")
+		for _, want := range []string{"--tracing-endpoint=otel-collector.observability:4317", "--tracing-protocol=grpc", "--tracing-sample-ratio=0.25",
+			"--tracing-ca-file=/etc/imp/tracing-ca/ca.crt", "--tracing-headers-file=/etc/imp/tracing-headers/headers"} {
+			if !strings.Contains(args, want) {
+				t.Errorf("%s args lack %s: %s", name, want, args)
+			}
+		}
+		mounts := map[string]string{}
+		for _, vm := range spec.Containers[0].VolumeMounts {
+			mounts[vm.Name] = vm.MountPath
+		}
+		secrets := map[string]string{}
+		for _, v := range spec.Volumes {
+			if v.Secret != nil {
+				secrets[v.Name] = v.Secret.SecretName
+			}
+		}
+		if mounts["tracing-ca"] != "/etc/imp/tracing-ca" || mounts["tracing-headers"] != "/etc/imp/tracing-headers" ||
+			secrets["tracing-ca"] != "otel-ca" || secrets["tracing-headers"] != "otel-token" {
+			t.Errorf("%s mounts %v, secret volumes %v", name, mounts, secrets)
+		}
+	}
+	for _, tc := range []struct{ set, want string }{
+		{"observability.tracing.enabled=true", "/observability/tracing/endpoint"},
+		{"observability.tracing.sampleRatio=2", "/observability/tracing/sampleRatio"},
+		{"observability.tracing.protocol=zipkin", "/observability/tracing/protocol"},
+	} {
+		if _, err := render(t, nil, tc.set); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("--set %s: %v, want an error naming %s", tc.set, err, tc.want)
+		}
+	}
+}

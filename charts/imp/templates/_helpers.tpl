@@ -107,3 +107,58 @@ token, which reads the Secrets ImpVMs reference and holds the access CA's author
 {{- toYaml $aff -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The tracing flags of the operator and the agent (observability.tracing), and the Secrets they
+read: imp.tracingArgs, imp.tracingMounts, imp.tracingVolumes, each a YAML list's items.
+*/}}
+{{- define "imp.tracingArgs" -}}
+{{- with .Values.observability.tracing }}
+{{- if .enabled }}
+- --tracing-endpoint={{ .endpoint }}
+- --tracing-protocol={{ .protocol }}
+- --tracing-sample-ratio={{ .sampleRatio }}
+{{- if .insecure }}
+- --tracing-insecure
+{{- end }}
+{{- if .caSecret }}
+- --tracing-ca-file=/etc/imp/tracing-ca/ca.crt
+{{- end }}
+{{- if .headersSecret }}
+- --tracing-headers-file=/etc/imp/tracing-headers/headers
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "imp.tracingMounts" -}}
+{{- with .Values.observability.tracing }}
+{{- if and .enabled .caSecret }}
+- name: tracing-ca
+  mountPath: /etc/imp/tracing-ca
+  readOnly: true
+{{- end }}
+{{- if and .enabled .headersSecret }}
+- name: tracing-headers
+  mountPath: /etc/imp/tracing-headers
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "imp.tracingVolumes" -}}
+{{- with .Values.observability.tracing }}
+{{- if and .enabled .caSecret }}
+- name: tracing-ca
+  secret:
+    secretName: {{ .caSecret }}
+    items: [{key: ca.crt, path: ca.crt}]
+{{- end }}
+{{- if and .enabled .headersSecret }}
+- name: tracing-headers
+  secret:
+    secretName: {{ .headersSecret }}
+    items: [{key: headers, path: headers}]
+{{- end }}
+{{- end }}
+{{- end }}
