@@ -139,6 +139,8 @@ func attrs(kvs []*commonpb.KeyValue) map[string]string {
 			m[kv.Key] = strconv.FormatInt(v.IntValue, 10)
 		case *commonpb.AnyValue_BoolValue:
 			m[kv.Key] = strconv.FormatBool(v.BoolValue)
+		case *commonpb.AnyValue_DoubleValue:
+			m[kv.Key] = strconv.FormatFloat(v.DoubleValue, 'g', -1, 64)
 		}
 	}
 	return m

@@ -18,13 +18,9 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
-	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
-	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
-	"google.golang.org/grpc/credentials"
 )
 
 // Protocols an exporter speaks.
@@ -95,36 +91,16 @@ func Provider(ctx context.Context, c Config, service string) (trace.TracerProvid
 			}
 		}
 	}
-	var exp sdktrace.SpanExporter
 	switch c.Protocol {
-	case ProtocolGRPC, "":
-		opts := []otlptracegrpc.Option{otlptracegrpc.WithEndpoint(c.Endpoint), otlptracegrpc.WithHeaders(headers),
-			otlptracegrpc.WithTimeout(10 * time.Second)}
-		if c.Insecure {
-			opts = append(opts, otlptracegrpc.WithInsecure())
-		} else {
-			opts = append(opts, otlptracegrpc.WithTLSCredentials(credentials.NewTLS(tlsConf)))
-		}
-		exp, err = otlptracegrpc.New(ctx, opts...)
-	case ProtocolHTTP:
-		opts := []otlptracehttp.Option{otlptracehttp.WithEndpoint(c.Endpoint), otlptracehttp.WithHeaders(headers),
-			otlptracehttp.WithTimeout(10 * time.Second)}
-		if c.Insecure {
-			opts = append(opts, otlptracehttp.WithInsecure())
-		} else {
-			opts = append(opts, otlptracehttp.WithTLSClientConfig(tlsConf))
-		}
-		exp, err = otlptracehttp.New(ctx, opts...)
+	case ProtocolGRPC, ProtocolHTTP:
+	case "":
+		c.Protocol = ProtocolGRPC
 	default:
 		return nil, nil, fmt.Errorf("tracing: protocol %q is neither %s nor %s", c.Protocol, ProtocolGRPC, ProtocolHTTP)
 	}
-	if err != nil {
-		return nil, nil, fmt.Errorf("tracing: the OTLP exporter: %w", err)
-	}
-	res := resource.NewSchemaless(attribute.String("service.name", service))
+	exp := newExporter(c, tlsConf, headers, []attribute.KeyValue{attribute.String("service.name", service)})
 	tp := sdktrace.NewTracerProvider(
 		sdktrace.WithBatcher(exp, sdktrace.WithBatchTimeout(time.Second), sdktrace.WithMaxQueueSize(4096)),
-		sdktrace.WithResource(res),
 		sdktrace.WithSampler(Sampler(c.SampleRatio)),
 		sdktrace.WithIDGenerator(idGenerator{}),
 	)

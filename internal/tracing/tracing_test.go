@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -75,8 +77,10 @@ func TestExportOverBothProtocols(t *testing.T) {
 			t.Fatal(err)
 		}
 		uid := "uid-" + c.protocol
-		start := tracing.StartOf(types.UID(uid), "", 1, 0)
-		_, child := tp.Tracer("t").Start(start.Context(ctx), "child")
+		start := tracing.StartOf(types.UID(uid), "", 1, 1) // a later run: its root links the first's
+		_, child := tp.Tracer("t").Start(start.Context(ctx), "child", trace.WithAttributes(attribute.String("s", "v\xff"),
+			attribute.Int64("i", -7), attribute.Bool("b", true), attribute.Float64("f", 0.5)))
+		child.SetStatus(codes.Error, "ImagePullFailed")
 		child.End()
 		_, root := start.Root(ctx, tp.Tracer("t"), time.Now().Add(-time.Second))
 		root.End()
@@ -85,9 +89,14 @@ func TestExportOverBothProtocols(t *testing.T) {
 		for _, s := range rx.Spans() {
 			switch {
 			case s.Name == tracing.SpanStart && s.TraceID == start.TraceID.String():
-				gotRoot = s.SpanID == start.SpanID.String() && s.Parent == "" && s.Service == "imp-test" && s.End.Sub(s.Start) >= time.Second
+				gotRoot = s.SpanID == start.SpanID.String() && s.Parent == "" && s.Service == "imp-test" && s.End.Sub(s.Start) >= time.Second &&
+					len(s.Links) == 1 && s.Links[0] == start.First.SpanID().String() && s.Error == ""
 			case s.Name == "child" && s.TraceID == start.TraceID.String():
-				gotChild = s.Parent == start.SpanID.String()
+				gotChild = s.Parent == start.SpanID.String() && s.Error == "ImagePullFailed" && s.Attributes["s"] == "v?" &&
+					s.Attributes["i"] == "-7" && s.Attributes["b"] == "true" && s.Attributes["f"] == "0.5"
+				if !gotChild {
+					t.Logf("%s: the child as received: %+v", c.protocol, s)
+				}
 			}
 		}
 		if !gotRoot || !gotChild {
