@@ -54,6 +54,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/steps"
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/agent/vmstats"
 	"github.com/syscode-labs/imp/internal/agent/volume"
 	"github.com/syscode-labs/imp/internal/agent/wake"
 	"github.com/syscode-labs/imp/internal/tracing"
@@ -202,6 +203,14 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 			Readdress: steps.Network{Attacher: nodenet.Readdressing{Networks: a.networks}}, Expose: steps.Expose{Exposer: a.exposer},
 			Continue: steps.Continue{Continuers: a.drivers}, Reidentify: steps.Reidentify{Guests: a.snapshots},
 		}}
+	// Each VM's figures (imp_vm_*), while the manager runs.
+	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
+		defer vmstats.Add(a.Runs)()
+		<-ctx.Done()
+		return nil
+	})); err != nil {
+		return err
+	}
 	a.Sessions = &idle.Sessions{}
 	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, API: a.APIReader, Reports: a.reports, Recorder: a.Recorder,
 		Limits: wake.Limits{Node: wake.NewBudget(o.IdleHeldBytes)}, Bound: o.IdleWakeTimeout, MemAvailable: o.MemAvailable,

@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/syscode-labs/imp/internal/guestinit/probe"
 )
@@ -118,6 +119,82 @@ type Message struct {
 	// Freezes, on a hello: the guest can freeze its workload for a snapshot ("freeze"), and
 	// answers FrozenEvent once it is.
 	Freezes bool `json:"freezes,omitempty"`
+	// Stats, on a StatsEvent: what the guest's kernel says of its memory, CPU and root
+	// filesystem.
+	Stats *Stats `json:"stats,omitempty"`
+}
+
+// StatsEvent carries the guest's own figures, every StatsInterval once the workload runs; told
+// the connection as it stands, never kept for the next.
+const StatsEvent = "stats"
+
+// StatsInterval is how often imp-init reports its Stats.
+const StatsInterval = 5 * time.Second
+
+// Stats are the guest's own figures, in bytes and milliseconds.
+type Stats struct {
+	// MemoryTotal and MemoryAvailable are /proc/meminfo's MemTotal and MemAvailable.
+	MemoryTotal     uint64 `json:"memTotal"`
+	MemoryAvailable uint64 `json:"memAvailable"`
+	// CPUMillis is the CPU time the guest's vCPUs spent busy (/proc/stat: all but idle and
+	// iowait), since boot.
+	CPUMillis uint64 `json:"cpuMillis"`
+	// FilesystemSize and FilesystemFree are the root filesystem's (the VM's writable disk,
+	// under its overlay).
+	FilesystemSize uint64 `json:"fsSize"`
+	FilesystemFree uint64 `json:"fsFree"`
+}
+
+// ParseMeminfo reads MemTotal and MemAvailable (bytes) from /proc/meminfo's text.
+func ParseMeminfo(text string) (total, available uint64, err error) {
+	var seen int
+	for _, line := range strings.Split(text, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		v, perr := strconv.ParseUint(f[1], 10, 64)
+		if perr != nil {
+			continue
+		}
+		if len(f) > 2 && f[2] == "kB" {
+			v <<= 10
+		}
+		switch f[0] {
+		case "MemTotal:":
+			total, seen = v, seen|1
+		case "MemAvailable:":
+			available, seen = v, seen|2
+		}
+	}
+	if seen != 3 {
+		return 0, 0, fmt.Errorf("meminfo without MemTotal and MemAvailable")
+	}
+	return total, available, nil
+}
+
+// ParseCPU reads the busy time (milliseconds) of /proc/stat's first "cpu" line, whose fields
+// count ticks of hz a second: user nice system idle iowait irq softirq steal ...
+func ParseCPU(text string, hz uint64) (uint64, error) {
+	for _, line := range strings.Split(text, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 5 || f[0] != "cpu" {
+			continue
+		}
+		var busy uint64
+		for i, v := range f[1:] {
+			if i == 3 || i == 4 || i >= 8 { // idle, iowait; guest time is counted in user already
+				continue
+			}
+			n, err := strconv.ParseUint(v, 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("/proc/stat's cpu line: %w", err)
+			}
+			busy += n
+		}
+		return busy * 1000 / hz, nil
+	}
+	return 0, fmt.Errorf("/proc/stat without a cpu line")
 }
 
 // FrozenEvent answers a "freeze" request: every process of the workload is stopped. It is

@@ -49,3 +49,25 @@ func TestParseNetRefusesBadInput(t *testing.T) {
 		t.Errorf("ParseNet without imp.net = %v, %v", n, err)
 	}
 }
+
+// TestParseStats reads /proc/meminfo's and /proc/stat's text as a guest's kernel writes them,
+// and refuses what lacks the fields.
+func TestParseStats(t *testing.T) {
+	total, avail, err := guestinit.ParseMeminfo("MemTotal:         197004 kB\nMemFree:          150000 kB\nMemAvailable:     160512 kB\nBuffers: 0 kB\n")
+	if err != nil || total != 197004<<10 || avail != 160512<<10 {
+		t.Errorf("meminfo: %d %d %v", total, avail, err)
+	}
+	if _, _, err := guestinit.ParseMeminfo("MemTotal: 1 kB\n"); err == nil {
+		t.Error("meminfo without MemAvailable was read")
+	}
+	// user nice system idle iowait irq softirq steal guest guest_nice
+	busy, err := guestinit.ParseCPU("cpu  100 20 30 5000 40 5 6 7 99 99\ncpu0 1 2 3 4 5 6 7 8 9 10\n", 100)
+	if err != nil || busy != (100+20+30+5+6+7)*10 {
+		t.Errorf("cpu: %d %v", busy, err)
+	}
+	for _, bad := range []string{"", "cpu0 1 2 3 4 5\n", "cpu  1 x 3 4 5\n"} {
+		if _, err := guestinit.ParseCPU(bad, 100); err == nil {
+			t.Errorf("cpu line %q was read", bad)
+		}
+	}
+}

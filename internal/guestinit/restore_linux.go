@@ -97,7 +97,8 @@ func (l *liveRun) signal(s unix.Signal) {
 	}
 }
 
-// runProbes (re)starts the probes of cfg, stopping those of the configuration before.
+// runProbes (re)starts the probes of cfg, stopping those of the configuration before, and the
+// guest's Stats reports with them.
 func (l *liveRun) runProbes(cfg Config) {
 	ctx, cancel := context.WithCancel(context.Background())
 	l.mu.Lock()
@@ -108,6 +109,9 @@ func (l *liveRun) runProbes(cfg Config) {
 	pid := l.pid
 	l.mu.Unlock()
 	go runProbes(ctx, cfg, pid)
+	if ch != nil {
+		go reportStats(ctx, ch)
+	}
 }
 
 // restore makes this guest, restored from another VM's snapshot, the VM r describes: the

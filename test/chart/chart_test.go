@@ -288,6 +288,15 @@ func TestMonitoringOnlyWhereItsAPIExists(t *testing.T) {
 			t.Errorf("%s not rendered with the API present", k)
 		}
 	}
+	// The VMs' namespace label survives the scrape (not renamed exported_namespace).
+	for _, k := range []string{"ServiceMonitor/imp-operator", "ServiceMonitor/imp-runtime"} {
+		if !strings.Contains(m[k], "honorLabels: true") {
+			t.Errorf("%s does not honor IMP's labels", k)
+		}
+	}
+	if !strings.Contains(m["PrometheusRule/imp"], "alert: ImpVMMemoryNearlyFull") {
+		t.Error("no alert for a VM near its memory")
+	}
 	m, err = render(t, caps, append(sets, "metrics.enabled=false")...)
 	if err != nil {
 		t.Fatal(err)

@@ -45,6 +45,9 @@ const (
 	// changes no status; a guest saying it unasked, or falsely, makes its own snapshot's copies
 	// share what its workload drew before their restore, nothing else.
 	Frozen
+	// Stats: the guest's own figures (Event.Stats), after ready, each consistent with itself;
+	// what they say is the guest's word, counted for its own VM only.
+	Stats
 )
 
 // Event is a message the agent acts on.
@@ -54,6 +57,7 @@ type Event struct {
 	Message string
 	Probe   probe.Kind
 	OK      bool
+	Stats   guestinit.Stats
 }
 
 // Session is one run's guest channel as the agent trusts it.
@@ -132,6 +136,8 @@ func (s *Session) feed(line []byte) (Event, string) {
 		return s.probe(msg)
 	case guestinit.FrozenEvent:
 		return Event{Kind: Frozen}, ""
+	case guestinit.StatsEvent:
+		return stats(s.ready, msg.Stats)
 	}
 	return Event{}, "unknown event"
 }
@@ -163,6 +169,21 @@ func (s *Session) probe(msg guestinit.Message) (Event, string) {
 		return Event{}, "an unknown probe"
 	}
 	return ev, ""
+}
+
+// stats takes a guest's figures: after ready, and only figures that hold together (available
+// memory within the total, free space within the size). Bounds by the VM's size are the
+// reader's (the channel does not know it).
+func stats(ready bool, st *guestinit.Stats) (Event, string) {
+	switch {
+	case !ready:
+		return Event{}, "stats before ready"
+	case st == nil:
+		return Event{}, "stats without figures"
+	case st.MemoryAvailable > st.MemoryTotal || st.FilesystemFree > st.FilesystemSize:
+		return Event{}, "stats that contradict themselves"
+	}
+	return Event{Kind: Stats, Stats: *st}, ""
 }
 
 // Sanitize makes a guest's text fit for a status: printable, one line, at most MaxMessage

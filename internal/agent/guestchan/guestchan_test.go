@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
 func TestSession(t *testing.T) {
@@ -35,6 +37,10 @@ func TestSession(t *testing.T) {
 			[]Event{{Kind: Ready}, {Kind: Probe, Probe: "readiness", OK: true}, {Kind: Probe, Probe: "readiness", Message: "HTTP 500 "}, {Kind: Probe, Probe: "startup", OK: true},
 				{Kind: Probe, Probe: "liveness", Message: "down"}, {Kind: Exit, Code: 137}}},
 		{"frozen, after hello only", []string{`{"event":"frozen"}`, hello, `{"event":"frozen"}`, `{"event":"frozen"}`}, []Event{{Kind: Frozen}, {Kind: Frozen}}},
+		{"stats after ready, consistent only", []string{hello, `{"event":"stats","stats":{"memTotal":100,"memAvailable":40}}`, `{"event":"ready"}`,
+			`{"event":"stats"}`, `{"event":"stats","stats":{"memTotal":100,"memAvailable":140}}`, `{"event":"stats","stats":{"fsSize":1,"fsFree":2}}`,
+			`{"event":"stats","stats":{"memTotal":-1}}`, `{"event":"stats","stats":{"memTotal":100,"memAvailable":40,"cpuMillis":7,"fsSize":9,"fsFree":8}}`},
+			[]Event{{Kind: Ready}, {Kind: Stats, Stats: guestinit.Stats{MemoryTotal: 100, MemoryAvailable: 40, CPUMillis: 7, FilesystemSize: 9, FilesystemFree: 8}}}},
 		{"an error's text is tamed", []string{hello, `{"event":"error","message":"bad\u001b[2J\nthing` + strings.Repeat("é", 400) + `"}`},
 			[]Event{{Kind: Error, Message: "bad [2J thing" + strings.Repeat("é", 249) + "…"}}},
 	}

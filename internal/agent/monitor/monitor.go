@@ -59,6 +59,11 @@ type monitor struct {
 	// it.
 	greeted atomic.Bool
 	freezes atomic.Bool
+	// guest is the guest's last figures (a Stats event), nil until it says any; pid and dir
+	// are its VMM's and its state directory, for the node's side of its figures.
+	guest   atomic.Pointer[GuestStats]
+	pid     int
+	dir     string
 	holding bool
 	frozen  chan struct{}
 }
@@ -210,6 +215,15 @@ type watch struct {
 	kill        func()
 	// bootSpan records the run's guest boot, from its VMM's start to ready (a span).
 	bootSpan func(ready time.Time)
+	// memory is the VM's memory in bytes (0: unknown): a guest saying it has more is not
+	// believed.
+	memory uint64
+}
+
+// GuestStats are a guest's own figures as it last said them, and when.
+type GuestStats struct {
+	guestinit.Stats
+	At time.Time
 }
 
 // aliveBackstop is how often a run whose VMM's end the kernel tells (watch.exited) is also
@@ -442,6 +456,14 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *vmrun.Meta, log log
 				}
 				running = &rt
 				reportRunning()
+			case guestchan.Stats:
+				// At most one a second counts, and only what the VM's memory can hold: the
+				// guest's word, for its own VM's series only.
+				if last := m.guest.Load(); (last != nil && time.Since(last.At) < time.Second) ||
+					(w.memory > 0 && ev.Stats.MemoryTotal > w.memory) {
+					continue
+				}
+				m.guest.Store(&GuestStats{Stats: ev.Stats, At: time.Now()})
 			case guestchan.Probe:
 				switch {
 				case running == nil:

@@ -757,3 +757,46 @@ func TestTheKernelTellsTheEnd(t *testing.T) {
 	}
 	<-done
 }
+
+// TestGuestStatsAreTheGuestsWordBounded (docs/security.md): a guest's figures count after ready
+// only, at most one a second however fast it sends them, and not when it claims more memory
+// than its VM has; they are its own run's (the monitor's), whatever it names.
+func TestGuestStatsAreTheGuestsWordBounded(t *testing.T) {
+	const token = "the-token"
+	var alive atomic.Bool
+	alive.Store(true)
+	reports := make(chan impv1.RuntimeStatus, 16)
+	m := &vmrun.Meta{Token: token, Started: time.Now(), Instance: 1, Run: 0}
+	w := watch{alive: alive.Load, report: func(_ context.Context, rt impv1.RuntimeStatus) { reports <- rt }, memory: 256 << 20}
+	mon := &monitor{token: token}
+	guest, done := followChannelOn(t, mon, w, m)
+	stats := func(total, avail uint64) string {
+		return fmt.Sprintf(`{"event":"stats","stats":{"memTotal":%d,"memAvailable":%d,"cpuMillis":5}}`, total, avail)
+	}
+	lines := []string{`{"event":"hello","token":"` + token + `"}`, stats(200<<20, 1), `{"event":"ready"}`, stats(200<<20, 100<<20)}
+	for i := range 2000 { // a flood, all within the second after the first
+		lines = append(lines, stats(200<<20, uint64(i)))
+	}
+	lines = append(lines, stats(8<<30, 1)) // more than the VM has
+	began := time.Now()
+	_, _ = guest.Write([]byte(strings.Join(lines, "\n") + "\n"))
+	wantReady(t, reports, "the guest")
+	waitFor(t, "the guest's figures taken", func() bool { return mon.guest.Load() != nil })
+	g := mon.guest.Load()
+	switch took := time.Since(began); {
+	case g.MemoryTotal != 200<<20:
+		t.Errorf("the guest's figures %+v: a lie about its memory was taken", g.Stats)
+	case took < 900*time.Millisecond && (g.MemoryAvailable != 100<<20 || g.CPUMillis != 5):
+		t.Errorf("the guest's figures %+v; want the first after ready, the flood of the next %v dropped", g.Stats, took)
+	}
+	// A second after the one taken, the next counts; a lie still does not.
+	for time.Since(g.At) <= time.Second {
+		time.Sleep(50 * time.Millisecond)
+	}
+	_, _ = guest.Write([]byte(stats(9<<30, 1) + "\n" + stats(200<<20, 50<<20) + "\n"))
+	waitFor(t, "the next second's figures taken", func() bool { return mon.guest.Load().MemoryAvailable == 50<<20 })
+	alive.Store(false)
+	guest.Close()
+	<-done
+}
+

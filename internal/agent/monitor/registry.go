@@ -94,7 +94,8 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
-	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key, instance: meta.Instance, run: meta.Run}
+	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key, instance: meta.Instance, run: meta.Run,
+		pid: rec.Pid, dir: dir}
 	r.byVM[vm.HostUID()] = m
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
 	drv := r.Drivers.For(vmmdriver.RecKind(rec))
@@ -122,6 +123,7 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 		ready:       reportedReady(vm, meta),
 		booted:      reportedBooted(vm, meta),
 		bootTimeout: r.BootTimeout,
+		memory:      memoryOf(vm),
 		bootSpan: func(ready time.Time) {
 			if r.Tracer == nil || meta.Trace == "" {
 				return
@@ -224,4 +226,35 @@ func (r *Registry) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File
 		return nil, ErrNotRunning
 	}
 	return r.Drivers.For(string(m.VMM)).ConsoleLog(dir)
+}
+
+// memoryOf is the VM's memory as placed, in bytes (0 when its status does not say).
+func memoryOf(vm *impv1.ImpVM) uint64 {
+	if r := vm.Status.Resources; r != nil && r.Memory.Sign() > 0 {
+		return uint64(r.Memory.Value())
+	}
+	return 0
+}
+
+// Followed is a run the node follows, for the VMs' figures (package vmstats).
+type Followed struct {
+	Key types.NamespacedName
+	// UID is the VM's host UID (its state directory's name).
+	UID types.UID
+	// Pid is its VMM's, Dir its state directory.
+	Pid int
+	Dir string
+	// Guest is what its guest last said of itself (nil: nothing yet).
+	Guest *GuestStats
+}
+
+// Followed lists the runs followed now.
+func (r *Registry) Followed() []Followed {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]Followed, 0, len(r.byVM))
+	for uid, m := range r.byVM {
+		out = append(out, Followed{Key: m.key, UID: uid, Pid: m.pid, Dir: m.dir, Guest: m.guest.Load()})
+	}
+	return out
 }

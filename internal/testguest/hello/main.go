@@ -26,6 +26,7 @@
 //	                  through O_DIRECT (no page cache; aligned buffers)
 //	tool-dial ADDR    prints what a TCP connection to ADDR first says
 //	tool-ifaces       prints each non-loopback interface: "NAME MAC ADDR/BITS..."
+//	memcycle MIB S  takes MIB MiB of memory, holds it S seconds, gives it back, waits S seconds, again
 //	dirty MIB RATE  serve's tick a second, and dirties a buffer of MIB MiB as it runs: RATE
 //	        MiB a second of its pages written, one byte a page, page after page (a busy guest
 //	        for migration benchmarks: the rate it keeps is what its vCPU's time allows)
@@ -149,6 +150,26 @@ func main() {
 		<-term
 		fmt.Println("hello: terminating")
 		os.Exit(0)
+	case "memcycle":
+		// Takes MiB of memory (anonymous, every page touched), holds it seconds, gives it back
+		// to the guest's kernel, waits as long, and again: a guest's memory that rises and falls.
+		mib, _ := strconv.Atoi(arg(2))
+		secs, _ := strconv.Atoi(arg(3))
+		for {
+			b, err := unix.Mmap(-1, 0, max(mib, 1)<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+			if err != nil {
+				fmt.Println("hello: mmap:", err)
+				os.Exit(1)
+			}
+			for i := 0; i < len(b); i += 4096 {
+				b[i] = 1
+			}
+			fmt.Printf("hello: holding %d MiB\n", mib)
+			time.Sleep(time.Duration(max(secs, 1)) * time.Second)
+			_ = unix.Munmap(b)
+			fmt.Println("hello: freed")
+			time.Sleep(time.Duration(max(secs, 1)) * time.Second)
+		}
 	case "dirty":
 		mib, _ := strconv.Atoi(arg(2))
 		rate, _ := strconv.Atoi(arg(3))
