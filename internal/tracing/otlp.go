@@ -303,7 +303,9 @@ func appendString(b []byte, field protowire.Number, v string) []byte {
 	return appendBytes(b, field, []byte(strings.ToValidUTF8(v, "?")))
 }
 
-func appendMessage(b []byte, field protowire.Number, msg []byte) []byte { return appendBytes(b, field, msg) }
+func appendMessage(b []byte, field protowire.Number, msg []byte) []byte {
+	return appendBytes(b, field, msg)
+}
 
 func appendTime(b []byte, field protowire.Number, t time.Time) []byte {
 	b = protowire.AppendTag(b, field, protowire.Fixed64Type)

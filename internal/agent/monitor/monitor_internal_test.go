@@ -799,4 +799,3 @@ func TestGuestStatsAreTheGuestsWordBounded(t *testing.T) {
 	guest.Close()
 	<-done
 }
-
