@@ -11,6 +11,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -277,9 +278,14 @@ func (a *Agent) start(ctx context.Context, vm *impv1.ImpVM, dir string, old *vmr
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: old}
 	defer r.Done()
 	// This pass of the run's start, a child of the start's root span (package tracing): each
-	// step of the plan that acts is a child of it.
-	ctx, span := tracing.RunSpan(ctx, a.tracer, vm, tracing.SpanAgent)
-	defer span.End()
+	// step of the plan that acts is a child of it. A pass while the run's image is still being
+	// fetched only finds it so, again and again: it records nothing, and the pass that takes
+	// the image records the fetch (steps.Image).
+	span := trace.SpanFromContext(ctx)
+	if !a.fetches.Fetching(vm) {
+		ctx, span = tracing.RunSpan(ctx, a.tracer, vm, tracing.SpanAgent)
+		defer span.End()
+	}
 	err := a.startPlan(vm, restores(vm, old)).Run(ctx, r)
 	var failed *plan.Failed
 	switch {

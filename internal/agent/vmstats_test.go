@@ -2,12 +2,20 @@ package agent_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	dto "github.com/prometheus/client_model/go"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
+
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/agent/vmstats"
 )
 
 // TestEachVMsFigures (docs/metrics.md, "Each VM's figures"): a real guest whose workload takes
@@ -72,6 +80,29 @@ func TestEachVMsFigures(t *testing.T) {
 	}
 	if s["imp_vm_vmm_resident_bytes"] < 64<<20 {
 		t.Errorf("its VMM holds %.0f MiB on the node, less than the 64 MiB its guest touched", s["imp_vm_vmm_resident_bytes"]/(1<<20))
+	}
+
+	// The same figures through the node's access endpoint (what kubectl imp top reads); none
+	// for a UID the node does not run.
+	srv := httptest.NewServer(access.Handler(vmstats.Serving{Registry: w.agent.Runs}, logr.Discard()))
+	defer srv.Close()
+	v := w.get("hog")
+	get := func(uid string) (*impv1.VMFigures, int) {
+		resp, err := http.Get(srv.URL + "/vms/" + v.Namespace + "/" + v.Name + "/" + uid + "/stats")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		f := &impv1.VMFigures{}
+		_ = json.NewDecoder(resp.Body).Decode(f)
+		return f, resp.StatusCode
+	}
+	if f, code := get(string(v.HostUID())); code != http.StatusOK || f.Guest == nil || f.Guest.MemoryBytes != uint64(s["imp_vm_guest_memory_bytes"]) ||
+		f.VMMCPUSeconds < s["imp_vm_vmm_cpu_seconds_total"] || f.DiskAllocatedBytes == 0 {
+		t.Errorf("the endpoint's figures: %d %+v (guest %+v); the series say %v", code, f, f.Guest, s)
+	}
+	if _, code := get("00000000-0000-0000-0000-000000000000"); code != http.StatusNotFound {
+		t.Errorf("another UID's figures: %d, want 404", code)
 	}
 }
 

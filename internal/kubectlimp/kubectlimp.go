@@ -61,11 +61,11 @@ func NewCommand(in io.Reader, out, errOut io.Writer) *cobra.Command {
 		Use:   "kubectl-imp",
 		Short: "Act on IMP microVMs",
 		Long: `kubectl imp acts on ImpVMs the way a VM user expects: list, status, logs, exec,
-port-forward, console, suspend, resume, snapshot, stop, start, restart and migrate; drain and undrain
+port-forward, console, top, suspend, resume, snapshot, stop, start, restart and migrate; drain and undrain
 evacuate a node; rollout status, history and undo follow and reverse the updates of ImpVMPools;
 claim takes a VM of an ImpWarmPool. Suspending creates an
 ImpVMSuspension of the VM's name (RBAC grants it apart from editing VMs; the audit log says who);
-resuming deletes it. logs, exec, port-forward and console are the VM's subresources in the API
+resuming deletes it. logs, exec, port-forward, console and top are the VM's subresources in the API
 group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 		SilenceUsage: true,
 	}
@@ -115,6 +115,7 @@ group subresources.imp.dev, which RBAC grants per namespace (docs/access.md).`,
 	root.AddCommand(o.rolloutCommand())
 	root.AddCommand(o.migrateCommands()...)
 	root.AddCommand(o.accessCommands(a)...)
+	root.AddCommand(o.topCommand())
 	return root
 }
 

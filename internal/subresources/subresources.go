@@ -51,7 +51,7 @@ const (
 )
 
 // Subresources are the ImpVM subresources served, as the agent's endpoint names them.
-var Subresources = []string{"console", "exec", "portforward", "log"}
+var Subresources = []string{"console", "exec", "portforward", "log", "stats"}
 
 // AgentServerName is the name the agents' serving certificate carries.
 const AgentServerName = "imp-agent"
@@ -168,7 +168,7 @@ func apiResources() *metav1.APIResourceList {
 	l := &metav1.APIResourceList{TypeMeta: metav1.TypeMeta{Kind: "APIResourceList", APIVersion: "v1"}, GroupVersion: Group + "/" + Version}
 	for _, sub := range Subresources {
 		verbs := metav1.Verbs{"get", "create"} // a WebSocket upgrade is a GET, SPDY's a POST
-		if sub == "log" {
+		if readOnly(sub) {
 			verbs = metav1.Verbs{"get"}
 		}
 		l.APIResources = append(l.APIResources, metav1.APIResource{Name: "impvms/" + sub, Namespaced: true, Kind: "ImpVM", Verbs: verbs})
@@ -188,7 +188,7 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		writeStatus(w, apierrors.NewBadRequest("invalid namespace or name"))
 		return
 	}
-	if sub == "log" && r.Method != http.MethodGet {
+	if readOnly(sub) && r.Method != http.MethodGet {
 		writeStatus(w, apierrors.NewMethodNotSupported(gr, r.Method))
 		return
 	}
@@ -210,15 +210,15 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is not placed on a node (phase %q)", vm.Status.Phase)))
 		return
 	}
-	if pool := impv1.WarmPoolOf(vm); pool != "" && sub != "log" {
+	if pool := impv1.WarmPoolOf(vm); pool != "" && !readOnly(sub) {
 		// An idle member is the pool's, to be handed to a claim as it was made: nothing is run
 		// or typed in it before then (its console log may be read).
 		writeStatus(w, apierrors.NewConflict(gr, name, fmt.Errorf("the VM is an idle member of ImpWarmPool %s: it takes no %s until it is handed to a claim (kubectl imp claim %s)", pool, sub, pool)))
 		return
 	}
 	// Only what may run something in the guest (exec, console, port-forward) wakes it: reading
-	// its log, which the view role may, never does.
-	if sp := vm.Status.Suspension; sp != nil && sp.Reason == impv1.SuspendReasonIdle && s.Waker != nil && sub != "log" {
+	// its log or its figures, which the view role may, never does.
+	if sp := vm.Status.Suspension; sp != nil && sp.Reason == impv1.SuspendReasonIdle && s.Waker != nil && !readOnly(sub) {
 		log.Info("waking the idle VM for a session")
 		if vm, err = s.wake(ctx, vm, user); err != nil {
 			writeStatus(w, apierrors.NewServiceUnavailable(err.Error()))
@@ -247,6 +247,11 @@ func (s *Server) subresource(w http.ResponseWriter, r *http.Request, user string
 	h.FlushInterval = -1 // a log follows
 	h.ServeHTTP(w, r)
 }
+
+// readOnly says whether sub only reads what the node has of the VM (its console log, its
+// figures): GET only, granted to the view role, and it never wakes an idle VM nor is refused
+// an idle warm pool member.
+func readOnly(sub string) bool { return sub == "log" || sub == "stats" }
 
 // wake wakes the idle-suspended vm and waits until it runs again, or WakeTimeout passed.
 func (s *Server) wake(ctx context.Context, vm *impv1.ImpVM, user string) (*impv1.ImpVM, error) {

@@ -27,22 +27,19 @@ import (
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr"
-	clocktesting "k8s.io/utils/clock/testing"
-
 	"github.com/creack/pty"
-
+	"github.com/go-logr/logr"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	certv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/remotecommand"
+	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -237,6 +234,29 @@ func (w *world) log(cfg *rest.Config, ns string) (string, error) {
 	return string(b), nil
 }
 
+// stats reads the figures of ns's VM as cfg's user, with method.
+func (w *world) stats(cfg *rest.Config, ns, method string) (*impv1.VMFigures, error) {
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequest(method, strings.TrimSuffix(cfg.Host, "/")+w.path(ns, "stats"), nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s", resp.Status, b)
+	}
+	f := &impv1.VMFigures{}
+	return f, json.Unmarshal(b, f)
+}
+
 func forbidden(err error) bool {
 	return err != nil && (strings.Contains(err.Error(), "forbidden") || strings.Contains(err.Error(), "403"))
 }
@@ -280,6 +300,22 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 		}
 	}
 
+	// The figures (kubectl imp top): read-only, for view too; never written.
+	for _, u := range []struct {
+		name string
+		cfg  *rest.Config
+	}{{"alice", alice}, {"victor", victor}} {
+		if f, err := w.stats(u.cfg, w.nsA, http.MethodGet); err != nil || f.Guest == nil || f.Guest.MemoryBytes != 128<<20 || f.VMMCPUSeconds != 1.5 {
+			t.Errorf("%s's figures in %s: %+v, %v", u.name, w.nsA, f, err)
+		}
+		if _, err := w.stats(u.cfg, w.nsB, http.MethodGet); !forbidden(err) {
+			t.Errorf("%s's figures in %s: %v, want 403 Forbidden", u.name, w.nsB, err)
+		}
+	}
+	if _, err := w.stats(alice, w.nsA, http.MethodPost); err == nil {
+		t.Error("alice POSTed to the figures and was served")
+	}
+
 	// The console.
 	if out, err := w.console(alice, w.nsA, "hi"); err != nil || !strings.Contains(out, `console said "hi"`) {
 		t.Errorf("alice's console in %s: %q, %v", w.nsA, out, err)
@@ -306,7 +342,7 @@ func TestAccessThroughTheAPIServer(t *testing.T) {
 
 	// The audit log records each access with the user's name.
 	want := []string{"alice get impvms/exec A 101", "alice get impvms/exec B 403", "alice create impvms/portforward A 101",
-		"victor get impvms/log A 200", "victor get impvms/exec A 403",
+		"victor get impvms/log A 200", "victor get impvms/exec A 403", "victor get impvms/stats A 200",
 		"alice get impvms/console A 101", "alice get impvms/console B 403", "victor get impvms/console A 403"}
 	seen := map[string]bool{}
 	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(250 * time.Millisecond) {

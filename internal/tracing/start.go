@@ -15,10 +15,12 @@ import (
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 )
 
-// Annotation, on an ImpVM, is the W3C traceparent of its first start: written by the operator
-// when the VM is first seen (in the write that adds its finalizer), or set by whoever created
-// the VM, whose span the start then joins as a child. It is trusted for nothing but joining
-// spans: a malformed one is ignored, and it decides no sampling.
+// Annotation, on an ImpVM, is the W3C traceparent of its first start's root span, written by the
+// operator when the VM is first seen (so that a user or a tool finds the trace from the
+// object). Whoever created the VM may have set it first, naming a span of their own: the first
+// start's root then links to that span. It is tenant-writable and trusted for nothing but that
+// link: a malformed one is ignored, and it chooses neither the start's trace nor its sampling
+// (the trace ID derives from the VM's UID, which the API server chose).
 const Annotation = "imp.dev/trace-context"
 
 // Span names of a VM's start (docs/observability.md lists them with their attributes).
@@ -32,14 +34,14 @@ const (
 )
 
 // Start is one start of a VM: its first (instance 1, run 0) or a later run. Its IDs are derived
-// from the VM's UID, instance and run (and the annotation, for the first), so that the
-// operator and the agent name the same trace and root span without telling each other.
+// from the VM's UID, instance and run, so that the operator and the agent name the same trace
+// and root span without telling each other, and nobody else chooses them.
 type Start struct {
 	TraceID trace.TraceID
 	SpanID  trace.SpanID // the root span's
-	// Parent is the creator's span a first start joins (the annotation, when not the
-	// operator's own).
-	Parent trace.SpanContext
+	// Creator is the span the VM's creator named in its annotation, which a first start's root
+	// links to.
+	Creator trace.SpanContext
 	// First links a later run to its VM's first start.
 	First trace.SpanContext
 }
@@ -49,17 +51,12 @@ type Start struct {
 func StartOf(uid types.UID, annotation string, instance int64, run int32) Start {
 	tid, sid := derive(uid, instance, run)
 	s := Start{TraceID: tid, SpanID: sid}
-	first := instance <= 1 && run == 0
-	if !first {
-		f := StartOf(uid, annotation, 1, 0)
-		s.First = f.SpanContext()
+	if instance > 1 || run != 0 {
+		s.First = StartOf(uid, annotation, 1, 0).SpanContext()
 		return s
 	}
-	if sc := parse(annotation); sc.IsValid() {
-		s.TraceID = sc.TraceID()
-		if sc.SpanID() != sid { // the creator's span, not the operator's annotation of this root
-			s.Parent = sc
-		}
+	if sc := parse(annotation); sc.IsValid() && (sc.TraceID() != tid || sc.SpanID() != sid) {
+		s.Creator = sc // not the operator's own annotation of this root
 	}
 	return s
 }
@@ -117,13 +114,11 @@ func (s Start) Context(ctx context.Context) context.Context {
 // operator's, ended at Ready). The returned context carries it, for children.
 func (s Start) Root(ctx context.Context, t trace.Tracer, began time.Time, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
 	pctx := context.WithValue(ctx, fixedKey{}, fixedIDs{s.TraceID, s.SpanID})
-	if s.Parent.IsValid() {
-		pctx = trace.ContextWithRemoteSpanContext(pctx, s.Parent)
-	} else {
-		opts = append(opts, trace.WithNewRoot())
-	}
-	if s.First.IsValid() {
-		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: s.First}))
+	opts = append(opts, trace.WithNewRoot())
+	for _, l := range []trace.SpanContext{s.Creator, s.First} {
+		if l.IsValid() {
+			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: l}))
+		}
 	}
 	_, span := t.Start(pctx, SpanStart, append(opts, trace.WithTimestamp(began))...)
 	return trace.ContextWithSpan(ctx, span), span

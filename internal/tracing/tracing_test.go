@@ -2,6 +2,7 @@ package tracing_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -17,10 +19,11 @@ import (
 	"github.com/syscode-labs/imp/internal/tracing"
 )
 
-// TestStartsAreNamedAlike: the operator and the agent derive one start's trace and root span
-// from the VM alone; the operator's annotation names that root; a creator's annotation makes
-// the first start its child, in its trace; later runs are traces of their own, linked to the
-// first; what is not a traceparent is ignored.
+// TestStartsAreNamedAlike (docs/security.md): the operator and the agent derive one start's
+// trace and root span from the VM alone; the operator's annotation names that root; a creator's
+// annotation is only linked from the first start's root, never its parent, and chooses none of
+// its IDs; later runs are traces of their own, linked to the first; what is not a traceparent is
+// ignored.
 func TestStartsAreNamedAlike(t *testing.T) {
 	first := tracing.StartOf("uid-1", "", 1, 0)
 	if again := tracing.StartOf("uid-1", "", 1, 0); !same(again, first) || !first.TraceID.IsValid() || !first.SpanID.IsValid() {
@@ -34,12 +37,11 @@ func TestStartsAreNamedAlike(t *testing.T) {
 	}
 	creator := "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 	joined := tracing.StartOf("uid-1", creator, 1, 0)
-	if joined.TraceID.String() != "0af7651916cd43dd8448eb211c80319c" || joined.Parent.SpanID().String() != "b7ad6b7169203331" ||
-		joined.SpanID != first.SpanID {
-		t.Errorf("a creator's traceparent: %+v, want its trace, its span the parent", joined)
+	if joined.TraceID != first.TraceID || joined.SpanID != first.SpanID || joined.Creator.SpanID().String() != "b7ad6b7169203331" {
+		t.Errorf("a creator's traceparent: %+v, want the derived IDs, the creator's span linked", joined)
 	}
 	later := tracing.StartOf("uid-1", creator, 1, 1)
-	if later.TraceID == joined.TraceID || later.Parent.IsValid() || later.First.SpanID() != joined.SpanID {
+	if later.TraceID == joined.TraceID || later.Creator.IsValid() || later.First.SpanID() != joined.SpanID {
 		t.Errorf("a later run: %+v, want a trace of its own linked to the first start's root %v", later, joined.SpanID)
 	}
 	if moved := tracing.StartOf("uid-1", "", 2, 0); moved.TraceID == first.TraceID {
@@ -122,6 +124,32 @@ func TestExportOverBothProtocols(t *testing.T) {
 	if got := rx.Spans()[before:]; len(got) != 0 {
 		t.Errorf("ratio 0 exported %+v", got)
 	}
+
+	// A tenant's annotation naming a trace every ratio samples (its low bytes zero), flagged
+	// sampled, on a VM whose own start a ratio of 1/2 does not sample: nothing is exported.
+	tp, shutdown, err = tracing.Provider(ctx, tracing.Config{Endpoint: rx.GRPC, Insecure: true, SampleRatio: 0.5}, "imp-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	byID := tracing.Sampler(0.5)
+	var vm types.UID
+	for i := 0; vm == ""; i++ {
+		st := tracing.StartOf(types.UID(fmt.Sprint("uid-", i)), "", 1, 0)
+		if byID.ShouldSample(sdktrace.SamplingParameters{ParentContext: ctx, TraceID: st.TraceID}).Decision == sdktrace.Drop {
+			vm = types.UID(fmt.Sprint("uid-", i))
+		}
+	}
+	forced := "00-0af7651916cd43dd0000000000000000-b7ad6b7169203331-01"
+	before = len(rx.Spans())
+	start := tracing.StartOf(vm, forced, 1, 0)
+	_, child := tp.Tracer("t").Start(start.Context(ctx), "child")
+	child.End()
+	_, root = start.Root(ctx, tp.Tracer("t"), time.Now())
+	root.End()
+	tracing.Flush(shutdown)
+	if got := rx.Spans()[before:]; len(got) != 0 {
+		t.Errorf("an annotation forced %d spans out at ratio 1/2: %+v", len(got), got)
+	}
 }
 
 // TestBadConfigurations are refused at start, with what is wrong.
@@ -153,5 +181,5 @@ func TestBadConfigurations(t *testing.T) {
 }
 
 func same(a, b tracing.Start) bool {
-	return a.TraceID == b.TraceID && a.SpanID == b.SpanID && a.Parent.Equal(b.Parent) && a.First.Equal(b.First)
+	return a.TraceID == b.TraceID && a.SpanID == b.SpanID && a.Creator.Equal(b.Creator) && a.First.Equal(b.First)
 }

@@ -431,6 +431,14 @@ network:
 		}
 		return nil
 	})
+	// Its figures the same way: the node's, and its guest's own (every 5 s after ready).
+	eventually("kubectl imp top", 2*time.Minute, func() error {
+		out, err := sh("kubectl imp top -n demo")
+		if f := strings.Fields(lastLine(out)); err != nil || len(f) != 7 || f[0] != "hello" || !strings.HasSuffix(f[4], "%") {
+			return fmt.Errorf("%v: %.300s", err, out)
+		}
+		return nil
+	})
 
 	// The VM as the host sees it: its VMM's pid and start time, its console, its address.
 	recs, _ := filepath.Glob(filepath.Join(agentState, "vms", "*", vmm.RecordFile))
@@ -663,4 +671,10 @@ network:
 	must("kubectl -n demo delete impvm hello --timeout=2m", "impvm.imp.dev \"hello\" deleted")
 	must("kubectl get events -A --sort-by=.lastTimestamp | tail -n 50", "imp-system")
 	must("kubectl get events -n demo", "Scheduled", "Started", "hello")
+}
+
+// lastLine is the last non-empty line of out.
+func lastLine(out string) string {
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	return lines[len(lines)-1]
 }

@@ -10,6 +10,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -29,6 +30,7 @@ import (
 	"k8s.io/streaming/pkg/httpstream/wsstream"
 	utilexec "k8s.io/utils/exec"
 
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/guestsession"
 )
 
@@ -41,6 +43,12 @@ type VMs interface {
 	// ConsoleInput attaches to the serial console's input of the running VM key with uid;
 	// ended is closed when its run ends. Closing the input detaches.
 	ConsoleInput(key types.NamespacedName, uid types.UID) (in io.WriteCloser, ended <-chan struct{}, err error)
+}
+
+// Figurer is what VMs may also be: the figures of the VM key with uid, running on the node
+// (package vmstats). Without it, GET .../stats is not served.
+type Figurer interface {
+	Figures(key types.NamespacedName, uid types.UID) (impv1.VMFigures, error)
 }
 
 // UserHeader names the API user a request is for, as the subresource server saw it
@@ -62,7 +70,28 @@ func Handler(vms VMs, log logr.Logger) http.Handler {
 	mux.HandleFunc(vm+"portforward", h.portForward)
 	mux.HandleFunc("GET "+vm+"log", h.consoleLog)
 	mux.HandleFunc(vm+"console", h.console)
+	mux.HandleFunc("GET "+vm+"stats", h.stats)
 	return mux
+}
+
+// stats serves the VM's figures as JSON.
+func (h handler) stats(w http.ResponseWriter, r *http.Request) {
+	key, uid, _, ok := h.target(w, r, "stats")
+	if !ok {
+		return
+	}
+	f, ok := h.vms.(Figurer)
+	if !ok {
+		http.Error(w, "this agent serves no figures", http.StatusNotFound)
+		return
+	}
+	fig, err := f.Figures(key, uid)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusNotFound)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(fig)
 }
 
 type handler struct {

@@ -61,11 +61,13 @@ type monitor struct {
 	freezes atomic.Bool
 	// guest is the guest's last figures (a Stats event), nil until it says any; pid and dir
 	// are its VMM's and its state directory, for the node's side of its figures.
-	guest   atomic.Pointer[GuestStats]
-	pid     int
-	dir     string
-	holding bool
-	frozen  chan struct{}
+	guest     atomic.Pointer[GuestStats]
+	pid       int
+	startTime uint64
+	started   time.Time
+	dir       string
+	holding   bool
+	frozen    chan struct{}
 }
 
 // requestStop asks the guest to stop its workload; it says whether the request went out (the

@@ -95,7 +95,7 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 	ctx, cancel := context.WithCancel(context.Background())
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: vm.Name}
 	m := &monitor{cancel: cancel, done: make(chan struct{}), token: meta.Token, key: key, instance: meta.Instance, run: meta.Run,
-		pid: rec.Pid, dir: dir}
+		pid: rec.Pid, startTime: rec.StartTime, started: meta.Started, dir: dir}
 	r.byVM[vm.HostUID()] = m
 	log := ctrl.Log.WithName("monitor").WithValues("vm", key)
 	drv := r.Drivers.For(vmmdriver.RecKind(rec))
@@ -241,20 +241,28 @@ type Followed struct {
 	Key types.NamespacedName
 	// UID is the VM's host UID (its state directory's name).
 	UID types.UID
-	// Pid is its VMM's, Dir its state directory.
-	Pid int
-	Dir string
+	// Pid and StartTime are its VMM's (its record's: a pid reused by another process is not
+	// its VMM); Started is when the run started; Dir is its state directory.
+	Pid       int
+	StartTime uint64
+	Started   time.Time
+	Dir       string
 	// Guest is what its guest last said of itself (nil: nothing yet).
 	Guest *GuestStats
 }
 
-// Followed lists the runs followed now.
+// Followed lists the runs followed now whose VMM has not ended.
 func (r *Registry) Followed() []Followed {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	out := make([]Followed, 0, len(r.byVM))
 	for uid, m := range r.byVM {
-		out = append(out, Followed{Key: m.key, UID: uid, Pid: m.pid, Dir: m.dir, Guest: m.guest.Load()})
+		select {
+		case <-m.done:
+			continue // its run ended by itself: kept until replaced, measured no more
+		default:
+		}
+		out = append(out, Followed{Key: m.key, UID: uid, Pid: m.pid, StartTime: m.startTime, Started: m.started, Dir: m.dir, Guest: m.guest.Load()})
 	}
 	return out
 }

@@ -3,6 +3,8 @@ package plan
 import (
 	"context"
 	"errors"
+	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -11,6 +13,9 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
+	"go.opentelemetry.io/otel/codes"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 )
 
 type state struct{ did []string }
@@ -133,5 +138,54 @@ func TestSlowStepsAreLogged(t *testing.T) {
 		if !strings.Contains(l, `"plan"="start"`) || !strings.Contains(l, `"step"="slow"`) {
 			t.Errorf("log line %s: not of the slow step", l)
 		}
+	}
+}
+
+// TestStepsAreSpans (docs/security.md): each step that acts is a span beneath the span the
+// plan's context carries, from its provider; a step that waits says so; a failed step's span
+// carries its reason, never its error's text (a registry's answer, a guest's words); a step
+// that does nothing is no span; a context with no span records nothing.
+func TestStepsAreSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	ctx, parent := tp.Tracer("t").Start(context.Background(), "pass")
+	p := Plan[*state]{Name: "start", Reason: "StartFailed", Steps: []Step[*state]{
+		fake{name: "done", do: true},
+		fake{name: "skipped"},
+		fake{name: "image", do: true, err: Fail("ImagePullFailed", errors.New("registry.evil said: token=s3cret"))},
+	}}
+	if err := p.Run(ctx, &state{}); err == nil {
+		t.Fatal("the plan did not fail")
+	}
+	if err := (Plan[*state]{Name: "start", Steps: []Step[*state]{fake{name: "wait", do: true, err: WaitFor(time.Second)}}}).Run(ctx, &state{}); !errors.Is(err, ErrWait) {
+		t.Fatal(err)
+	}
+	parent.End()
+	got := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		got[s.Name()] = s
+	}
+	if len(got) != 4 || got["imp.agent.start.done"] == nil || got["imp.agent.start.image"] == nil || got["imp.agent.start.wait"] == nil {
+		t.Fatalf("spans %v; want the pass, done, image and wait", slices.Collect(maps.Keys(got)))
+	}
+	for name, s := range got {
+		if name != "pass" && s.Parent().SpanID() != parent.SpanContext().SpanID() {
+			t.Errorf("%s is not the pass's child", name)
+		}
+		text := s.Status().Description + fmt.Sprint(s.Attributes(), s.Events())
+		if strings.Contains(text, "s3cret") || strings.Contains(text, "registry.evil") {
+			t.Errorf("%s carries the error's text: %s", name, text)
+		}
+	}
+	if st := got["imp.agent.start.image"].Status(); st.Code != codes.Error || st.Description != "ImagePullFailed" {
+		t.Errorf("the failed step's status %+v, want Error ImagePullFailed", st)
+	}
+	if a := got["imp.agent.start.wait"].Attributes(); len(a) != 1 || a[0].Key != "imp.wait" || !a[0].Value.AsBool() {
+		t.Errorf("the waiting step's attributes %v", a)
+	}
+	before := len(rec.Ended())
+	_ = p.Run(context.Background(), &state{})
+	if len(rec.Ended()) != before {
+		t.Error("a plan run with no span in its context recorded spans")
 	}
 }

@@ -18,8 +18,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/access"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
@@ -59,21 +63,22 @@ var (
 // process: tests run several).
 type collector struct {
 	mu      sync.Mutex
-	sources map[Runs]struct{}
+	sources map[*Runs]struct{}
 }
 
-var global = &collector{sources: map[Runs]struct{}{}}
+var global = &collector{sources: map[*Runs]struct{}{}}
 
 func init() { metrics.Registry.MustRegister(global) }
 
 // Add exports the figures of runs' VMs until the returned function is called.
 func Add(runs Runs) (remove func()) {
+	src := &runs
 	global.mu.Lock()
-	global.sources[runs] = struct{}{}
+	global.sources[src] = struct{}{}
 	global.mu.Unlock()
 	return func() {
 		global.mu.Lock()
-		delete(global.sources, runs)
+		delete(global.sources, src)
 		global.mu.Unlock()
 	}
 }
@@ -88,41 +93,97 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
 	var runs []monitor.Followed
 	for s := range c.sources {
-		runs = append(runs, s.Followed()...)
+		runs = append(runs, (*s).Followed()...)
 	}
 	c.mu.Unlock()
 	now := time.Now()
-	for _, r := range runs {
+	for _, r := range newest(runs) {
 		lv := []string{r.Key.Namespace, r.Key.Name}
-		if cpu, rss, err := Process(r.Pid); err == nil {
-			ch <- prometheus.MustNewConstMetric(vmmCPU, prometheus.CounterValue, cpu.Seconds(), lv...)
-			ch <- prometheus.MustNewConstMetric(vmmResident, prometheus.GaugeValue, float64(rss), lv...)
+		f, vmm, disk := Of(r, now)
+		if vmm {
+			ch <- prometheus.MustNewConstMetric(vmmCPU, prometheus.CounterValue, f.VMMCPUSeconds, lv...)
+			ch <- prometheus.MustNewConstMetric(vmmResident, prometheus.GaugeValue, float64(f.VMMResidentBytes), lv...)
 		}
-		if fi, err := os.Stat(filepath.Join(r.Dir, vmrun.WritableDisk)); err == nil {
-			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-				ch <- prometheus.MustNewConstMetric(diskAllocated, prometheus.GaugeValue, float64(st.Blocks*512), lv...)
-			}
+		if disk {
+			ch <- prometheus.MustNewConstMetric(diskAllocated, prometheus.GaugeValue, float64(f.DiskAllocatedBytes), lv...)
 		}
-		g := r.Guest
-		if g == nil || now.Sub(g.At) > Stale {
+		g := f.Guest
+		if g == nil {
 			continue
 		}
-		ch <- prometheus.MustNewConstMetric(guestMemory, prometheus.GaugeValue, float64(g.MemoryTotal), lv...)
-		ch <- prometheus.MustNewConstMetric(guestAvailable, prometheus.GaugeValue, float64(g.MemoryAvailable), lv...)
-		ch <- prometheus.MustNewConstMetric(guestCPU, prometheus.CounterValue, float64(g.CPUMillis)/1000, lv...)
-		if g.FilesystemSize > 0 {
-			ch <- prometheus.MustNewConstMetric(guestFSSize, prometheus.GaugeValue, float64(g.FilesystemSize), lv...)
-			ch <- prometheus.MustNewConstMetric(guestFSFree, prometheus.GaugeValue, float64(g.FilesystemFree), lv...)
+		ch <- prometheus.MustNewConstMetric(guestMemory, prometheus.GaugeValue, float64(g.MemoryBytes), lv...)
+		ch <- prometheus.MustNewConstMetric(guestAvailable, prometheus.GaugeValue, float64(g.MemoryAvailableBytes), lv...)
+		ch <- prometheus.MustNewConstMetric(guestCPU, prometheus.CounterValue, g.CPUSeconds, lv...)
+		if g.FilesystemSizeBytes > 0 {
+			ch <- prometheus.MustNewConstMetric(guestFSSize, prometheus.GaugeValue, float64(g.FilesystemSizeBytes), lv...)
+			ch <- prometheus.MustNewConstMetric(guestFSFree, prometheus.GaugeValue, float64(g.FilesystemFreeBytes), lv...)
 		}
 	}
+}
+
+// newest keeps, of runs of one VM's name, the one started last: a VM deleted without its
+// finalizer and made again under its name may have its old run followed a while beside its
+// new one, and two series of one name would fail the whole scrape.
+func newest(runs []monitor.Followed) []monitor.Followed {
+	byKey := map[types.NamespacedName]int{}
+	var out []monitor.Followed
+	for _, r := range runs {
+		i, ok := byKey[r.Key]
+		switch {
+		case !ok:
+			byKey[r.Key] = len(out)
+			out = append(out, r)
+		case r.Started.After(out[i].Started):
+			out[i] = r
+		}
+	}
+	return out
+}
+
+// Of is the figures of run r at now, and whether its VMM's and its disk's could be read.
+func Of(r monitor.Followed, now time.Time) (f impv1.VMFigures, vmm, disk bool) {
+	f.At = metav1.NewMicroTime(now)
+	if cpu, rss, err := Process(r.Pid, r.StartTime); err == nil {
+		f.VMMCPUSeconds, f.VMMResidentBytes, vmm = cpu, rss, true
+	}
+	if fi, err := os.Stat(filepath.Join(r.Dir, vmrun.WritableDisk)); err == nil {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			f.DiskAllocatedBytes, disk = uint64(st.Blocks)*512, true
+		}
+	}
+	if g := r.Guest; g != nil && now.Sub(g.At) <= Stale {
+		f.Guest = &impv1.GuestFigures{At: metav1.NewMicroTime(g.At), MemoryBytes: g.MemoryTotal, MemoryAvailableBytes: g.MemoryAvailable,
+			CPUSeconds: float64(g.CPUMillis) / 1000, FilesystemSizeBytes: g.FilesystemSize, FilesystemFreeBytes: g.FilesystemFree}
+	}
+	return f, vmm, disk
+}
+
+// Serving is the node's runs as the access endpoint serves them, with their figures (GET
+// .../stats, kubectl imp top).
+type Serving struct {
+	*monitor.Registry
+}
+
+var _ access.Figurer = Serving{}
+
+// Figures are the figures of the VM key with uid, followed on the node.
+func (s Serving) Figures(key types.NamespacedName, uid types.UID) (impv1.VMFigures, error) {
+	for _, r := range s.Followed() {
+		if r.Key == key && r.UID == uid {
+			f, _, _ := Of(r, time.Now())
+			return f, nil
+		}
+	}
+	return impv1.VMFigures{}, fmt.Errorf("ImpVM %s does not run on this node", key)
 }
 
 // clockTicks is USER_HZ, what /proc/<pid>/stat counts CPU time in.
 const clockTicks = 100
 
-// Process is the CPU time (user and system) and resident bytes of process pid, from
-// /proc/<pid>/stat and /proc/<pid>/statm.
-func Process(pid int) (time.Duration, uint64, error) {
+// Process is the CPU time in seconds (user and system) and the resident bytes of process pid,
+// from /proc/<pid>/stat and /proc/<pid>/statm, when it is the process that started at
+// startTime (clock ticks after boot, stat's field 22): a pid reused by another is not measured.
+func Process(pid int, startTime uint64) (float64, uint64, error) {
 	if pid <= 0 {
 		return 0, 0, fmt.Errorf("no process")
 	}
@@ -130,14 +191,17 @@ func Process(pid int) (time.Duration, uint64, error) {
 	if err != nil {
 		return 0, 0, err
 	}
-	// The command is in parentheses and may hold spaces: fields count from its end.
+	// The command is in parentheses and may hold spaces: fields count from its end (field 3).
 	i := strings.LastIndexByte(string(stat), ')')
 	if i < 0 {
 		return 0, 0, fmt.Errorf("/proc/%d/stat: no command", pid)
 	}
 	f := strings.Fields(string(stat[i+1:]))
-	if len(f) < 13 {
+	if len(f) < 20 {
 		return 0, 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+	}
+	if st, err := strconv.ParseUint(f[19], 10, 64); err != nil || st != startTime { // field 22
+		return 0, 0, fmt.Errorf("process %d is not the one started at %d", pid, startTime)
 	}
 	utime, err1 := strconv.ParseUint(f[11], 10, 64) // field 14
 	stime, err2 := strconv.ParseUint(f[12], 10, 64) // field 15
@@ -156,6 +220,5 @@ func Process(pid int) (time.Duration, uint64, error) {
 	if err != nil {
 		return 0, 0, fmt.Errorf("/proc/%d/statm: %w", pid, err)
 	}
-	cpu := time.Duration(utime+stime) * time.Second / clockTicks
-	return cpu, pages * uint64(os.Getpagesize()), nil
+	return float64(utime+stime) / clockTicks, pages * uint64(os.Getpagesize()), nil
 }

@@ -157,8 +157,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 		if apierrors.IsNotFound(err) {
 			// Gone without passing through reconcileDelete (its finalizer removed by hand):
 			// what it held is free.
+			r.traces.forget(req.NamespacedName)
 			if uid, ok := r.holders.LoadAndDelete(req.NamespacedName); ok {
-				r.traces.forget(uid.(types.UID))
 				r.Ledger.Release(uid.(types.UID))
 				r.signalFreed()
 			}
@@ -173,10 +173,11 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Re
 		return r.reconcileDelete(ctx, vm)
 	}
 	began := r.Clock.Now()
-	if !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) {
-		orig := vm.DeepCopy()
+	if orig := vm.DeepCopy(); !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) || r.traces.annotate(vm) {
+		// The finalizer, and the trace annotation with it (traces on): one write. Where the
+		// chart's admission policy added the finalizer, the annotation is a write of its own.
 		controllerutil.AddFinalizer(vm, impv1.VMFinalizer)
-		r.traces.annotate(vm) // in the same write
+		r.traces.annotate(vm)
 		if err := r.Client.Patch(ctx, vm, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 			return ctrl.Result{}, fmt.Errorf("adding finalizer: %w", err)
 		}
@@ -778,7 +779,7 @@ func (r *Reconciler) runSecretNamespace() string {
 // reconcileDelete waits for the node's agent to confirm the VM is gone, then releases the
 // VM's address and node and lets the API server delete it.
 func (r *Reconciler) reconcileDelete(ctx context.Context, vm *impv1.ImpVM) (ctrl.Result, error) {
-	r.traces.forget(vm.UID)
+	r.traces.forget(client.ObjectKeyFromObject(vm))
 	if !controllerutil.ContainsFinalizer(vm, impv1.VMFinalizer) {
 		return ctrl.Result{}, nil
 	}

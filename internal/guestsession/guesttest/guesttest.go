@@ -19,12 +19,13 @@ import (
 	"syscall"
 	"testing"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/transport/spdy"
 
-	"k8s.io/apimachinery/pkg/types"
-
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/guestsession"
 )
 
@@ -114,6 +115,17 @@ func (v *VMs) ConsoleLog(key types.NamespacedName, uid types.UID) (*os.File, err
 		return nil, errNotHere
 	}
 	return os.Open(v.Console(uid))
+}
+
+// Figures are the same figures for each VM (what kubectl imp top reads): its VMM at 1.5 s of
+// CPU and 200 MiB on the node, its guest of 128 MiB with 100 MiB available.
+func (v *VMs) Figures(key types.NamespacedName, uid types.UID) (impv1.VMFigures, error) {
+	if v.UIDs[key] != uid || uid == "" {
+		return impv1.VMFigures{}, errNotHere
+	}
+	now := metav1.NowMicro()
+	return impv1.VMFigures{At: now, VMMCPUSeconds: 1.5, VMMResidentBytes: 200 << 20, DiskAllocatedBytes: 4 << 20,
+		Guest: &impv1.GuestFigures{At: now, MemoryBytes: 128 << 20, MemoryAvailableBytes: 100 << 20}}, nil
 }
 
 // ConsoleInput is the console of a guest that answers each line typed with "console said

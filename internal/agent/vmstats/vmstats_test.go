@@ -1,0 +1,83 @@
+package vmstats
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
+
+	"github.com/syscode-labs/imp/internal/agent/monitor"
+	"github.com/syscode-labs/imp/internal/agent/vmm"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/guestinit"
+)
+
+type runs []monitor.Followed
+
+func (r runs) Followed() []monitor.Followed { return r }
+
+// TestFigures (docs/security.md): a run's figures are its VMM's only while the pid is the
+// process its record names (a pid reused is not measured), its guest's only while a minute
+// fresh; two runs of one VM's name (a VM made again under its name while its old run is still
+// followed) give one series, the newer's, and the scrape does not fail.
+func TestFigures(t *testing.T) {
+	start, err := vmm.StartTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, vmrun.WritableDisk), make([]byte, 64<<10), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	key := types.NamespacedName{Namespace: "ns-vmstats", Name: "vm"}
+	run := monitor.Followed{Key: key, UID: "u1", Pid: os.Getpid(), StartTime: start, Started: now, Dir: dir,
+		Guest: &monitor.GuestStats{Stats: guestinit.Stats{MemoryTotal: 100 << 20, MemoryAvailable: 40 << 20, CPUMillis: 1500}, At: now}}
+	f, vmmOK, disk := Of(run, now)
+	if !vmmOK || !disk || f.VMMResidentBytes == 0 || f.DiskAllocatedBytes < 64<<10 || f.Guest == nil || f.Guest.MemoryBytes != 100<<20 || f.Guest.CPUSeconds != 1.5 {
+		t.Errorf("a live run's figures: %+v (guest %+v), VMM %v, disk %v", f, f.Guest, vmmOK, disk)
+	}
+	reused := run
+	reused.StartTime++
+	if f, vmmOK, _ := Of(reused, now); vmmOK || f.VMMResidentBytes != 0 {
+		t.Errorf("a pid reused by another process was measured: %+v", f)
+	}
+	stale := run
+	stale.Guest = &monitor.GuestStats{Stats: run.Guest.Stats, At: now.Add(-2 * Stale)}
+	if f, _, _ := Of(stale, now); f.Guest != nil {
+		t.Errorf("a guest's figures two minutes old are still served: %+v", f.Guest)
+	}
+
+	older := run
+	older.UID, older.Started = "u0", now.Add(-time.Hour)
+	older.Guest = &monitor.GuestStats{Stats: guestinit.Stats{MemoryTotal: 999 << 20, MemoryAvailable: 1}, At: now}
+	other := run
+	other.Key.Name = "other"
+	remove := Add(runs{older, run, other})
+	defer remove()
+	families, err := metrics.Registry.Gather()
+	if err != nil {
+		t.Fatalf("the scrape failed with two runs of one name: %v", err)
+	}
+	seen := map[string][]float64{}
+	for _, fam := range families {
+		if fam.GetName() != "imp_vm_guest_memory_bytes" {
+			continue
+		}
+		for _, m := range fam.Metric {
+			lv := map[string]string{}
+			for _, l := range m.Label {
+				lv[l.GetName()] = l.GetValue()
+			}
+			if lv["namespace"] == key.Namespace {
+				seen[lv["name"]] = append(seen[lv["name"]], m.GetGauge().GetValue())
+			}
+		}
+	}
+	if len(seen["vm"]) != 1 || seen["vm"][0] != 100<<20 || len(seen["other"]) != 1 {
+		t.Errorf("series of the runs: %v; want one of vm, the newer run's (100 MiB), and one of other", seen)
+	}
+}
