@@ -22,7 +22,8 @@ import (
 // TestAVMStartIsOneTrace (docs/observability.md, "Traces"): the operator and the agent, each
 // exporting over OTLP/gRPC to a collector, make a real guest's start one trace: the operator's
 // root span from the VM seen to Ready, named by the VM's annotation; its placement; the agent's
-// start, each step of its plan beneath it; the image fetched; the guest's boot. The root lasts
+// start, each step of its plan beneath it; the image fetched; the guest's boot, and beneath it
+// the guest's own phases as imp-init says them. The root lasts
 // what the test saw of create → Ready, within 10 %, and its children cover it within 10 %.
 func TestAVMStartIsOneTrace(t *testing.T) {
 	rx := testotlp.Start(t)
@@ -73,7 +74,7 @@ func TestAVMStartIsOneTrace(t *testing.T) {
 		}
 		return names(spans)
 	}).WithTimeout(time.Minute).Should(ContainElements(tracing.SpanStart, tracing.SpanPlace, tracing.SpanAgent, "imp.agent.start.exec",
-		"imp.agent.start.writable_disk", tracing.SpanGuestBoot))
+		"imp.agent.start.writable_disk", tracing.SpanGuestBoot, "imp.guest.kernel", "imp.guest.disks", "imp.guest.workload"))
 	byID := map[string]testotlp.Span{}
 	for _, s := range spans {
 		byID[s.SpanID] = s
@@ -95,6 +96,10 @@ func TestAVMStartIsOneTrace(t *testing.T) {
 		case strings.HasPrefix(s.Name, "imp.agent.start."):
 			if byID[s.Parent].Name != tracing.SpanAgent {
 				t.Errorf("step span %s's parent is %q, want %s", s.Name, byID[s.Parent].Name, tracing.SpanAgent)
+			}
+		case strings.HasPrefix(s.Name, tracing.SpanGuestOf):
+			if boot := byID[s.Parent]; boot.Name != tracing.SpanGuestBoot || s.Start.Before(boot.Start) || s.End.After(boot.End) {
+				t.Errorf("the guest's span %s (%v to %v) is not within the guest's boot %+v", s.Name, s.Start, s.End, boot)
 			}
 		default:
 			t.Errorf("an unexpected span in the start's trace: %+v", s)

@@ -122,7 +122,33 @@ type Message struct {
 	// Stats, on a StatsEvent: what the guest's kernel says of its memory, CPU and root
 	// filesystem.
 	Stats *Stats `json:"stats,omitempty"`
+	// Boot, on the first "ready" of a boot: how long imp-init's phases took.
+	Boot *Boot `json:"boot,omitempty"`
 }
+
+// Boot is how a guest's boot went, in microseconds of its kernel's boot clock (CLOCK_BOOTTIME,
+// 0 at the kernel's start): when imp-init began, each of its phases, and ready.
+type Boot struct {
+	Init   uint64  `json:"init"`
+	Phases []Phase `json:"phases"`
+	Ready  uint64  `json:"ready"`
+}
+
+// Phase is one phase of imp-init's boot: one of BootPhases, from Start to End.
+type Phase struct {
+	Name  string `json:"name"`
+	Start uint64 `json:"start"`
+	End   uint64 `json:"end"`
+}
+
+// BootPhases are imp-init's phases, in order: the kernel's file systems and devices mounted,
+// its modules loaded, the guest channel opened, the VM's disks found and its root mounted, its
+// network configured, its volumes mounted (after the switch into its root), its workload
+// started.
+var BootPhases = []string{"mounts", "modules", "channel", "disks", "network", "volumes", "workload"}
+
+// MaxBootPhases bounds what a ready message may say of phases.
+const MaxBootPhases = 8
 
 // StatsEvent carries the guest's own figures, every StatsInterval once the workload runs; told
 // the connection as it stands, never kept for the next.

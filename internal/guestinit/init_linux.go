@@ -54,6 +54,27 @@ func Run() {
 
 var ch *channel
 
+// boot is how this boot went, for the ready message.
+var boot Boot
+
+// bootClock is the kernel's boot clock, in microseconds.
+func bootClock() uint64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts)
+	return uint64(ts.Nano() / 1000)
+}
+
+// phase ends the phase of the boot under way, if any, and begins name (none for "").
+func phase(name string) {
+	now := bootClock()
+	if n := len(boot.Phases); n > 0 && boot.Phases[n-1].End == 0 {
+		boot.Phases[n-1].End = now
+	}
+	if name != "" {
+		boot.Phases = append(boot.Phases, Phase{Name: name, Start: now})
+	}
+}
+
 // rwDir is a descriptor of the writable disk's root, kept across the switch into the overlay
 // root (which hides its mount point), to freeze the file system before powering off.
 var rwDir = -1
@@ -62,6 +83,8 @@ var rwDir = -1
 const fiFreeze = 0xC0045877
 
 func run() (int, error) {
+	boot.Init = bootClock()
+	phase("mounts")
 	for _, m := range []struct{ src, dst, fstype string }{
 		{"proc", "/proc", "proc"}, {"sysfs", "/sys", "sysfs"}, {"devtmpfs", "/dev", "devtmpfs"},
 	} {
@@ -88,16 +111,19 @@ func run() (int, error) {
 	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_CAD_OFF)
 	cmdline, _ := os.ReadFile("/proc/cmdline")
 	params := strings.Fields(string(cmdline))
+	phase("modules")
 	if err := loadModules(params); err != nil {
 		return -1, err
 	}
 
 	var err error
+	phase("channel")
 	ch, err = openChannel(param(params, TokenParam), param(params, ChannelParam))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init: no guest channel:", err)
 	}
 
+	phase("disks")
 	base, rw, cfg, err := findDisks(10 * time.Second)
 	if err != nil {
 		return ch.fail(err)
@@ -124,6 +150,7 @@ func run() (int, error) {
 	// writable disk: it has no use any more.
 	_ = os.RemoveAll(filepath.Join("/run/rw", filepath.Dir(legacyConfigPath)))
 	loopbackUp()
+	phase("network")
 	gnet, err := ParseNet(params)
 	if err != nil {
 		return ch.fail(err)
@@ -133,6 +160,7 @@ func run() (int, error) {
 			return ch.fail(fmt.Errorf("configuring the network: %w", err))
 		}
 	}
+	phase("volumes")
 	if err := switchRoot("/run/root"); err != nil {
 		return ch.fail(err)
 	}
@@ -331,12 +359,16 @@ func runWorkload(cfg Config, gnet *Net) (int, error) {
 		}
 	}()
 	ready := Message{Event: "ready"}
+	phase("workload")
 	if cfg.Hold {
 		// A template's VM snapshotted before its workload: the copy's restore starts it.
 		ready.Message = HeldMessage
 	} else if err := live.startWorkload(cfg); err != nil {
 		return ch.fail(err)
 	}
+	phase("")
+	boot.Ready = bootClock()
+	ready.Boot = &boot
 	ch.serve()
 	ch.send(ready)
 	if !cfg.Hold {

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/guestinit"
 )
 
 // Annotation, on an ImpVM, is the W3C traceparent of its first start's root span, written by the
@@ -31,6 +32,10 @@ const (
 	SpanGuestBoot = "imp.agent.guest_boot" // the VMM started to the guest's agent ready
 	// A plan's steps are "imp.agent.<plan>.<step>": imp.agent.start.network (package plan).
 	SpanFetch = "imp.agent.image_fetch" // the image fetched off the workers, in its parts
+	// The guest's part, beneath SpanGuestBoot, as it says it: "imp.guest.firmware" (the VMM's
+	// start to the kernel's), "imp.guest.kernel" (the kernel's start to imp-init's), then
+	// "imp.guest.<phase>" for each of guestinit.BootPhases.
+	SpanGuestOf = "imp.guest."
 )
 
 // Start is one start of a VM: its first (instance 1, run 0) or a later run. Its IDs are derived
@@ -191,4 +196,34 @@ func RunSpan(ctx context.Context, t trace.Tracer, vm *impv1.ImpVM, name string, 
 // Trace is the traceparent of the start of vm's current run (what its record on the node keeps).
 func Trace(vm *impv1.ImpVM) string {
 	return StartOf(vm.UID, vm.Annotations[Annotation], vm.Status.Instance, vm.Status.RestartCount).Annotation()
+}
+
+// GuestBoot records a run's guest boot, a child of ctx's span: from its VMM's start to its
+// guest's ready (host times), and beneath it the guest's part as boot says it, placed on the
+// host's clock from ready backwards and held within the boot (the guest's word: its phases can
+// say nothing outside it).
+func GuestBoot(ctx context.Context, t trace.Tracer, started, ready time.Time, boot *guestinit.Boot, attrs ...attribute.KeyValue) {
+	ctx, sp := t.Start(ctx, SpanGuestBoot, trace.WithTimestamp(started), trace.WithAttributes(attrs...))
+	if boot != nil {
+		at := func(us uint64) time.Time {
+			h := ready.Add(-time.Duration(boot.Ready-min(us, boot.Ready)) * time.Microsecond)
+			if h.Before(started) {
+				return started
+			}
+			return h
+		}
+		span := func(name string, from, to uint64) {
+			_, c := t.Start(ctx, SpanGuestOf+name, trace.WithTimestamp(at(from)))
+			c.End(trace.WithTimestamp(at(to)))
+		}
+		if k := at(0); k.After(started) { // the VMM's own start: its firmware, the kernel loaded
+			_, c := t.Start(ctx, SpanGuestOf+"firmware", trace.WithTimestamp(started))
+			c.End(trace.WithTimestamp(k))
+		}
+		span("kernel", 0, boot.Init)
+		for _, p := range boot.Phases {
+			span(p.Name, p.Start, p.End)
+		}
+	}
+	sp.End(trace.WithTimestamp(ready))
 }

@@ -13,7 +13,9 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"slices"
 	"strings"
+	"time"
 	"unicode"
 
 	"github.com/syscode-labs/imp/internal/guestinit"
@@ -58,6 +60,9 @@ type Event struct {
 	Probe   probe.Kind
 	OK      bool
 	Stats   guestinit.Stats
+	// Boot, on Ready, is how the guest says its boot went, when it holds together (nil else:
+	// the ready counts all the same).
+	Boot *guestinit.Boot
 }
 
 // Session is one run's guest channel as the agent trusts it.
@@ -122,7 +127,7 @@ func (s *Session) feed(line []byte) (Event, string) {
 			return Event{}, "ready again"
 		}
 		s.ready = true
-		return Event{Kind: Ready}, ""
+		return Event{Kind: Ready, Boot: bootOf(msg.Boot)}, ""
 	case "exit":
 		if msg.Code == nil || *msg.Code < 0 || *msg.Code > 255 {
 			return Event{}, "exit without a code from 0 to 255"
@@ -169,6 +174,25 @@ func (s *Session) probe(msg guestinit.Message) (Event, string) {
 		return Event{}, "an unknown probe"
 	}
 	return ev, ""
+}
+
+// maxBoot bounds the boot a guest may claim: an hour, in microseconds.
+const maxBoot = uint64(time.Hour / time.Microsecond)
+
+// bootOf is b when it holds together: at most MaxBootPhases phases, each of guestinit's names,
+// in order in time, from imp-init's start to ready, within maxBoot.
+func bootOf(b *guestinit.Boot) *guestinit.Boot {
+	if b == nil || len(b.Phases) > guestinit.MaxBootPhases || b.Ready > maxBoot || b.Init > b.Ready {
+		return nil
+	}
+	at := b.Init
+	for _, p := range b.Phases {
+		if !slices.Contains(guestinit.BootPhases, p.Name) || p.Start < at || p.End < p.Start || p.End > b.Ready {
+			return nil
+		}
+		at = p.End
+	}
+	return b
 }
 
 // stats takes a guest's figures: after ready, and only figures that hold together (available

@@ -3,8 +3,10 @@ package guestchan
 import (
 	"bytes"
 	"encoding/json"
+	"reflect"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/syscode-labs/imp/internal/guestinit"
@@ -23,6 +25,10 @@ func TestSession(t *testing.T) {
 		{"exit without a code", []string{hello, `{"event":"exit"}`}, nil},
 		{"exit code out of range", []string{hello, `{"event":"exit","code":-1}`, `{"event":"exit","code":256}`, `{"event":"exit","code":4294967296}`}, nil},
 		{"ready once", []string{hello, `{"event":"ready"}`, `{"event":"ready"}`}, []Event{{Kind: Ready}}},
+		{"a ready's boot that holds together", []string{hello, `{"event":"ready","boot":{"init":100,"phases":[{"name":"mounts","start":100,"end":150},{"name":"workload","start":150,"end":300}],"ready":310}}`},
+			[]Event{{Kind: Ready, Boot: &guestinit.Boot{Init: 100, Phases: []guestinit.Phase{{Name: "mounts", Start: 100, End: 150}, {Name: "workload", Start: 150, End: 300}}, Ready: 310}}}},
+		{"a ready's boot that does not: the ready counts, not the boot", []string{hello, `{"event":"ready","boot":{"init":100,"phases":[{"name":"rm -rf","start":100,"end":150}],"ready":310}}`},
+			[]Event{{Kind: Ready}}},
 		{"the first end counts", []string{hello, `{"event":"exit","code":1}`, `{"event":"exit","code":2}`, `{"event":"error","message":"x"}`}, []Event{{Kind: Exit, Code: 1}}},
 		{"a wrong hello untrusts the channel", []string{hello, `{"event":"hello","token":"guess"}`, `{"event":"ready"}`}, nil},
 		{"the right hello trusts it again", []string{`{"event":"hello","token":"guess"}`, hello, `{"event":"ready"}`}, []Event{{Kind: Ready}}},
@@ -57,7 +63,7 @@ func TestSession(t *testing.T) {
 				t.Fatalf("events %+v, want %+v", got, tt.want)
 			}
 			for i := range got {
-				if got[i] != tt.want[i] {
+				if !reflect.DeepEqual(got[i], tt.want[i]) {
 					t.Errorf("event %d = %+v, want %+v", i, got[i], tt.want[i])
 				}
 			}
@@ -153,4 +159,33 @@ func FuzzGuestChannel(f *testing.F) {
 			t.Fatalf("%d ready, %d ends and %d kills", ready, ends, kills)
 		}
 	})
+}
+
+// TestBootOf: what a guest says of its boot counts only when it holds together.
+func TestBootOf(t *testing.T) {
+	ok := func() *guestinit.Boot {
+		return &guestinit.Boot{Init: 10, Phases: []guestinit.Phase{{Name: "mounts", Start: 10, End: 20}, {Name: "disks", Start: 20, End: 40}}, Ready: 50}
+	}
+	if bootOf(ok()) == nil {
+		t.Fatal("a boot that holds together was refused")
+	}
+	for name, change := range map[string]func(*guestinit.Boot){
+		"an unknown phase":         func(b *guestinit.Boot) { b.Phases[1].Name = "<script>" },
+		"a phase ending before it": func(b *guestinit.Boot) { b.Phases[0].End = 5 },
+		"phases out of order":      func(b *guestinit.Boot) { b.Phases[1].Start = 15 },
+		"a phase after ready":      func(b *guestinit.Boot) { b.Phases[1].End = 60 },
+		"init after ready":         func(b *guestinit.Boot) { b.Init = 70 },
+		"a boot of a year":         func(b *guestinit.Boot) { b.Ready = 365 * 24 * uint64(time.Hour/time.Microsecond) },
+		"too many phases": func(b *guestinit.Boot) {
+			for range guestinit.MaxBootPhases {
+				b.Phases = append(b.Phases, guestinit.Phase{Name: "workload", Start: 40, End: 40})
+			}
+		},
+	} {
+		b := ok()
+		change(b)
+		if bootOf(b) != nil {
+			t.Errorf("%s was taken", name)
+		}
+	}
 }

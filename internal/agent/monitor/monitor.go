@@ -215,8 +215,9 @@ type watch struct {
 	// kill ends a VMM whose guest does not.
 	bootTimeout time.Duration
 	kill        func()
-	// bootSpan records the run's guest boot, from its VMM's start to ready (a span).
-	bootSpan func(ready time.Time)
+	// bootSpan records the run's guest boot, from its VMM's start to ready, and its phases as
+	// the guest says them (spans).
+	bootSpan func(ready time.Time, boot *guestinit.Boot)
 	// memory is the VM's memory in bytes (0: unknown): a guest saying it has more is not
 	// believed.
 	memory uint64
@@ -445,7 +446,7 @@ func (m *monitor) follow(ctx context.Context, w watch, meta *vmrun.Meta, log log
 				rt := base
 				boot := time.Since(meta.Started).Milliseconds()
 				if !w.booted && running == nil && w.bootSpan != nil {
-					w.bootSpan(time.Now())
+					w.bootSpan(time.Now(), ev.Boot)
 				}
 				rt.State, rt.GuestReady, rt.BootMilliseconds, rt.Message = impv1.RuntimeRunning, true, &boot, "the guest is ready"
 				switch {

@@ -22,6 +22,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmmdriver"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/guestinit"
 	"github.com/syscode-labs/imp/internal/guestsession"
 	"github.com/syscode-labs/imp/internal/tracing"
 )
@@ -124,14 +125,13 @@ func (r *Registry) Ensure(vm *impv1.ImpVM, dir string, meta *vmrun.Meta, rec *vm
 		booted:      reportedBooted(vm, meta),
 		bootTimeout: r.BootTimeout,
 		memory:      memoryOf(vm),
-		bootSpan: func(ready time.Time) {
+		bootSpan: func(ready time.Time, boot *guestinit.Boot) {
 			if r.Tracer == nil || meta.Trace == "" {
 				return
 			}
-			_, sp := r.Tracer.Start(tracing.Remote(context.Background(), meta.Trace), tracing.SpanGuestBoot,
-				trace.WithTimestamp(meta.Started), trace.WithAttributes(attribute.String("k8s.namespace.name", key.Namespace),
-					attribute.String("imp.vm.name", key.Name), attribute.String("imp.vm.uid", string(meta.UID))))
-			sp.End(trace.WithTimestamp(ready))
+			tracing.GuestBoot(tracing.Remote(context.Background(), meta.Trace), r.Tracer, meta.Started, ready, boot,
+				attribute.String("k8s.namespace.name", key.Namespace), attribute.String("imp.vm.name", key.Name),
+				attribute.String("imp.vm.uid", string(meta.UID)))
 		},
 		kill: func() {
 			vm := &impv1.ImpVM{}
