@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-access bench-net bench-netpol bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-tracing bench-access bench-net bench-netpol bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes images chart-push
 
 all: build
 
@@ -69,6 +69,10 @@ bench-disk: ## Cold image → base disk MB/s; second VM disk preparation time.
 bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, agent RSS with 0 and 16 VMs.
 	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/ ./cmd/imp-agent # as hack/images.sh builds it
 	go run ./test/bench/agent -n 10
+
+bench-tracing: ## Real guests: what tracing every start costs the start path, off and on alternated (RUNS each).
+	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/ ./cmd/imp-agent
+	go run ./test/bench/agent -n 4 -tracing-runs $(or $(RUNS),2)
 
 bench-access: ## A QEMU/TCG guest: `exec VM -- true` round trip P50 through the API server; port-forward MiB/s (IMP_BENCH_MIB, 100).
 	IMP_BENCH=access go test -count=1 -v -timeout 30m -run '^TestBenchAccess$$' ./internal/agent/ | grep -E 'access_bench_test|^(ok|FAIL|---)'

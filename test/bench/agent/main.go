@@ -3,6 +3,10 @@
 // runs as a process (bin/imp-agent); the operator runs in-process.
 //
 //	go run ./test/bench/agent -n 10      (make bench-agent)
+//
+// With -tracing-runs R it measures what tracing costs the start path instead: R runs with
+// tracing off and R with it on (every start traced, to a collector on 127.0.0.1), alternated,
+// and prints the start's figures of each side and their ratio (make bench-tracing).
 package main
 
 import (
@@ -48,7 +52,9 @@ import (
 	"github.com/syscode-labs/imp/internal/runsecret"
 	"github.com/syscode-labs/imp/internal/testcluster"
 	"github.com/syscode-labs/imp/internal/testguest"
+	"github.com/syscode-labs/imp/internal/testotlp"
 	"github.com/syscode-labs/imp/internal/testregistry"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 func main() {
@@ -57,11 +63,18 @@ func main() {
 	heapProfile := flag.String("heap-profile", "", "write the agent's heap profile, taken with all the VMs running, to this file")
 	cpuProfile := flag.String("cpu-profile", "", "write the agent's CPU profile over 10 s with all the VMs running and idle to this file")
 	reportDelay := flag.Duration("report-delay", time.Second, "the agent's --starting-report-delay: Running is written that long after the VMM's exec unless the guest is ready first (negative: at once)")
+	tracingRuns := flag.Int("tracing-runs", 0, "instead: this many runs with tracing off and as many with it on, alternated, and what tracing costs a start")
 	flag.Parse()
 	ctrl.SetLogger(zap.New(zap.Level(zapcore.ErrorLevel)))
 	// testguest and testregistry take a testing.TB: run the benchmark inside one.
 	res := testing.Benchmark(func(b *testing.B) {
-		if err := run(b, *n, *agentBin, *reportDelay, profiles{heap: *heapProfile, cpu: *cpuProfile}); err != nil {
+		if *tracingRuns > 0 {
+			if err := compareTracing(b, *tracingRuns, *n, *agentBin, *reportDelay); err != nil {
+				b.Fatal(err)
+			}
+			return
+		}
+		if _, err := run(b, *n, *agentBin, *reportDelay, profiles{heap: *heapProfile, cpu: *cpuProfile}, nil); err != nil {
 			b.Fatal(err)
 		}
 	})
@@ -73,7 +86,21 @@ func main() {
 // profiles are the files the agent's profiles are written to ("": not taken).
 type profiles struct{ heap, cpu string }
 
-func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof profiles) error {
+// figures are what a run measured of the starts of one VM at a time and of n at once.
+type figures struct {
+	execMean, execMeanN   time.Duration // in the agent, run seen → VMM exec, mean per VM
+	readyP50, readyP50N   time.Duration // create → guest ready, P50
+	placedP50, placedP50N time.Duration // placement → Running seen, P50
+}
+
+// run runs the benchmark; with rx, every start is traced to it (the agent's and the
+// operator's spans), else none.
+func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof profiles, rx *testotlp.Receiver) (*figures, error) {
+	fig := &figures{}
+	return fig, runInto(b, n, agentBin, reportDelay, prof, rx, fig)
+}
+
+func runInto(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof profiles, rx *testotlp.Receiver, fig *figures) error {
 	ctx := context.Background()
 	cl, err := testcluster.Start()
 	if err != nil {
@@ -115,7 +142,18 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof p
 	}
 	opCtx, stopOp := context.WithCancel(ctx)
 	defer stopOp()
-	if err := operator.Setup(opCtx, mgr, operator.Options{VM: impvm.DefaultOptions(), Concurrency: 4}); err != nil {
+	vmOpts := impvm.DefaultOptions()
+	traceArgs := []string{}
+	if rx != nil {
+		tp, shutdown, err := tracing.Provider(ctx, tracing.Config{Endpoint: rx.GRPC, Insecure: true, SampleRatio: 1}, "imp-operator")
+		if err != nil {
+			return err
+		}
+		defer tracing.Flush(shutdown)
+		vmOpts.Traces = tp
+		traceArgs = []string{"--tracing-endpoint", rx.GRPC, "--tracing-insecure", "--tracing-sample-ratio", "1"}
+	}
+	if err := operator.Setup(opCtx, mgr, operator.Options{VM: vmOpts, Concurrency: 4}); err != nil {
 		return err
 	}
 	go func() { _ = mgr.Start(opCtx) }()
@@ -148,6 +186,7 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof p
 	agent := exec.Command(agentBin, "--metrics-bind-address", metricsAddr, "--metrics-insecure", "--local-registry", "127.0.0.1", "--kubeconfig", kubeconfig, "--node-name", nodeName, "--state-dir", stateDir, "--netns-dir", filepath.Join(tmp, "netns"),
 		"--kernel", kernel, "--initramfs", initrd, "--reserve-vcpus", "0", "--vcpu-overcommit", "8",
 		"--health-probe-bind-address", "0", "--log-level", "error", "--starting-report-delay", reportDelay.String(), "--pprof-bind-address", pprofAddr)
+	agent.Args = append(agent.Args, traceArgs...)
 	agent.Stderr = os.Stderr
 	if err := agent.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", agentBin, err)
@@ -273,6 +312,11 @@ func run(b *testing.B, n int, agentBin string, reportDelay time.Duration, prof p
 			fmt.Printf(" %s %v", st, after.mean(st, before).Round(10*time.Microsecond))
 		}
 		fmt.Printf("\n    registry requests          %.1f per VM (image pinned by digest, base disk on the node)\n", float64(regRequests.Load()-requests)/float64(len(names)))
+		if len(names) == 5 && strings.HasPrefix(names[0], "one-") {
+			fig.execMean, fig.readyP50, fig.placedP50 = after.mean("total", before), p50(ready), p50(exec)
+		} else {
+			fig.execMeanN, fig.readyP50N, fig.placedP50N = after.mean("total", before), p50(ready), p50(exec)
+		}
 	}
 	fmt.Printf("agent benchmark: VMs of 128Mi on one node (QEMU, %s), image warm\n", accelOf())
 
@@ -517,4 +561,53 @@ func fetch(url, path string) error {
 		return err
 	}
 	return os.WriteFile(path, b, 0o644)
+}
+
+// compareTracing runs the benchmark runs times with tracing off and as many with it on,
+// alternated, and prints what tracing costs the start path: the medians of each side's
+// figures, and on/off.
+func compareTracing(b *testing.B, runs, n int, agentBin string, reportDelay time.Duration) error {
+	rx := testotlp.Start(b)
+	var off, on []*figures
+	for i := range 2 * runs {
+		var r *testotlp.Receiver
+		if i%2 == 1 {
+			r = rx
+		}
+		fmt.Printf("== run %d of %d, tracing %v\n", i+1, 2*runs, r != nil)
+		f, err := run(b, n, agentBin, reportDelay, profiles{}, r)
+		if err != nil {
+			return err
+		}
+		if r != nil {
+			on = append(on, f)
+		} else {
+			off = append(off, f)
+		}
+	}
+	median := func(fs []*figures, get func(*figures) time.Duration) time.Duration {
+		ds := make([]time.Duration, 0, len(fs))
+		for _, f := range fs {
+			ds = append(ds, get(f))
+		}
+		sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+		return ds[len(ds)/2]
+	}
+	fmt.Printf("\ntracing's cost on the start path, medians of %d runs each (every start traced; %d spans received)\n", runs, len(rx.Spans()))
+	fmt.Printf("  %-44s %12s %12s %8s\n", "", "off", "on", "on/off")
+	for _, row := range []struct {
+		name string
+		get  func(*figures) time.Duration
+	}{
+		{"1 VM at a time: run seen → VMM exec, mean", func(f *figures) time.Duration { return f.execMean }},
+		{"1 VM at a time: placement → Running seen, P50", func(f *figures) time.Duration { return f.placedP50 }},
+		{"1 VM at a time: create → guest ready, P50", func(f *figures) time.Duration { return f.readyP50 }},
+		{fmt.Sprintf("%d at once: run seen → VMM exec, mean", n), func(f *figures) time.Duration { return f.execMeanN }},
+		{fmt.Sprintf("%d at once: create → guest ready, P50", n), func(f *figures) time.Duration { return f.readyP50N }},
+	} {
+		a, c := median(off, row.get), median(on, row.get)
+		fmt.Printf("  %-44s %12v %12v %7.3f×\n", row.name, a.Round(10*time.Microsecond), c.Round(10*time.Microsecond), float64(c)/float64(max(a, 1)))
+	}
+	fmt.Println("  target: the start's overhead ≤ 2 % (issue 53)")
+	return nil
 }
