@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"sync"
 	"testing"
 	"time"
 
@@ -59,14 +60,25 @@ func ServeTLS(t testing.TB, ns, addr string) {
 	t.Cleanup(func() { srv.Close() })
 }
 
-// ServeDNS answers A queries at addr (UDP) in ns from names; anything else is NXDOMAIN.
-func ServeDNS(t testing.TB, ns, addr string, names map[string]string) {
+// ServeDNS answers A queries at addr (UDP) in ns from names; anything else is NXDOMAIN. It
+// returns what it was asked last (up to 64 queries: "from name type answer"), for a test that
+// fails to say.
+func ServeDNS(t testing.TB, ns, addr string, names map[string]string) (asked func() []string) {
 	t.Helper()
 	var pc net.PacketConn
 	if err := testnetns.Do(ns, func() (err error) { pc, err = net.ListenPacket("udp", addr); return err }); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { pc.Close() })
+	var mu sync.Mutex
+	var log []string
+	note := func(l string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if log = append(log, l); len(log) > 64 {
+			log = log[1:]
+		}
+	}
 	go func() {
 		buf := make([]byte, 512)
 		for {
@@ -101,6 +113,12 @@ func ServeDNS(t testing.TB, ns, addr string, names map[string]string) {
 			if err == nil {
 				_, _ = pc.WriteTo(out, from)
 			}
+			note(fmt.Sprintf("%s %s %s %q %v", from, q.Name, q.Type, ip, err))
 		}
 	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), log...)
+	}
 }

@@ -32,7 +32,7 @@ func checkDomainEgress(t *testing.T, sh func(string) (string, error), must func(
 	testnetns.Link(t, "/proc/self/ns/net", "tinet0", inetNode+"/24", inet, "eth0", inetServer+"/24")
 	testinet.ServeHTTP(t, inet, inetServer+":80")
 	testinet.ServeTLS(t, inet, inetServer+":443")
-	testinet.ServeDNS(t, inet, inetNameserver, map[string]string{
+	asked := testinet.ServeDNS(t, inet, inetNameserver, map[string]string{
 		"allowed.test.":      inetServer,
 		"api.allowed.test.":  inetServer,
 		"other.test.":        inetServer,
@@ -78,7 +78,9 @@ spec:
 		}
 		if time.Since(start) > 4*time.Minute {
 			ev, _ := sh("kubectl -n np-dom get events --sort-by=.lastTimestamp | tail -20")
-			t.Fatalf("vd never reached allowed.test through the proxy: %q\n%s", got, ev)
+			where, _ := sh("ip route get 203.0.113.10; ip -br addr; ip route; ip netns list; ss -ulpn | grep ':53 '")
+			t.Fatalf("vd never reached allowed.test through the proxy: %q\n%s\nthe DNS server was asked:\n%s\nthe node:\n%s", got, ev,
+				strings.Join(asked(), "\n"), where)
 		}
 	}
 	for _, c := range []struct{ what, args, want string }{
