@@ -15,9 +15,22 @@ type VMFigures struct {
 	VMMResidentBytes uint64 `json:"vmmResidentBytes"`
 	// diskAllocatedBytes is what its writable disk takes on the node.
 	DiskAllocatedBytes uint64 `json:"diskAllocatedBytes"`
+	// network is what the VM's tap carried, as the node's kernel counts it (a VM on a network).
+	// +optional
+	Network *NetworkFigures `json:"network,omitempty"`
 	// guest is what the guest last said of itself (imp-init), when within a minute.
 	// +optional
 	Guest *GuestFigures `json:"guest,omitempty"`
+}
+
+// NetworkFigures are what a VM's tap carried since it was made, from the guest's side:
+// received is what the node delivered to the guest, transmitted what the guest sent
+// (including what its network's rules then dropped). The node counts them, not the guest.
+type NetworkFigures struct {
+	ReceiveBytes    uint64 `json:"receiveBytes"`
+	ReceivePackets  uint64 `json:"receivePackets"`
+	TransmitBytes   uint64 `json:"transmitBytes"`
+	TransmitPackets uint64 `json:"transmitPackets"`
 }
 
 // GuestFigures are a guest's own figures, its kernel's as imp-init reports them: the guest's

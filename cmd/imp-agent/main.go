@@ -29,7 +29,6 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
-	"github.com/syscode-labs/imp/internal/agent/vmstats"
 	"github.com/syscode-labs/imp/internal/logging"
 	"github.com/syscode-labs/imp/internal/metricsauth"
 	"github.com/syscode-labs/imp/internal/pki"
@@ -286,7 +285,7 @@ func run() error {
 		return err
 	}
 	if accessDir != "" || accessCSR {
-		srv.Handler = a.Sessions.Wrap(access.Handler(vmstats.Serving{Registry: a.Runs}, log.WithName("access")))
+		srv.Handler = a.Sessions.Wrap(access.Handler(a.Figures, log.WithName("access")))
 		if accessCSR {
 			// The manager's client: it caches no CertificateSigningRequests (the agent may
 			// not list them), so it reads them from the API.

@@ -84,6 +84,8 @@ type Agent struct {
 	// Sessions counts the access server's sessions to each VM (Sessions.Wrap its handler):
 	// an open one keeps a VM with an idle policy from being idle.
 	Sessions *idle.Sessions
+	// Figures are each running VM's figures, as the access server serves them (GET .../stats).
+	Figures vmstats.Serving
 
 	reports   *runreport.Reporter
 	drivers   *vmmdriver.Drivers
@@ -205,13 +207,14 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		}}
 	// Each VM's figures (imp_vm_*), while the manager runs.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
-		defer vmstats.Add(a.Runs)()
+		defer vmstats.Add(a.Runs, a.net)()
 		<-ctx.Done()
 		return nil
 	})); err != nil {
 		return err
 	}
 	a.Sessions = &idle.Sessions{}
+	a.Figures = vmstats.Serving{Registry: a.Runs, Taps: a.net}
 	a.idle = &idle.StandIns{Taps: nodenet.Tapping{Networks: a.networks}, API: a.APIReader, Reports: a.reports, Recorder: a.Recorder,
 		Limits: wake.Limits{Node: wake.NewBudget(o.IdleHeldBytes)}, Bound: o.IdleWakeTimeout, MemAvailable: o.MemAvailable,
 		Log: mgr.GetLogger().WithName("idle")}

@@ -15,7 +15,6 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/access"
-	"github.com/syscode-labs/imp/internal/agent/vmstats"
 )
 
 // TestEachVMsFigures (docs/metrics.md, "Each VM's figures"): a real guest whose workload takes
@@ -84,7 +83,7 @@ func TestEachVMsFigures(t *testing.T) {
 
 	// The same figures through the node's access endpoint (what kubectl imp top reads); none
 	// for a UID the node does not run.
-	srv := httptest.NewServer(access.Handler(vmstats.Serving{Registry: w.agent.Runs}, logr.Discard()))
+	srv := httptest.NewServer(access.Handler(w.agent.Figures, logr.Discard()))
 	defer srv.Close()
 	v := w.get("hog")
 	get := func(uid string) (*impv1.VMFigures, int) {

@@ -30,7 +30,9 @@ func (o *options) topCommand() *cobra.Command {
 impvms/stats, which the view role may read): CPU, the rate of its VMM's CPU time (its vCPUs and
 the VMM's own work); MEMORY, what its VMM holds on the node; GUEST-MEMORY (and its share) and
 GUEST-DISK, used of total as the guest's own kernel says (reported by imp-init: the guest's
-word, "-" when it said nothing lately); DISK, what its writable disk takes on the node.`,
+word, "-" when it said nothing lately); DISK, what its writable disk takes on the node;
+NET-IN and NET-OUT, the rates its tap carried to and from it, as the node counts them ("-"
+for a VM on no network).`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: o.cmd(o.top),
 	}
@@ -42,6 +44,9 @@ type topRow struct {
 	First, Second *impv1.VMFigures `json:"-"`
 	Figures       *impv1.VMFigures `json:"figures,omitempty"`
 	CPUCores      *float64         `json:"cpuCores,omitempty"`
+	// NetIn and NetOut are the rates (bytes a second) the VM's tap carried to and from it.
+	NetIn  *float64 `json:"networkReceiveBytesPerSecond,omitempty"`
+	NetOut *float64 `json:"networkTransmitBytesPerSecond,omitempty"`
 	Error         string           `json:"error,omitempty"`
 }
 
@@ -114,6 +119,10 @@ func (o *options) top(ctx context.Context, cfg *rest.Config, ns string, args []s
 		if dt := r.Second.At.Sub(r.First.At.Time).Seconds(); dt > 0 {
 			cores := max(r.Second.VMMCPUSeconds-r.First.VMMCPUSeconds, 0) / dt
 			r.CPUCores = &cores
+			if a, b := r.First.Network, r.Second.Network; a != nil && b != nil {
+				in, out := float64(b.ReceiveBytes-min(a.ReceiveBytes, b.ReceiveBytes))/dt, float64(b.TransmitBytes-min(a.TransmitBytes, b.TransmitBytes))/dt
+				r.NetIn, r.NetOut = &in, &out
+			}
 		}
 	}
 	switch o.output {
@@ -130,7 +139,7 @@ func (o *options) top(ctx context.Context, cfg *rest.Config, ns string, args []s
 		return err
 	}
 	tw := tabwriter.NewWriter(o.out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tCPU(cores)\tMEMORY\tGUEST-MEMORY\tGUEST-MEMORY%\tGUEST-DISK\tDISK")
+	fmt.Fprintln(tw, "NAME\tCPU(cores)\tMEMORY\tGUEST-MEMORY\tGUEST-MEMORY%\tGUEST-DISK\tDISK\tNET-IN\tNET-OUT")
 	failed := 0
 	for _, r := range rows {
 		if r.Figures == nil || r.CPUCores == nil {
@@ -147,8 +156,12 @@ func (o *options) top(ctx context.Context, cfg *rest.Config, ns string, args []s
 				guestDisk = bytesOf(g.FilesystemSizeBytes-g.FilesystemFreeBytes) + "/" + bytesOf(g.FilesystemSizeBytes)
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%.3f\t%s\t%s\t%s\t%s\t%s\n", r.Name, *r.CPUCores, bytesOf(f.VMMResidentBytes), guestMem, guestPct, guestDisk,
-			bytesOf(f.DiskAllocatedBytes))
+		netIn, netOut := "-", "-"
+		if r.NetIn != nil {
+			netIn, netOut = rateOf(*r.NetIn), rateOf(*r.NetOut)
+		}
+		fmt.Fprintf(tw, "%s\t%.3f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, *r.CPUCores, bytesOf(f.VMMResidentBytes), guestMem, guestPct, guestDisk,
+			bytesOf(f.DiskAllocatedBytes), netIn, netOut)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -183,6 +196,17 @@ func (o *options) figures(ctx context.Context, hc *http.Client, cfg *rest.Config
 		return nil, fmt.Errorf("reading the figures of ImpVM %s: %w", name, err)
 	}
 	return f, nil
+}
+
+// rateOf is bytes a second, in B, Ki or Mi a second.
+func rateOf(n float64) string {
+	switch {
+	case n >= 10<<20:
+		return fmt.Sprintf("%.0fMi/s", n/(1<<20))
+	case n >= 10<<10:
+		return fmt.Sprintf("%.0fKi/s", n/(1<<10))
+	}
+	return fmt.Sprintf("%.0fB/s", n)
 }
 
 // bytesOf is n in Mi or Gi, as kubectl top shows memory.

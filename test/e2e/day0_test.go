@@ -434,9 +434,10 @@ network:
 	// Its figures the same way: the node's, and its guest's own (every 5 s after ready).
 	eventually("kubectl imp top", 2*time.Minute, func() error {
 		out, err := sh("kubectl imp top -n demo")
-		if f := strings.Fields(lastLine(out)); err != nil || len(f) != 7 || f[0] != "hello" || !strings.HasSuffix(f[4], "%") {
+		if f := strings.Fields(lastLine(out)); err != nil || len(f) != 9 || f[0] != "hello" || !strings.HasSuffix(f[4], "%") {
 			return fmt.Errorf("%v: %.300s", err, out)
 		}
+		t.Logf("kubectl imp top -n demo:\n%s", out)
 		return nil
 	})
 

@@ -902,10 +902,12 @@ func TestTapCounters(t *testing.T) {
 		}
 		return in, out
 	}
+	var wrote uint64
 	write := func(f []byte) {
 		if _, err := atA.Tap.Write(f); err != nil {
 			t.Fatal(err)
 		}
+		wrote += uint64(len(f)) - 10 // the kernel counts the frame, not its virtio-net header
 	}
 	write(arpRequest(macA, macA, ipA, ipB))                             // broadcast: reaches B, not counted as B's
 	write(udpPacket(macA, macB, ipA, ipB))                              // to B
@@ -926,5 +928,18 @@ func TestTapCounters(t *testing.T) {
 	inA, _ := counters("vm-a")
 	if _, outB := counters("vm-b"); inA != 0 || outB != 0 {
 		t.Errorf("A received %d, B sent %d; want none", inA, outB)
+	}
+	// The taps' own counters (imp_vm_network_*): everything A sent, the spoofed frame too,
+	// and nothing it received; B's tap is there and A's traffic is not counted as B's sending.
+	taps, err := h.Taps()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := taps[hostnet.TapName("vm-a")], taps[hostnet.TapName("vm-b")]
+	if _, ok := taps[hostnet.TapName("vm-b")]; !ok || len(taps) != 2 {
+		t.Fatalf("taps: %+v, want vm-a's and vm-b's", taps)
+	}
+	if a.TransmitPackets != 4 || a.TransmitBytes != wrote || a.ReceivePackets != 0 || b.TransmitPackets != 0 {
+		t.Errorf("A's tap: %+v, want 4 frames (%d bytes) sent and none received; B's: %+v, want none sent", a, wrote, b)
 	}
 }

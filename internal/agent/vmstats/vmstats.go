@@ -1,7 +1,7 @@
 // Package vmstats exports the figures of each VM its node runs, as imp_vm_* series labelled with
 // the VM's namespace and name (docs/metrics.md, "Each VM's figures"). The node's side needs
-// nothing of the guest: its VMM's CPU time and resident memory, and what its writable disk
-// takes on the node. The guest's side is what its imp-init says of itself over the guest
+// nothing of the guest: its VMM's CPU time and resident memory, what its writable disk takes
+// on the node, and what its tap carried. The guest's side is what its imp-init says of itself over the guest
 // channel (package monitor takes at most one report a second, only after ready, only figures
 // that hold together and fit the VM's memory): its memory, CPU time and root filesystem. A
 // guest's word is exported for its own VM only, and not once it is a minute old.
@@ -24,6 +24,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/access"
+	"github.com/syscode-labs/imp/internal/agent/hostnet"
 	"github.com/syscode-labs/imp/internal/agent/monitor"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
@@ -34,6 +35,13 @@ type Runs interface {
 }
 
 var _ Runs = (*monitor.Registry)(nil)
+
+// Taps reads what each VM's tap carried, by tap name (hostnet.Host).
+type Taps interface {
+	Taps() (map[string]hostnet.TapTraffic, error)
+}
+
+var _ Taps = (*hostnet.Host)(nil)
 
 // Stale is the age past which a guest's figures are no longer exported.
 const Stale = time.Minute
@@ -47,6 +55,14 @@ var (
 		"Memory the VM's VMM process holds on its node (resident set): the guest memory it has touched and the VMM's own.", labels, nil)
 	diskAllocated = prometheus.NewDesc("imp_vm_disk_allocated_bytes",
 		"What the VM's writable disk takes on its node (allocated blocks of its sparse file).", labels, nil)
+	netReceiveBytes = prometheus.NewDesc("imp_vm_network_receive_bytes_total",
+		"Bytes the node delivered to the VM over its tap, as the node counts them.", labels, nil)
+	netReceivePackets = prometheus.NewDesc("imp_vm_network_receive_packets_total",
+		"Frames the node delivered to the VM over its tap, as the node counts them.", labels, nil)
+	netTransmitBytes = prometheus.NewDesc("imp_vm_network_transmit_bytes_total",
+		"Bytes the VM sent over its tap (including what its network's rules then dropped), as the node counts them.", labels, nil)
+	netTransmitPackets = prometheus.NewDesc("imp_vm_network_transmit_packets_total",
+		"Frames the VM sent over its tap (including what its network's rules then dropped), as the node counts them.", labels, nil)
 	guestMemory = prometheus.NewDesc("imp_vm_guest_memory_bytes",
 		"The guest's memory as its kernel says (MemTotal), as reported by imp-init: the guest's word.", labels, nil)
 	guestAvailable = prometheus.NewDesc("imp_vm_guest_memory_available_bytes",
@@ -63,16 +79,23 @@ var (
 // process: tests run several).
 type collector struct {
 	mu      sync.Mutex
-	sources map[*Runs]struct{}
+	sources map[*source]struct{}
 }
 
-var global = &collector{sources: map[*Runs]struct{}{}}
+// source is one agent's runs and the taps of its node (nil: none counted).
+type source struct {
+	runs Runs
+	taps Taps
+}
+
+var global = &collector{sources: map[*source]struct{}{}}
 
 func init() { metrics.Registry.MustRegister(global) }
 
-// Add exports the figures of runs' VMs until the returned function is called.
-func Add(runs Runs) (remove func()) {
-	src := &runs
+// Add exports the figures of runs' VMs, their taps' read from taps (nil: none), until the
+// returned function is called.
+func Add(runs Runs, taps Taps) (remove func()) {
+	src := &source{runs: runs, taps: taps}
 	global.mu.Lock()
 	global.sources[src] = struct{}{}
 	global.mu.Unlock()
@@ -84,22 +107,37 @@ func Add(runs Runs) (remove func()) {
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{vmmCPU, vmmResident, diskAllocated, guestMemory, guestAvailable, guestCPU, guestFSSize, guestFSFree} {
+	for _, d := range []*prometheus.Desc{vmmCPU, vmmResident, diskAllocated, netReceiveBytes, netReceivePackets, netTransmitBytes, netTransmitPackets, guestMemory, guestAvailable, guestCPU, guestFSSize, guestFSFree} {
 		ch <- d
 	}
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
-	var runs []monitor.Followed
+	sources := make([]*source, 0, len(c.sources))
 	for s := range c.sources {
-		runs = append(runs, (*s).Followed()...)
+		sources = append(sources, s)
 	}
 	c.mu.Unlock()
+	var runs []monitor.Followed
+	taps := map[types.UID]hostnet.TapTraffic{}
+	for _, s := range sources {
+		followed := s.runs.Followed()
+		runs = append(runs, followed...)
+		for uid, t := range tapsOf(s.taps, followed) {
+			taps[uid] = t
+		}
+	}
 	now := time.Now()
 	for _, r := range newest(runs) {
 		lv := []string{r.Key.Namespace, r.Key.Name}
-		f, vmm, disk := Of(r, now)
+		f, vmm, disk := Of(r, taps, now)
+		if n := f.Network; n != nil {
+			ch <- prometheus.MustNewConstMetric(netReceiveBytes, prometheus.CounterValue, float64(n.ReceiveBytes), lv...)
+			ch <- prometheus.MustNewConstMetric(netReceivePackets, prometheus.CounterValue, float64(n.ReceivePackets), lv...)
+			ch <- prometheus.MustNewConstMetric(netTransmitBytes, prometheus.CounterValue, float64(n.TransmitBytes), lv...)
+			ch <- prometheus.MustNewConstMetric(netTransmitPackets, prometheus.CounterValue, float64(n.TransmitPackets), lv...)
+		}
 		if vmm {
 			ch <- prometheus.MustNewConstMetric(vmmCPU, prometheus.CounterValue, f.VMMCPUSeconds, lv...)
 			ch <- prometheus.MustNewConstMetric(vmmResident, prometheus.GaugeValue, float64(f.VMMResidentBytes), lv...)
@@ -140,9 +178,33 @@ func newest(runs []monitor.Followed) []monitor.Followed {
 	return out
 }
 
-// Of is the figures of run r at now, and whether its VMM's and its disk's could be read.
-func Of(r monitor.Followed, now time.Time) (f impv1.VMFigures, vmm, disk bool) {
+// tapsOf is what the taps of runs carried, by their VM's host UID: the node's taps read once.
+// A node whose taps cannot be read has none counted (its other figures still are).
+func tapsOf(taps Taps, runs []monitor.Followed) map[types.UID]hostnet.TapTraffic {
+	if taps == nil || len(runs) == 0 {
+		return nil
+	}
+	byName, err := taps.Taps()
+	if err != nil {
+		return nil
+	}
+	out := map[types.UID]hostnet.TapTraffic{}
+	for _, r := range runs {
+		if t, ok := byName[hostnet.TapName(string(r.UID))]; ok {
+			out[r.UID] = t
+		}
+	}
+	return out
+}
+
+// Of is the figures of run r at now, with what its tap carried when taps has it, and whether
+// its VMM's and its disk's could be read.
+func Of(r monitor.Followed, taps map[types.UID]hostnet.TapTraffic, now time.Time) (f impv1.VMFigures, vmm, disk bool) {
 	f.At = metav1.NewMicroTime(now)
+	if t, ok := taps[r.UID]; ok {
+		f.Network = &impv1.NetworkFigures{ReceiveBytes: t.ReceiveBytes, ReceivePackets: t.ReceivePackets,
+			TransmitBytes: t.TransmitBytes, TransmitPackets: t.TransmitPackets}
+	}
 	if cpu, rss, err := Process(r.Pid, r.StartTime); err == nil {
 		f.VMMCPUSeconds, f.VMMResidentBytes, vmm = cpu, rss, true
 	}
@@ -162,6 +224,8 @@ func Of(r monitor.Followed, now time.Time) (f impv1.VMFigures, vmm, disk bool) {
 // .../stats, kubectl imp top).
 type Serving struct {
 	*monitor.Registry
+	// Taps, when set, counts what the VMs' taps carried.
+	Taps Taps
 }
 
 var _ access.Figurer = Serving{}
@@ -170,7 +234,7 @@ var _ access.Figurer = Serving{}
 func (s Serving) Figures(key types.NamespacedName, uid types.UID) (impv1.VMFigures, error) {
 	for _, r := range s.Followed() {
 		if r.Key == key && r.UID == uid {
-			f, _, _ := Of(r, time.Now())
+			f, _, _ := Of(r, tapsOf(s.Taps, []monitor.Followed{r}), time.Now())
 			return f, nil
 		}
 	}

@@ -1,0 +1,45 @@
+package hostnet
+
+import (
+	"fmt"
+	"strings"
+)
+
+// TapTraffic is what a VM's tap carried, as the node's kernel counts it, from the guest's
+// side: received is what the node delivered to the guest, transmitted what the guest sent
+// (including what its anti-spoofing rules and policies then dropped). The guest cannot
+// count for another VM: each VM has a tap of its own.
+type TapTraffic struct {
+	ReceiveBytes, ReceivePackets   uint64
+	TransmitBytes, TransmitPackets uint64
+}
+
+// Taps is what every VM's tap on the node carried, by tap name (TapName): one netlink dump
+// per network namespace.
+func (h *Host) Taps() (map[string]TapTraffic, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	spaces, err := h.openSpaces()
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]TapTraffic{}
+	for _, s := range spaces {
+		links, err := s.nl.LinkList()
+		if err != nil {
+			return nil, fmt.Errorf("listing the links of %s: %w", s.path, err)
+		}
+		for _, l := range links {
+			a := l.Attrs()
+			if !strings.HasPrefix(a.Name, tapPrefix) || a.Statistics == nil {
+				continue
+			}
+			// A tap's receive is what its VMM wrote (the guest sent); its transmit what the
+			// node gave the VMM to read (the guest received).
+			st := a.Statistics
+			out[a.Name] = TapTraffic{ReceiveBytes: st.TxBytes, ReceivePackets: st.TxPackets,
+				TransmitBytes: st.RxBytes, TransmitPackets: st.RxPackets}
+		}
+	}
+	return out, nil
+}
