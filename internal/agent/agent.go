@@ -196,7 +196,7 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if root := o.CgroupRoot; root != "" {
 		weigh = func(uid types.UID) error { return cgroup.SetWeight(root, string(uid), cgroup.DefaultWeight) }
 	}
-	a.handovers = &handover.Handovers{Reports: a.reports, Runs: a.Runs, Recorder: a.Recorder, Quit: stoppers{a.Runs, a.drivers}.Quit,
+	a.handovers = &handover.Handovers{Reports: a.reports, Runs: a.Runs, Recorder: a.Recorder, Quit: stoppers{a.Runs, a.drivers}.Quit, Tracer: a.tracer,
 		Steps: handover.Steps{
 			Member: handover.Member{Cache: a.Client, API: a.APIReader, Node: o.NodeName, Runs: a.Runs}, Foreground: handover.Foreground{Weigh: weigh},
 			Image: steps.Image{Fetches: a.fetches, Reports: a.reports, FetchWait: imagefetch.FetchWait,

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	corev1 "k8s.io/api/core/v1"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -24,6 +26,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/transfer"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // setupMigrations makes the node a migration's source and target (package migration): the
@@ -36,12 +39,20 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 	endpoints := migration.Endpoints{Reader: a.APIReader}
 	limit := transfer.NewLimit(o.MigrationBandwidth) // what the node sends, both sides together
 	a.migrations = &migration.Source{Limit: limit, Client: a.Client, Node: o.NodeName, VMDir: a.vmDir, Identity: o.MigrationIdentity, Reports: reports,
-		Runs: a.reports, Endpoints: endpoints, Recorder: a.Recorder, Unwatch: a.Runs.Stop, Log: log}
+		Runs: a.reports, Endpoints: endpoints, Recorder: a.Recorder, Unwatch: a.Runs.Stop, Log: log, Tracer: a.tracer}
 	target := &migration.Target{Limit: limit, Client: a.Client, APIReader: a.APIReader, Node: o.NodeName, VMDir: a.vmDir,
 		Prepare: func(ctx context.Context, r *vmrun.Run) error {
 			p := migrateInPlan(a, r.VM)
+			if mg := r.VM.Status.Migration; mg != nil {
+				var span trace.Span
+				ctx, span = tracing.MigrationSpan(ctx, a.tracer, r.VM, mg.UID, false)
+				defer span.End()
+			}
 			for {
 				err := p.Run(ctx, r)
+				if err != nil && !errors.Is(err, plan.ErrWait) {
+					trace.SpanFromContext(ctx).SetStatus(codes.Error, "MigrationFailed")
+				}
 				if !errors.Is(err, plan.ErrWait) {
 					return err
 				}

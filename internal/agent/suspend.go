@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
@@ -14,6 +16,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/plan"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 var (
@@ -51,10 +54,13 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmr
 		rt.State, rt.FinishedAt, rt.GuestReady, rt.Reason, rt.Message = impv1.RuntimeExited, &now, false, impv1.ReasonSuspendFailed, "the VMM ended while suspending, without a saved state"
 		return a.reports.Report(ctx, vm, rt)
 	}
+	ctx, span := tracing.Operation(ctx, a.tracer, vm, tracing.SpanSuspend)
+	defer span.End()
 	err := a.suspendPlan().Run(ctx, s)
 	var failed *plan.Failed
 	switch {
 	case errors.As(err, &failed):
+		span.SetStatus(codes.Error, failed.Reason)
 		return a.suspendFailure(ctx, s, failed.Err)
 	case err != nil:
 		return err
@@ -86,7 +92,10 @@ func (a *Agent) suspendFailure(ctx context.Context, s *vmrun.Suspend, err error)
 // stopped. Without a saved state the run ends (ResumeFailed) and the runStrategy decides.
 func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmrun.Meta, rec *vmm.Record) error {
 	cur := *vm.Status.Runtime
+	ctx, span := tracing.Operation(ctx, a.tracer, vm, tracing.SpanResume, attribute.Bool("imp.vm.woken", cur.WakeRequested != nil))
+	defer span.End()
 	end := func(reason string, err error) error {
+		span.SetStatus(codes.Error, reason)
 		a.Recorder.Eventf(vm, nil, corev1.EventTypeWarning, reason, "Resume", "%v", err)
 		a.idle.Drop(vm.HostUID()) // what was held for it goes with the run
 		a.endRun(vm.HostUID())

@@ -10,6 +10,7 @@ import (
 	. "github.com/onsi/gomega"
 	"go.opentelemetry.io/otel/trace"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent"
@@ -126,6 +127,49 @@ func TestAVMStartIsOneTrace(t *testing.T) {
 	}
 	if covered := cover(children, root.Start, root.End); covered < took*9/10 {
 		t.Errorf("the root's children cover %v of its %v", covered, took)
+	}
+
+	// Suspended and resumed: each a trace of its own, linked to the run's start, its plan's
+	// steps beneath it.
+	if err := w.c.Client.Create(ctx, &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "traced"},
+		Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser, Message: "by the test"}}); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("traced").Status.Phase }).WithTimeout(5 * time.Minute).Should(Equal(impv1.VMSuspended))
+	if err := w.c.Client.Delete(ctx, &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "traced"}}); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		return meta.IsStatusConditionTrue(w.get("traced").Status.Conditions, impv1.ReadyCondition) && w.get("traced").Status.Phase == impv1.VMRunning
+	}).WithTimeout(5 * time.Minute).Should(BeTrue())
+	for _, op := range []string{tracing.SpanSuspend, tracing.SpanResume} {
+		var root testotlp.Span
+		var steps []string
+		g.Eventually(func() []string {
+			steps = nil
+			all := rx.Spans()
+			for _, s := range all {
+				if s.Name == op && s.Attributes["imp.vm.name"] == "traced" {
+					root = s
+				}
+			}
+			for _, s := range all {
+				if root.SpanID != "" && s.Parent == root.SpanID && s.TraceID == root.TraceID {
+					steps = append(steps, s.Name)
+				}
+			}
+			return steps
+		}).WithTimeout(time.Minute).ShouldNot(BeEmpty(), "the spans of %s", op)
+		if root.Parent != "" || root.TraceID == start.TraceID.String() || len(root.Links) != 1 || root.Links[0] != start.SpanID.String() || root.Error != "" {
+			t.Errorf("%s: %+v, want a root of its own trace linked to the start %v", op, root, start.SpanID)
+		}
+		plan := strings.TrimPrefix(op, "imp.agent.")
+		for _, st := range steps {
+			if !strings.HasPrefix(st, "imp.agent."+plan+".") {
+				t.Errorf("%s has a child %s, want only the %s plan's steps", op, st, plan)
+			}
+		}
+		t.Logf("%s: %dms, steps %v", op, root.End.Sub(root.Start).Milliseconds(), steps)
 	}
 }
 

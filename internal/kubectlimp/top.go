@@ -47,7 +47,7 @@ type topRow struct {
 	// NetIn and NetOut are the rates (bytes a second) the VM's tap carried to and from it.
 	NetIn  *float64 `json:"networkReceiveBytesPerSecond,omitempty"`
 	NetOut *float64 `json:"networkTransmitBytesPerSecond,omitempty"`
-	Error         string           `json:"error,omitempty"`
+	Error  string   `json:"error,omitempty"`
 }
 
 func (o *options) top(ctx context.Context, cfg *rest.Config, ns string, args []string) error {

@@ -13,8 +13,10 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/testotlp"
 	"github.com/syscode-labs/imp/internal/tracing"
 )
@@ -149,6 +151,58 @@ func TestExportOverBothProtocols(t *testing.T) {
 	tracing.Flush(shutdown)
 	if got := rx.Spans()[before:]; len(got) != 0 {
 		t.Errorf("an annotation forced %d spans out at ratio 1/2: %+v", len(got), got)
+	}
+}
+
+// TestOperationsAreTracesOfTheirOwn: a suspend (or resume) of a run is a trace of its own,
+// linked to the run's start; a migration is one trace on two nodes, the source's span its root
+// with IDs derived from the migration's UID alone and the target's its child, each linked to
+// the VM's start; two migrations share nothing.
+func TestOperationsAreTracesOfTheirOwn(t *testing.T) {
+	rx := testotlp.Start(t)
+	ctx := context.Background()
+	source, shutdownS, err := tracing.Provider(ctx, tracing.Config{Endpoint: rx.HTTP, Protocol: tracing.ProtocolHTTP, Insecure: true, SampleRatio: 1}, "imp-agent-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	target, shutdownT, err := tracing.Provider(ctx, tracing.Config{Endpoint: rx.HTTP, Protocol: tracing.ProtocolHTTP, Insecure: true, SampleRatio: 1}, "imp-agent-b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "vm", UID: "uid-op"}, Status: impv1.ImpVMStatus{Instance: 1, RestartCount: 2}}
+	start := tracing.StartOf(vm.UID, "", 1, 2)
+	_, sp := tracing.Operation(ctx, source.Tracer("t"), vm, tracing.SpanSuspend)
+	sp.End()
+	_, in := tracing.MigrationSpan(ctx, target.Tracer("t"), vm, "mig-1", false) // the target may begin first
+	sctx, out := tracing.MigrationSpan(ctx, source.Tracer("t"), vm, "mig-1", true)
+	_, step := source.Tracer("t").Start(sctx, "imp.agent.migrate.step")
+	step.End()
+	out.End()
+	in.End()
+	tracing.Flush(shutdownS)
+	tracing.Flush(shutdownT)
+	got := map[string]testotlp.Span{}
+	for _, s := range rx.Spans() {
+		got[s.Name] = s
+	}
+	mig := tracing.Migration("mig-1")
+	sus, o, i, st := got[tracing.SpanSuspend], got[tracing.SpanMigrateOut], got[tracing.SpanMigrateIn], got["imp.agent.migrate.step"]
+	if sus.TraceID == "" || sus.TraceID == start.TraceID.String() || sus.Parent != "" || len(sus.Links) != 1 || sus.Links[0] != start.SpanID.String() ||
+		sus.Attributes["imp.vm.name"] != "vm" {
+		t.Errorf("the suspend: %+v, want a root of its own trace linked to the run's start %v", sus, start.SpanID)
+	}
+	if o.TraceID != mig.TraceID.String() || o.SpanID != mig.SpanID.String() || o.Parent != "" || o.Service != "imp-agent-a" ||
+		len(o.Links) != 1 || o.Links[0] != start.SpanID.String() {
+		t.Errorf("the source's span: %+v, want the migration's root %v/%v", o, mig.TraceID, mig.SpanID)
+	}
+	if i.TraceID != o.TraceID || i.Parent != o.SpanID || i.Service != "imp-agent-b" || len(i.Links) != 1 {
+		t.Errorf("the target's span: %+v, want a child of the source's %v", i, o.SpanID)
+	}
+	if st.TraceID != o.TraceID || st.Parent != o.SpanID || st.SpanID == o.SpanID {
+		t.Errorf("a step of the sending: %+v, want a child of the source's span with an ID of its own", st)
+	}
+	if other := tracing.Migration("mig-2"); other.TraceID == mig.TraceID || other.SpanID == mig.SpanID {
+		t.Error("two migrations share IDs")
 	}
 }
 

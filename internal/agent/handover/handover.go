@@ -18,6 +18,9 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -252,6 +255,9 @@ type Handovers struct {
 	Recorder events.EventRecorder
 	// Quit makes the VMM of kind kept under uid quit.
 	Quit func(ctx context.Context, kind string, uid types.UID) error
+	// Tracer, when set, records the handover as the claim's start (package tracing): its
+	// plan's steps beneath the agent's span of the claim's run.
+	Tracer trace.Tracer
 }
 
 // Hand hands the member's run kept in dir (its meta old, its VMM rec) to claim vm, and then
@@ -273,10 +279,16 @@ func (h *Handovers) Hand(ctx context.Context, vm *impv1.ImpVM, dir string, old *
 		steps.ObserveStart(step, d)
 		took = append(took, step, d.Round(100*time.Microsecond).String())
 	}
+	span := trace.SpanFromContext(ctx)
+	if h.Tracer != nil {
+		ctx, span = tracing.RunSpan(ctx, h.Tracer, vm, tracing.SpanAgent, trace.WithAttributes(attribute.String("imp.warm.member", st.Warm.Member)))
+		defer span.End()
+	}
 	err := p.Run(ctx, r)
 	var failed *plan.Failed
 	switch {
 	case errors.As(err, &failed):
+		span.SetStatus(codes.Error, failed.Reason)
 		return h.failed(ctx, vm, dir, old, rec, failed)
 	case err != nil:
 		return err

@@ -14,6 +14,9 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/time/rate"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -27,6 +30,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
 	"github.com/syscode-labs/imp/internal/failpoint"
+	"github.com/syscode-labs/imp/internal/tracing"
 )
 
 // Downtime is how long a guest may be paused for the last of its state.
@@ -61,6 +65,8 @@ type Source struct {
 	// unbounded).
 	Limit *rate.Limiter
 	Log   logr.Logger
+	// Tracer, when set, records each sending as its migration's root span (package tracing).
+	Tracer trace.Tracer
 
 	sending once
 	mu      sync.Mutex
@@ -109,7 +115,19 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 		}()
 		ctx, cancel := context.WithTimeout(context.Background(), 2*Timeout)
 		defer cancel()
+		span := trace.SpanFromContext(ctx)
+		if s.Tracer != nil {
+			ctx, span = tracing.MigrationSpan(ctx, s.Tracer, vm, mig.UID, true)
+			defer span.End()
+		}
 		stats, err := s.send(ctx, key, mig, dir, rec)
+		defer func() {
+			if err != nil {
+				span.SetStatus(codes.Error, "MigrationFailed")
+			} else {
+				span.SetAttributes(attribute.Int64("imp.migration.bytes", stats.Bytes), attribute.Int64("imp.migration.downtime_us", stats.Downtime.Microseconds()))
+			}
+		}()
 		if err != nil && rec.Kind != string(impv1.VMMFirecracker) {
 			// What the migration left goes: QEMU's migration and the disk's mirror, waited for.
 			// One that completed all the same has the guest paused for good, the target all
