@@ -10,6 +10,9 @@
 #                                      volumes of the e2e's real node, as kind and k3s have them)
 #   kwok                               sigs.k8s.io/kwok/cmd/kwok
 #   helm                               helm.sh/helm/v3/cmd/helm
+#   otelcol                            an OpenTelemetry Collector (OTLP receiver, file exporter)
+#                                      from hack/otelcol (its own module: go.opentelemetry.io/collector
+#                                      v0.161.0, the contrib file exporter), the e2e's trace sink
 #   registry (OCI registry, in-memory, `registry -port N`, listens on localhost only)
 #                                      github.com/google/go-containerregistry/cmd/registry
 # plus kwok-stages.yaml (kwok Stage objects, see below) next to the binaries.
@@ -26,7 +29,7 @@
 #   K8S_VERSION [1.37.2]  ETCD_VERSION [3.6.16]  KWOK_VERSION [v0.8.0]
 #   HELM_VERSION [v3.22.0]  GGCR_VERSION [v0.22.1]  CP_BUILD_DIR [$IMP_CACHE/cp/build]
 #   DISTRIBUTION_VERSION [v3.1.2]  COREDNS_VERSION [v1.15.0]  LOCAL_PATH_VERSION [v0.0.30]
-#   COMPONENTS ["etcd k8s kwok helm registry coredns localpath"]   (subset to build; add "distribution" for
+#   COMPONENTS ["etcd k8s kwok helm registry coredns localpath otelcol"]   (subset to build; add "distribution" for
 #               the CNCF registry as DEST/distribution-registry)
 # Cold-cache wall times seen on a 2-core VM shared with other work: kube-apiserver 22 min
 # (21 CPU-min), then kube-controller-manager 3.2 min, kube-scheduler 16 s, kubectl 1 min,
@@ -45,7 +48,7 @@ DISTRIBUTION_VERSION=${DISTRIBUTION_VERSION:-v3.1.2}
 COREDNS_VERSION=${COREDNS_VERSION:-v1.15.0}
 LOCAL_PATH_VERSION=${LOCAL_PATH_VERSION:-v0.0.30}
 CP_BUILD_DIR=${CP_BUILD_DIR:-$IMP_CACHE/cp/build}
-COMPONENTS=${COMPONENTS:-"etcd k8s kwok helm registry coredns localpath"}
+COMPONENTS=${COMPONENTS:-"etcd k8s kwok helm registry coredns localpath otelcol"}
 
 command -v go >/dev/null || { echo "go not found in PATH" >&2; exit 1; }
 mkdir -p "$DEST" "$CP_BUILD_DIR"
@@ -264,6 +267,18 @@ build_main() {
   (cd "$dir" && timed go build -trimpath -ldflags "-s -w" -o "$DEST/$bin" "$mod")
 }
 
+# build_otelcol: the collector of hack/otelcol, rebuilt when its sources change (their hash is
+# in the binary's name beside it).
+build_otelcol() {
+  local src sum
+  src=$(cd "$(dirname "$0")/otelcol" && pwd)
+  sum=$(cat "$src/go.mod" "$src/go.sum" "$src/main.go" | sha256sum | cut -c1-12)
+  if have otelcol && [[ -f "$DEST/.otelcol-$sum" ]]; then log "otelcol: present, skipping"; return; fi
+  log "building otelcol (hack/otelcol)"
+  (cd "$src" && GOFLAGS="-buildvcs=false -mod=readonly" timed go build -trimpath -ldflags "-s -w" -o "$DEST/otelcol" .)
+  rm -f "$DEST"/.otelcol-* && touch "$DEST/.otelcol-$sum"
+}
+
 t_start=$SECONDS
 want etcd && build_etcd
 want k8s && build_k8s
@@ -272,6 +287,7 @@ want helm && build_helm
 want registry && build_registry
 want distribution && build_distribution
 want coredns && build_main coredns github.com/coredns/coredns "$COREDNS_VERSION"
+want otelcol && build_otelcol
 want localpath && build_main local-path-provisioner github.com/rancher/local-path-provisioner "$LOCAL_PATH_VERSION"
 log "all done in $((SECONDS - t_start))s; contents of $DEST:"
 ls -l "$DEST"

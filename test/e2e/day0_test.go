@@ -225,6 +225,7 @@ kvm:
 	if vmmKind == "firecracker" {
 		noKVM = ""
 	}
+	otel := startCollector(t, bin, tmp)
 	machine := fmt.Sprintf(`# values-this-machine.yaml
 operator:
   nodeSelector:
@@ -247,7 +248,10 @@ network:
   nsDir: %[5]s
   # The domain egress proxy asks the DNS server of the test's internet (checkDomainEgress).
   egressNameserver: %[8]q
-`, realNode, agentState, registry, kernel, filepath.Join(nodeState, "run/imp/netns"), noKVM, noKVM == "", inetNameserver)
+# Every start traced, to a real OpenTelemetry Collector on the node (checkStartTrace).
+observability:
+  tracing: {enabled: true, endpoint: %[9]q, protocol: grpc, insecure: true, sampleRatio: 1}
+`, realNode, agentState, registry, kernel, filepath.Join(nodeState, "run/imp/netns"), noKVM, noKVM == "", inetNameserver, otel.Endpoint)
 	if err := os.WriteFile(filepath.Join(tmp, "values-this-machine.yaml"), []byte(machine), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -406,19 +410,32 @@ network:
 	must("kubectl -n demo apply -f imp_v1alpha1_impnetwork.yaml", "impnetwork.imp.dev/default created")
 	// At once: the chart's post-install hook waited until the API server admits ImpVMs
 	// (its mutating policy fetches the new CRD's schema first; docs/operator.md).
+	applying := time.Now()
 	must("kubectl -n demo apply -f hello.yaml", "impvm.imp.dev/hello created")
+	applied := time.Now()
 	vmState := func() (string, error) {
 		return sh("kubectl -n demo get impvm hello -o jsonpath='{.status.phase} {.status.conditions[?(@.type==\"Ready\")].status} {.status.nodeName} {.status.ip}'")
 	}
+	// Polled closely: create → Ready was at least from the apply's end to the start of the
+	// last poll that saw it not Ready, at most from the apply's start to the end of the first
+	// that saw it Ready (checkStartTrace).
 	var ip string
-	eventually("the sample VM Running and Ready", 5*time.Minute, func() error {
+	var notReadyPoll time.Time
+	for deadline := time.Now().Add(5 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+		polled := time.Now()
 		out, err := vmState()
-		if f := strings.Fields(out); err != nil || len(f) != 4 || f[0]+" "+f[1]+" "+f[2] != "Running True "+realNode {
-			return fmt.Errorf("%q %v", out, err)
+		if f := strings.Fields(out); err == nil && len(f) == 4 && f[0]+" "+f[1]+" "+f[2] == "Running True "+realNode {
+			seenMax := time.Since(applying)
+			ip = f[3]
+			checkStartTrace(t, otel, must("kubectl -n demo get impvm hello -o jsonpath='{.metadata.annotations.imp\\.dev/trace-context}'"),
+				notReadyPoll.Sub(applied), seenMax)
+			break
 		}
-		ip = strings.Fields(out)[3]
-		return nil
-	})
+		notReadyPoll = polled
+		if time.Now().After(deadline) {
+			t.Fatalf("the sample VM Running and Ready: %q %v", out, err)
+		}
+	}
 	if !strings.HasPrefix(ip, "10.100.0.") {
 		t.Errorf("the VM's address %s is not from ImpNetwork default (10.100.0.0/24)", ip)
 	}
