@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -169,7 +170,10 @@ func TestOperationsAreTracesOfTheirOwn(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "vm", UID: "uid-op"}, Status: impv1.ImpVMStatus{Instance: 1, RestartCount: 2}}
+	// Its creator's annotation names a trace of theirs: none of the operations' spans join it.
+	foreign := "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "vm", UID: "uid-op", Annotations: map[string]string{tracing.Annotation: foreign}},
+		Status: impv1.ImpVMStatus{Instance: 1, RestartCount: 2}}
 	start := tracing.StartOf(vm.UID, "", 1, 2)
 	_, sp := tracing.Operation(ctx, source.Tracer("t"), vm, tracing.SpanSuspend)
 	sp.End()
@@ -184,6 +188,9 @@ func TestOperationsAreTracesOfTheirOwn(t *testing.T) {
 	got := map[string]testotlp.Span{}
 	for _, s := range rx.Spans() {
 		got[s.Name] = s
+		if s.TraceID == "0af7651916cd43dd8448eb211c80319c" || s.Parent == "b7ad6b7169203331" || slices.Contains(s.Links, "b7ad6b7169203331") {
+			t.Errorf("span %s joined the annotation's trace: %+v", s.Name, s)
+		}
 	}
 	mig := tracing.Migration("mig-1")
 	sus, o, i, st := got[tracing.SpanSuspend], got[tracing.SpanMigrateOut], got[tracing.SpanMigrateIn], got["imp.agent.migrate.step"]
