@@ -70,7 +70,7 @@ bench-agent: ## Real guests: placement → VMM exec P50, create → ready P50, a
 	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/ ./cmd/imp-agent # as hack/images.sh builds it
 	go run ./test/bench/agent -n 10
 
-bench-tracing: ## Real guests: what tracing every start costs the start path, off and on alternated (RUNS each).
+bench-tracing: ## Real guests: what tracing every start costs the start path, off and on in the order off, on, on, off, ... (RUNS each).
 	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/ ./cmd/imp-agent
 	go run ./test/bench/agent -n 4 -tracing-runs $(or $(RUNS),2)
 
