@@ -2,6 +2,7 @@ package hostnet
 
 import (
 	"fmt"
+	"os"
 	"strings"
 )
 
@@ -15,16 +16,28 @@ type TapTraffic struct {
 }
 
 // Taps is what every VM's tap on the node carried, by tap name (TapName): one netlink dump
-// per network namespace.
+// per network namespace. It changes nothing on the node (what is left of a namespace is for
+// Sync to remove).
 func (h *Host) Taps() (map[string]TapTraffic, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	spaces, err := h.openSpaces()
+	entries, err := os.ReadDir(h.opts.NSDir)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("listing %s: %w", h.opts.NSDir, err)
 	}
 	out := map[string]TapTraffic{}
-	for _, s := range spaces {
+	for _, e := range entries {
+		id, ok := strings.CutPrefix(e.Name(), nsPrefix)
+		if !ok {
+			continue
+		}
+		s, err := h.openSpace(id)
+		if err != nil {
+			return nil, err
+		}
+		if s == nil {
+			continue
+		}
 		links, err := s.nl.LinkList()
 		if err != nil {
 			return nil, fmt.Errorf("listing the links of %s: %w", s.path, err)

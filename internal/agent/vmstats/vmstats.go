@@ -43,6 +43,33 @@ type Taps interface {
 
 var _ Taps = (*hostnet.Host)(nil)
 
+// Cached is taps read at most once every every, whoever asks (the scrape, each GET of a VM's
+// stats): a reader of the view role asking again and again costs the node one read of its
+// taps per every, and holds its networks' lock no longer. Concurrent callers share one read.
+func Cached(taps Taps, every time.Duration) Taps {
+	return &cachedTaps{taps: taps, every: every}
+}
+
+type cachedTaps struct {
+	taps  Taps
+	every time.Duration
+
+	mu   sync.Mutex
+	at   time.Time
+	last map[string]hostnet.TapTraffic
+	err  error
+}
+
+func (c *cachedTaps) Taps() (map[string]hostnet.TapTraffic, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.at.IsZero() || time.Since(c.at) >= c.every {
+		c.last, c.err = c.taps.Taps()
+		c.at = time.Now()
+	}
+	return c.last, c.err
+}
+
 // Stale is the age past which a guest's figures are no longer exported.
 const Stale = time.Minute
 

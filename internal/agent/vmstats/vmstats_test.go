@@ -92,3 +92,26 @@ func TestFigures(t *testing.T) {
 		t.Errorf("network series of the runs: %v; want one of vm, its newer run's tap's (7 bytes)", seen)
 	}
 }
+
+type countedTaps struct{ n int }
+
+func (c *countedTaps) Taps() (map[string]hostnet.TapTraffic, error) {
+	c.n++
+	return map[string]hostnet.TapTraffic{"t": {ReceiveBytes: uint64(c.n)}}, nil
+}
+
+// TestTapsAreReadAtMostSoOften (docs/security.md): a reader asking for a VM's stats again and
+// again (the view role may) has the node's taps read once per interval, not once per request.
+func TestTapsAreReadAtMostSoOften(t *testing.T) {
+	under := &countedTaps{}
+	taps := Cached(under, 50*time.Millisecond)
+	for range 1000 {
+		if m, err := taps.Taps(); err != nil || m["t"].ReceiveBytes != 1 {
+			t.Fatalf("a read within the interval: %v %v, want the first read's", m, err)
+		}
+	}
+	time.Sleep(60 * time.Millisecond)
+	if m, _ := taps.Taps(); m["t"].ReceiveBytes != 2 || under.n != 2 {
+		t.Errorf("after the interval: %v, %d reads; want a second read", m, under.n)
+	}
+}
