@@ -27,10 +27,12 @@ type VMFigures struct {
 // received is what the node delivered to the guest, transmitted what the guest sent
 // (including what its network's rules then dropped). The node counts them, not the guest.
 type NetworkFigures struct {
-	ReceiveBytes    uint64 `json:"receiveBytes"`
-	ReceivePackets  uint64 `json:"receivePackets"`
-	TransmitBytes   uint64 `json:"transmitBytes"`
-	TransmitPackets uint64 `json:"transmitPackets"`
+	// at is when the node read them (the node reads them at most once a second).
+	At              metav1.MicroTime `json:"at"`
+	ReceiveBytes    uint64           `json:"receiveBytes"`
+	ReceivePackets  uint64           `json:"receivePackets"`
+	TransmitBytes   uint64           `json:"transmitBytes"`
+	TransmitPackets uint64           `json:"transmitPackets"`
 }
 
 // GuestFigures are a guest's own figures, its kernel's as imp-init reports them: the guest's

@@ -207,8 +207,8 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 			Continue: steps.Continue{Continuers: a.drivers}, Reidentify: steps.Reidentify{Guests: a.snapshots},
 		}}
 	// Each VM's figures (imp_vm_*), while the manager runs, and for the access server; the
-	// node's taps read at most four times a second, however often they are asked for.
-	taps := vmstats.Cached(a.net, 250*time.Millisecond)
+	// node's taps read at most once a second, however often they are asked for.
+	taps := vmstats.Cached(a.net, time.Second)
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
 		defer vmstats.Add(a.Runs, taps)()
 		<-ctx.Done()

@@ -58,6 +58,7 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 				}
 				select { // the image is being fetched
 				case <-ctx.Done():
+					trace.SpanFromContext(ctx).SetStatus(codes.Error, "MigrationFailed")
 					return ctx.Err()
 				case <-time.After(250 * time.Millisecond):
 				}

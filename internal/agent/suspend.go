@@ -63,6 +63,7 @@ func (a *Agent) suspend(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmr
 		span.SetStatus(codes.Error, failed.Reason)
 		return a.suspendFailure(ctx, s, failed.Err)
 	case err != nil:
+		span.SetStatus(codes.Error, "Retry")
 		return err
 	}
 	if s.Took > 0 {
@@ -126,6 +127,7 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmru
 		if errors.As(err, &failed) {
 			return end(failed.Reason, failed.Err)
 		}
+		span.SetStatus(codes.Error, "Retry")
 		return err
 	}
 	took := time.Since(start)
@@ -134,6 +136,7 @@ func (a *Agent) resume(ctx context.Context, vm *impv1.ImpVM, dir string, m *vmru
 	running.State, running.GuestReady, running.Reason, running.Message = impv1.RuntimeRunning, true, "", impv1.RuntimeResumedMessage
 	running.IdleSince, running.WakeRequested = nil, nil // active again
 	if err := a.reports.Report(ctx, vm, running); err != nil {
+		span.SetStatus(codes.Error, "Retry")
 		return err
 	}
 	a.Recorder.Eventf(vm, nil, corev1.EventTypeNormal, "Resumed", "Resume", "The VM runs again on node %s (resumed in %v)", a.Opts.NodeName, took.Round(time.Millisecond))

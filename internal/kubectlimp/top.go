@@ -119,9 +119,12 @@ func (o *options) top(ctx context.Context, cfg *rest.Config, ns string, args []s
 		if dt := r.Second.At.Sub(r.First.At.Time).Seconds(); dt > 0 {
 			cores := max(r.Second.VMMCPUSeconds-r.First.VMMCPUSeconds, 0) / dt
 			r.CPUCores = &cores
+			// The taps' own reading times: the node reads them at most once a second.
 			if a, b := r.First.Network, r.Second.Network; a != nil && b != nil {
-				in, out := float64(b.ReceiveBytes-min(a.ReceiveBytes, b.ReceiveBytes))/dt, float64(b.TransmitBytes-min(a.TransmitBytes, b.TransmitBytes))/dt
-				r.NetIn, r.NetOut = &in, &out
+				if dt := b.At.Sub(a.At.Time).Seconds(); dt > 0 {
+					in, out := float64(b.ReceiveBytes-min(a.ReceiveBytes, b.ReceiveBytes))/dt, float64(b.TransmitBytes-min(a.TransmitBytes, b.TransmitBytes))/dt
+					r.NetIn, r.NetOut = &in, &out
+				}
 			}
 		}
 	}

@@ -173,8 +173,8 @@ func TestOperationsAreTracesOfTheirOwn(t *testing.T) {
 	// Its creator's annotation names a trace of theirs: none of the operations' spans join it.
 	foreign := "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "vm", UID: "uid-op", Annotations: map[string]string{tracing.Annotation: foreign}},
-		Status: impv1.ImpVMStatus{Instance: 1, RestartCount: 2}}
-	start := tracing.StartOf(vm.UID, "", 1, 2)
+		Status: impv1.ImpVMStatus{Instance: 1}}
+	start := tracing.StartOf(vm.UID, "", 1, 0) // its first start: the annotation is its creator's link there
 	_, sp := tracing.Operation(ctx, source.Tracer("t"), vm, tracing.SpanSuspend)
 	sp.End()
 	_, in := tracing.MigrationSpan(ctx, target.Tracer("t"), vm, "mig-1", false) // the target may begin first

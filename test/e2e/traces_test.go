@@ -58,13 +58,20 @@ service:
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting the OpenTelemetry Collector: %v", err)
 	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait(); logf.Close() })
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited; logf.Close() })
+	for deadline := time.Now().Add(time.Minute); ; {
 		log, _ := os.ReadFile(logf.Name())
 		if bytes.Contains(log, []byte("Everything is ready")) {
 			return c
 		}
-		if cmd.ProcessState != nil || time.Now().After(deadline) {
+		select {
+		case <-exited:
+			t.Fatalf("the OpenTelemetry Collector ended:\n%s", log)
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
 			t.Fatalf("the OpenTelemetry Collector did not start:\n%s", log)
 		}
 	}

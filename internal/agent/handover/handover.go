@@ -279,8 +279,10 @@ func (h *Handovers) Hand(ctx context.Context, vm *impv1.ImpVM, dir string, old *
 		steps.ObserveStart(step, d)
 		took = append(took, step, d.Round(100*time.Microsecond).String())
 	}
+	// The claim's start, as the agent's start records it: a pass that only finds the claim's
+	// image still being fetched records nothing.
 	span := trace.SpanFromContext(ctx)
-	if h.Tracer != nil {
+	if f, ok := h.Steps.Image.Fetches.(interface{ Fetching(*impv1.ImpVM) bool }); h.Tracer != nil && (!ok || !f.Fetching(vm)) {
 		ctx, span = tracing.RunSpan(ctx, h.Tracer, vm, tracing.SpanAgent, trace.WithAttributes(attribute.String("imp.warm.member", st.Warm.Member)))
 		defer span.End()
 	}
@@ -290,7 +292,11 @@ func (h *Handovers) Hand(ctx context.Context, vm *impv1.ImpVM, dir string, old *
 	case errors.As(err, &failed):
 		span.SetStatus(codes.Error, failed.Reason)
 		return h.failed(ctx, vm, dir, old, rec, failed)
+	case errors.Is(err, plan.ErrWait):
+		span.SetAttributes(attribute.Bool("imp.wait", true))
+		return err
 	case err != nil:
+		span.SetStatus(codes.Error, "Retry")
 		return err
 	}
 	steps.ObserveStart("handover", time.Since(began))
@@ -300,6 +306,7 @@ func (h *Handovers) Hand(ctx context.Context, vm *impv1.ImpVM, dir string, old *
 	running.State, running.StartedAt = impv1.RuntimeRunning, &t
 	running.Message = fmt.Sprintf("handed member %s of ImpWarmPool %s", st.Warm.Member, st.Warm.Pool)
 	if err := h.Reports.ReportLater(ctx, vm, running); err != nil {
+		span.SetStatus(codes.Error, "Retry")
 		return err
 	}
 	h.Runs.Ensure(vm, dir, r.Meta, rec, r.TakeChannel())

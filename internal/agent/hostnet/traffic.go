@@ -1,9 +1,11 @@
 package hostnet
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strings"
+	"time"
 )
 
 // TapTraffic is what a VM's tap carried, as the node's kernel counts it, from the guest's
@@ -13,11 +15,14 @@ import (
 type TapTraffic struct {
 	ReceiveBytes, ReceivePackets   uint64
 	TransmitBytes, TransmitPackets uint64
+	// At is when the node read them.
+	At time.Time
 }
 
 // Taps is what every VM's tap on the node carried, by tap name (TapName): one netlink dump
 // per network namespace. It changes nothing on the node (what is left of a namespace is for
-// Sync to remove).
+// Sync to remove). A namespace that cannot be read is left out, its error returned with the
+// others' taps.
 func (h *Host) Taps() (map[string]TapTraffic, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -26,6 +31,7 @@ func (h *Host) Taps() (map[string]TapTraffic, error) {
 		return nil, fmt.Errorf("listing %s: %w", h.opts.NSDir, err)
 	}
 	out := map[string]TapTraffic{}
+	var errs []error
 	for _, e := range entries {
 		id, ok := strings.CutPrefix(e.Name(), nsPrefix)
 		if !ok {
@@ -33,14 +39,17 @@ func (h *Host) Taps() (map[string]TapTraffic, error) {
 		}
 		s, err := h.openSpace(id)
 		if err != nil {
-			return nil, err
+			errs = append(errs, err)
+			continue
 		}
 		if s == nil {
 			continue
 		}
 		links, err := s.nl.LinkList()
+		at := time.Now()
 		if err != nil {
-			return nil, fmt.Errorf("listing the links of %s: %w", s.path, err)
+			errs = append(errs, fmt.Errorf("listing the links of %s: %w", s.path, err))
+			continue
 		}
 		for _, l := range links {
 			a := l.Attrs()
@@ -51,8 +60,8 @@ func (h *Host) Taps() (map[string]TapTraffic, error) {
 			// node gave the VMM to read (the guest received).
 			st := a.Statistics
 			out[a.Name] = TapTraffic{ReceiveBytes: st.TxBytes, ReceivePackets: st.TxPackets,
-				TransmitBytes: st.RxBytes, TransmitPackets: st.RxPackets}
+				TransmitBytes: st.RxBytes, TransmitPackets: st.RxPackets, At: at}
 		}
 	}
-	return out, nil
+	return out, errors.Join(errs...)
 }

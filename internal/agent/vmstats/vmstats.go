@@ -211,10 +211,7 @@ func tapsOf(taps Taps, runs []monitor.Followed) map[types.UID]hostnet.TapTraffic
 	if taps == nil || len(runs) == 0 {
 		return nil
 	}
-	byName, err := taps.Taps()
-	if err != nil {
-		return nil
-	}
+	byName, _ := taps.Taps() // a namespace that could not be read: the others' taps still count
 	out := map[types.UID]hostnet.TapTraffic{}
 	for _, r := range runs {
 		if t, ok := byName[hostnet.TapName(string(r.UID))]; ok {
@@ -229,7 +226,7 @@ func tapsOf(taps Taps, runs []monitor.Followed) map[types.UID]hostnet.TapTraffic
 func Of(r monitor.Followed, taps map[types.UID]hostnet.TapTraffic, now time.Time) (f impv1.VMFigures, vmm, disk bool) {
 	f.At = metav1.NewMicroTime(now)
 	if t, ok := taps[r.UID]; ok {
-		f.Network = &impv1.NetworkFigures{ReceiveBytes: t.ReceiveBytes, ReceivePackets: t.ReceivePackets,
+		f.Network = &impv1.NetworkFigures{At: metav1.NewMicroTime(t.At), ReceiveBytes: t.ReceiveBytes, ReceivePackets: t.ReceivePackets,
 			TransmitBytes: t.TransmitBytes, TransmitPackets: t.TransmitPackets}
 	}
 	if cpu, rss, err := Process(r.Pid, r.StartTime); err == nil {
