@@ -125,7 +125,7 @@ func TestAVMStartIsOneTrace(t *testing.T) {
 			children = append(children, s)
 		}
 	}
-	if covered := cover(children, root.Start, root.End); covered < took*9/10 {
+	if covered := testotlp.Cover(children, root.Start, root.End); covered < took*9/10 {
 		t.Errorf("the root's children cover %v of its %v", covered, took)
 	}
 
@@ -179,25 +179,4 @@ func names(spans []testotlp.Span) []string {
 		out = append(out, s.Name)
 	}
 	return out
-}
-
-// cover is how much of [from, to] the spans cover together.
-func cover(spans []testotlp.Span, from, to time.Time) time.Duration {
-	slices.SortFunc(spans, func(a, b testotlp.Span) int { return a.Start.Compare(b.Start) })
-	var total time.Duration
-	at := from
-	for _, s := range spans {
-		b, e := s.Start, s.End
-		if b.Before(at) {
-			b = at
-		}
-		if e.After(to) {
-			e = to
-		}
-		if e.After(b) {
-			total += e.Sub(b)
-			at = e
-		}
-	}
-	return total
 }

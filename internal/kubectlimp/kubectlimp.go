@@ -127,11 +127,7 @@ func (o *options) run(v verb) func(*cobra.Command, []string) error {
 		if err != nil {
 			return err
 		}
-		scheme, err := impscheme.New()
-		if err != nil {
-			return err
-		}
-		c, err := client.New(cfg, client.Options{Scheme: scheme})
+		c, err := newClient(cfg)
 		if err != nil {
 			return err
 		}
@@ -143,6 +139,15 @@ func (o *options) run(v verb) func(*cobra.Command, []string) error {
 		defer cancel()
 		return v(ctx, c, ns, args)
 	}
+}
+
+// newClient is a client of cfg's API server that knows IMP's kinds.
+func newClient(cfg *rest.Config) (client.Client, error) {
+	scheme, err := impscheme.New()
+	if err != nil {
+		return nil, err
+	}
+	return client.New(cfg, client.Options{Scheme: scheme})
 }
 
 // print writes obj as JSON or YAML when -o asks for it, and reports whether it did. Objects

@@ -16,7 +16,6 @@ import (
 	"sigs.k8s.io/yaml"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
-	impscheme "github.com/syscode-labs/imp/internal/scheme"
 )
 
 // topInterval is how far apart top's two readings are: a VM's CPU is the rate between them.
@@ -51,11 +50,7 @@ type topRow struct {
 }
 
 func (o *options) top(ctx context.Context, cfg *rest.Config, ns string, args []string) error {
-	scheme, err := impscheme.New()
-	if err != nil {
-		return err
-	}
-	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	c, err := newClient(cfg)
 	if err != nil {
 		return err
 	}

@@ -159,3 +159,25 @@ func (r *Receiver) Headers() map[string]string {
 	defer r.mu.Unlock()
 	return r.headers
 }
+
+// Cover is how much of [from, to] the spans cover together (a root's children adding up to it).
+func Cover(spans []Span, from, to time.Time) time.Duration {
+	spans = slices.Clone(spans)
+	slices.SortFunc(spans, func(a, b Span) int { return a.Start.Compare(b.Start) })
+	var total time.Duration
+	at := from
+	for _, s := range spans {
+		b, e := s.Start, s.End
+		if b.Before(at) {
+			b = at
+		}
+		if e.After(to) {
+			e = to
+		}
+		if e.After(b) {
+			total += e.Sub(b)
+			at = e
+		}
+	}
+	return total
+}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/syscode-labs/imp/internal/testotlp"
 	"github.com/syscode-labs/imp/internal/tracing"
 )
 
@@ -77,19 +79,8 @@ service:
 	}
 }
 
-// otlpSpan is a span as the collector's file exporter writes it (OTLP JSON).
-type otlpSpan struct {
-	Service                    string
-	TraceID, SpanID, Parent    string
-	Name                       string
-	Start, End                 time.Time
-	Attributes                 map[string]string
-	Links                      []string
-	StatusCode, StatusMessages string
-}
-
-// Spans are the spans the collector wrote so far.
-func (c *collector) Spans(t *testing.T) []otlpSpan {
+// Spans are the spans the collector's file exporter wrote so far (OTLP JSON, a request a line).
+func (c *collector) Spans(t *testing.T) []testotlp.Span {
 	t.Helper()
 	f, err := os.Open(c.file)
 	if os.IsNotExist(err) {
@@ -144,7 +135,7 @@ func (c *collector) Spans(t *testing.T) []otlpSpan {
 		return ""
 	}
 	nanos := func(s string) time.Time { n, _ := strconv.ParseInt(s, 10, 64); return time.Unix(0, n) }
-	var out []otlpSpan
+	var out []testotlp.Span
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 64<<20)
 	for sc.Scan() {
@@ -161,10 +152,10 @@ func (c *collector) Spans(t *testing.T) []otlpSpan {
 			}
 			for _, ss := range rs.ScopeSpans {
 				for _, s := range ss.Spans {
-					o := otlpSpan{Service: service, TraceID: s.TraceID, SpanID: s.SpanID, Parent: s.ParentSpanID, Name: s.Name,
-						Start: nanos(s.Start), End: nanos(s.End), Attributes: map[string]string{}, StatusMessages: s.Status.Message}
-					if s.Status.Code == 2 {
-						o.StatusCode = "Error"
+					o := testotlp.Span{Service: service, TraceID: s.TraceID, SpanID: s.SpanID, Parent: s.ParentSpanID, Name: s.Name,
+						Start: nanos(s.Start), End: nanos(s.End), Attributes: map[string]string{}}
+					if s.Status.Code == 2 { // STATUS_CODE_ERROR
+						o.Error = cmp.Or(s.Status.Message, "error")
 					}
 					for _, a := range s.Attributes {
 						o.Attributes[a.Key] = str(a.Value)
@@ -195,7 +186,7 @@ func checkStartTrace(t *testing.T, c *collector, annotation string, seenMin, see
 		t.Fatalf("the VM's %s annotation is %q, want a traceparent", tracing.Annotation, annotation)
 	}
 	traceID, rootID := parts[1], parts[2]
-	var spans []otlpSpan
+	var spans []testotlp.Span
 	var missing []string
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(500 * time.Millisecond) {
 		spans, missing = nil, nil
@@ -220,7 +211,7 @@ func checkStartTrace(t *testing.T, c *collector, annotation string, seenMin, see
 			t.Fatalf("the collector has no %v of trace %s; it has %+v", missing, traceID, spans)
 		}
 	}
-	byID := map[string]otlpSpan{}
+	byID := map[string]testotlp.Span{}
 	for _, s := range spans {
 		byID[s.SpanID] = s
 	}
@@ -228,11 +219,11 @@ func checkStartTrace(t *testing.T, c *collector, annotation string, seenMin, see
 	if !ok || root.Name != tracing.SpanStart || root.Parent != "" || root.Service != "imp-operator" || root.Attributes["imp.vm.name"] != "hello" {
 		t.Fatalf("the trace's root %+v, want the operator's %s of hello with the annotation's span ID %s", root, tracing.SpanStart, rootID)
 	}
-	var children []otlpSpan
+	var children []testotlp.Span
 	for _, s := range spans {
 		t.Logf("trace: %-28s %-13s %6dms +%dms", s.Name, s.Service, s.End.Sub(s.Start).Milliseconds(), s.Start.Sub(root.Start).Milliseconds())
-		if s.StatusCode != "" {
-			t.Errorf("span %s is in error: %s", s.Name, s.StatusMessages)
+		if s.Error != "" {
+			t.Errorf("span %s is in error: %s", s.Name, s.Error)
 		}
 		if s.SpanID != root.SpanID && byID[s.Parent].Name == "" {
 			t.Errorf("span %s's parent %s is not in the trace", s.Name, s.Parent)
@@ -254,39 +245,7 @@ func checkStartTrace(t *testing.T, c *collector, annotation string, seenMin, see
 	if took < seenMin*9/10 || took > seenMax*11/10 {
 		t.Errorf("the root lasts %v; the test saw create → Ready in %v to %v", took, seenMin, seenMax)
 	}
-	if covered := coverOf(children, root.Start, root.End); covered < took*9/10 {
+	if covered := testotlp.Cover(children, root.Start, root.End); covered < took*9/10 {
 		t.Errorf("the root's children cover %v of its %v", covered, took)
-	}
-}
-
-// coverOf is how much of [from, to] the spans cover together.
-func coverOf(spans []otlpSpan, from, to time.Time) time.Duration {
-	var total time.Duration
-	at := from
-	for {
-		// the span starting earliest among those ending after at
-		next := -1
-		for i, s := range spans {
-			if s.End.After(at) && (next < 0 || s.Start.Before(spans[next].Start)) {
-				next = i
-			}
-		}
-		if next < 0 {
-			return total
-		}
-		b, e := spans[next].Start, spans[next].End
-		if b.Before(at) {
-			b = at
-		}
-		if e.After(to) {
-			e = to
-		}
-		if e.After(b) {
-			total += e.Sub(b)
-		}
-		if !e.After(at) {
-			return total
-		}
-		at = e
 	}
 }

@@ -91,16 +91,12 @@ func (h *Host) plumbed(n Network) (*space, error) {
 // openSpaces opens every network namespace pinned on the node, removing what is left of
 // namespaces that are not (a file whose mount is gone).
 func (h *Host) openSpaces() ([]*space, error) {
-	entries, err := os.ReadDir(h.opts.NSDir)
+	ids, err := h.spaceIDs()
 	if err != nil {
-		return nil, fmt.Errorf("listing %s: %w", h.opts.NSDir, err)
+		return nil, err
 	}
 	var spaces []*space
-	for _, e := range entries {
-		id, ok := strings.CutPrefix(e.Name(), nsPrefix)
-		if !ok {
-			continue
-		}
+	for _, id := range ids {
 		s, err := h.openSpace(id)
 		if err != nil {
 			return nil, err
@@ -114,6 +110,21 @@ func (h *Host) openSpaces() ([]*space, error) {
 		spaces = append(spaces, s)
 	}
 	return spaces, nil
+}
+
+// spaceIDs are the ids of the networks whose namespaces are pinned (or left) in NSDir.
+func (h *Host) spaceIDs() ([]string, error) {
+	entries, err := os.ReadDir(h.opts.NSDir)
+	if err != nil {
+		return nil, fmt.Errorf("listing %s: %w", h.opts.NSDir, err)
+	}
+	var ids []string
+	for _, e := range entries {
+		if id, ok := strings.CutPrefix(e.Name(), nsPrefix); ok {
+			ids = append(ids, id)
+		}
+	}
+	return ids, nil
 }
 
 // ensureSpace opens the namespace of the network with id, creating and pinning it when

@@ -3,7 +3,6 @@ package hostnet
 import (
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"time"
 )
@@ -26,17 +25,13 @@ type TapTraffic struct {
 func (h *Host) Taps() (map[string]TapTraffic, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	entries, err := os.ReadDir(h.opts.NSDir)
+	ids, err := h.spaceIDs()
 	if err != nil {
-		return nil, fmt.Errorf("listing %s: %w", h.opts.NSDir, err)
+		return nil, err
 	}
 	out := map[string]TapTraffic{}
 	var errs []error
-	for _, e := range entries {
-		id, ok := strings.CutPrefix(e.Name(), nsPrefix)
-		if !ok {
-			continue
-		}
+	for _, id := range ids {
 		s, err := h.openSpace(id)
 		if err != nil {
 			errs = append(errs, err)
