@@ -618,3 +618,145 @@ func TestABusyGuestThatCannotMoveStays(t *testing.T) {
 	}
 	w.stayed(t, vm, source, w.other(source))
 }
+
+var held = regexp.MustCompile(`hold: (\S+) count (\d+) host (\S+)`)
+
+// answers are the answers a hold workload's console shows, in order: its connection's local
+// address and the count each said.
+func answers(log string) (local []string, counts []int) {
+	for _, m := range held.FindAllStringSubmatch(log, -1) {
+		n, _ := strconv.Atoi(m[2])
+		local, counts = append(local, m[1]), append(counts, n)
+	}
+	return local, counts
+}
+
+// TestAConnectionFromAThirdNodeSurvivesTheMove: three nodes, each a network namespace with its
+// own agent, on one underlay segment (the overlay between them). A VM counting in memory and
+// answering on one TCP connection for as long as it is open runs on node A; a VM of the same
+// network on node C holds one connection to it, asking twice a second. The counting VM moves to
+// node B: the same connection (its client's end unchanged) goes on answering across the move,
+// with counts that go on from where they were (the memory moved, not a new boot); the VM keeps
+// its name, UID, address (and so its MAC) and run; node A keeps nothing of it.
+func TestAConnectionFromAThirdNodeSurvivesTheMove(t *testing.T) {
+	c := testcluster.Require(t, shared)
+	ctx := context.Background()
+	ns := c.Namespace(t)
+	sfx := ns[len(ns)-5:]
+	tmp := t.TempDir()
+	kernel, initrd := testguest.Artifacts(t, tmp)
+	host := testregistry.Start(t, "", "")
+	testguest.Image(t, host, "hello")
+	spaces := []string{testnetns.New(t, "imp-m3a-"+sfx), testnetns.New(t, "imp-m3b-"+sfx), testnetns.New(t, "imp-m3c-"+sfx)}
+	vteps := []string{"192.168.74.1", "192.168.74.2", "192.168.74.3"}
+	testnetns.Switch(t, "imp-m3u-"+sfx, "under0", spaces, []string{vteps[0] + "/24", vteps[1] + "/24", vteps[2] + "/24"})
+	nodes := []string{"imp-m3a-" + sfx, "imp-m3b-" + sfx, "imp-m3c-" + sfx}
+	pool := "mig3-" + sfx
+	poolNode(t, c, nodes[0], pool)
+	poolNode(t, c, nodes[1], pool)
+	readyNode(t, c, nodes[2])
+	startOperator(t, c)
+	ids := migrationIdentities(t, filepath.Join(tmp, "certs"), nodes[:2]...)
+	for i, node := range nodes {
+		o := agent.Options{NodeName: node, StateDir: filepath.Join(tmp, node), Kernel: kernel, Initramfs: initrd,
+			NetNS: spaces[i], NetNSDir: testnetns.PinDir(t), OverlayAddress: netip.MustParseAddr(vteps[i]), CgroupRoot: noCgroups}
+		if i < 2 {
+			o.MigrationAddr, o.MigrationIdentity = freeAddr(t), ids[node]
+		}
+		startAgent(t, c, o)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, n := range spaces {
+				dump, _ := exec.Command("sh", "-c", "ip -n $0 -d link; ip netns exec $0 bridge fdb", filepath.Base(n)).CombinedOutput()
+				t.Logf("%s:\n%s", n, dump)
+			}
+		}
+	})
+	if err := c.Client.Create(ctx, &impv1.ImpNetwork{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "net"}, Spec: impv1.ImpNetworkSpec{CIDR: "10.96.0.0/24"}}); err != nil {
+		t.Fatal(err)
+	}
+	stateDir := func(node string) string { return filepath.Join(tmp, node) }
+	console := func(node string, vm *impv1.ImpVM) string {
+		b, _ := os.ReadFile(filepath.Join(stateDir(node), "vms", string(vm.UID), qemu.ConsoleLog))
+		return string(b)
+	}
+	running := func(name string, selector map[string]string, args ...string) *impv1.ImpVM {
+		t.Helper()
+		vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: impv1.ImpVMSpec{
+			Image: host + "/hello:v1", Args: args, NodeSelector: selector, NetworkRef: &impv1.NetworkReference{Name: "net"},
+			Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("192Mi"))}, DiskSize: ptr.To(resource.MustParse("64Mi"))}}
+		if err := c.Client.Create(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+		NewWithT(t).Eventually(func() bool {
+			_ = c.Client.Get(ctx, client.ObjectKeyFromObject(vm), vm)
+			return vm.Status.Phase == impv1.VMRunning && vm.Status.Runtime != nil && vm.Status.Runtime.GuestReady
+		}).WithTimeout(10*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string { return diagnose(c.Client, vm, stateDir) })
+		return vm
+	}
+	counter := running("counter", map[string]string{"imp.test/pool": pool}, "counter")
+	source := counter.Status.NodeName
+	if source != nodes[0] { // of two nodes with as much free, the first by name
+		t.Fatalf("the counting VM went to %s", source)
+	}
+	client3 := running("client", map[string]string{"imp.test/node": nodes[2]}, "hold", counter.Status.IP+":7002")
+	g := NewWithT(t)
+	asked := func() int { local, _ := answers(console(nodes[2], client3)); return len(local) }
+	g.Eventually(asked).WithTimeout(5*time.Minute).Should(BeNumerically(">=", 3), func() string { return "the client's console:\n" + console(nodes[2], client3) })
+
+	began := time.Now()
+	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "move"}, Spec: impv1.ImpVMMigrationSpec{VMName: counter.Name, TargetNode: nodes[1]}}
+	if err := c.Client.Create(ctx, mig); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.MigrationPhase {
+		_ = c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig)
+		return mig.Status.Phase
+	}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.MigrationSucceeded), func() string {
+		b, _ := json.MarshalIndent(mig.Status, "", " ")
+		return string(b)
+	})
+	ended := time.Now()
+	atEnd := asked()
+	// Answers after the move, on the same connection.
+	g.Eventually(asked).WithTimeout(2*time.Minute).Should(BeNumerically(">=", atEnd+4), func() string { return "the client's console:\n" + console(nodes[2], client3) })
+	log := console(nodes[2], client3)
+	if strings.Contains(log, "hold: broken") || strings.Count(log, "hold: connected") != 1 {
+		t.Fatalf("the client's connection did not survive the move:\n%s", log)
+	}
+	local, counts := answers(log)
+	for i := range local {
+		if local[i] != local[0] {
+			t.Fatalf("answer %d came on a connection from %s, the first from %s:\n%s", i, local[i], local[0], log)
+		}
+		if i > 0 && counts[i] < counts[i-1] {
+			t.Fatalf("the count went back from %d to %d: not the same guest's memory:\n%s", counts[i-1], counts[i], log)
+		}
+	}
+	// The largest gap between two answers is the connection's stall across the move.
+	var stall time.Duration
+	for i := 1; i < len(counts); i++ {
+		stall = max(stall, time.Duration(counts[i]-counts[i-1])*100*time.Millisecond)
+	}
+	moved := &impv1.ImpVM{}
+	if err := c.Client.Get(ctx, client.ObjectKeyFromObject(counter), moved); err != nil {
+		t.Fatal(err)
+	}
+	if moved.UID != counter.UID || moved.Status.NodeName != nodes[1] || moved.Status.IP != counter.Status.IP ||
+		moved.Status.Instance != counter.Status.Instance || moved.Status.RestartCount != counter.Status.RestartCount {
+		t.Errorf("after the migration the VM is %s on %s at %s, instance %d run %d; want %s on %s at %s, the same run", moved.UID, moved.Status.NodeName,
+			moved.Status.IP, moved.Status.Instance, moved.Status.RestartCount, counter.UID, nodes[1], counter.Status.IP)
+	}
+	// Node A keeps nothing of it: its state, its VMM.
+	g.Eventually(func() bool {
+		_, err := os.Stat(filepath.Join(stateDir(source), "vms", string(counter.UID)))
+		return os.IsNotExist(err)
+	}).WithTimeout(2*time.Minute).Should(BeTrue(), "node A kept the migrated VM's state")
+	if all := vmm.Marked(string(counter.UID)); len(all) != 1 {
+		t.Errorf("VMMs of the VM after the migration: %v; want the target's one alone", all)
+	}
+	t.Logf("a connection from a VM on a third node held across the move (%v from the migration's creation to Succeeded, paused %v): "+
+		"%d answers on one connection from %s, counts %d..%d; its longest silence %v",
+		ended.Sub(began).Round(time.Millisecond), mig.Status.Downtime.Duration, len(counts), local[0], counts[0], counts[len(counts)-1], stall)
+}

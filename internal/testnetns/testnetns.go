@@ -151,6 +151,33 @@ func Link(t testing.TB, a, nameA, cidrA, b, nameB, cidrB string) {
 	}
 }
 
+// Switch joins spaces to one segment, as a switch would: a namespace of its own named sw with
+// a bridge, and a veth from each of spaces (named link there, addressed with the CIDR of the
+// same index of cidrs) to a port of the bridge.
+func Switch(t testing.TB, sw, link string, spaces, cidrs []string) {
+	t.Helper()
+	path := New(t, sw)
+	h := Handle(t, path)
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "br0"}}
+	if err := h.LinkAdd(br); err != nil {
+		t.Fatalf("creating the bridge of %s: %v", sw, err)
+	}
+	if err := h.LinkSetUp(br); err != nil {
+		t.Fatal(err)
+	}
+	for i, space := range spaces {
+		port := fmt.Sprintf("port%d", i)
+		Link(t, space, link, cidrs[i], path, port, "")
+		l, err := h.LinkByName(port)
+		if err == nil {
+			err = h.LinkSetMaster(l, br)
+		}
+		if err != nil {
+			t.Fatalf("putting %s on the bridge of %s: %v", port, sw, err)
+		}
+	}
+}
+
 // Serve listens on TCP addr in ns and gives each connection to handle, on a goroutine of its
 // own, until the test ends.
 func Serve(t testing.TB, ns, addr string, handle func(net.Conn)) {

@@ -31,7 +31,12 @@
 //	        MiB a second of its pages written, one byte a page, page after page (a busy guest
 //	        for migration benchmarks: the rate it keeps is what its vCPU's time allows)
 //	counter counts in memory, one every 100 ms from 0, until SIGTERM; serves TCP on :7000
-//	        ("count N host H": the count and the host name as they are when asked)
+//	        ("count N host H": the count and the host name as they are when asked), and on
+//	        :7002 the same line for each line a connection sends, on that connection
+//	hold ADDR holds one TCP connection to ADDR (a counter's :7002) open, asking on it twice a
+//	        second and printing each answer, "hold: LOCAL ANSWER" (its own end's address, so
+//	        that a reader sees the connection is the same one); "hold: broken: ERR" once it
+//	        breaks (a minute without an answer breaks it), after which it asks no more
 //	web     serves HTTP until SIGTERM on :8080 (GET / answers "hello from <host name>", GET
 //	        /healthz 200, or 503 while /dev/imp-unready exists) and on :8081 ("undeclared")
 //	entropy prints a line every 50 ms until SIGTERM: "draw N who=main at=T host=H boot=B kernel=K
@@ -188,11 +193,14 @@ func main() {
 			}
 		}()
 		go serveCount(&n)
+		go serveCountLines(&n)
 		term := make(chan os.Signal, 1)
 		signal.Notify(term, syscall.SIGTERM)
 		<-term
 		fmt.Println("hello: terminating")
 		os.Exit(0)
+	case "hold":
+		hold(arg(2))
 	case "child":
 		return
 	default:
@@ -372,6 +380,61 @@ func serveCount(n *atomic.Int64) {
 		host, _ := os.Hostname()
 		fmt.Fprintf(c, "count %d host %s\n", n.Load(), host)
 		c.Close()
+	}
+}
+
+// serveCountLines answers each line a connection to :7002 sends with the count and the host
+// name, on that connection, until the client closes it.
+func serveCountLines(n *atomic.Int64) {
+	l, err := net.Listen("tcp", ":7002")
+	if err != nil {
+		fmt.Println("hello: count lines:", err)
+		return
+	}
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			sc := bufio.NewScanner(c)
+			for sc.Scan() {
+				host, _ := os.Hostname()
+				if _, err := fmt.Fprintf(c, "count %d host %s\n", n.Load(), host); err != nil {
+					return
+				}
+			}
+		}()
+	}
+}
+
+// hold is the hold workload: one connection to addr, asked twice a second for as long as it
+// answers (dialled again until it is first made).
+func hold(addr string) {
+	var c net.Conn
+	for {
+		var err error
+		if c, err = net.DialTimeout("tcp", addr, 2*time.Second); err == nil {
+			break
+		}
+		fmt.Println("hold: dial:", err)
+		time.Sleep(time.Second)
+	}
+	fmt.Printf("hold: connected from %s\n", c.LocalAddr())
+	r := bufio.NewReader(c)
+	for {
+		time.Sleep(500 * time.Millisecond)
+		_ = c.SetDeadline(time.Now().Add(time.Minute))
+		line, err := "", error(nil)
+		if _, err = fmt.Fprintln(c, "ask"); err == nil {
+			line, err = r.ReadString('\n')
+		}
+		if err != nil {
+			fmt.Println("hold: broken:", err)
+			select {}
+		}
+		fmt.Printf("hold: %s %s", c.LocalAddr(), line)
 	}
 }
 
