@@ -760,3 +760,52 @@ func TestAConnectionFromAThirdNodeSurvivesTheMove(t *testing.T) {
 		"%d answers on one connection from %s, counts %d..%d; its longest silence %v",
 		ended.Sub(began).Round(time.Millisecond), mig.Status.Downtime.Duration, len(counts), local[0], counts[0], counts[len(counts)-1], stall)
 }
+
+// TestATargetAgentKilledMidTransfer: the target's agent runs as a process of its own and is
+// killed (at a failpoint: it exits at once, as kill -9 would leave it) once the source has
+// mirrored the disk and opened the memory's stream, nothing loaded yet; its VMM, waiting for
+// the state, outlives it. The migration fails; the VM runs on on its source, the same run, its
+// count going on; the target's agent, started again, removes what the migration left there
+// (its VMM, its state): the VM is never on both. Asked again, the VM moves.
+func TestATargetAgentKilledMidTransfer(t *testing.T) {
+	w := newMigNodes(t, "migt")
+	source, target := w.nodes[0], w.nodes[1]
+	w.startAgent(t, source)
+	vm := w.run(t, "held", "192Mi") // the only node with an agent yet
+	if vm.Status.NodeName != source {
+		t.Fatalf("the VM went to %s; want %s", vm.Status.NodeName, source)
+	}
+	proc := w.startProcessAgent(t, target, failpoint.EnvVar+"=migration-receiving")
+	g := NewWithT(t)
+	g.Eventually(func() int { return len(ticks(w.console(source, vm))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 3))
+	ctx := context.Background()
+	mig := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "first"}, Spec: impv1.ImpVMMigrationSpec{VMName: vm.Name, TargetNode: target}}
+	if err := w.c.Client.Create(ctx, mig); err != nil {
+		t.Fatal(err)
+	}
+	waitCrashed(t, proc, 5*time.Minute)
+	rec, err := vmm.ReadRecord(w.vmDir(target, vm))
+	if err != nil || !rec.Alive() {
+		t.Fatalf("the target's VMM did not outlive its agent (%v): the kill left nothing to clean", err)
+	}
+	g.Eventually(func() impv1.MigrationPhase {
+		_ = w.c.Client.Get(ctx, client.ObjectKeyFromObject(mig), mig)
+		return mig.Status.Phase
+	}).WithTimeout(5*time.Minute).WithPolling(100*time.Millisecond).Should(Equal(impv1.MigrationFailed), func() string {
+		b, _ := json.MarshalIndent(mig.Status, "", " ")
+		return string(b)
+	})
+	t.Logf("the target's agent killed mid-transfer: the migration %s (%s): %s", mig.Status.Phase, mig.Status.Reason, mig.Status.Message)
+	w.startProcessAgent(t, target)
+	w.stayed(t, vm, source, target)
+	if !rec.WaitGone(time.Minute) {
+		t.Error("the target's VMM, waiting for the state, outlived the failed migration")
+	}
+	if all, here := vmm.Marked(string(vm.UID)), vmm.MarkedIn(string(vm.UID), w.vmDir(source, vm)); len(all) != 1 || len(here) != 1 {
+		t.Errorf("VMMs of the VM after the failed migration: %v, the source's %v; want the source's one alone", all, here)
+	}
+	w.migrate(t, "second", vm, impv1.MigrationSucceeded, nil)
+	if got := w.get(t, vm); got.Status.NodeName != target || got.Status.RestartCount != vm.Status.RestartCount {
+		t.Errorf("asked again, the VM is on %s run %d; want it on %s, the same run", got.Status.NodeName, got.Status.RestartCount, target)
+	}
+}

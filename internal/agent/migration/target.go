@@ -23,6 +23,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 	"github.com/syscode-labs/imp/internal/agent/vmrun"
+	"github.com/syscode-labs/imp/internal/failpoint"
 )
 
 // DiskSocket, in the VM's directory on the target, is where its VMM serves its writable disk
@@ -245,6 +246,7 @@ func (t *Target) Authorize(_ context.Context, node string, uid types.UID, name s
 
 // take has the VMM take the state from c, then reports it Loaded (or Failed).
 func (t *Target) take(in *incoming, c net.Conn) {
+	failpoint.Crash("migration-receiving") // the disk mirrored, the memory's stream open, nothing loaded
 	vmms, _, err := bridgeTo(c, t.Limit)
 	ctx := context.Background()
 	if err == nil {
