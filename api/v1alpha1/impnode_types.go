@@ -41,6 +41,14 @@ type VMMCapability struct {
 	// version the VMM reports.
 	// +optional
 	Version string `json:"version,omitempty"`
+	// guestCPU names the CPU the VMM gives its guests on this node: "tcg:max" under TCG
+	// (QEMU's own model, whatever the host's), "host:" and a hash of the host CPU's model and
+	// flags under KVM (the host's CPU, passed through). A running guest moves only to a node
+	// whose VMM of its kind gives the same CPU, at the same version and acceleration: its
+	// state holds what the CPU it booted on offered.
+	// +optional
+	// +kubebuilder:validation:MaxLength=80
+	GuestCPU string `json:"guestCPU,omitempty"`
 	// memoryOverhead is the memory one VMM process of this kind holds beyond its guest's RAM
 	// (device emulation, its own code and buffers). Placement counts it with every VM.
 	// +optional

@@ -190,7 +190,10 @@ func (t *Target) make(ctx context.Context, mig *impv1.ImpVMMigration, vm *impv1.
 	}
 	// What this node keeps of the source's: the guest's token alone. The run's meta says whose
 	// migration it is from the first write on (the sweep keeps it while the migration is under way).
-	kept := &vmrun.Meta{Token: old.Token, Migration: mig.UID}
+	if old.VMM != "" && old.VMM != impv1.VMMQEMU {
+		return nil, fmt.Errorf("the VM runs under %s on its source: a migration of a %s VM is not built yet", old.VMM, old.VMM)
+	}
+	kept := &vmrun.Meta{Token: old.Token, Migration: mig.UID, VMM: old.VMM}
 	// The image the source's base disk came from, by digest, whatever its tag says now.
 	r := &vmrun.Run{VM: vm, Dir: dir, Old: kept, Incoming: true, Pinned: old.Digest}
 	defer r.Done()

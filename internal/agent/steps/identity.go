@@ -32,7 +32,13 @@ func (Identity) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) { return
 
 func (s Identity) Do(_ context.Context, r *vmrun.Run) error {
 	vm := r.VM
-	kind, err := s.IDs.ChooseVMM(vm)
+	chosen := vm
+	if r.Incoming && r.Old != nil && r.Old.VMM != "" {
+		v := *vm // a migration's run: under its source's VMM, whatever this node's best
+		v.Spec.VMM = r.Old.VMM
+		chosen = &v
+	}
+	kind, err := s.IDs.ChooseVMM(chosen)
 	if err != nil {
 		return plan.Fail("VMMUnavailable", err)
 	}

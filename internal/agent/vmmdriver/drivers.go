@@ -20,6 +20,7 @@ import (
 	"github.com/syscode-labs/imp/internal/agent/guestmem"
 	"github.com/syscode-labs/imp/internal/agent/kvm"
 	"github.com/syscode-labs/imp/internal/agent/preflight"
+	"github.com/syscode-labs/imp/internal/agent/snapshot"
 	"github.com/syscode-labs/imp/internal/agent/vmm"
 	"github.com/syscode-labs/imp/internal/agent/vmm/firecracker"
 	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
@@ -91,12 +92,12 @@ func Probe(ctx context.Context, cfg Config) []impv1.VMMCapability {
 }
 
 func findVMMs(ctx context.Context, cfg Config) []impv1.VMMCapability {
-	qemuCap := impv1.VMMCapability{Kind: impv1.VMMQEMU, Acceleration: cfg.Accel, Version: qemuVersion()}
+	qemuCap := impv1.VMMCapability{Kind: impv1.VMMQEMU, Acceleration: cfg.Accel, Version: qemuVersion(), GuestCPU: guestCPU(cfg.Accel)}
 	if len(cfg.VMMs) > 0 {
 		var caps []impv1.VMMCapability
 		for _, k := range cfg.VMMs {
 			if k == impv1.VMMFirecracker {
-				caps = append(caps, impv1.VMMCapability{Kind: k, Acceleration: "kvm"})
+				caps = append(caps, impv1.VMMCapability{Kind: k, Acceleration: "kvm", GuestCPU: guestCPU("kvm")})
 			} else {
 				caps = append(caps, qemuCap)
 			}
@@ -114,7 +115,19 @@ func findVMMs(ctx context.Context, cfg Config) []impv1.VMMCapability {
 	if jv, err := preflight.FirecrackerVersion(ctx, cfg.Jailer); err != nil || jv != v {
 		return caps
 	}
-	return append([]impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm", Version: v}}, caps...)
+	return append([]impv1.VMMCapability{{Kind: impv1.VMMFirecracker, Acceleration: "kvm", Version: v, GuestCPU: guestCPU("kvm")}}, caps...)
+}
+
+// guestCPU names the CPU a VMM with accel gives its guests here (VMMCapability.GuestCPU).
+func guestCPU(accel string) string {
+	if accel == "tcg" {
+		return "tcg:max" // qemu.Spec.Args: -cpu max, emulated
+	}
+	cpuinfo, err := os.ReadFile("/proc/cpuinfo")
+	if err != nil {
+		return "" // unknown: equal only to another unknown, an agent of before the field
+	}
+	return "host:" + snapshot.CPU(string(cpuinfo))
 }
 
 func qemuVersion() string {

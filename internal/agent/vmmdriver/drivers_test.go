@@ -27,6 +27,21 @@ func TestNoFirecrackerWithoutKVM(t *testing.T) {
 	}
 }
 
+// TestTheGuestsCPU: under TCG a guest gets QEMU's own model wherever it runs; under KVM the
+// host's, named by its model and flags: two nodes' guests are alike only when those are.
+func TestTheGuestsCPU(t *testing.T) {
+	if got := guestCPU("tcg"); got != "tcg:max" {
+		t.Errorf("under TCG: %q", got)
+	}
+	kvm := guestCPU("kvm")
+	if !strings.HasPrefix(kvm, "host:") || len(kvm) != len("host:")+64 || kvm == guestCPU("tcg") {
+		t.Errorf("under KVM: %q", kvm)
+	}
+	if guestCPU("kvm") != kvm {
+		t.Error("the host's CPU named twice, differently")
+	}
+}
+
 // TestEveryLogIsCapped: the console and QEMU's own log of a VM are held under the one cap.
 func TestEveryLogIsCapped(t *testing.T) {
 	dir := t.TempDir()

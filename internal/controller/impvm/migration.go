@@ -29,20 +29,26 @@ func (m Migrations) Target(ctx context.Context, vm *impv1.ImpVM, hold types.UID,
 		return "", err
 	}
 	// Only a node that takes migrations, and boots guests with the source's kernel and
-	// initramfs: the guest's memory holds the kernel it booted, and its state the devices
-	// this kernel knows.
+	// initramfs, under the same VMM giving the same CPU: the guest's memory holds the kernel
+	// it booted, and its state the devices this kernel knows and the CPU it booted on.
 	source, _ := r.fleet.agent(vm.Status.NodeName)
+	kind := res.VMM // the VMM it runs under: the one it asked for, else its node's best
+	if kind == "" && source != nil && len(source.Status.VMMs) > 0 {
+		kind = source.Status.VMMs[0].Kind
+	}
 	var nodes []placement.Node
 	for _, n := range r.candidates() {
 		if n.Node.Name == vm.Status.NodeName || target != "" && n.Node.Name != target || n.Report == nil ||
 			n.Report.Status.MigrationEndpoint == "" || !sameArtifact(source, n.Report, func(s *impv1.ImpNodeStatus) *impv1.Artifact { return s.Kernel }) ||
-			!sameArtifact(source, n.Report, func(s *impv1.ImpNodeStatus) *impv1.Artifact { return s.Initramfs }) {
+			!sameArtifact(source, n.Report, func(s *impv1.ImpNodeStatus) *impv1.Artifact { return s.Initramfs }) ||
+			!sameGuest(source, n.Report, kind) {
 			continue
 		}
 		nodes = append(nodes, n)
 	}
 	if len(nodes) == 0 {
-		return "", &placement.Unschedulable{Message: "no other node takes migrations with the source's kernel and initramfs" + onlyTarget(target)}
+		return "", &placement.Unschedulable{Message: "no other node takes migrations with the source's kernel and initramfs, and its VMM's version and guest CPU" +
+			onlyTarget(target)}
 	}
 	// The copy counts against the namespace's quota while it is held, as a new VM would;
 	// the VM's claims stay the VM's (the migration holds none).
@@ -105,6 +111,25 @@ func sameArtifact(a, b *impv1.ImpNode, of func(*impv1.ImpNodeStatus) *impv1.Arti
 		return x == y
 	}
 	return x.SHA256 == y.SHA256
+}
+
+// sameGuest says whether the VMM of kind on b is a's: the same version and acceleration,
+// giving its guests the same CPU (VMMCapability.GuestCPU). A node reporting no such VMM is no
+// target.
+func sameGuest(a, b *impv1.ImpNode, kind impv1.VMMKind) bool {
+	find := func(n *impv1.ImpNode) (impv1.VMMCapability, bool) {
+		if n != nil {
+			for _, c := range n.Status.VMMs {
+				if c.Kind == kind {
+					return impv1.VMMCapability{Kind: c.Kind, Acceleration: c.Acceleration, Version: c.Version, GuestCPU: c.GuestCPU}, true
+				}
+			}
+		}
+		return impv1.VMMCapability{}, false
+	}
+	x, okA := find(a)
+	y, okB := find(b)
+	return okA && okB && x == y
 }
 
 func onlyTarget(target string) string {

@@ -108,8 +108,9 @@ func (e *env) node(name string, memGi int64) string {
 	return e.nodeWith(name, memGi, "127.0.0.1:10261", "k1")
 }
 
-// nodeWith is node with the agent's migration endpoint and kernel hash as given ("": none).
-func (e *env) nodeWith(name string, memGi int64, endpoint, kernel string) string {
+// nodeWith is node with the agent's migration endpoint and kernel hash as given ("": none),
+// its report changed by each of set.
+func (e *env) nodeWith(name string, memGi int64, endpoint, kernel string, set ...func(*impv1.ImpNodeStatus)) string {
 	e.t.Helper()
 	ctx := context.Background()
 	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "mig-" + name + "-" + e.sfx, Labels: map[string]string{impv1.NodeEnabledLabel: "true", "imp.test/pool": e.ns}}}
@@ -132,6 +133,9 @@ func (e *env) nodeWith(name string, memGi int64, endpoint, kernel string) string
 		Conditions:        []metav1.Condition{{Type: impv1.ReadyCondition, Status: metav1.ConditionTrue, Reason: impv1.ReasonAgentReady, LastTransitionTime: metav1.Now()}},
 		MigrationEndpoint: endpoint,
 		Kernel:            &impv1.Artifact{Path: "/boot/vmlinuz", SHA256: kernel},
+	}
+	for _, f := range set {
+		f(&rep.Status)
 	}
 	if err := e.c.Status().Update(ctx, rep); err != nil {
 		e.t.Fatal(err)
@@ -491,14 +495,21 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 	if m := e.phase("tight", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTimedOut {
 		t.Errorf("a migration to a node with no room: %s %q", m.Status.Reason, m.Status.Message)
 	}
-	// Nodes that could hold it but take no migrations (an agent without the endpoint), or boot
-	// guests with another kernel, are no target: the migration waits, saying why, and times out.
+	// Nodes that could hold it but take no migrations (an agent without the endpoint), boot
+	// guests with another kernel, or give them another CPU (KVM's host CPU, not TCG's), or run
+	// another version of its VMM, are no target: the migration waits, saying why, and times out.
 	old, other := e.nodeWith("old", 8, "", "k1"), e.nodeWith("other", 8, "127.0.0.1:10261", "k2")
-	for _, target := range []string{old, other} {
+	cpu := e.nodeWith("cpu", 8, "127.0.0.1:10261", "k1", func(s *impv1.ImpNodeStatus) {
+		s.VMMs = []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "kvm", GuestCPU: "host:0123"}}
+	})
+	version := e.nodeWith("version", 8, "127.0.0.1:10261", "k1", func(s *impv1.ImpNodeStatus) {
+		s.VMMs = []impv1.VMMCapability{{Kind: impv1.VMMQEMU, Acceleration: "tcg", Version: "9.2.0"}}
+	})
+	for _, target := range []string{old, other, cpu, version} {
 		name := "to-" + target[:strings.Index(target, "-"+e.sfx)][4:]
 		e.migrate(name, "vm", target, ptr.To[int32](10))
 		NewWithT(t).Eventually(func() string { return e.migration(name).Status.Message }).WithTimeout(time.Minute).Should(
-			ContainSubstring("takes migrations with the source's kernel"))
+			ContainSubstring("takes migrations with the source's kernel and initramfs, and its VMM's version and guest CPU"))
 		if m := e.phase(name, impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonTimedOut {
 			t.Errorf("a migration to %s: %s %q", target, m.Status.Reason, m.Status.Message)
 		}
