@@ -22,6 +22,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
@@ -68,10 +69,45 @@ type Source struct {
 	// Tracer, when set, records each sending as its migration's root span (package tracing).
 	Tracer trace.Tracer
 
+	// Clock is the source's time (nil: the real one).
+	Clock clock.PassiveClock
+
 	sending once
 	mu      sync.Mutex
 	sent    map[types.UID]time.Time // progress last reported, by migration
-	done    map[types.UID]bool      // migrations sent, or failed: never sent again
+	done    map[types.UID]time.Time // migrations sent, or failed: never sent again; when
+}
+
+// doneFor is how long the source remembers a migration it sent (or failed) so as never to
+// send it again: longer than any migration may last (spec.timeoutSeconds: at most 24 h),
+// after which its VM names it no more. What it remembers is bounded by that window.
+const doneFor = 25 * time.Hour
+
+// markDone remembers migration uid as sent (or failed), and forgets those older than doneFor.
+func (s *Source) markDone(uid types.UID) {
+	now := time.Now()
+	if s.Clock != nil {
+		now = s.Clock.Now()
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done == nil {
+		s.done = map[types.UID]time.Time{}
+	}
+	for u, at := range s.done {
+		if now.Sub(at) > doneFor {
+			delete(s.done, u)
+		}
+	}
+	s.done[uid] = now
+}
+
+// isDone says whether migration uid was sent (or failed) here.
+func (s *Source) isDone(uid types.UID) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.done[uid]
+	return ok
 }
 
 // Busy says whether the sending of migration uid is under way: the guest's state is QEMU's
@@ -97,19 +133,13 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 	mig := *vm.Status.Migration
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: mig.Name}
 	log := s.Log.WithValues("migration", key, "vm", vm.Name, "to", mig.TargetNode)
-	s.mu.Lock()
-	done := s.done[mig.UID]
-	s.mu.Unlock()
-	if done {
+	if s.isDone(mig.UID) {
 		return // sent, or failed: once per migration
 	}
 	s.sending.start(mig.UID, log, func() {
 		defer func() {
+			s.markDone(mig.UID)
 			s.mu.Lock()
-			if s.done == nil {
-				s.done = map[types.UID]bool{}
-			}
-			s.done[mig.UID] = true
 			delete(s.sent, mig.UID)
 			s.mu.Unlock()
 		}()
@@ -245,12 +275,7 @@ func (s *Source) Recover(ctx context.Context, vm *impv1.ImpVM, dir string, mig t
 		return nil
 	}
 	key := types.NamespacedName{Namespace: vm.Namespace, Name: m.Name}
-	s.mu.Lock()
-	if s.done == nil {
-		s.done = map[types.UID]bool{}
-	}
-	s.done[mig] = true // never sent again by this agent, whatever comes of it
-	s.mu.Unlock()
+	s.markDone(mig) // never sent again by this agent, whatever comes of it
 	state, stats, err := qemu.OutgoingState(dir)
 	if err != nil {
 		return fmt.Errorf("reading where a migration stands: %w", err)

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/syscode-labs/imp/internal/agent/transfer"
 )
@@ -38,5 +40,24 @@ func TestOnlyTheSourceOpensStreams(t *testing.T) {
 	}
 	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "memory"); !errors.Is(err, transfer.ErrNotAllowed) {
 		t.Errorf("a second memory stream: %v; want refused", err)
+	}
+}
+
+// TestTheSourceForgetsWhatItSentOnlyOnceItCannotComeAgain: a migration sent (or failed) is
+// never sent again while any migration may still name it (24 h at most), and is forgotten
+// after: the source's memory of them is bounded by that window, not the agent's lifetime.
+func TestTheSourceForgetsWhatItSentOnlyOnceItCannotComeAgain(t *testing.T) {
+	now := clocktesting.NewFakePassiveClock(time.Unix(1_800_000_000, 0))
+	s := &Source{Clock: now}
+	s.markDone("first")
+	now.SetTime(now.Now().Add(24 * time.Hour))
+	s.markDone("second")
+	if !s.isDone("first") || !s.isDone("second") {
+		t.Fatal("a migration sent a day ago is forgotten while one may still last that long")
+	}
+	now.SetTime(now.Now().Add(2 * time.Hour))
+	s.markDone("third")
+	if s.isDone("first") || !s.isDone("second") || !s.isDone("third") || len(s.done) != 2 {
+		t.Errorf("after 26 hours the source remembers %v; want the second and third alone", s.done)
 	}
 }
