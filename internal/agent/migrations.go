@@ -86,7 +86,7 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 // migrateInPlan is the plan of a migration's target: the VM's place made as a start makes it
 // (its state directory, image, configuration disk, identity — with the guest's token, which the
 // source's record gave as r.Old — and network attachment with its address and MAC), its
-// writable disk empty for the source's mirror, its ports exposed at an endpoint of this node's,
+// writable disk and disk volumes empty for the source's mirrors, its ports exposed at an endpoint of this node's,
 // and its VMM started waiting for the state (r.Incoming). Its failpoints are
 // "migrate-in/<step>".
 func migrateInPlan(a *Agent, vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
@@ -95,7 +95,12 @@ func migrateInPlan(a *Agent, vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 		// The VM is still the source's: nothing of this run is reported until it arrives.
 		steps.Image{Fetches: a.fetches, Reports: unreported{}, FetchWait: imagefetch.FetchWait,
 			NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }},
-		steps.ConfigDisk{}, migration.EmptyDisk{}, steps.Identity{IDs: a.drivers}, steps.Intent{}}
+	}
+	if len(vm.Spec.Volumes) > 0 {
+		// Its disk volumes empty for the source's mirrors, its volumes of files made anew.
+		ss = append(ss, steps.Volumes{Maker: a.volumes})
+	}
+	ss = append(ss, steps.ConfigDisk{}, migration.EmptyDisk{}, steps.Identity{IDs: a.drivers}, steps.Intent{})
 	if vm.Spec.NetworkRef != nil {
 		// Its ports at an endpoint of this node's block: the Services follow once the run is
 		// reported here (its endpoint in the report), after the commit.

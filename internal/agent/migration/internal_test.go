@@ -13,33 +13,38 @@ import (
 )
 
 // TestOnlyTheSourceOpensStreams: the target takes a migration's streams from the migration's
-// source node alone, only while it waits for that migration, one memory stream only (a second
-// would have the VMM take a second state), and no stream of another name.
+// source node alone, only while it waits for that migration, one stream for each disk it
+// serves and one memory stream only (a second would have the VMM take a second state), and no
+// stream of another name (a disk it does not serve among them).
 func TestOnlyTheSourceOpensStreams(t *testing.T) {
-	tg := &Target{in: map[types.UID]*incoming{"mig-1": {source: "node-a", dir: t.TempDir()}}}
+	tg := &Target{in: map[types.UID]*incoming{"mig-1": {source: "node-a", dir: t.TempDir(),
+		disks: map[string]bool{diskStream("rw"): false, diskStream("vol-data"): false}}}}
 	ctx := context.Background()
 	for _, tc := range []struct {
 		node, name string
 		uid        types.UID
 	}{
 		{"node-c", "memory", "mig-1"}, // another node's agent
-		{"node-c", "disk", "mig-1"},
+		{"node-c", "disk-rw", "mig-1"},
 		{"node-a", "memory", "mig-2"}, // a migration this node does not wait for
 		{"node-a", "config", "mig-1"}, // no such stream
+		{"node-a", "disk-config", "mig-1"},
+		{"node-a", "disk-base", "mig-1"},
+		{"node-a", "disk-vol-other", "mig-1"},
+		{"node-a", "disk", "mig-1"},
 		{"node-a", "../../etc", "mig-1"},
 	} {
 		if _, err := tg.Authorize(ctx, tc.node, tc.uid, tc.name); !errors.Is(err, transfer.ErrNotAllowed) {
 			t.Errorf("%s opening %s of %s: %v; want refused", tc.node, tc.name, tc.uid, err)
 		}
 	}
-	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "disk"); err != nil {
-		t.Errorf("the source's disk stream: %v", err)
-	}
-	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "memory"); err != nil {
-		t.Errorf("the source's memory stream: %v", err)
-	}
-	if _, err := tg.Authorize(ctx, "node-a", "mig-1", "memory"); !errors.Is(err, transfer.ErrNotAllowed) {
-		t.Errorf("a second memory stream: %v; want refused", err)
+	for _, name := range []string{"disk-rw", "disk-vol-data", "memory"} {
+		if _, err := tg.Authorize(ctx, "node-a", "mig-1", name); err != nil {
+			t.Errorf("the source's stream %s: %v", name, err)
+		}
+		if _, err := tg.Authorize(ctx, "node-a", "mig-1", name); !errors.Is(err, transfer.ErrNotAllowed) {
+			t.Errorf("a second stream %s: %v; want refused", name, err)
+		}
 	}
 }
 

@@ -29,6 +29,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/transfer"
+	"github.com/syscode-labs/imp/internal/agent/vmm/qemu"
 )
 
 // MetaFile is the run's record on its node (vmrun's meta.json), which the target fetches from
@@ -42,6 +43,22 @@ const OutFile = "migrating-out"
 
 // Timeout bounds each VMM operation of a migration (the disk's mirror, the memory's transfer).
 const Timeout = 10 * time.Minute
+
+// Disks are the drives a migration of vm mirrors to its target while it runs: its writable
+// disk and each of its emptyDisk volumes (files of its own on the node). Both sides read them
+// off the VM.
+func Disks(vm *impv1.ImpVM) []string {
+	out := []string{qemu.WritableDrive}
+	for _, v := range vm.Spec.Volumes {
+		if v.EmptyDisk != nil {
+			out = append(out, qemu.VolumeDrive(v.Name))
+		}
+	}
+	return out
+}
+
+// diskStream is the name of the stream that carries the mirror of drive.
+func diskStream(drive string) string { return "disk-" + drive }
 
 // Reports writes this node's side of a migration.
 type Reports struct {

@@ -150,7 +150,7 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 			ctx, span = tracing.MigrationSpan(ctx, s.Tracer, vm, mig.UID, true)
 			defer span.End()
 		}
-		stats, err := s.send(ctx, key, mig, dir, rec)
+		stats, err := s.send(ctx, key, mig, dir, rec, Disks(vm))
 		defer func() {
 			if err != nil {
 				span.SetStatus(codes.Error, "MigrationFailed")
@@ -189,7 +189,7 @@ func (s *Source) Send(vm *impv1.ImpVM, dir string, rec *vmm.Record) {
 	})
 }
 
-func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.MigrationStatus, dir string, rec *vmm.Record) (qemu.MigrationStats, error) {
+func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.MigrationStatus, dir string, rec *vmm.Record, drives []string) (qemu.MigrationStats, error) {
 	var none qemu.MigrationStats
 	if rec.Kind == string(impv1.VMMFirecracker) {
 		return none, errors.New("a migration of a Firecracker VM is not built yet")
@@ -205,14 +205,16 @@ func (s *Source) send(ctx context.Context, key types.NamespacedName, mig impv1.M
 	if err != nil {
 		return none, err
 	}
-	disk, err := openDisk(ctx, cfg, addr, mig.UID, s.Limit)
-	if err != nil {
-		return none, err
-	}
-	err = qemu.MirrorDisk(dir, disk, Timeout)
-	disk.Close()
-	if err != nil {
-		return none, fmt.Errorf("mirroring the writable disk: %w", err)
+	for _, drive := range drives {
+		disk, err := openDisk(ctx, cfg, addr, mig.UID, diskStream(drive), s.Limit)
+		if err != nil {
+			return none, err
+		}
+		err = qemu.MirrorDisk(dir, disk, drive, Timeout)
+		disk.Close()
+		if err != nil {
+			return none, fmt.Errorf("mirroring the writable disks: %w", err)
+		}
 	}
 	// From here the guest may be paused for this migration: said on the node first, so that an
 	// agent that restarts knows why (Held, Recover).
@@ -365,12 +367,12 @@ const Drain = 30 * time.Second
 // Greeting bounds the wait for the target's disk server to greet the source's mirror.
 const Greeting = 30 * time.Second
 
-// openDisk opens the disk's stream to the target and waits, within Greeting, for its disk
+// openDisk opens a disk's stream to the target and waits, within Greeting, for its disk
 // server's greeting before it hands the stream to the VMM: QEMU connects to an NBD server in its
 // main loop, and a peer that never speaks would hold it there, the guest with it. The greeting
 // read goes to the VMM with the rest.
-func openDisk(ctx context.Context, cfg *tls.Config, addr string, uid types.UID, lim *rate.Limiter) (*os.File, error) {
-	c, err := transfer.DialStream(ctx, cfg, addr, uid, "disk")
+func openDisk(ctx context.Context, cfg *tls.Config, addr string, uid types.UID, stream string, lim *rate.Limiter) (*os.File, error) {
+	c, err := transfer.DialStream(ctx, cfg, addr, uid, stream)
 	if err != nil {
 		return nil, err
 	}

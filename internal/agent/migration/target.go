@@ -68,8 +68,8 @@ type incoming struct {
 	vm     *impv1.ImpVM
 	dir    string
 	rec    *vmm.Record
-	taking bool // the memory stream is being taken
-	disk   bool // the disk's stream is open (one, the mirror's)
+	taking bool            // the memory stream is being taken
+	disks  map[string]bool // the disks' streams, by name: true once open (one each, the mirror's)
 }
 
 // SetupWithManager registers the target's controller with mgr (its cache from CacheByObject).
@@ -207,10 +207,15 @@ func (t *Target) make(ctx context.Context, mig *impv1.ImpVMMigration, vm *impv1.
 		return nil, fmt.Errorf("listening for the disk's mirror: %w", err)
 	}
 	defer f.Close()
-	if err := qemu.ServeDisk(dir, r.Record, f, Timeout); err != nil {
+	drives := Disks(vm)
+	if err := qemu.ServeDisk(dir, r.Record, f, drives, Timeout); err != nil {
 		return nil, err
 	}
-	return &incoming{mig: client.ObjectKeyFromObject(mig), source: source, vm: vm, dir: dir, rec: r.Record}, nil
+	in := &incoming{mig: client.ObjectKeyFromObject(mig), source: source, vm: vm, dir: dir, rec: r.Record, disks: map[string]bool{}}
+	for _, d := range drives {
+		in.disks[diskStream(d)] = false
+	}
+	return in, nil
 }
 
 // Authorize is the target's answer to a stream the source opens: the disk's mirror to the
@@ -223,12 +228,11 @@ func (t *Target) Authorize(_ context.Context, node string, uid types.UID, name s
 	if in == nil || in.source != node {
 		return nil, transfer.ErrNotAllowed
 	}
-	switch name {
-	case "disk":
-		if in.disk {
-			return nil, transfer.ErrNotAllowed // one disk stream per migration
+	if open, ok := in.disks[name]; ok {
+		if open {
+			return nil, transfer.ErrNotAllowed // one stream a disk
 		}
-		in.disk = true
+		in.disks[name] = true
 		return func(c net.Conn) {
 			d, err := vmm.DialUnix(filepath.Join(in.dir, DiskSocket))
 			if err != nil {
@@ -237,14 +241,12 @@ func (t *Target) Authorize(_ context.Context, node string, uid types.UID, name s
 			}
 			transfer.Bridge(transfer.Throttled(c, t.Limit), d)
 		}, nil
-	case "memory":
-		if in.taking {
-			return nil, transfer.ErrNotAllowed // one memory stream per migration
-		}
-		in.taking = true
-		return func(c net.Conn) { t.take(in, c) }, nil
 	}
-	return nil, transfer.ErrNotAllowed
+	if name != "memory" || in.taking {
+		return nil, transfer.ErrNotAllowed // one memory stream per migration
+	}
+	in.taking = true
+	return func(c net.Conn) { t.take(in, c) }, nil
 }
 
 // take has the VMM take the state from c, then reports it Loaded (or Failed).

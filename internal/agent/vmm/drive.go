@@ -19,4 +19,9 @@ type Drive struct {
 	// and a write the guest flushed is on the device. Set by the driver where the file or
 	// device takes O_DIRECT.
 	Direct bool `json:"direct,omitempty"`
+	// Own: a file of the VM's own run (an emptyDisk volume's, in its state directory), which no
+	// other VMM opens. QEMU takes no image lock on it: through an fd set it holds the file by
+	// two descriptions (read-only, read-write), and a mirror to a migration's target, changing
+	// the drive's permissions, found its own lock on the other in the way and aborted the VMM.
+	Own bool `json:"own,omitempty"`
 }

@@ -45,8 +45,11 @@ func DiskFile(name string) string { return "vol-" + name + ".img" }
 func (m Maker) Make(r *vmrun.Run) (*vmrun.Volumes, error) {
 	vm := r.VM
 	kind := impv1.VMMKind("")
-	if r.Meta != nil {
+	switch {
+	case r.Meta != nil:
 		kind = r.Meta.VMM
+	case r.Incoming && r.Old != nil:
+		kind = r.Old.VMM // a migration's run: under its source's VMM
 	}
 	if kind == "" {
 		var err error
@@ -69,7 +72,8 @@ func (m Maker) Make(r *vmrun.Run) (*vmrun.Volumes, error) {
 			if err != nil {
 				return nil, fmt.Errorf("volume %s: %w", v.Name, err)
 			}
-			if err := m.ensureDisk(path, size, mounted[v.Name]); err != nil {
+			// A migration's run: the source's mirror writes the whole disk over sparse zeros.
+			if err := m.ensureDisk(path, size, mounted[v.Name] && !r.Incoming); err != nil {
 				return nil, fmt.Errorf("volume %s: %w", v.Name, err)
 			}
 			serial, err := serialOf(kind, i, path)
@@ -77,7 +81,7 @@ func (m Maker) Make(r *vmrun.Run) (*vmrun.Volumes, error) {
 				return nil, fmt.Errorf("volume %s: %w", v.Name, err)
 			}
 			gv.Serial = serial
-			out.Drives = append(out.Drives, vmm.Drive{ID: v.Name, Path: path, Serial: serial})
+			out.Drives = append(out.Drives, vmm.Drive{ID: v.Name, Path: path, Serial: serial, Own: true})
 		case v.PersistentVolumeClaim != nil:
 			d, err := m.claimDrive(r, kind, i, v, mounted[v.Name])
 			if err != nil {

@@ -212,6 +212,8 @@ func movable(vm *impv1.ImpVM) (reason, message string) {
 	switch {
 	case !vm.DeletionTimestamp.IsZero():
 		return ReasonVMNotRunning, "the VM is being deleted"
+	case claimOf(vm) != "": // said first: no waiting for a run makes it movable
+		return ReasonCannotMove, "the VM's volume " + claimOf(vm) + ": moving a PersistentVolumeClaim's volume is not built yet (docs/migration.md)"
 	case st.Suspension != nil:
 		return ReasonVMNotRunning, "the VM is suspended: resume it first (a suspended VM's state stays on its node)"
 	case st.Phase != impv1.VMRunning || st.NodeName == "" || rt == nil || rt.Instance != st.Instance || rt.Run != st.RestartCount ||
@@ -223,12 +225,23 @@ func movable(vm *impv1.ImpVM) (reason, message string) {
 		return ReasonCannotMove, "the VM runs on a warm pool member's run (a claim served warm): moving it is not built yet"
 	case vm.Spec.NodeName != "":
 		return ReasonCannotMove, "the VM asks for node " + vm.Spec.NodeName + " (spec.nodeName)"
-	case len(vm.Spec.Volumes) > 0:
-		return ReasonCannotMove, "the VM has volumes: moving them is not built yet (docs/migration.md)"
 	case st.Resources != nil && st.Resources.VMM == impv1.VMMFirecracker:
 		return ReasonCannotMove, "the VM runs under Firecracker: moving it is not built yet (docs/migration.md)"
 	}
 	return "", ""
+}
+
+// claimOf names the VM's first volume of a PersistentVolumeClaim ("NAME (claim CLAIM)"), "" for
+// none: its disk volumes of its own (emptyDisk) are mirrored with its writable disk, its volumes
+// of files (secret, configMap, downwardAPI) made again on the target, but a claim's volume
+// would have to be attached there.
+func claimOf(vm *impv1.ImpVM) string {
+	for _, v := range vm.Spec.Volumes {
+		if v.PersistentVolumeClaim != nil {
+			return v.Name + " (claim " + v.PersistentVolumeClaim.ClaimName + ")"
+		}
+	}
+	return ""
 }
 
 // begin checks the VM and makes it the migration's: its status.migration written on the version

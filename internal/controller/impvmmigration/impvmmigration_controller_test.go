@@ -482,6 +482,19 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 	if vm.Status.NodeName != a {
 		t.Fatalf("the VM went to %s", vm.Status.NodeName)
 	}
+	// A VM with a claim's volume cannot follow (its emptyDisk volumes could): refused before
+	// anything is prepared or paused, naming the claim, whether or not it runs yet.
+	claimed := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "claimed"}, Spec: impv1.ImpVMSpec{Image: "registry.test/app:1",
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("1Gi"))}, NodeSelector: map[string]string{"imp.test/pool": e.ns}, Volumes: []impv1.Volume{
+			{Name: "scratch", EmptyDisk: &impv1.EmptyDiskSource{Capacity: "64Mi"}},
+			{Name: "data", PersistentVolumeClaim: &impv1.PersistentVolumeClaimVolumeSource{ClaimName: "data-claim"}}}}}
+	if err := e.c.Create(context.Background(), claimed); err != nil {
+		t.Fatal(err)
+	}
+	e.migrate("claim", "claimed", "", nil)
+	if m := e.phase("claim", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonCannotMove || !strings.Contains(m.Status.Message, "data (claim data-claim)") {
+		t.Errorf("a migration of a VM with a claim's volume: %s %q", m.Status.Reason, m.Status.Message)
+	}
 	e.migrate("nothing", "novm", "", nil)
 	if m := e.phase("nothing", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonVMNotFound {
 		t.Errorf("a migration of no VM: %s %q", m.Status.Reason, m.Status.Message)

@@ -87,7 +87,7 @@ func main() {
 	} else {
 		fmt.Println("hello: no earlier write")
 	}
-	if err := os.WriteFile("written-by-guest", []byte("upper layer of "+host+"\n"), 0o644); err != nil {
+	if err := writeSynced("written-by-guest", "upper layer of "+host+"\n"); err != nil {
 		fmt.Println("write failed:", err)
 	}
 	mode := "exit"
@@ -229,6 +229,24 @@ func draws(who string) {
 		host, _ := os.Hostname()
 		fmt.Printf("draw %d who=%s at=%d host=%s boot=%s kernel=%x user=%016x\n", i, who, time.Now().UnixNano(), host, strings.TrimSpace(string(boot)), k, user.Uint64())
 	}
+}
+
+// writeSynced writes s to the file at path, on the disk before it returns (a VMM killed after
+// it loses none of it).
+func writeSynced(path, s string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	if _, err := f.WriteString(s); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // answerStdin answers each line of stdin until its end.

@@ -2,9 +2,9 @@ package qemu
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/syscode-labs/imp/internal/agent/vmm"
@@ -184,14 +184,21 @@ func dialStarted(dir string, rec *vmm.Record, deadline time.Time) (*QMP, error) 
 	}
 }
 
-// mirrorJob names the block job (and its target node) that copies a writable disk to a
-// migration's receiver.
+// mirrorJob begins the names of the block jobs (and their target nodes) that copy a VM's
+// writable disks to a migration's receiver: one a disk, mirrorJob-<drive>.
 const mirrorJob = "imp-mirror"
 
+// WritableDrive is the drive id of a VM's writable disk; a disk volume's is VolumeDrive's.
+const WritableDrive = "rw"
+
+// VolumeDrive is the drive id of the VM's disk volume id (vmm.Drive.ID).
+func VolumeDrive(id string) string { return "vol-" + id }
+
 // ServeDisk has the VMM of the VM in dir, started with Spec.MigrationIn, serve its writable
-// disk over NBD on ln (a listening stream socket the agent passes it) for the sender's
-// MirrorDisk to write, until StopDiskServer. Nothing else is exported, and only on ln.
-func ServeDisk(dir string, rec *vmm.Record, ln *os.File, timeout time.Duration) error {
+// disks named drives (WritableDrive, VolumeDrive) over NBD on ln (a listening stream socket
+// the agent passes it), each an export of its drive's name, for the sender's MirrorDisk to
+// write, until StopDiskServer. Nothing else is exported, and only on ln.
+func ServeDisk(dir string, rec *vmm.Record, ln *os.File, drives []string, timeout time.Duration) error {
 	q, err := dialStarted(dir, rec, time.Now().Add(timeout))
 	if err != nil {
 		return err
@@ -204,8 +211,10 @@ func ServeDisk(dir string, rec *vmm.Record, ln *os.File, timeout time.Duration) 
 	if _, err := q.Execute("nbd-server-start", map[string]any{"addr": map[string]any{"type": "fd", "data": map[string]any{"str": "imp-nbd"}}}); err != nil {
 		return fmt.Errorf("serving the disk for the migration: %w", err)
 	}
-	if _, err := q.Execute("nbd-server-add", map[string]any{"device": "rw", "writable": true}); err != nil {
-		return fmt.Errorf("exporting the writable disk for the migration: %w", err)
+	for _, d := range drives {
+		if _, err := q.Execute("nbd-server-add", map[string]any{"device": d, "writable": true}); err != nil {
+			return fmt.Errorf("exporting disk %s for the migration: %w", d, err)
+		}
 	}
 	return nil
 }
@@ -221,12 +230,13 @@ func StopDiskServer(dir string) error {
 	return err
 }
 
-// MirrorDisk has the sending VMM of the VM in dir copy its writable disk, while the guest
-// runs, to the receiver's (ServeDisk) over conn (connected to it), and returns once the copy
-// has caught up. From then on every write of the guest reaches both before it completes
-// (copy-mode write-blocking), until MigrateOut finishes it (MigrateOptions.MirroredDisk). On
-// an error the mirror is gone and the guest runs on as before.
-func MirrorDisk(dir string, conn *os.File, timeout time.Duration) error {
+// MirrorDisk has the sending VMM of the VM in dir copy its writable disk drive, while the
+// guest runs, to the receiver's export of that name (ServeDisk) over conn (connected to it),
+// and returns once the copy has caught up. From then on every write of the guest reaches both
+// before it completes (copy-mode write-blocking), until MigrateOut finishes every mirror
+// (MigrateOptions.MirroredDisk). On an error that mirror is gone and the guest runs on as
+// before.
+func MirrorDisk(dir string, conn *os.File, drive string, timeout time.Duration) error {
 	q, err := DialQMP(dir, 10*time.Second)
 	if err != nil {
 		return err
@@ -236,50 +246,74 @@ func MirrorDisk(dir string, conn *os.File, timeout time.Duration) error {
 	if err := q.SendFD("imp-nbd", conn); err != nil {
 		return err
 	}
-	if _, err := q.Execute("blockdev-add", map[string]any{"driver": "nbd", "node-name": mirrorJob, "export": "rw",
+	job := mirrorJob + "-" + drive
+	if _, err := q.Execute("blockdev-add", map[string]any{"driver": "nbd", "node-name": job, "export": drive,
 		"server": map[string]any{"type": "fd", "str": "imp-nbd"}}); err != nil {
-		return fmt.Errorf("connecting to the receiver's disk: %w", err)
+		return fmt.Errorf("connecting to the receiver's disk %s: %w", drive, err)
 	}
-	if _, err := q.Execute("blockdev-mirror", map[string]any{"job-id": mirrorJob, "device": "rw", "target": mirrorJob,
+	if _, err := q.Execute("blockdev-mirror", map[string]any{"job-id": job, "device": drive, "target": job,
 		"sync": "full", "copy-mode": "write-blocking"}); err != nil {
-		_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob})
-		return fmt.Errorf("mirroring the writable disk: %w", err)
+		_, _ = q.Execute("blockdev-del", map[string]any{"node-name": job})
+		return fmt.Errorf("mirroring disk %s: %w", drive, err)
 	}
 	for {
-		job, err := q.mirror()
+		jobs, err := q.mirrors()
 		if err != nil {
 			return err
 		}
+		j, ok := jobs[job]
 		switch {
-		case job == nil:
-			_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob})
-			return errors.New("the disk's mirror ended before it caught up")
-		case job.Ready:
+		case !ok:
+			_, _ = q.Execute("blockdev-del", map[string]any{"node-name": job})
+			return fmt.Errorf("the mirror of disk %s ended before it caught up", drive)
+		case j.Ready:
 			return nil
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 }
 
-// finishMirror ends MirrorDisk's copy while the guest is paused (MigrateOut, before the
-// switchover): the copy is made whole, the sender keeps its own disk, the connection goes.
+// finishMirror ends MirrorDisk's copies while the guest is paused (MigrateOut, before the
+// switchover): each copy is made whole, the sender keeps its own disks, the connections go.
 func (q *QMP) finishMirror() error {
-	// A ready mirror's cancel completes it without switching the guest to the copy.
-	if _, err := q.Execute("block-job-cancel", map[string]any{"device": mirrorJob}); err != nil {
-		return fmt.Errorf("finishing the disk's mirror: %w", err)
+	jobs, err := q.mirrors()
+	if err != nil {
+		return err
 	}
-	for {
-		job, err := q.mirror()
-		if err != nil {
+	// A ready mirror's cancel completes it without switching the guest to the copy.
+	for job := range jobs {
+		if _, err := q.Execute("block-job-cancel", map[string]any{"device": job}); err != nil {
+			return fmt.Errorf("finishing the disk's mirror %s: %w", job, err)
+		}
+	}
+	for len(jobs) > 0 {
+		time.Sleep(5 * time.Millisecond)
+		if jobs, err = q.mirrors(); err != nil {
 			return err
 		}
-		if job == nil {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
-	if _, err := q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob}); err != nil {
-		return fmt.Errorf("disconnecting from the receiver's disk: %w", err)
+	return q.dropMirrorTargets()
+}
+
+// dropMirrorTargets removes the connections to the receiver's disks (the mirrors' targets),
+// those there are.
+func (q *QMP) dropMirrorTargets() error {
+	raw, err := q.Execute("query-named-block-nodes", map[string]any{"flat": true})
+	if err != nil {
+		return err
+	}
+	var nodes []struct {
+		NodeName string `json:"node-name"`
+	}
+	if err := json.Unmarshal(raw, &nodes); err != nil {
+		return err
+	}
+	for _, n := range nodes {
+		if strings.HasPrefix(n.NodeName, mirrorJob) {
+			if _, err := q.Execute("blockdev-del", map[string]any{"node-name": n.NodeName}); err != nil {
+				return fmt.Errorf("disconnecting from the receiver's disk %s: %w", n.NodeName, err)
+			}
+		}
 	}
 	return nil
 }
@@ -292,8 +326,8 @@ type blockJob struct {
 	Offset int64  `json:"offset"`
 }
 
-// mirror is the disk's mirror job, nil when there is none.
-func (q *QMP) mirror() (*blockJob, error) {
+// mirrors are the disks' mirror jobs there are, by job id.
+func (q *QMP) mirrors() (map[string]blockJob, error) {
 	raw, err := q.Execute("query-block-jobs", nil)
 	if err != nil {
 		return nil, err
@@ -302,12 +336,13 @@ func (q *QMP) mirror() (*blockJob, error) {
 	if err := json.Unmarshal(raw, &jobs); err != nil {
 		return nil, err
 	}
-	for i := range jobs {
-		if jobs[i].Device == mirrorJob {
-			return &jobs[i], nil
+	out := map[string]blockJob{}
+	for _, j := range jobs {
+		if strings.HasPrefix(j.Device, mirrorJob) {
+			out[j.Device] = j
 		}
 	}
-	return nil, nil
+	return out, nil
 }
 
 // AbandonOut ends what an outgoing migration of the VM in dir left behind when MigrateOut or
@@ -342,19 +377,22 @@ func AbandonOut(dir string, timeout time.Duration) (completed bool, err error) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
-	if job, err := q.mirror(); err == nil && job != nil {
-		if _, err := q.Execute("block-job-cancel", map[string]any{"device": mirrorJob, "force": true}); err != nil {
-			return completed, fmt.Errorf("cancelling the disk's mirror: %w", err)
-		}
-		for job != nil {
-			time.Sleep(10 * time.Millisecond)
-			if job, err = q.mirror(); err != nil {
-				return completed, err
-			}
+	jobs, err := q.mirrors()
+	if err != nil {
+		return completed, err
+	}
+	for job := range jobs {
+		if _, err := q.Execute("block-job-cancel", map[string]any{"device": job, "force": true}); err != nil {
+			return completed, fmt.Errorf("cancelling the disk's mirror %s: %w", job, err)
 		}
 	}
-	_, _ = q.Execute("blockdev-del", map[string]any{"node-name": mirrorJob}) // none when the mirror never began or was finished
-	return completed, nil
+	for len(jobs) > 0 {
+		time.Sleep(10 * time.Millisecond)
+		if jobs, err = q.mirrors(); err != nil {
+			return completed, err
+		}
+	}
+	return completed, q.dropMirrorTargets() // none when no mirror began, or all were finished
 }
 
 // OutgoingState is where the outgoing migration of the VM in dir stands, as its QEMU says:

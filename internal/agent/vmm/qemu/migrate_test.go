@@ -94,7 +94,7 @@ func TestLiveMigration(t *testing.T) {
 		t.Fatal(err)
 	}
 	lnFile, _ := nbd.File()
-	if err := ServeDisk(dst.Dir, recB, lnFile, time.Minute); err != nil {
+	if err := ServeDisk(dst.Dir, recB, lnFile, []string{WritableDrive}, time.Minute); err != nil {
 		t.Fatalf("%v; the receiver's log: %s", err, LogTail(dst.Dir, 500))
 	}
 	lnFile.Close()
@@ -141,7 +141,7 @@ func TestLiveMigration(t *testing.T) {
 	// The disk first: mirrored while the guest runs.
 	disk := open("disk")
 	mirrored := time.Now()
-	if err := MirrorDisk(src.Dir, disk, time.Minute); err != nil {
+	if err := MirrorDisk(src.Dir, disk, WritableDrive, time.Minute); err != nil {
 		t.Fatalf("%v; the sender's log: %s; the receiver's: %s", err, LogTail(src.Dir, 500), LogTail(dst.Dir, 500))
 	}
 	disk.Close()

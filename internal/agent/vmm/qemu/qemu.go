@@ -122,8 +122,8 @@ func (s Spec) Args() []string {
 		"-kernel", fdPath(kernelFD), "-initrd", fdPath(initrdFD), "-append", strings.Join(cmdline, " "),
 		"-drive", "id=base,file=" + fdPath(baseFD) + ",format=raw,if=none,readonly=on",
 		"-device", "virtio-blk-device,drive=base",
-		"-drive", "id=rw,file=" + fdPath(rwFD) + ",format=raw,if=none",
-		"-device", "virtio-blk-device,drive=rw",
+		"-drive", "id=" + WritableDrive + ",file=" + fdPath(rwFD) + ",format=raw,if=none",
+		"-device", "virtio-blk-device,drive=" + WritableDrive,
 		"-drive", "id=config,file=" + fdPath(configFD) + ",format=raw,if=none,readonly=on",
 		"-device", "virtio-blk-device,drive=config",
 		// The serial console: its input from the agent's connection, if any; its output to
@@ -147,6 +147,9 @@ func (s Spec) Args() []string {
 		if d.ReadOnly {
 			ro = ",readonly=on"
 		}
+		if d.Own {
+			ro += ",file.locking=off" // vmm.Drive.Own
+		}
 		if d.Direct {
 			// QEMU's I/O threads, not native AIO: this QEMU (7.2) fails to open a drive
 			// whose AIO context it cannot set up, and the node's fs.aio-max-nr is a limit
@@ -161,8 +164,8 @@ func (s Spec) Args() []string {
 		args = append(args,
 			"-add-fd", fmt.Sprintf("fd=%d,set=%d,opaque=vol-%s", driveFD+2*i, set, d.ID),
 			"-add-fd", fmt.Sprintf("fd=%d,set=%d,opaque=vol-%s-ro", driveFD+2*i+1, set, d.ID),
-			"-drive", fmt.Sprintf("id=vol-%s,file.driver=%s,file.filename=/dev/fdset/%d,format=raw,if=none%s", d.ID, protocol(d), set, ro),
-			"-device", fmt.Sprintf("virtio-blk-device,drive=vol-%s,serial=%s", d.ID, d.Serial))
+			"-drive", fmt.Sprintf("id=%s,file.driver=%s,file.filename=/dev/fdset/%d,format=raw,if=none%s", VolumeDrive(d.ID), protocol(d), set, ro),
+			"-device", fmt.Sprintf("virtio-blk-device,drive=%s,serial=%s", VolumeDrive(d.ID), d.Serial))
 	}
 	switch {
 	case s.Incoming != "" && s.restoresMemory():
