@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -1302,4 +1303,30 @@ func TestFinishedVMsLoseTheirDisks(t *testing.T) {
 		v := w.get("done")
 		return v != nil && v.Status.Runtime != nil && v.Status.Runtime.DisksRemoved && v.Status.Runtime.FinishedAt != nil
 	}).WithTimeout(time.Minute).Should(BeTrue(), "the removal of the disks is not reported")
+}
+
+// agentStacks writes every goroutine of the test process (the in-process agents' among them)
+// to a file named for what stalled, and returns that file's name and the stacks that stand in
+// the agent's start (image fetches, base disks, snapshots, plan steps), at most 16 KiB of them:
+// where a start that never ends stands, for a failure message.
+func agentStacks(what string) string {
+	var all strings.Builder
+	_ = pprof.Lookup("goroutine").WriteTo(&all, 2)
+	path := filepath.Join(os.TempDir(), "imp-"+what+"-goroutines.txt")
+	_ = os.WriteFile(path, []byte(all.String()), 0o644)
+	var b strings.Builder
+	fmt.Fprintf(&b, "(every goroutine in %s)", path)
+	for _, g := range strings.Split(all.String(), "\n\n") {
+		for _, pkg := range []string{"/agent/imagefetch.", "/agent/disk.", "/agent/snapshotter.", "/agent/steps.", "/agent/snapshot."} {
+			if strings.Contains(g, pkg) {
+				b.WriteString("\n\n" + g)
+				break
+			}
+		}
+		if b.Len() > 16<<10 {
+			b.WriteString("\n(cut)")
+			break
+		}
+	}
+	return b.String()
 }

@@ -597,7 +597,9 @@ func checkTemplateCopies(t *testing.T, w *world, nodeOf func(string) string, rea
 	}
 	for name, n := range copies {
 		g.Eventually(ready(name)).WithTimeout(8*time.Minute).WithPolling(100*time.Millisecond).Should(Equal("ready on "+nodeOf(n)),
-			func() string { return fmt.Sprintf("template %+v", w.templateStatus("tpl")) })
+			func() string {
+				return fmt.Sprintf("template %+v\n%s", w.templateStatus("tpl"), agentStacks("template-copies"))
+			})
 	}
 	t.Logf("three copies of a template Ready (its VM booted, snapshotted, pushed; two nodes): %v", time.Since(began).Round(time.Millisecond))
 	st := w.templateStatus("tpl")

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -57,11 +56,7 @@ func TestBenchWarmClaims(t *testing.T) {
 			var list impv1.ImpVMList
 			_ = c.Client.List(ctx, &list, client.InNamespace(ns), client.MatchingLabels{impv1.WarmPoolLabel: "p"})
 			var b strings.Builder
-			if f, err := os.Create(filepath.Join(os.TempDir(), "imp-warmbench-goroutines.txt")); err == nil {
-				_ = pprof.Lookup("goroutine").WriteTo(f, 2) // where the agent's work stands
-				f.Close()
-				fmt.Fprintf(&b, "(goroutines in %s)", f.Name())
-			}
+			b.WriteString(agentStacks("warmbench")) // where the agent's work stands
 			for _, m := range list.Items {
 				fmt.Fprintf(&b, "\n%s %s node %q run %+v", m.Name, m.Status.Phase, m.Status.NodeName, m.Status.Runtime)
 			}
