@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
 	. "github.com/onsi/gomega"
 	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
@@ -904,4 +905,53 @@ func TestAMigratedVMKeepsItsDiskVolume(t *testing.T) {
 		ContainSubstring("hello: found an earlier write: upper layer of keeper"), "the volume's file, written on the source, read on the target")
 	t.Logf("moved a VM with a 64 MiB disk volume: paused %v, %d MiB sent; a new boot on the target read what the first wrote on the source",
 		mig.Status.Downtime.Duration, mig.Status.BytesMoved>>20)
+}
+
+// TestATargetPreparesMigrationsSideBySide: two VMs of one node move to the other at once; the
+// first's image is on a registry that, by then, trickles its blobs at a byte a second, so that
+// the target's pull of it for the migration's place never ends. The target makes each place in
+// the background: the second VM moves meanwhile, while the first's migration still prepares.
+// The first's migration then times out: the target ends its preparation and removes its place,
+// and the VM runs on at its source.
+func TestATargetPreparesMigrationsSideBySide(t *testing.T) {
+	w := newMigNodes(t, "migp")
+	slowHost, slow := testregistry.StartSlow(t)
+	testguest.ImageWith(t, slowHost, "hello", authn.DefaultKeychain, testregistry.File{Name: "etc/slow", Mode: 0o644, Data: []byte("another digest")})
+	source, target := w.nodes[0], w.nodes[1]
+	w.startAgent(t, source)
+	stuck := w.run(t, "stuck", "192Mi", func(vm *impv1.ImpVM) { vm.Spec.Image = slowHost + "/hello:v1" }) // the only node with an agent yet
+	mover := w.run(t, "mover", "192Mi")
+	if stuck.Status.NodeName != source || mover.Status.NodeName != source {
+		t.Fatalf("the VMs went to %s and %s; want both on %s", stuck.Status.NodeName, mover.Status.NodeName, source)
+	}
+	w.startAgent(t, target)
+	g := NewWithT(t)
+	g.Eventually(func() int { return len(ticks(w.console(source, stuck))) }).WithTimeout(5 * time.Minute).Should(BeNumerically(">=", 2))
+	slow() // from now on the target pulls the stuck VM's image a byte a second
+	ctx := context.Background()
+	first := &impv1.ImpVMMigration{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "first"},
+		Spec: impv1.ImpVMMigrationSpec{VMName: stuck.Name, TargetNode: target, TimeoutSeconds: ptr.To[int32](30)}}
+	if err := w.c.Client.Create(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.MigrationPhase {
+		_ = w.c.Client.Get(ctx, client.ObjectKeyFromObject(first), first)
+		return first.Status.Phase
+	}).WithTimeout(time.Minute).Should(Equal(impv1.MigrationPreparing))
+	began := time.Now()
+	second := w.migrate(t, "second", mover, impv1.MigrationSucceeded, nil)
+	took := time.Since(began)
+	if err := w.c.Client.Get(ctx, client.ObjectKeyFromObject(first), first); err != nil {
+		t.Fatal(err)
+	}
+	if first.Status.Phase != impv1.MigrationPreparing {
+		t.Fatalf("the first migration is %s once the second moved its VM; want it still preparing (its image trickling)", first.Status.Phase)
+	}
+	g.Eventually(func() impv1.MigrationPhase {
+		_ = w.c.Client.Get(ctx, client.ObjectKeyFromObject(first), first)
+		return first.Status.Phase
+	}).WithTimeout(3 * time.Minute).Should(Equal(impv1.MigrationFailed))
+	w.stayed(t, stuck, source, target)
+	t.Logf("a migration moved its VM in %v (paused %v) while another to the same node prepared; that one then %s: %s",
+		took.Round(time.Millisecond), second.Status.Downtime.Duration, first.Status.Reason, first.Status.Message)
 }

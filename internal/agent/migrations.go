@@ -69,6 +69,7 @@ func setupMigrations(a *Agent, mgr ctrl.Manager) error {
 				_ = syscall.Kill(rec.Pid, syscall.SIGKILL) // a VMM that never ran the guest
 				rec.WaitGone(5 * time.Second)
 			}
+			a.fetches.Drop(vm.UID) // an image still being pulled for the place: not needed here
 			a.endRun(vm.UID)
 			return a.teardownPlan().Run(ctx, &vmrun.Teardown{UID: vm.UID, Dir: dir, Name: vm.Namespace + "/" + vm.Name})
 		},

@@ -67,6 +67,12 @@ func Image(t testing.TB, host, repo string) name.Digest {
 // ImageAs is Image pushed with kc's credentials.
 func ImageAs(t testing.TB, host, repo string, kc authn.Keychain) name.Digest {
 	t.Helper()
+	return ImageWith(t, host, repo, kc)
+}
+
+// ImageWith is ImageAs with extra files in its layer: an image of another digest.
+func ImageWith(t testing.TB, host, repo string, kc authn.Keychain, extra ...testregistry.File) name.Digest {
+	t.Helper()
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "hello")
 	build(t, bin, "github.com/syscode-labs/imp/internal/testguest/hello")
@@ -74,11 +80,12 @@ func ImageAs(t testing.TB, host, repo string, kc authn.Keychain) name.Digest {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return testregistry.PushWithEntrypoint(t, host, repo, kc, []string{"/bin/hello"}, testregistry.FilesLayer(t,
-		testregistry.File{Name: "bin/hello", Mode: 0o755, Data: hello},
-		testregistry.File{Name: "etc/passwd", Mode: 0o644, Data: []byte("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")},
-		testregistry.File{Name: "home/app/", Mode: 0o755, Dir: true, Uid: 1000, Gid: 1000},
-	))
+	files := append([]testregistry.File{
+		{Name: "bin/hello", Mode: 0o755, Data: hello},
+		{Name: "etc/passwd", Mode: 0o644, Data: []byte("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")},
+		{Name: "home/app/", Mode: 0o755, Dir: true, Uid: 1000, Gid: 1000},
+	}, extra...)
+	return testregistry.PushWithEntrypoint(t, host, repo, kc, []string{"/bin/hello"}, testregistry.FilesLayer(t, files...))
 }
 
 func build(t testing.TB, out, pkg string) {

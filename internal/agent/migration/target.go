@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/go-logr/logr"
 	"golang.org/x/time/rate"
@@ -57,9 +58,22 @@ type Target struct {
 	Limit *rate.Limiter
 	Log   logr.Logger
 
-	mu sync.Mutex
-	in map[types.UID]*incoming // by migration UID
+	mu        sync.Mutex
+	in        map[types.UID]*incoming    // by migration UID
+	preparing map[types.UID]*preparation // preparations under way, by migration UID
+	failed    map[types.UID]error        // preparations that ended with an error to retry
 }
+
+// preparation is a migration's place being made, in the background: an image pull may take
+// minutes, and the node's other migrations, and this one's end, are not to wait for it.
+type preparation struct {
+	key    types.NamespacedName
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// Preparing is how often the target looks at a migration whose place it is making.
+const Preparing = 2 * time.Second
 
 // incoming is a migration this node takes: the VM's place made, its VMM waiting.
 type incoming struct {
@@ -93,18 +107,86 @@ func (t *Target) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, 
 	}
 	switch {
 	case st.Phase == impv1.MigrationFailed || !mig.DeletionTimestamp.IsZero() && !st.Phase.Committed():
-		return ctrl.Result{}, t.abandon(ctx, mig.UID, mig.Namespace, mig.Spec.VMName, st.VMUID)
+		begun, err := t.stop(mig.UID)
+		if err != nil {
+			return ctrl.Result{}, err
+		}
+		return ctrl.Result{}, t.abandon(ctx, mig.UID, mig.Namespace, mig.Spec.VMName, st.VMUID, begun)
 	case st.Phase.Committed():
 		t.forget(mig.UID) // the VM is this node's: its run is the agent's (Arrive)
 		return ctrl.Result{}, nil
 	case st.Phase == impv1.MigrationPreparing && (st.Target == nil || st.Target.State == impv1.MigrationAgentPreparing):
-		return ctrl.Result{}, t.prepare(ctx, mig)
+		if err := t.begin(mig); err != nil {
+			return ctrl.Result{}, err // the last try's error: tried again after the back-off
+		}
+		return ctrl.Result{RequeueAfter: Preparing}, nil
+	case t.isPreparing(mig.UID):
+		return ctrl.Result{RequeueAfter: Preparing}, nil
 	case st.Target != nil && st.Target.State != impv1.MigrationAgentFailed && t.get(mig.UID) == nil:
 		// Ready or Loaded by this node before its agent restarted: what it held in memory
 		// (the disk server, the VMM waiting) is not known any more; the source runs on.
 		return ctrl.Result{}, t.fail(ctx, mig, errors.New("the target's agent restarted during the migration"))
 	}
 	return ctrl.Result{}, nil
+}
+
+// begin makes the migration's place in the background, unless that is under way; it returns
+// the error of a try that ended with one (once), for the caller to try again later.
+func (t *Target) begin(mig *impv1.ImpVMMigration) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if err, ok := t.failed[mig.UID]; ok {
+		delete(t.failed, mig.UID)
+		return err
+	}
+	if _, ok := t.preparing[mig.UID]; ok {
+		return nil
+	}
+	if t.preparing == nil {
+		t.preparing, t.failed = map[types.UID]*preparation{}, map[types.UID]error{}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &preparation{key: client.ObjectKeyFromObject(mig), cancel: cancel, done: make(chan struct{})}
+	t.preparing[mig.UID] = p
+	mig = mig.DeepCopy()
+	go func() {
+		defer close(p.done)
+		defer cancel()
+		err := t.prepare(ctx, mig)
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		delete(t.preparing, mig.UID)
+		if err != nil && ctx.Err() == nil {
+			t.failed[mig.UID] = err
+		}
+	}()
+	return nil
+}
+
+func (t *Target) isPreparing(uid types.UID) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.preparing[uid]
+	return ok
+}
+
+// stop ends the preparation of migration uid, if under way, and waits for it, saying whether
+// there was one: what it made is then abandon's to remove.
+func (t *Target) stop(uid types.UID) (bool, error) {
+	t.mu.Lock()
+	p := t.preparing[uid]
+	delete(t.failed, uid)
+	t.mu.Unlock()
+	if p == nil {
+		return false, nil
+	}
+	p.cancel()
+	select {
+	case <-p.done:
+		return true, nil
+	case <-time.After(30 * time.Second):
+		return true, fmt.Errorf("the preparation of migration %s did not end within 30s of its cancel", p.key)
+	}
 }
 
 func (t *Target) get(uid types.UID) *incoming {
@@ -278,16 +360,32 @@ func (t *Target) abandonNamed(ctx context.Context, key types.NamespacedName) err
 			uid, in = u, i
 		}
 	}
-	t.mu.Unlock()
-	if in == nil {
-		return nil
+	var under []types.UID
+	for u, p := range t.preparing {
+		if p.key == key {
+			under = append(under, u)
+		}
 	}
-	return t.abandon(ctx, uid, key.Namespace, in.vm.Name, in.vm.UID)
+	t.mu.Unlock()
+	for _, u := range under {
+		if _, err := t.stop(u); err != nil {
+			return err
+		}
+	}
+	if in == nil && len(under) > 0 {
+		uid = under[0]
+		in = t.get(uid) // made before its cancel
+	}
+	if in == nil {
+		return nil // a place begun and not made: the sweep removes it (the VM names no migration to here)
+	}
+	return t.abandon(ctx, uid, key.Namespace, in.vm.Name, in.vm.UID, false)
 }
 
 // abandon removes the place made for a migration that ended without its commit, unless the VM
-// is this node's (placed here since, by a later migration or placement).
-func (t *Target) abandon(ctx context.Context, uid types.UID, ns, name string, vmUID types.UID) error {
+// is this node's (placed here since, by a later migration or placement). begun: this agent
+// began making it (stopped), which its record may not say yet.
+func (t *Target) abandon(ctx context.Context, uid types.UID, ns, name string, vmUID types.UID, begun bool) error {
 	in := t.get(uid)
 	vm := &impv1.ImpVM{}
 	err := t.APIReader.Get(ctx, types.NamespacedName{Namespace: ns, Name: name}, vm)
@@ -302,7 +400,7 @@ func (t *Target) abandon(ctx context.Context, uid types.UID, ns, name string, vm
 		vm.Namespace, vm.Name, vm.UID = ns, name, vmUID
 	}
 	dir := t.VMDir(vmUID)
-	if in == nil {
+	if in == nil && !begun {
 		if m, err := vmrun.ReadMeta(dir); err != nil || m.Migration != uid {
 			return nil // nothing of this migration's here
 		}
