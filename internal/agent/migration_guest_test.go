@@ -934,10 +934,14 @@ func TestATargetPreparesMigrationsSideBySide(t *testing.T) {
 	if err := w.c.Client.Create(ctx, first); err != nil {
 		t.Fatal(err)
 	}
-	g.Eventually(func() impv1.MigrationPhase {
+	// The target has begun making the first's place (it says so) before the second comes.
+	g.Eventually(func() impv1.MigrationAgentState {
 		_ = w.c.Client.Get(ctx, client.ObjectKeyFromObject(first), first)
-		return first.Status.Phase
-	}).WithTimeout(time.Minute).Should(Equal(impv1.MigrationPreparing))
+		if first.Status.Target == nil {
+			return ""
+		}
+		return first.Status.Target.State
+	}).WithTimeout(time.Minute).Should(Equal(impv1.MigrationAgentPreparing))
 	began := time.Now()
 	second := w.migrate(t, "second", mover, impv1.MigrationSucceeded, nil)
 	took := time.Since(began)
