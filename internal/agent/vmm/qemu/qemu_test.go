@@ -33,7 +33,7 @@ func TestArgs(t *testing.T) {
 	args := strings.Join(s.Args(), " ")
 	for _, want := range []string{
 		"-M microvm -accel tcg,tb-size=64 -cpu max -smp 2 -m 256M",
-		"-append console=ttyS0 reboot=t panic=-1 pci=off quiet imp.token=tok tsc_early_khz=2000000 tsc=reliable",
+		"-append console=ttyS0 reboot=t panic=-1 quiet imp.token=tok tsc_early_khz=2000000 tsc=reliable",
 		// Every file and socket by descriptor: QEMU opens nothing by a path of the host.
 		"-kernel /proc/self/fd/7 -initrd /proc/self/fd/8",
 		"id=base,file=/proc/self/fd/9,format=raw,if=none,readonly=on",
