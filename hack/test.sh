@@ -53,7 +53,16 @@ done
 # undoes that, and this undoes it too when a test binary crashed before it could.
 trap 'go test -short -count=1 -run "^$" ./test/e2e/ >/dev/null || echo "cleaning up the real node failed: hack/real-node.sh down /tmp/imp-e2e-node" >&2' EXIT
 # shellcheck disable=SC2086
-go test -count=1 -timeout 45m ${GO_TEST_FLAGS:-} ./...
+# CI keeps only the end of the output: a failure is repeated there, whatever package it was in.
+log=$(mktemp /tmp/imp-go-test.XXXXXX)
+if ! go test -count=1 -timeout 45m ${GO_TEST_FLAGS:-} ./... 2>&1 | tee "$log"; then
+  echo; echo "=== what failed (all of it is above)"
+  grep -E -e '^(--- FAIL|FAIL|panic:)' -e '^\s+[A-Za-z0-9_]+\.go:[0-9]+: ' "$log" | cut -c1-300 | tail -80
+  echo "=== the failed tests"; grep -E '^\s*--- FAIL' "$log" | tail -20
+  rm -f "$log"
+  exit 1
+fi
+rm -f "$log"
 
 step "fuzz"
 # What a guest writes on its channel and what a registry serves as a layer are untrusted: a
