@@ -205,5 +205,8 @@ try: kubectl get imp -A; kubectl imp list; kubectl imp exec hello -- /bin/app to
   kubectl imp suspend hello; kubectl imp resume hello;
   curl http://$SVC_IP/   (Service hello: kubectl get endpointslices -l kubernetes.io/service-name=hello);
   kubectl imp exec hello -- /bin/app tool-touch /dev/imp-unready   (its readiness probe fails: not Ready, no endpoint)
+A whole OS (systemd; docs/os.md), its Debian image built from Debian's packages once (a minute):
+  hack/os-image.sh 127.0.0.1:$REGISTRY_PORT/debian:bookworm && kubectl apply -f config/samples/imp_v1alpha1_impvm_os.yaml
+  kubectl wait impvm/debian --for=condition=Ready --timeout=300s; kubectl imp exec debian -- systemctl is-system-running
 Tear down with: hack/dev-down.sh
 MSG

@@ -7,6 +7,7 @@ packages=(
   e2fsprogs                              # mkfs.ext4 -d builds base disks; debugfs reads them in tests
   qemu-system-x86                        # the qemu VMM driver (TCG without KVM)
   debootstrap                            # the agent image's Debian base (hack/agent-rootfs.sh)
+  mmdebstrap                             # the OS image of spec.boot OS (hack/os-image.sh; debootstrap cannot: cloud-init)
   containerd runc                        # the real node of the end-to-end tests (hack/real-node.sh)
   util-linux                             # nsenter, mountpoint (the end-to-end tests)
   nftables conntrack                     # kube-proxy in nftables mode (the real node, make dev)

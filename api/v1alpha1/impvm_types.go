@@ -6,6 +6,19 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
+// Boot says what runs as a guest's PID 1.
+// +kubebuilder:validation:Enum=Workload;OS
+type Boot string
+
+const (
+	// BootWorkload (the default): IMP's init runs the image's entrypoint or the VM's command
+	// as the VM's workload; the run ends with it.
+	BootWorkload Boot = "Workload"
+	// BootOS: the image's own init (/sbin/init, systemd) runs a whole operating system, and
+	// IMP's guest side runs beside it as a service of it (docs/os.md).
+	BootOS Boot = "OS"
+)
+
 // RunStrategy says what happens when a VM's workload exits, and whether the VM runs at all.
 // +kubebuilder:validation:Enum=Always;RerunOnFailure;Once;Halted
 type RunStrategy string
@@ -219,6 +232,8 @@ type Probe struct {
 // args, env, workingDir, stdin, tty) take effect at the VM's next start.
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.tty) || !self.tty || (has(self.stdin) && self.stdin)",message="tty requires stdin",fieldPath=".tty"
+// +kubebuilder:validation:XValidation:rule="!has(self.boot) || self.boot != 'OS' || (!has(self.command) && !has(self.args) && !(has(self.stdin) && self.stdin))",message="boot OS runs the image's /sbin/init: command, args and stdin are a workload's",fieldPath=".boot"
+// +kubebuilder:validation:XValidation:rule="!has(self.boot) || self.boot != 'OS' || !(has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef))",message="a VM of boot OS cannot be started from a snapshot, template or warm pool yet (docs/os.md)",fieldPath=".boot"
 // +kubebuilder:validation:XValidation:rule="has(self.classRef) || has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
 // +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef) || has(self.warmPoolRef)",message="image is required (a copy of a template, with templateRef or warmPoolRef, takes its template's)",fieldPath=".image"
 // +kubebuilder:validation:XValidation:rule="!has(self.warmPoolRef) || [has(self.templateRef), has(self.snapshotRef), has(self.image), has(self.classRef), has(self.resources), has(self.diskSize), has(self.vmm), has(self.nodeName)].all(x, !x)",message="a claim of a warm pool is a copy of the pool's template: it takes its image, class, resources, disk size and VMM from the template and its node from the pool: set none of them, nor templateRef, snapshotRef or nodeName (command, args and workingDir only when the template sets snapshotWhen.beforeWorkload)",fieldPath=".warmPoolRef"
@@ -256,6 +271,14 @@ type ImpVMSpec struct {
 	// +kubebuilder:validation:MaxLength=1024
 	// +kubebuilder:validation:Pattern=`^[a-zA-Z0-9][a-zA-Z0-9.-]*(:[0-9]+)?(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$`
 	Image string `json:"image,omitempty"`
+
+	// boot says what runs as the guest's PID 1. Workload (the default): IMP's init runs the
+	// image's entrypoint (or command) as the VM's workload, and the run ends when it exits.
+	// OS: the image's own /sbin/init (systemd) boots a whole operating system, with IMP's
+	// guest side (exec, probes, readiness) as a service of it; the VM is Ready once the OS
+	// says it is up (systemctl is-system-running: running or degraded). See docs/os.md.
+	// +optional
+	Boot Boot `json:"boot,omitempty"`
 
 	// imagePullSecrets name Secrets of type kubernetes.io/dockerconfigjson in the VM's namespace
 	// used to pull image.

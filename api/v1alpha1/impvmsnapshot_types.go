@@ -40,6 +40,9 @@ const (
 	// ReasonSnapshotVMHasDisks: the VM has disk volumes (emptyDisk), which a snapshot does not
 	// hold; it is not snapshotted.
 	ReasonSnapshotVMHasDisks = "VMHasDiskVolumes"
+	// ReasonSnapshotVMBootsAnOS: the VM boots an OS (spec.boot OS), whose snapshots are not
+	// built yet; it is not snapshotted.
+	ReasonSnapshotVMBootsAnOS = "VMBootsAnOS"
 	// ReasonSnapshotTakeFailed: the node could not save the VM; it kept running.
 	ReasonSnapshotTakeFailed = "SnapshotFailed"
 	// ReasonSnapshotNotFound: the VM's snapshotRef names no ImpVMSnapshot of its namespace

@@ -58,6 +58,7 @@ type SnapshotWhen struct {
 
 // ImpVMTemplateSpec is a VM booted once and snapshotted, for copies to start from.
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.snapshotRef) && !has(self.vm.templateRef) && !has(self.vm.warmPoolRef)",message="a template's VM boots: it has no snapshotRef, templateRef or warmPoolRef",fieldPath=".vm"
+// +kubebuilder:validation:XValidation:rule="!has(self.vm.boot) || self.vm.boot != 'OS'",message="a template's VM cannot boot an OS yet: the snapshots of an OS are not built (docs/os.md)",fieldPath=".vm.boot"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.nodeName)",message="a template's VM is placed on each node that needs it: it has no nodeName (use nodeSelector)",fieldPath=".vm.nodeName"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.expireAfter)",message="a template's VM lives until it is snapshotted: it has no expireAfter",fieldPath=".vm.expireAfter"
 // +kubebuilder:validation:XValidation:rule="!has(self.vm.runStrategy) || self.vm.runStrategy == 'Always'",message="a template's VM runs until it is snapshotted: its runStrategy is Always",fieldPath=".vm.runStrategy"

@@ -17,6 +17,14 @@ func main() {
 		flag.PrintDefaults()
 	}
 	flag.Parse()
+	if flag.Arg(0) == guestinit.GuestSideArg {
+		// Started by an OS's init (ImpVM spec.boot OS) as the guest side.
+		if err := guestinit.RunGuestSide(); err != nil {
+			fmt.Fprintln(os.Stderr, "imp-init guest side:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if os.Getpid() != 1 {
 		fmt.Fprintln(os.Stderr, "imp-init: runs only as PID 1 inside an IMP guest")
 		os.Exit(2)

@@ -90,6 +90,42 @@ func pushIMPImages(registry, tag, operator, agent, initrd, agentRootfs string) e
 	return nil
 }
 
+// pushOSImage pushes an OS-mode image (hack/os-image.sh): root as one layer, /sbin/init its
+// entrypoint; it prints the digest reference.
+func pushOSImage(refStr, root string) error {
+	ref, err := name.ParseReference(refStr, name.Insecure)
+	if err != nil {
+		return err
+	}
+	layer, err := dirLayer(root)
+	if err != nil {
+		return err
+	}
+	i, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		return err
+	}
+	cf, err := i.ConfigFile()
+	if err != nil {
+		return err
+	}
+	cf = cf.DeepCopy()
+	cf.Config = v1.Config{Entrypoint: []string{"/sbin/init"}, Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}}
+	cf.OS, cf.Architecture, cf.Created = "linux", "amd64", v1.Time{Time: epoch}
+	if i, err = mutate.ConfigFile(i, cf); err != nil {
+		return err
+	}
+	if err := remote.Write(ref, i); err != nil {
+		return fmt.Errorf("pushing %s: %w", ref, err)
+	}
+	d, err := i.Digest()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s@%s\n", ref.Context(), d)
+	return nil
+}
+
 // filesLayer is a layer of files copied from this machine and of literal contents.
 func filesLayer(files []file, literal map[string]string) (v1.Layer, error) {
 	tmp, err := os.CreateTemp("", "imp-layer-*.tar")

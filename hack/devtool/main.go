@@ -63,6 +63,8 @@ func run(args []string) error {
 		return serviceNAT(args[1:])
 	case len(args) == 5 && args[0] == "agent-cert":
 		return agentCert(args[1], args[2], args[3], args[4])
+	case len(args) == 3 && args[0] == "os-image":
+		return pushOSImage(args[1], args[2])
 	case len(args) == 3 && args[0] == "fetch":
 		return fetch(args[1], args[2])
 	case len(args) == 2 && args[0] == "get":
@@ -78,7 +80,7 @@ func run(args []string) error {
 		}
 		return nil
 	}
-	return fmt.Errorf("usage: devtool serve NAME PORT... | devtool probe TIMEOUT TARGET... | devtool watch TARGET INTERVAL DURATION | devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool get URL | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
+	return fmt.Errorf("usage: devtool serve NAME PORT... | devtool probe TIMEOUT TARGET... | devtool watch TARGET INTERVAL DURATION | devtool initramfs OUT IMP_INIT MODULES_DIR | devtool image REF BINARY [ARGS...] | devtool images REGISTRY TAG OPERATOR AGENT INITRAMFS AGENT_ROOTFS | devtool os-image REF ROOT_DIR | devtool pause | devtool service-nat up|down ... | devtool agent-cert CA_CRT CA_KEY NODE DIR | devtool fetch URL N | devtool get URL | devtool resolve NAME | devtool -p DIR -s SIZE -m MODE -a create|delete")
 }
 
 func pushImage(refStr, binary string, cmd []string) error {

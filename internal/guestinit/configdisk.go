@@ -65,8 +65,11 @@ func DecodeConfigDisk(r io.ReaderAt) (Config, error) {
 	if err := json.Unmarshal(data, &cfg); err != nil {
 		return cfg, fmt.Errorf("bad workload configuration: %w", err)
 	}
-	if len(cfg.Argv) == 0 {
+	if len(cfg.Argv) == 0 && !cfg.OS {
 		return cfg, errors.New("bad workload configuration: no command")
+	}
+	if len(cfg.Argv) > 0 && cfg.OS {
+		return cfg, errors.New("bad workload configuration: a command for an OS's boot")
 	}
 	return cfg, nil
 }

@@ -36,6 +36,7 @@ func TestConfigDiskRefuses(t *testing.T) {
 		return b
 	}
 	noArgv, _ := EncodeConfigDisk(Config{Env: []string{"A=1"}})
+	osWithArgv, _ := EncodeConfigDisk(Config{OS: true, Argv: []string{"/bin/sh"}})
 	for _, tt := range []struct {
 		name    string
 		disk    []byte
@@ -46,6 +47,7 @@ func TestConfigDiskRefuses(t *testing.T) {
 		{"a length past the bound", withLength(MaxConfigBytes + 1), false},
 		{"a length past the device", withLength(8000), false},
 		{"no command", noArgv, false},
+		{"an OS's boot with a command", osWithArgv, false},
 		{"not JSON", append([]byte(ConfigMagic+"\x03\x00\x00\x00{{{"), make([]byte, 100)...), false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -54,6 +56,10 @@ func TestConfigDiskRefuses(t *testing.T) {
 				t.Errorf("error %v; want one (not a configuration disk: %v)", err, tt.notDisk)
 			}
 		})
+	}
+	osBoot, _ := EncodeConfigDisk(Config{OS: true})
+	if cfg, err := DecodeConfigDisk(bytes.NewReader(osBoot)); err != nil || !cfg.OS {
+		t.Errorf("an OS's boot (no command): %+v, %v", cfg, err)
 	}
 	if _, err := EncodeConfigDisk(Config{Argv: []string{strings.Repeat("x", MaxConfigBytes)}}); err == nil {
 		t.Error("encoded a configuration past the bound")

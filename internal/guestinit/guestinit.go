@@ -57,6 +57,10 @@ type Config struct {
 	// ready with HeldMessage and waits: a restore whose configuration does not hold starts it
 	// (a template snapshotted before its workload; a warm pool's member of one holds on).
 	Hold bool `json:"hold,omitempty"`
+	// OS: the image's own /sbin/init boots the guest (ImpVM spec.boot OS): imp-init hands PID 1
+	// over to it and comes back as a service of it, the guest side (docs/os.md). Argv is
+	// empty then.
+	OS bool `json:"os,omitempty"`
 }
 
 // HeldMessage is the message of the ready event of a guest whose workload is held (Config.Hold).

@@ -128,6 +128,11 @@ func run() (int, error) {
 	if err != nil {
 		return ch.fail(err)
 	}
+	if cfg.OS {
+		if err := loadOSModules(); err != nil {
+			return ch.fail(err)
+		}
+	}
 	for _, d := range []string{"/run/lower", "/run/rw", "/run/root"} {
 		_ = os.MkdirAll(d, 0o755)
 	}
@@ -175,6 +180,9 @@ func run() (int, error) {
 	if err := mountVolumes(cfg, 10*time.Second); err != nil {
 		return ch.fail(fmt.Errorf("volumes: %w", err))
 	}
+	if cfg.OS {
+		return handOver(cfg, gnet, param(params, ChannelParam))
+	}
 	return runWorkload(cfg, gnet)
 }
 
@@ -191,7 +199,18 @@ func param(params []string, key string) string {
 // QEMU's microvm and Firecracker put on the kernel command line (only the kernel's own
 // modprobe would read them there).
 func loadModules(params []string) error {
-	order, err := os.ReadFile("/lib/modules/imp/order")
+	return loadModuleList("/lib/modules/imp/order", params)
+}
+
+// loadOSModules loads the modules an OS's init needs and a workload does not (autofs4 for
+// systemd's automounts, binfmt_misc), from the initramfs, before the switch into the root
+// (the image holds no modules of this kernel).
+func loadOSModules() error {
+	return loadModuleList("/lib/modules/imp/os-order", nil)
+}
+
+func loadModuleList(orderFile string, params []string) error {
+	order, err := os.ReadFile(orderFile)
 	if err != nil {
 		return nil // no modules: everything is built in
 	}

@@ -26,6 +26,10 @@ func runProbes(ctx context.Context, cfg Config, pid int) {
 			ch.send(Message{Event: "probe", Probe: string(res.Probe), OK: &ok, Message: res.Message})
 		},
 		Kill: func(grace time.Duration) {
+			if cfg.OS {
+				powerOff() // the OS stops within its own timeouts
+				return
+			}
 			_ = syscall.Kill(pid, syscall.SIGTERM)
 			time.AfterFunc(grace, func() { _ = syscall.Kill(-pid, syscall.SIGKILL); _ = syscall.Kill(pid, syscall.SIGKILL) })
 		},

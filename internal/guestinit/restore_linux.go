@@ -83,10 +83,14 @@ func (l *liveRun) startWorkload(cfg Config) error {
 // VM or of a warm pool's member before any claim).
 func (l *liveRun) signal(s unix.Signal) {
 	l.mu.Lock()
-	pid := l.pid
+	pid, osMode := l.pid, l.cfg.OS
 	l.mu.Unlock()
 	if pid > 0 {
 		_ = unix.Kill(pid, s)
+		return
+	}
+	if osMode && s == unix.SIGTERM {
+		powerOff() // the agent's stop of an OS: its shutdown, within the grace period
 		return
 	}
 	if s == unix.SIGTERM {

@@ -29,11 +29,21 @@ var Modules = []string{
 	"kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko",
 }
 
+// OSModules are the modules an OS's init needs besides (ImpVM spec.boot OS: systemd mounts
+// autofs and binfmt_misc file systems), which imp-init loads in OS mode only, in the order of
+// OSModuleOrderFile.
+var OSModules = []string{
+	"kernel/fs/autofs/autofs4.ko",
+	"kernel/fs/binfmt_misc.ko",
+}
+
 // ModuleDir is where the initramfs holds the modules; imp-init loads them in the order of
 // ModuleOrderFile.
 const (
 	ModuleDir       = "lib/modules/imp"
 	ModuleOrderFile = "lib/modules/imp/order"
+	// OSModuleOrderFile lists OSModules, in load order.
+	OSModuleOrderFile = "lib/modules/imp/os-order"
 )
 
 // Build writes the initramfs: init (a static binary) as /init and, from moduleRoot (a kernel's
@@ -49,20 +59,26 @@ func Build(w io.Writer, init string, moduleRoot string) error {
 	if err := cw.fileFrom("init", init, 0o755); err != nil {
 		return err
 	}
-	var order []string
-	for _, m := range Modules {
-		src := filepath.Join(moduleRoot, m)
-		if _, err := os.Stat(src); err != nil {
-			continue // built in, or not in this kernel
+	for _, set := range []struct {
+		file string
+		list []string
+	}{{ModuleOrderFile, Modules}, {OSModuleOrderFile, OSModules}} {
+		file, list := set.file, set.list
+		var order []string
+		for _, m := range list {
+			src := filepath.Join(moduleRoot, m)
+			if _, err := os.Stat(src); err != nil {
+				continue // built in, or not in this kernel
+			}
+			name := filepath.Base(m)
+			if err := cw.fileFrom(ModuleDir+"/"+name, src, 0o644); err != nil {
+				return err
+			}
+			order = append(order, name)
 		}
-		name := filepath.Base(m)
-		if err := cw.fileFrom(ModuleDir+"/"+name, src, 0o644); err != nil {
+		if err := cw.file(file, []byte(strings.Join(order, "\n")+"\n"), 0o644); err != nil {
 			return err
 		}
-		order = append(order, name)
-	}
-	if err := cw.file(ModuleOrderFile, []byte(strings.Join(order, "\n")+"\n"), 0o644); err != nil {
-		return err
 	}
 	if err := cw.trailer(); err != nil {
 		return err

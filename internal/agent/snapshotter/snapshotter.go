@@ -172,6 +172,10 @@ func (s *Snapshotter) take(ctx context.Context, snap *impv1.ImpVMSnapshot) error
 		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMHasDisks,
 			fmt.Errorf("ImpVM %s has disk volumes (emptyDisk), which a snapshot does not hold: its copies would run on another disk than their memory knows", vm.Name))
 	}
+	if vm.Spec.Boot == impv1.BootOS {
+		return s.fail(ctx, snap, nil, impv1.ReasonSnapshotVMBootsAnOS,
+			fmt.Errorf("ImpVM %s boots an OS (spec.boot OS): its snapshots are not built yet (the guest cannot freeze it for one, nor a copy take a new identity; docs/os.md)", vm.Name))
+	}
 	// One snapshot of a VM at a time, and no suspension meanwhile (QEMU saves one state at a
 	// time; two freezes of one workload would thaw it under each other): from here until its
 	// VM runs on.

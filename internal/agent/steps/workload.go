@@ -17,6 +17,14 @@ import (
 // added to the image's, a name of the VM's winning.
 func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Config, error) {
 	cfg := guestinit.Config{WorkingDir: img.WorkingDir, User: img.User, Hostname: vm.Name, Stdin: vm.Spec.Stdin, TTY: vm.Spec.TTY, Hold: holdsWorkload(vm)}
+	if vm.Spec.Boot == impv1.BootOS {
+		// The image's init runs the OS: no workload; the probes run beside it, and a failed
+		// startup or liveness probe powers the OS off (docs/os.md).
+		cfg.OS = true
+		probes, err := probes(vm)
+		cfg.Probes = probes
+		return cfg, err
+	}
 	w := vm.Workload() // a copy of a template runs its template's
 	switch {
 	case len(w.Command) > 0:

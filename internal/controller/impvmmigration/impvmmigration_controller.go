@@ -212,6 +212,8 @@ func movable(vm *impv1.ImpVM) (reason, message string) {
 	switch {
 	case !vm.DeletionTimestamp.IsZero():
 		return ReasonVMNotRunning, "the VM is being deleted"
+	case vm.Spec.Boot == impv1.BootOS: // nor this
+		return ReasonCannotMove, "the VM boots an OS (spec.boot OS): moving it is not built yet (docs/os.md)"
 	case claimOf(vm) != "": // said first: no waiting for a run makes it movable
 		return ReasonCannotMove, "the VM's volume " + claimOf(vm) + ": moving a PersistentVolumeClaim's volume is not built yet (docs/migration.md)"
 	case st.Suspension != nil:

@@ -495,6 +495,16 @@ func TestMigrationsThatCannotStart(t *testing.T) {
 	if m := e.phase("claim", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonCannotMove || !strings.Contains(m.Status.Message, "data (claim data-claim)") {
 		t.Errorf("a migration of a VM with a claim's volume: %s %q", m.Status.Reason, m.Status.Message)
 	}
+	// Nor can an OS's (spec.boot OS), whether or not it runs yet.
+	osVM := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "debian"}, Spec: impv1.ImpVMSpec{Image: "registry.test/debian:12", Boot: impv1.BootOS,
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("1Gi"))}, NodeSelector: map[string]string{"imp.test/pool": e.ns}}}
+	if err := e.c.Create(context.Background(), osVM); err != nil {
+		t.Fatal(err)
+	}
+	e.migrate("os", "debian", "", nil)
+	if m := e.phase("os", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonCannotMove || !strings.Contains(m.Status.Message, "boots an OS") {
+		t.Errorf("a migration of an OS's VM: %s %q", m.Status.Reason, m.Status.Message)
+	}
 	e.migrate("nothing", "novm", "", nil)
 	if m := e.phase("nothing", impv1.MigrationFailed); m.Status.Reason != impvmmigration.ReasonVMNotFound {
 		t.Errorf("a migration of no VM: %s %q", m.Status.Reason, m.Status.Message)
