@@ -221,9 +221,26 @@ spec:
 	if strings.Trim(out, "' \n") != "true" {
 		t.Errorf("the idle-suspended VM's endpoint is not ready: %q", out)
 	}
+	// What the node did with the traffic, when the VM did not answer: its route to the
+	// endpoint address (lost: the packets leave by eth0), kube-proxy's rules for the Service,
+	// and what the agent said of the VM.
+	diagnose := func() {
+		ep := strings.Trim(must(`kubectl -n web get endpointslices -l kubernetes.io/service-name=idle,endpointslice.kubernetes.io/managed-by=imp.dev `+
+			`-o jsonpath='{.items[*].endpoints[*].addresses[*]}'`), "' \n")
+		ip := strings.Trim(must(`kubectl -n web get svc idle -o jsonpath='{.spec.clusterIP}'`), "' \n")
+		for _, c := range []string{
+			"kubectl -n web get impvm idle -o jsonpath='{.status.runtime}'",
+			"ip -4 route get " + ep + "; ip -4 route show proto 0x4a; ip -br link | grep impe",
+			"nft list table ip kube-proxy | grep -cF " + ip,
+			"kubectl -n imp-system logs -l app.kubernetes.io/name=imp-runtime --tail=-1 | grep -iE 'idle|stand|transit|expos|wak' | tail -40",
+		} {
+			_, _ = run(c)
+		}
+	}
 	got := pod("wake", "get", "http://idle.web.svc.cluster.local/")
 	if !strings.HasPrefix(got, "hello from idle (") {
 		t.Errorf("a GET through Service idle from a pod, once, to the idle-suspended VM: %q", got)
+		diagnose()
 	}
 	t.Logf("woken through a Service from a pod: %s", strings.TrimSpace(got))
 	must("kubectl -n web get impvm idle -o wide")
@@ -239,6 +256,7 @@ spec:
 	o, err := run("curl -s --max-time 60 -w ' %{http_code} %{time_total}s' http://" + ip + "/")
 	if err != nil || !strings.HasPrefix(o, "hello from idle") || !strings.Contains(o, " 200 ") {
 		t.Errorf("curl from the node through Service idle (%s), once, to the idle-suspended VM: %q, %v", ip, o, err)
+		diagnose()
 	}
 	t.Logf("woken through a Service from the node: %s", o)
 }

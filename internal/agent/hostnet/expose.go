@@ -119,7 +119,11 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 		}
 	}
 	// A VM whose address changed (its record lost): its old address goes first.
-	if prev := s.exposures()[shortID(vmUID)]; prev.IsValid() && prev != e.Endpoint {
+	exposed, err := s.exposures()
+	if err != nil {
+		return err
+	}
+	if prev := exposed[shortID(vmUID)]; prev.IsValid() && prev != e.Endpoint {
 		if err := h.unexposeIn(s, shortID(vmUID)); err != nil {
 			return err
 		}
@@ -127,21 +131,10 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 	if err := s.replaceRules([]*nftables.Chain{dnatChain}, exposeOwner(shortID(vmUID)), exposeRules(uplinkPrefix+s.id, ip, e)); err != nil {
 		return fmt.Errorf("exposing VM %s: %w", vmUID, err)
 	}
-	if err := h.ensureNetwork(s, n, false); err != nil { // the transit link, for a closed network too
+	// The transit link, for a closed network too, and the routes of its exposed VMs: this
+	// one's among them.
+	if err := h.ensureNetwork(s, n, false); err != nil {
 		return err
-	}
-	l, err := h.nl.LinkByName(egressPrefix + s.id)
-	if err != nil {
-		return fmt.Errorf("the transit link of %s: %w", n.Key(), err)
-	}
-	t, err := h.transitAddr(l.Attrs().Index)
-	if err != nil {
-		return err
-	}
-	route := &netlink.Route{LinkIndex: l.Attrs().Index, Dst: &net.IPNet{IP: e.Endpoint.AsSlice(), Mask: net.CIDRMask(32, 32)},
-		Gw: t.AsSlice(), Protocol: rtprotEndpoint}
-	if err := h.nl.RouteReplace(route); err != nil {
-		return fmt.Errorf("routing endpoint address %s to %s: %w", e.Endpoint, n.Key(), err)
 	}
 	h.createNodeTables()
 	if err := h.nft.SetAddElements(endpointsSet, []nftables.SetElement{{Key: e.Endpoint.AsSlice()}}); err != nil {
@@ -153,13 +146,42 @@ func (h *Host) Expose(n Network, vmUID string, ip netip.Addr, e Exposure) error 
 	return nil
 }
 
+// routeEndpoints routes each endpoint address exposed in s to s's transit link: a link made
+// anew (its pair lost) has none of the routes the one before had.
+func (h *Host) routeEndpoints(s *space, n Network, exposed map[string]netip.Addr) error {
+	if len(exposed) == 0 {
+		return nil
+	}
+	l, err := h.nl.LinkByName(egressPrefix + s.id)
+	if err != nil {
+		return fmt.Errorf("the transit link of %s: %w", n.Key(), err)
+	}
+	t, err := h.transitAddr(l.Attrs().Index)
+	if err != nil {
+		return err
+	}
+	for _, a := range exposed {
+		route := &netlink.Route{LinkIndex: l.Attrs().Index, Dst: &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(32, 32)},
+			Gw: t.AsSlice(), Protocol: rtprotEndpoint}
+		if err := h.nl.RouteReplace(route); err != nil {
+			return fmt.Errorf("routing endpoint address %s to %s: %w", a, n.Key(), err)
+		}
+	}
+	return nil
+}
+
 // exposures are the VMs exposed in s (by short id) and their endpoint addresses, read from
-// the DNAT rules' comments and destinations.
-func (s *space) exposures() map[string]netip.Addr {
+// the DNAT rules' comments and destinations. A chain not made yet exposes nothing; a chain that
+// could not be read is an error, never "nothing": what is removed on that answer (a closed
+// network's transit link, and with it every endpoint's route) would stay removed.
+func (s *space) exposures() (map[string]netip.Addr, error) {
 	out := map[string]netip.Addr{}
 	rs, err := getRules(s.nft, dnatChain)
+	if errors.Is(err, unix.ENOENT) {
+		return out, nil // no such chain yet: nothing exposed
+	}
 	if err != nil {
-		return out // no such chain yet: nothing exposed
+		return nil, fmt.Errorf("reading the exposed VMs: %w", err)
 	}
 	for _, r := range rs {
 		rest, ok := strings.CutPrefix(comment(r), "imp:exp-")
@@ -169,7 +191,7 @@ func (s *space) exposures() map[string]netip.Addr {
 		id, _, _ := strings.Cut(rest, ":")
 		out[id] = endpointOf(r)
 	}
-	return out
+	return out, nil
 }
 
 // foreignRoute fails when a route of the node's that IMP did not make (neither a transit, an
@@ -234,7 +256,11 @@ func (h *Host) unexpose(vmUID string) error {
 // unexposeIn removes the exposure of the VM with short id from s, and the node's route to
 // its endpoint address when it leads to s.
 func (h *Host) unexposeIn(s *space, id string) error {
-	a, ok := s.exposures()[id]
+	exposed, err := s.exposures()
+	if err != nil {
+		return err
+	}
+	a, ok := exposed[id]
 	if !ok {
 		return nil
 	}
@@ -257,8 +283,12 @@ func (h *Host) unexposeIn(s *space, id string) error {
 
 // pruneExposures removes the exposures of s's VMs whose tap is gone.
 func (h *Host) pruneExposures(s *space) error {
+	exposed, err := s.exposures()
+	if err != nil {
+		return err
+	}
 	var errs []error
-	for id := range s.exposures() {
+	for id := range exposed {
 		if _, err := s.nl.LinkByName(tapPrefix + id); isNotFound(err) {
 			errs = append(errs, h.unexposeIn(s, id))
 		}

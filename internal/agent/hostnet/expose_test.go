@@ -160,6 +160,34 @@ func TestExposure(t *testing.T) {
 		t.Errorf("network one's endpoint after the attempt: %q", got)
 	}
 
+	// The transit links lost (deleted by hand; a pair that lost its other half): the next
+	// sync of each network makes them again, with the routes of its exposed VMs, which a
+	// new link does not have.
+	links, err := nl.LinkList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Name, "impe") {
+			if err := nl.LinkDel(l); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if got := ask(pod, "100.72.0.3:8080"); !strings.HasPrefix(got, "error") {
+		t.Fatalf("network two's endpoint answered without its transit link: %q", got)
+	}
+	for _, n := range []hostnet.Network{one, two} {
+		if _, err := h.Sync(n, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for addr, want := range map[string]string{"100.72.0.2:8080": "one saw 10.71.0.1", "100.72.0.3:8080": "two saw 10.71.0.1"} {
+		if got := ask(pod, addr); got != want {
+			t.Errorf("%s after its network's transit link was made anew: %q, want %q (node routes %q)", addr, got, want, routes(t, nl))
+		}
+	}
+
 	if err := h.Unexpose("vm-one"); err != nil {
 		t.Fatal(err)
 	}

@@ -347,8 +347,15 @@ func (h *Host) ensureNetwork(s *space, n Network, overlay bool) error {
 		_, err := s.nl.LinkByName(n.VXLANName())
 		overlay = err == nil
 	}
-	if n.NAT || len(s.exposures()) > 0 {
+	exposed, err := s.exposures()
+	if err != nil {
+		return fmt.Errorf("network %s: %w", n.Key(), err)
+	}
+	if n.NAT || len(exposed) > 0 {
 		if err := h.ensureTransit(s, n); err != nil {
+			return err
+		}
+		if err := h.routeEndpoints(s, n, exposed); err != nil {
 			return err
 		}
 	} else if err := h.removeTransit(n.id()); err != nil {

@@ -242,9 +242,12 @@ func (h *Host) ensureTransit(s *space, n Network) error {
 		return fmt.Errorf("looking up %s: %w", hostName, err)
 	}
 	up, err := s.nl.LinkByName(upName)
-	if err != nil { // half a pair cannot be: the other half was another's
+	if isNotFound(err) { // half a pair cannot be: the other half was another's
 		_ = h.nl.LinkDel(l)
 		return fmt.Errorf("the transit link of %s has no end in its namespace: %w", n.Key(), err)
+	}
+	if err != nil { // not known: the link and its endpoint routes stay
+		return fmt.Errorf("looking up %s in the namespace of %s: %w", upName, n.Key(), err)
 	}
 	t, err := h.transitAddr(l.Attrs().Index)
 	if err != nil {
