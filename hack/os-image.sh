@@ -38,6 +38,9 @@ EOF
   mkdir -p "$OUT.tmp/etc/systemd/system/ssh.service.wants"
   ln -s ../imp-ssh-host-keys.service "$OUT.tmp/etc/systemd/system/ssh.service.wants/imp-ssh-host-keys.service"
   echo localhost > "$OUT.tmp/etc/hostname"
+  # No locales are built into the image: cloud-init's default (en_US.UTF-8) would fail its
+  # locale module; C.UTF-8 is libc's own.
+  printf 'locale: C.UTF-8\n' > "$OUT.tmp/etc/cloud/cloud.cfg.d/90-imp-image.cfg"
   rm -rf "$OUT.tmp"/var/cache/apt/archives/*.deb "$OUT.tmp"/var/lib/apt/lists/* "$OUT.tmp"/dev/* \
     "$OUT.tmp"/proc/* "$OUT.tmp"/sys/* "$OUT.tmp"/run/*
   echo "$STAMP" > "$OUT.tmp/.imp-stamp"

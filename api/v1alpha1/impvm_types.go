@@ -19,6 +19,45 @@ const (
 	BootOS Boot = "OS"
 )
 
+// CloudInit is cloud-init's NoCloud data (ImpVM spec.cloudInit).
+// +kubebuilder:validation:XValidation:rule="!(has(self.userData) && has(self.userDataSecretRef))",message="userData or userDataSecretRef, not both"
+type CloudInit struct {
+	// userData is the user data as written here (#cloud-config, a script, ...): anyone who
+	// may read the ImpVM reads it. What is secret goes in a Secret, named by userDataSecretRef.
+	// +optional
+	// +kubebuilder:validation:MaxLength=65536
+	UserData string `json:"userData,omitempty"`
+
+	// userDataSecretRef names the key of a Secret of the VM's namespace that holds the user
+	// data. It is read at each start of the VM, never copied into the ImpVM or its status.
+	// +optional
+	UserDataSecretRef *SecretKeyReference `json:"userDataSecretRef,omitempty"`
+
+	// networkData is cloud-init's network configuration (its version 1 or 2). Without it,
+	// cloud-init leaves the network alone: IMP configured the VM's address, gateway and DNS
+	// before the OS booted.
+	// +optional
+	// +kubebuilder:validation:MaxLength=16384
+	NetworkData string `json:"networkData,omitempty"`
+}
+
+// SecretKeyReference names a key of a Secret of the referrer's namespace.
+type SecretKeyReference struct {
+	// name is the Secret's name, in the namespace of the object that names it.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	Name string `json:"name"`
+	// key is the key of the Secret's data; userdata when not given.
+	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[-._a-zA-Z0-9]+$`
+	Key string `json:"key,omitempty"`
+}
+
+// UserDataKey is the key of a userDataSecretRef's Secret when its key is not given.
+const UserDataKey = "userdata"
+
 // RunStrategy says what happens when a VM's workload exits, and whether the VM runs at all.
 // +kubebuilder:validation:Enum=Always;RerunOnFailure;Once;Halted
 type RunStrategy string
@@ -233,6 +272,7 @@ type Probe struct {
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.tty) || !self.tty || (has(self.stdin) && self.stdin)",message="tty requires stdin",fieldPath=".tty"
 // +kubebuilder:validation:XValidation:rule="!has(self.boot) || self.boot != 'OS' || (!has(self.command) && !has(self.args) && !(has(self.stdin) && self.stdin))",message="boot OS runs the image's /sbin/init: command, args and stdin are a workload's",fieldPath=".boot"
+// +kubebuilder:validation:XValidation:rule="!has(self.cloudInit) || (has(self.boot) && self.boot == 'OS')",message="cloudInit is for a VM that boots an OS (boot OS)",fieldPath=".cloudInit"
 // +kubebuilder:validation:XValidation:rule="!has(self.boot) || self.boot != 'OS' || !(has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef))",message="a VM of boot OS cannot be started from a snapshot, template or warm pool yet (docs/os.md)",fieldPath=".boot"
 // +kubebuilder:validation:XValidation:rule="has(self.classRef) || has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
 // +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef) || has(self.warmPoolRef)",message="image is required (a copy of a template, with templateRef or warmPoolRef, takes its template's)",fieldPath=".image"
@@ -279,6 +319,13 @@ type ImpVMSpec struct {
 	// says it is up (systemctl is-system-running: running or degraded). See docs/os.md.
 	// +optional
 	Boot Boot `json:"boot,omitempty"`
+
+	// cloudInit is cloud-init's NoCloud data for a VM of boot OS, given to the guest on a
+	// read-only disk labelled cidata (never on a network service a guest's process could
+	// reach): its meta-data (instance-id the VM's UID and placement, local-hostname its name),
+	// its user data, and its network configuration. See docs/os.md.
+	// +optional
+	CloudInit *CloudInit `json:"cloudInit,omitempty"`
 
 	// imagePullSecrets name Secrets of type kubernetes.io/dockerconfigjson in the VM's namespace
 	// used to pull image.

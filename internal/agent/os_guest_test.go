@@ -3,12 +3,15 @@ package agent_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
 	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -48,8 +51,28 @@ func TestAnOSBootsItsInit(t *testing.T) {
 	w := newWorld(t)
 	ctx := context.Background()
 	ref := osImage(t, w.host)
+	// cloud-init's user data from a Secret of the VM's namespace: a user, a file, a service.
+	userData := `#cloud-config
+users:
+  - name: alice
+    shell: /bin/bash
+write_files:
+  - path: /home/alice/hello.txt
+    content: hello from cloud-init
+  - path: /etc/systemd/system/greeter.service
+    content: |
+      [Service]
+      ExecStart=/bin/sleep infinity
+runcmd:
+  - [systemctl, start, --no-block, greeter.service]
+`
+	if err := w.c.Client.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "debian-user-data"},
+		StringData: map[string]string{"userdata": userData}}); err != nil {
+		t.Fatal(err)
+	}
 	vm := w.vm("debian")
 	vm.Spec.Image, vm.Spec.Args, vm.Spec.Boot = ref, nil, impv1.BootOS
+	vm.Spec.CloudInit = &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "debian-user-data"}}
 	vm.Spec.Resources.Memory = ptr.To(resource.MustParse("512Mi"))
 	vm.Spec.DiskSize = ptr.To(resource.MustParse("256Mi"))
 	if err := w.c.Client.Create(ctx, vm); err != nil {
@@ -100,6 +123,51 @@ func TestAnOSBootsItsInit(t *testing.T) {
 		t.Errorf("the guest side's unit is %q", got)
 	}
 	t.Logf("systemd-analyze: %s", run("systemd-analyze"))
+	t.Logf("systemd-analyze blame (head): %s", tail(run("sh", "-c", "systemd-analyze blame | head -8"), 8))
+
+	// cloud-init ran the user data, as this instance (the VM's UID and placement), and left
+	// IMP's network alone.
+	if got := run("cloud-init", "status"); !strings.Contains(got, "status: done") {
+		t.Errorf("cloud-init status: %q\n%s", got, run("sh", "-c", "tail -30 /var/log/cloud-init-output.log"))
+	}
+	if got, want := run("cat", "/var/lib/cloud/data/instance-id"), fmt.Sprintf("%s.%d", v.UID, v.Status.Instance); got != want {
+		t.Errorf("cloud-init's instance-id %q, want %q", got, want)
+	}
+	for _, c := range [][2]string{{"id -un alice", "alice"}, {"cat /home/alice/hello.txt", "hello from cloud-init"}, {"systemctl is-active greeter.service", "active"}} {
+		if got := run("sh", "-c", c[0]); got != c[1] {
+			t.Errorf("the user data's user, file and service: %s says %q, want %q", c[0], got, c[1])
+		}
+	}
+	if got := run("sh", "-c", "ls /etc/cloud/cloud-init.disabled 2>&1; cat /etc/cloud/cloud.cfg.d/99-imp-network.cfg"); !strings.Contains(got, "network: {config: disabled}") || !strings.Contains(got, "No such file") {
+		t.Errorf("cloud-init's configuration in the guest: %q", got)
+	}
+	// The user data is the VM's alone: not in its status or Events.
+	st, _ := json.Marshal(w.get("debian").Status)
+	if strings.Contains(string(st), "cloud-init") || strings.Contains(eventsOf(w.c.Client, w.ns, "debian"), "hello from cloud-init") {
+		t.Errorf("the user data shows in the VM's status or Events")
+	}
+
+	// A VM naming a Secret that exists only in another namespace fails, naming where it looked.
+	other := w.c.Namespace(t)
+	if err := w.c.Client.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: other, Name: "theirs"},
+		StringData: map[string]string{"userdata": "#cloud-config\n"}}); err != nil {
+		t.Fatal(err)
+	}
+	thief := w.vm("thief")
+	thief.Spec.Image, thief.Spec.Args, thief.Spec.Boot = ref, nil, impv1.BootOS
+	thief.Spec.RunStrategy = impv1.RunStrategyOnce
+	thief.Spec.CloudInit = &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "theirs"}}
+	if err := w.c.Client.Create(ctx, thief); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string {
+		v := w.get("thief")
+		if v == nil || v.Status.Runtime == nil {
+			return ""
+		}
+		return v.Status.Runtime.Reason + ": " + v.Status.Runtime.Message
+	}).WithTimeout(3 * time.Minute).Should(And(HavePrefix("StartFailed: "),
+		ContainSubstring(fmt.Sprintf("cloudInit.userDataSecretRef: Secret theirs in namespace %s", w.ns)), ContainSubstring("not found")))
 
 	// Its snapshots are not built yet: refused, and the OS runs on.
 	snap := &impv1.ImpVMSnapshot{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "debian"}, Spec: impv1.ImpVMSnapshotSpec{VMName: "debian"}}

@@ -10,6 +10,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
+	"github.com/syscode-labs/imp/internal/agent/cloudinit"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/idle"
 	"github.com/syscode-labs/imp/internal/agent/imagefetch"
@@ -68,6 +69,9 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	if len(vm.Spec.Volumes) > 0 {
 		ss = append(ss, steps.Volumes{Maker: a.volumes})
 	}
+	if vm.Spec.CloudInit != nil {
+		ss = append(ss, cloudinit.Seed{})
+	}
 	ss = append(ss, steps.ConfigDisk{})
 	if restore {
 		ss = append(ss, steps.RestoreDisk{})
@@ -110,6 +114,9 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 	ss := []steps.Step{steps.Intent{}}
 	if len(vm.Spec.Volumes) > 0 {
 		ss = append(ss, steps.Volumes{Maker: a.volumes}) // its disks, to attach again
+	}
+	if vm.Spec.CloudInit != nil {
+		ss = append(ss, cloudinit.Seed{}) // the seed its guest saw, attached again
 	}
 	if vm.Spec.NetworkRef != nil {
 		// What stood in for an idle-suspended VM gives its tap back first, and what it held

@@ -61,6 +61,11 @@ type Config struct {
 	// over to it and comes back as a service of it, the guest side (docs/os.md). Argv is
 	// empty then.
 	OS bool `json:"os,omitempty"`
+	// CloudInit: an OS's VM with a cloud-init seed disk (spec.cloudInit): cloud-init runs;
+	// without, imp-init turns it off. CloudInitNetwork: the seed configures the network too;
+	// without, imp-init's network stays and cloud-init's network configuration is off.
+	CloudInit        bool `json:"cloudInit,omitempty"`
+	CloudInitNetwork bool `json:"cloudInitNetwork,omitempty"`
 }
 
 // HeldMessage is the message of the ready event of a guest whose workload is held (Config.Hold).

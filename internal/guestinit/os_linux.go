@@ -99,8 +99,8 @@ func handOver(cfg Config, gnet *Net, transport string) (int, error) {
 			return ch.fail(err)
 		}
 	}
-	if fi, err := os.Stat("/etc/cloud"); err == nil && fi.IsDir() {
-		_ = os.WriteFile("/etc/cloud/cloud-init.disabled", nil, 0o644)
+	if err := configureCloudInit(cfg); err != nil {
+		return ch.fail(err)
 	}
 	if err := leaveCgroups(); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init:", err)
@@ -109,6 +109,31 @@ func handOver(cfg Config, gnet *Net, transport string) (int, error) {
 	fmt.Fprintln(os.Stderr, "imp-init: handing over to", osInit)
 	err = unix.Exec(osInit, []string{osInit}, []string{"TERM=linux"})
 	return -1, fmt.Errorf("executing %s: %w", osInit, err)
+}
+
+// cloudInitNetworkOff keeps cloud-init off the network imp-init configured (its fallback is
+// DHCP on the first interface).
+const cloudInitNetworkOff = "/etc/cloud/cloud.cfg.d/99-imp-network.cfg"
+
+// configureCloudInit turns an image's cloud-init off when the VM has no seed (its datasource
+// search would wait for ones that are not there, its fallback replace the network); with a
+// seed, it keeps cloud-init off the network unless the seed configures it.
+func configureCloudInit(cfg Config) error {
+	if fi, err := os.Stat("/etc/cloud"); err != nil || !fi.IsDir() {
+		return nil // no cloud-init in the image
+	}
+	if !cfg.CloudInit {
+		return os.WriteFile("/etc/cloud/cloud-init.disabled", nil, 0o644)
+	}
+	_ = os.Remove("/etc/cloud/cloud-init.disabled") // a seed now, where a boot before had none
+	if cfg.CloudInitNetwork {
+		_ = os.Remove(cloudInitNetworkOff)
+		return nil
+	}
+	if err := os.MkdirAll(filepath.Dir(cloudInitNetworkOff), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(cloudInitNetworkOff, []byte("# Written by IMP: the VM's network is IMP's (no networkData in spec.cloudInit).\nnetwork: {config: disabled}\n"), 0o644)
 }
 
 // leaveCgroups puts PID 1 back in the root cgroup and removes imp-init's two: under systemd

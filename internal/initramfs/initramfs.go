@@ -30,11 +30,18 @@ var Modules = []string{
 }
 
 // OSModules are the modules an OS's init needs besides (ImpVM spec.boot OS: systemd mounts
-// autofs and binfmt_misc file systems), which imp-init loads in OS mode only, in the order of
+// autofs and binfmt_misc file systems, cloud-init its seed), which imp-init loads in OS mode only, in the order of
 // OSModuleOrderFile.
 var OSModules = []string{
 	"kernel/fs/autofs/autofs4.ko",
 	"kernel/fs/binfmt_misc.ko",
+	// cloud-init's NoCloud seed (spec.cloudInit): a vfat file system, mounted with the
+	// kernel's default code page (437), character set (ascii) and utf8.
+	"kernel/fs/nls/nls_cp437.ko",
+	"kernel/fs/nls/nls_ascii.ko",
+	"kernel/fs/nls/nls_utf8.ko",
+	"kernel/fs/fat/fat.ko",
+	"kernel/fs/fat/vfat.ko",
 }
 
 // ModuleDir is where the initramfs holds the modules; imp-init loads them in the order of

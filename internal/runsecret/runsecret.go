@@ -29,12 +29,13 @@ const DefaultNamespace = "imp-system"
 
 // Keys and annotations of a run's Secret.
 const (
-	pullPrefix = "pull."       // + index in spec.imagePullSecrets: a .dockerconfigjson
-	envPrefix  = "env."        // + index in spec.env: the resolved value
-	volPrefix  = "vol."        // + index in spec.volumes: the volume's files, JSON
-	errKey     = "error"       // why the run's references could not be resolved
-	runAnno    = "imp.dev/run" // "<instance>.<restartCount>": the run it was made for
-	vmAnno     = "imp.dev/vm"  // namespace/name of the VM
+	pullPrefix = "pull."              // + index in spec.imagePullSecrets: a .dockerconfigjson
+	envPrefix  = "env."               // + index in spec.env: the resolved value
+	volPrefix  = "vol."               // + index in spec.volumes: the volume's files, JSON
+	userData   = "cloudinit.userdata" // spec.cloudInit.userDataSecretRef's value
+	errKey     = "error"              // why the run's references could not be resolved
+	runAnno    = "imp.dev/run"        // "<instance>.<restartCount>": the run it was made for
+	vmAnno     = "imp.dev/vm"         // namespace/name of the VM
 )
 
 // Needed says whether vm references anything of its namespace a run needs: without, no run
@@ -53,7 +54,7 @@ func Needed(vm *impv1.ImpVM) bool {
 			return true
 		}
 	}
-	return false
+	return vm.Spec.CloudInit != nil && vm.Spec.CloudInit.UserDataSecretRef != nil
 }
 
 // Name is the Secret of the VM with uid.
@@ -143,6 +144,22 @@ func resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM, data map[str
 			}
 			data[envPrefix+strconv.Itoa(i)] = []byte(v)
 		}
+	}
+	if ci := vm.Spec.CloudInit; ci != nil && ci.UserDataSecretRef != nil {
+		ref := ci.UserDataSecretRef
+		key := ref.Key
+		if key == "" {
+			key = impv1.UserDataKey
+		}
+		var s corev1.Secret
+		if err := r.Get(ctx, types.NamespacedName{Namespace: vm.Namespace, Name: ref.Name}, &s); err != nil {
+			return fmt.Errorf("cloudInit.userDataSecretRef: Secret %s in namespace %s: %w", ref.Name, vm.Namespace, err)
+		}
+		v, ok := s.Data[key]
+		if !ok {
+			return missingKeyError{fmt.Sprintf("cloudInit.userDataSecretRef: Secret %s in namespace %s has no key %s", ref.Name, vm.Namespace, key)}
+		}
+		data[userData] = v
 	}
 	for i := range vm.Spec.Volumes {
 		files, err := volumeFiles(ctx, r, vm.Namespace, &vm.Spec.Volumes[i])
@@ -305,4 +322,10 @@ func (r *Run) Files(i int) ([]File, error) {
 func (r *Run) Env(i int) (string, bool) {
 	v, ok := r.data[envPrefix+strconv.Itoa(i)]
 	return string(v), ok
+}
+
+// UserData is the user data of spec.cloudInit.userDataSecretRef, if the VM names one.
+func (r *Run) UserData() ([]byte, bool) {
+	v, ok := r.data[userData]
+	return v, ok
 }

@@ -21,6 +21,9 @@ func workload(vm *impv1.ImpVM, run *runsecret.Run, img *v1.Config) (guestinit.Co
 		// The image's init runs the OS: no workload; the probes run beside it, and a failed
 		// startup or liveness probe powers the OS off (docs/os.md).
 		cfg.OS = true
+		if ci := vm.Spec.CloudInit; ci != nil {
+			cfg.CloudInit, cfg.CloudInitNetwork = true, ci.NetworkData != ""
+		}
 		probes, err := probes(vm)
 		cfg.Probes = probes
 		return cfg, err
