@@ -5,7 +5,7 @@ SHELL := /usr/bin/env bash
 CONTROLLER_GEN := go tool controller-gen
 GENERATED := api config
 
-.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-tracing bench-access bench-net bench-netpol bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes images chart-push
+.PHONY: all build test unit generate verify-generated vet setup dev dev-down bench-controlplane bench-warmpool bench-compare bench-disk bench-agent bench-tracing bench-access bench-net bench-netpol bench-suspend bench-overhead bench-services bench-snapshot bench-idle bench-wake bench-migrate bench-volumes bench-os images chart-push
 
 all: build
 
@@ -106,6 +106,9 @@ bench-idle: ## A warm pool's idle member (QEMU/TCG, 256 MiB): VMM CPU and PSS ru
 
 bench-volumes: ## A QEMU/TCG guest's raw disk volume: sequential MB/s and 4 KiB random IOPS in the guest against the same file on the node, through the page cache and direct.
 	IMP_BENCH=volumes go test -count=1 -v -timeout 30m -run '^TestBenchVolumes$$' ./internal/agent/ | grep -E '^volume |^(ok|FAIL|---)'
+
+bench-os: ## create → Ready of the Debian VM of hack/os-image.sh (spec.boot OS), without and with cloud-init, beside the workload VM's: P50 of five, and where the OS's boot goes.
+	IMP_BENCH=os go test -count=1 -v -timeout 60m -run '^TestBenchOS$$' ./internal/agent/ | grep -E '^(os |  )|^(ok|FAIL|---)'
 
 images: ## Build imp-operator and imp-agent without Docker, push to REGISTRY (host:port), print digests.
 	hack/images.sh $(REGISTRY)

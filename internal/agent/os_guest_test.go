@@ -13,22 +13,25 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/guestsession"
+	"github.com/syscode-labs/imp/internal/testcluster"
 )
 
 // osImage builds (once per machine, cached) the Debian image of hack/os-image.sh and pushes it
 // to the test's registry host; it returns the digest reference.
 func osImage(t *testing.T, host string) string {
 	t.Helper()
+	root, err := testcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
 	cmd := exec.Command("hack/os-image.sh", host+"/debian:bookworm")
-	cmd.Dir = "../.."
+	cmd.Dir = root
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -70,11 +73,7 @@ runcmd:
 		StringData: map[string]string{"userdata": userData}}); err != nil {
 		t.Fatal(err)
 	}
-	vm := w.vm("debian")
-	vm.Spec.Image, vm.Spec.Args, vm.Spec.Boot = ref, nil, impv1.BootOS
-	vm.Spec.CloudInit = &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "debian-user-data"}}
-	vm.Spec.Resources.Memory = ptr.To(resource.MustParse("512Mi"))
-	vm.Spec.DiskSize = ptr.To(resource.MustParse("256Mi"))
+	vm := osVM(w, "debian", ref, &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "debian-user-data"}})
 	if err := w.c.Client.Create(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
@@ -153,10 +152,8 @@ runcmd:
 		StringData: map[string]string{"userdata": "#cloud-config\n"}}); err != nil {
 		t.Fatal(err)
 	}
-	thief := w.vm("thief")
-	thief.Spec.Image, thief.Spec.Args, thief.Spec.Boot = ref, nil, impv1.BootOS
+	thief := osVM(w, "thief", ref, &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "theirs"}})
 	thief.Spec.RunStrategy = impv1.RunStrategyOnce
-	thief.Spec.CloudInit = &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "theirs"}}
 	if err := w.c.Client.Create(ctx, thief); err != nil {
 		t.Fatal(err)
 	}
@@ -182,12 +179,35 @@ runcmd:
 		t.Errorf("after the refused snapshot, systemctl is-system-running says %q", got)
 	}
 
+	// Suspended and resumed: the same boot of the OS runs on (its guest side answers again).
+	bootID := run("cat", "/proc/sys/kernel/random/boot_id")
+	susp := &impv1.ImpVMSuspension{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "debian"},
+		Spec: impv1.ImpVMSuspensionSpec{Reason: impv1.SuspendReasonUser, Message: "by the test"}}
+	if err := w.c.Client.Create(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() impv1.VMPhase { return w.get("debian").Status.Phase }).WithTimeout(6 * time.Minute).Should(Equal(impv1.VMSuspended))
+	if err := w.c.Client.Delete(ctx, susp); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() bool {
+		v := w.get("debian")
+		return v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(6*time.Minute).WithPolling(100*time.Millisecond).Should(BeTrue(), func() string { return tail(w.console(v), 30) })
+	if got := run("cat", "/proc/sys/kernel/random/boot_id"); got != bootID {
+		t.Errorf("after the resume the OS booted again: boot id %q, was %q", got, bootID)
+	}
+	if got := run("systemctl", "is-system-running"); got != "running" {
+		t.Errorf("after the resume, systemctl is-system-running says %q", got)
+	}
+
 	// Deleted, the OS shuts down: the agent's stop is systemd's power-off, seen on the console
 	// before the VM's state goes.
 	if err := w.c.Client.Delete(ctx, v); err != nil {
 		t.Fatal(err)
 	}
 	var last string
+	deleted := time.Now()
 	g.Eventually(func() bool {
 		if c := w.console(v); c != "" {
 			last = c
@@ -197,6 +217,7 @@ runcmd:
 	if !strings.Contains(last, "reboot: Power down") {
 		t.Errorf("the OS did not power off: its console ends\n%s", tail(last, 30))
 	}
+	t.Logf("deleted, the OS powered off and the VM was gone in %v", time.Since(deleted).Round(time.Millisecond))
 }
 
 func tail(s string, n int) string {

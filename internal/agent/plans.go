@@ -70,7 +70,7 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 		ss = append(ss, steps.Volumes{Maker: a.volumes})
 	}
 	if vm.Spec.CloudInit != nil {
-		ss = append(ss, cloudinit.Seed{})
+		ss = append(ss, cloudinit.Seed{ChooseVMM: a.drivers.ChooseVMM})
 	}
 	ss = append(ss, steps.ConfigDisk{})
 	if restore {
@@ -116,7 +116,7 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 		ss = append(ss, steps.Volumes{Maker: a.volumes}) // its disks, to attach again
 	}
 	if vm.Spec.CloudInit != nil {
-		ss = append(ss, cloudinit.Seed{}) // the seed its guest saw, attached again
+		ss = append(ss, cloudinit.Seed{ChooseVMM: a.drivers.ChooseVMM}) // the seed its guest saw, attached again
 	}
 	if vm.Spec.NetworkRef != nil {
 		// What stood in for an idle-suspended VM gives its tap back first, and what it held

@@ -169,6 +169,16 @@ spec:
 	}
 	if !seen["hello from web-a"] || !seen["hello from web-b"] {
 		t.Errorf("NodePort %s:%s from the node reached %v, want both VMs; other answers: %v", nodeIP, port, seen, other)
+		// Where the node sends the endpoints' traffic (by eth0: its route to them is lost),
+		// and kube-proxy's rules for the port.
+		for _, c := range []string{
+			"for a in " + strings.Join(endpoints, " ") + "; do ip -4 route get $a; done; ip -4 route show proto 0x4a; ip -br link | grep impe",
+			"nft list table ip kube-proxy | grep -F " + port,
+			"curl -s --max-time 5 -w ' %{http_code}' http://" + endpoints[0] + ":8080/",
+			"kubectl -n imp-system logs -l app.kubernetes.io/name=imp-runtime --tail=-1 | grep -iE 'transit|expos|plumb|route' | tail -40",
+		} {
+			_, _ = run(c)
+		}
 	}
 	checkIdle(t, run, must, eventually, dir, image, node, pod)
 	must("kubectl delete namespace web --timeout=5m") // its VMs go through their agent

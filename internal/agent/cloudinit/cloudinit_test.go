@@ -2,6 +2,7 @@ package cloudinit_test
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/cloudinit"
+	"github.com/syscode-labs/imp/internal/agent/vmrun"
 )
 
 // TestSeed: the seed disk is a FAT32 file system labelled cidata (what cloud-init's NoCloud
@@ -91,4 +93,37 @@ func read(t *testing.T, path string) map[string]string {
 		out["/"+strings.ToLower(e.Name())] = b.String()
 	}
 	return out
+}
+
+// TestSeedStep: the step makes and attaches the seed (read-only, its own drive) of a VM with
+// spec.cloudInit under QEMU, refuses under Firecracker (not built), and a resume attaches the
+// seed its guest saw without making it again.
+func TestSeedStep(t *testing.T) {
+	vm := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Name: "debian", UID: "6f1c"}, Spec: impv1.ImpVMSpec{Boot: impv1.BootOS,
+		CloudInit: &impv1.CloudInit{UserData: "#cloud-config\n"}}}
+	ctx := context.Background()
+	qemu := func(*impv1.ImpVM) (impv1.VMMKind, error) { return impv1.VMMQEMU, nil }
+	r := &vmrun.Run{VM: vm, Dir: t.TempDir(), Image: &vmrun.Image{}}
+	if do, err := (cloudinit.Seed{}).ShouldDo(ctx, r); err != nil || !do {
+		t.Fatalf("ShouldDo %v %v", do, err)
+	}
+	if err := (cloudinit.Seed{ChooseVMM: qemu}).Do(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	if d := r.Volumes.Drives; len(d) != 1 || d[0].ID != cloudinit.DriveID || !d[0].ReadOnly || d[0].Path != filepath.Join(r.Dir, cloudinit.File) {
+		t.Errorf("the seed's drive: %+v", d)
+	}
+	if do, _ := (cloudinit.Seed{}).ShouldDo(ctx, r); do {
+		t.Error("the step would attach the seed twice")
+	}
+	// A resume: no image; the seed is there.
+	resumed := &vmrun.Run{VM: vm, Dir: r.Dir, Meta: &vmrun.Meta{VMM: impv1.VMMQEMU}}
+	if err := (cloudinit.Seed{}).Do(ctx, resumed); err != nil || len(resumed.Volumes.Drives) != 1 {
+		t.Errorf("a resume's seed: %v %+v", err, resumed.Volumes)
+	}
+	fc := &vmrun.Run{VM: vm, Dir: t.TempDir(), Image: &vmrun.Image{}}
+	err := (cloudinit.Seed{ChooseVMM: func(*impv1.ImpVM) (impv1.VMMKind, error) { return impv1.VMMFirecracker, nil }}).Do(ctx, fc)
+	if err == nil || !strings.Contains(err.Error(), "under Firecracker is not built yet") {
+		t.Errorf("a seed under Firecracker: %v", err)
+	}
 }
