@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -62,6 +63,8 @@ users:
 write_files:
   - path: /home/alice/hello.txt
     content: hello from cloud-init
+  - path: /etc/imp-marker
+    content: imp-user-data-marker-7f3a
   - path: /etc/systemd/system/greeter.service
     content: |
       [Service]
@@ -142,8 +145,14 @@ runcmd:
 	}
 	// The user data is the VM's alone: not in its status or Events.
 	st, _ := json.Marshal(w.get("debian").Status)
-	if strings.Contains(string(st), "cloud-init") || strings.Contains(eventsOf(w.c.Client, w.ns, "debian"), "hello from cloud-init") {
+	if strings.Contains(string(st), "imp-user-data-marker-7f3a") || strings.Contains(eventsOf(w.c.Client, w.ns, "debian"), "imp-user-data-marker-7f3a") {
 		t.Errorf("the user data shows in the VM's status or Events")
+	}
+	// The guest side's state (the channel's token) and the channel's ports are root's alone.
+	got := run("sh", "-c", "stat -c '%a %U' /run/imp/guest.json /run/imp/imp-init; stat -L -c '%a %U' /dev/vport*")
+	lines := strings.Split(got, "\n")
+	if len(lines) < 3 || lines[0] != "600 root" || lines[1] != "700 root" || slices.ContainsFunc(lines[2:], func(l string) bool { return l != "600 root" }) {
+		t.Errorf("the guest side's state and binary, then the channel's ports: %q, want 600 root, 700 root, then 600 root each", got)
 	}
 
 	// A VM naming a Secret that exists only in another namespace fails, naming where it looked.

@@ -63,6 +63,9 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 	if restore {
 		ss = append(ss, steps.Snapshot{Snapshots: a.snapshots})
 	}
+	if vm.Spec.Boot == impv1.BootOS {
+		ss = append(ss, steps.OSBoot{ChooseVMM: a.drivers.ChooseVMM})
+	}
 	insecure := a.Opts.InsecureRegistries
 	ss = append(ss, steps.Image{Fetches: a.fetches, Reports: a.reports, FetchWait: imagefetch.FetchWait,
 		NameOptions: func(image string) []name.Option { return pullnet.NameOptions(image, insecure) }})
@@ -70,7 +73,7 @@ func (a *Agent) startPlan(vm *impv1.ImpVM, restore bool) plan.Plan[*vmrun.Run] {
 		ss = append(ss, steps.Volumes{Maker: a.volumes})
 	}
 	if vm.Spec.CloudInit != nil {
-		ss = append(ss, cloudinit.Seed{ChooseVMM: a.drivers.ChooseVMM})
+		ss = append(ss, cloudinit.Seed{})
 	}
 	ss = append(ss, steps.ConfigDisk{})
 	if restore {
@@ -116,7 +119,7 @@ func (a *Agent) resumePlan(vm *impv1.ImpVM) plan.Plan[*vmrun.Run] {
 		ss = append(ss, steps.Volumes{Maker: a.volumes}) // its disks, to attach again
 	}
 	if vm.Spec.CloudInit != nil {
-		ss = append(ss, cloudinit.Seed{ChooseVMM: a.drivers.ChooseVMM}) // the seed its guest saw, attached again
+		ss = append(ss, cloudinit.Seed{}) // the seed its guest saw, attached again
 	}
 	if vm.Spec.NetworkRef != nil {
 		// What stood in for an idle-suspended VM gives its tap back first, and what it held

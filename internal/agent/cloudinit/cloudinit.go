@@ -107,15 +107,15 @@ func Write(path string, d Data) error {
 	if err := img.Close(); err != nil {
 		return fmt.Errorf("closing the seed disk: %w", err)
 	}
+	if err := os.Chmod(tmp, 0o600); err != nil { // user data: the node's root's alone, as the VM's other files
+		return err
+	}
 	return os.Rename(tmp, path)
 }
 
 // Seed is the start plan's step that makes the seed of a VM with spec.cloudInit and attaches
 // it: made at each boot from the run's user data; a resume attaches the one its VMM had.
-type Seed struct {
-	// ChooseVMM is the VMM a run without a record yet will have.
-	ChooseVMM func(*impv1.ImpVM) (impv1.VMMKind, error)
-}
+type Seed struct{}
 
 func (Seed) Name() string { return "cloud_init_seed" }
 
@@ -134,21 +134,9 @@ func (Seed) ShouldDo(_ context.Context, r *vmrun.Run) (bool, error) {
 	return true, nil
 }
 
-func (s Seed) Do(_ context.Context, r *vmrun.Run) error {
-	kind := impv1.VMMKind("")
-	if r.Meta != nil {
-		kind = r.Meta.VMM
-	} else if s.ChooseVMM != nil {
-		var err error
-		if kind, err = s.ChooseVMM(r.VM); err != nil {
-			return err
-		}
-	}
-	if kind == impv1.VMMFirecracker {
-		return errors.New("cloud-init: the seed disk under Firecracker is not built yet (docs/os.md); give the VM a class of VMM qemu")
-	}
-	path := r.Path(File)
-	if r.Image != nil { // a boot; a resume (no image) attaches the seed its guest saw
+func (Seed) Do(_ context.Context, r *vmrun.Run) error {
+	path := r.Path(File) // an OS under Firecracker never gets here (steps.OSBoot)
+	if r.Image != nil {  // a boot; a resume (no image) attaches the seed its guest saw
 		var userData []byte
 		if r.VM.Spec.CloudInit.UserDataSecretRef != nil {
 			v, ok := r.Image.Secrets.UserData()

@@ -553,3 +553,35 @@ func TestHoldsWorkload(t *testing.T) {
 		}
 	}
 }
+
+// TestOSBoot: a VM that boots an OS is refused under Firecracker (not built), by its record's
+// VMM or, before it has one, by the VMM it would get; under QEMU, and a workload's VM, it passes.
+func TestOSBoot(t *testing.T) {
+	ctx := context.Background()
+	osVM := &impv1.ImpVM{Spec: impv1.ImpVMSpec{Boot: impv1.BootOS}}
+	choose := func(k impv1.VMMKind) func(*impv1.ImpVM) (impv1.VMMKind, error) {
+		return func(*impv1.ImpVM) (impv1.VMMKind, error) { return k, nil }
+	}
+	if do, _ := (OSBoot{}).ShouldDo(ctx, &vmrun.Run{VM: &impv1.ImpVM{}}); do {
+		t.Error("a workload's VM goes through the OS's check")
+	}
+	for _, tc := range []struct {
+		name string
+		s    OSBoot
+		meta *vmrun.Meta
+		ok   bool
+	}{
+		{"qemu, chosen", OSBoot{ChooseVMM: choose(impv1.VMMQEMU)}, nil, true},
+		{"firecracker, chosen", OSBoot{ChooseVMM: choose(impv1.VMMFirecracker)}, nil, false},
+		{"firecracker, recorded", OSBoot{ChooseVMM: choose(impv1.VMMQEMU)}, &vmrun.Meta{VMM: impv1.VMMFirecracker}, false},
+	} {
+		r := &vmrun.Run{VM: osVM, Meta: tc.meta}
+		if do, _ := tc.s.ShouldDo(ctx, r); !do {
+			t.Fatalf("%s: an OS's VM skips the check", tc.name)
+		}
+		err := tc.s.Do(ctx, r)
+		if (err == nil) != tc.ok || (err != nil && !strings.Contains(err.Error(), "under Firecracker is not built yet")) {
+			t.Errorf("%s: %v", tc.name, err)
+		}
+	}
+}
