@@ -5,8 +5,6 @@
 package nodenet
 
 import (
-	"time"
-
 	"context"
 	"errors"
 	"fmt"
@@ -258,16 +256,8 @@ func (n *Networks) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result
 		}
 		return ctrl.Result{}, fmt.Errorf("plumbing network %s: %w", req.NamespacedName, err)
 	}
-	if present {
-		// Again in a while: a sync puts back what someone removed (a route to an exposed VM's
-		// endpoint address, a rule), as the endpoint blocks' does.
-		return ctrl.Result{RequeueAfter: ResyncPeriod}, nil
-	}
 	return ctrl.Result{}, nil
 }
-
-// ResyncPeriod is how often a network present on the node is synced again without a change.
-const ResyncPeriod = 30 * time.Second
 
 // peers are the network's VMs on other nodes that have an overlay address, by their addresses.
 func (n *Networks) peers(ctx context.Context, key types.NamespacedName) ([]hostnet.Peer, error) {
