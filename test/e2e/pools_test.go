@@ -80,9 +80,35 @@ spec:
 		sort.Strings(f)
 		return f
 	}
+	// What the pool's members, the node and the agent said, when the pool did not settle.
+	diagnosed := false
+	diagnose := func() {
+		if diagnosed {
+			return
+		}
+		diagnosed = true
+		for _, c := range []string{
+			"kubectl get impvm -A -o wide",
+			`kubectl -n pools get impvm -o jsonpath='{range .items[*]}{.metadata.name} {.status.phase} {.status.nodeName} ` +
+				`{range .status.conditions[*]}{.type}={.status}/{.reason} {.lastTransitionTime}: {.message}; {end}{"\n"}{end}'`,
+			"kubectl -n pools get impvmpool web -o jsonpath='{.status}'",
+			"kubectl get impnode " + node + " -o jsonpath='{.status}'",
+			"kubectl -n pools get events --sort-by=.lastTimestamp | tail -40",
+			`kubectl -n imp-system logs -l app.kubernetes.io/name=imp-runtime --tail=-1 | grep -E 'pools/|"pools"' | tail -60`,
+		} {
+			_, _ = sh(c)
+		}
+	}
 	settled := func(replicas int, image string) {
 		t.Helper()
-		eventually(fmt.Sprintf("%d members of %s available, as many ready endpoints", replicas, image), 8*time.Minute, func() error {
+		const within = 8 * time.Minute
+		begun := time.Now()
+		eventually(fmt.Sprintf("%d members of %s available, as many ready endpoints", replicas, image), within, func() (err error) {
+			defer func() {
+				if err != nil && time.Since(begun) >= within {
+					diagnose()
+				}
+			}()
 			out, err := sh("kubectl -n pools get impvmpool web -o jsonpath='{.status.replicas} {.status.availableReplicas} {.status.updatedReplicas}'")
 			want := fmt.Sprintf("%d %d %d", replicas, replicas, replicas)
 			if err != nil || strings.TrimSpace(out) != want {

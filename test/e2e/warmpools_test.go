@@ -63,6 +63,9 @@ func checkWarmPools(t *testing.T, sh func(string) (string, error), must func(str
 	t.Logf("four claims Ready %v after they were created: %v", time.Since(began).Round(time.Millisecond), starts)
 	if starts["warm"] != 3 || starts["restored"] != 1 {
 		t.Errorf("claims by how they started: %v; want 3 warm and 1 restored", starts)
+		// Why a handover failed (the step and its error), and what the node's agent said.
+		_, _ = sh("kubectl -n demo get events --field-selector reason=WarmHandoverFailed -o custom-columns=OBJ:.involvedObject.name,FROM:.source.component,NOTE:.message")
+		_, _ = sh(`kubectl -n imp-system logs -l app.kubernetes.io/name=imp-runtime --tail=-1 | grep -E 'claim-|handover' | tail -40`)
 	}
 	for _, name := range claims {
 		must("kubectl imp -n demo exec "+name+" -- /bin/hello tool-read /proc/sys/kernel/hostname", name)
