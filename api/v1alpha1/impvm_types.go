@@ -41,6 +41,46 @@ type CloudInit struct {
 	NetworkData string `json:"networkData,omitempty"`
 }
 
+// AccessCredential gives users of a VM's OS the SSH public keys of a Secret of the VM's
+// namespace (ImpVM spec.accessCredentials).
+type AccessCredential struct {
+	// sshPublicKeys names the Secret whose data holds the keys: each of its keys' values is
+	// one or more lines of an authorized_keys file. The Secret is read while the VM runs; a
+	// change reaches the guest within seconds, without a restart.
+	// +required
+	SSHPublicKeys SSHPublicKeysSource `json:"sshPublicKeys"`
+
+	// users are the OS's users whose ~/.ssh/authorized_keys get the keys (a block of IMP's
+	// own in the file, replaced whole on a change; the user's own lines stay). A user the OS
+	// does not have yet (one cloud-init makes) gets them once it exists.
+	// +required
+	// +listType=set
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=16
+	// +kubebuilder:validation:items:MaxLength=32
+	// +kubebuilder:validation:items:Pattern=`^[a-z_][a-z0-9_-]*$`
+	Users []string `json:"users"`
+}
+
+// AccessCredentialsStatus is what the operator last read of a VM's access credentials.
+type AccessCredentialsStatus struct {
+	// digest is the SHA-256 of the keys and users, in hex: what the run's Secret holds.
+	// +optional
+	Digest string `json:"digest,omitempty"`
+	// message says why the keys could not be read (a Secret missing), when they could not.
+	// +optional
+	Message string `json:"message,omitempty"`
+}
+
+// SSHPublicKeysSource names where a VM's SSH public keys are.
+type SSHPublicKeysSource struct {
+	// secretName is a Secret of the VM's namespace.
+	// +required
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	SecretName string `json:"secretName"`
+}
+
 // SecretKeyReference names a key of a Secret of the referrer's namespace.
 type SecretKeyReference struct {
 	// name is the Secret's name, in the namespace of the object that names it.
@@ -273,6 +313,7 @@ type Probe struct {
 // +kubebuilder:validation:XValidation:rule="!has(self.tty) || !self.tty || (has(self.stdin) && self.stdin)",message="tty requires stdin",fieldPath=".tty"
 // +kubebuilder:validation:XValidation:rule="!has(self.boot) || self.boot != 'OS' || (!has(self.command) && !has(self.args) && !(has(self.stdin) && self.stdin))",message="boot OS runs the image's /sbin/init: command, args and stdin are a workload's",fieldPath=".boot"
 // +kubebuilder:validation:XValidation:rule="!has(self.cloudInit) || (has(self.boot) && self.boot == 'OS')",message="cloudInit is for a VM that boots an OS (boot OS)",fieldPath=".cloudInit"
+// +kubebuilder:validation:XValidation:rule="!has(self.accessCredentials) || (has(self.boot) && self.boot == 'OS')",message="accessCredentials are for a VM that boots an OS (boot OS)",fieldPath=".accessCredentials"
 // +kubebuilder:validation:XValidation:rule="!has(self.boot) || self.boot != 'OS' || !(has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef))",message="a VM of boot OS cannot be started from a snapshot, template or warm pool yet (docs/os.md)",fieldPath=".boot"
 // +kubebuilder:validation:XValidation:rule="has(self.classRef) || has(self.snapshotRef) || has(self.templateRef) || has(self.warmPoolRef) || (has(self.resources) && has(self.resources.vcpus) && has(self.resources.memory))",message="set classRef, or resources with both vcpus and memory"
 // +kubebuilder:validation:XValidation:rule="has(self.image) || has(self.templateRef) || has(self.warmPoolRef)",message="image is required (a copy of a template, with templateRef or warmPoolRef, takes its template's)",fieldPath=".image"
@@ -326,6 +367,14 @@ type ImpVMSpec struct {
 	// its user data, and its network configuration. See docs/os.md.
 	// +optional
 	CloudInit *CloudInit `json:"cloudInit,omitempty"`
+
+	// accessCredentials give users of a VM of boot OS SSH public keys from Secrets of the VM's
+	// namespace, written by IMP's guest side into their authorized_keys once the OS is up and
+	// again whenever a Secret changes, without a restart. See docs/os.md.
+	// +optional
+	// +listType=atomic
+	// +kubebuilder:validation:MaxItems=8
+	AccessCredentials []AccessCredential `json:"accessCredentials,omitempty"`
 
 	// imagePullSecrets name Secrets of type kubernetes.io/dockerconfigjson in the VM's namespace
 	// used to pull image.
@@ -737,6 +786,12 @@ type ImpVMStatus struct {
 	// found it, and the snapshot its first run restores.
 	// +optional
 	Template *TemplateStatus `json:"template,omitempty"`
+
+	// accessCredentials is the digest of the SSH public keys spec.accessCredentials name, as
+	// the operator last read them (it reads them every few seconds while the VM runs); the
+	// agent gives the guest the keys of this digest. Operator-owned.
+	// +optional
+	AccessCredentials *AccessCredentialsStatus `json:"accessCredentials,omitempty"`
 
 	// volumeHolder is the pod holding the VM's PVCs on its node (docs/volumes.md); the VM's
 	// run starts once it is ready. Operator-owned.

@@ -36,6 +36,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/agent/accesscredentials"
 	"github.com/syscode-labs/imp/internal/agent/cgroup"
 	"github.com/syscode-labs/imp/internal/agent/disk"
 	"github.com/syscode-labs/imp/internal/agent/egressproxy"
@@ -227,6 +228,11 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		if err := setupMigrations(a, mgr); err != nil {
 			return err
 		}
+	}
+	keys := &accesscredentials.Giver{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName,
+		Sessions: a.Runs, Recorder: a.Recorder}
+	if err := keys.SetupWithManager(mgr); err != nil {
+		return err
 	}
 	heartbeat := &nodereport.Heartbeat{Client: a.Client, APIReader: a.APIReader, Namespace: o.RunSecretNamespace, NodeName: o.NodeName, Interval: o.HeartbeatInterval}
 	for _, r := range []manager.Runnable{a.node, heartbeat, sweeper{a}, meter,

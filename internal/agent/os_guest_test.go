@@ -5,8 +5,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
+	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -76,7 +79,34 @@ runcmd:
 		StringData: map[string]string{"userdata": userData}}); err != nil {
 		t.Fatal(err)
 	}
+	// SSH keys from a Secret, for alice (whom cloud-init makes: given once she exists), and
+	// from a Secret that exists only in another namespace, for bob (he gets none).
+	keyDir := t.TempDir()
+	pub := func(name string) string {
+		if out, err := exec.Command("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", keyDir+"/"+name).CombinedOutput(); err != nil {
+			t.Fatalf("ssh-keygen: %v: %s", err, out)
+		}
+		b, err := os.ReadFile(keyDir + "/" + name + ".pub")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	key1, key2 := pub("key1"), pub("key2")
+	keySecret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "debian-keys"}, StringData: map[string]string{"alice": key1}}
+	if err := w.c.Client.Create(ctx, keySecret); err != nil {
+		t.Fatal(err)
+	}
+	other := w.c.Namespace(t)
+	if err := w.c.Client.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: other, Name: "their-keys"},
+		StringData: map[string]string{"k": key2}}); err != nil {
+		t.Fatal(err)
+	}
 	vm := osVM(w, "debian", ref, &impv1.CloudInit{UserDataSecretRef: &impv1.SecretKeyReference{Name: "debian-user-data"}})
+	vm.Spec.AccessCredentials = []impv1.AccessCredential{
+		{SSHPublicKeys: impv1.SSHPublicKeysSource{SecretName: "debian-keys"}, Users: []string{"alice"}},
+		{SSHPublicKeys: impv1.SSHPublicKeysSource{SecretName: "their-keys"}, Users: []string{"bob"}},
+	}
 	if err := w.c.Client.Create(ctx, vm); err != nil {
 		t.Fatal(err)
 	}
@@ -143,6 +173,36 @@ runcmd:
 	if got := run("sh", "-c", "ls /etc/cloud/cloud-init.disabled 2>&1; cat /etc/cloud/cloud.cfg.d/99-imp-network.cfg"); !strings.Contains(got, "network: {config: disabled}") || !strings.Contains(got, "No such file") {
 		t.Errorf("cloud-init's configuration in the guest: %q", got)
 	}
+	// alice logs in with key1 by ssh, through a port-forward of the guest's port 22; bob has
+	// no keys, and the VM's status says where the operator looked for them.
+	ssh := sshThrough(t, w, "debian", v.HostUID(), keyDir)
+	g.Eventually(func() string { out, _ := ssh("key1", "alice", "cat hello.txt"); return out }).
+		WithTimeout(4*time.Minute).WithPolling(2*time.Second).Should(Equal("hello from cloud-init"), func() string {
+		return eventsOf(w.c.Client, w.ns, "debian") + "\n" + run("sh", "-c", "ls -la /home/alice/.ssh; cat /home/alice/.ssh/authorized_keys; journalctl -u ssh --no-pager | tail -20")
+	})
+	if got := w.get("debian").Status.AccessCredentials; got == nil || got.Digest == "" ||
+		got.Message != fmt.Sprintf("accessCredentials[1]: Secret their-keys in namespace %s not found", w.ns) {
+		t.Errorf("status.accessCredentials %+v, want a digest and the message that their-keys is not in %s", got, w.ns)
+	}
+	if got := run("sh", "-c", "cat /home/bob/.ssh/authorized_keys 2>&1; id bob 2>&1"); !strings.Contains(got, "No such file") {
+		t.Errorf("bob's authorized_keys: %q", got)
+	}
+	if got := run("stat", "-c", "%a %U", "/home/alice/.ssh", "/home/alice/.ssh/authorized_keys"); got != "700 alice\n600 alice" {
+		t.Errorf("alice's ~/.ssh and authorized_keys: %q, want 700 alice and 600 alice", got)
+	}
+	// The Secret's key changed, the OS running on: key2 logs in, key1 is refused.
+	keySecret.StringData = map[string]string{"alice": key2}
+	if err := w.c.Client.Update(ctx, keySecret); err != nil {
+		t.Fatal(err)
+	}
+	rotated := time.Now()
+	g.Eventually(func() string { out, _ := ssh("key2", "alice", "cat hello.txt"); return out }).
+		WithTimeout(2 * time.Minute).WithPolling(time.Second).Should(Equal("hello from cloud-init"))
+	t.Logf("the rotated key logs in %v after the Secret changed", time.Since(rotated).Round(time.Millisecond))
+	if out, err := ssh("key1", "alice", "true"); err == nil || !strings.Contains(out, "Permission denied") {
+		t.Errorf("after the rotation, key1 logs in: %q %v", out, err)
+	}
+
 	// The user data is the VM's alone: not in its status or Events.
 	st, _ := json.Marshal(w.get("debian").Status)
 	if strings.Contains(string(st), "imp-user-data-marker-7f3a") || strings.Contains(eventsOf(w.c.Client, w.ns, "debian"), "imp-user-data-marker-7f3a") {
@@ -156,7 +216,6 @@ runcmd:
 	}
 
 	// A VM naming a Secret that exists only in another namespace fails, naming where it looked.
-	other := w.c.Namespace(t)
 	if err := w.c.Client.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: other, Name: "theirs"},
 		StringData: map[string]string{"userdata": "#cloud-config\n"}}); err != nil {
 		t.Fatal(err)
@@ -227,6 +286,42 @@ runcmd:
 		t.Errorf("the OS did not power off: its console ends\n%s", tail(last, 30))
 	}
 	t.Logf("deleted, the OS powered off and the VM was gone in %v", time.Since(deleted).Round(time.Millisecond))
+}
+
+// sshThrough returns a function that runs a command by ssh as user with keyDir's key, through
+// a port-forward of the VM's port 22 (the session channel, as kubectl imp port-forward's): its
+// output and error.
+func sshThrough(t *testing.T, w *world, name string, uid types.UID, keyDir string) func(key, user, command string) (string, error) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				s, err := w.agent.Runs.Session(types.NamespacedName{Namespace: w.ns, Name: name}, uid)
+				if err == nil {
+					_ = s.PortForward(context.Background(), 22, c)
+				}
+			}()
+		}
+	}()
+	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	return func(key, user, command string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, "ssh", "-F", "/dev/null", "-i", keyDir+"/"+key, "-p", port, "-o", "BatchMode=yes",
+			"-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
+			"-o", "ConnectTimeout=50", user+"@127.0.0.1", command).CombinedOutput()
+		return strings.TrimSpace(string(out)), err
+	}
 }
 
 func tail(s string, n int) string {

@@ -29,6 +29,8 @@ const (
 	guestSideDir   = "/run/imp"
 	guestSideState = guestSideDir + "/guest.json"
 	guestSideBin   = guestSideDir + "/imp-init"
+	// guestSideKeys records the users the guest side gave SSH keys (keys_linux.go).
+	guestSideKeys = guestSideDir + "/keys.users"
 	// guestSideUnit is the runtime unit (in /run, gone at the next boot) that starts the
 	// guest side early in the OS's boot, and again if it ends.
 	guestSideUnit = "/run/systemd/system/imp-guest.service"
@@ -187,6 +189,8 @@ func RunGuestSide() error {
 		return fmt.Errorf("the guest channel: %w", err)
 	}
 	live.configure(st.Config, st.Net)
+	keys := &keyWriter{root: "/", given: guestSideKeys}
+	sessionKeys = keys.write
 	serveSessions()
 	go reapAll()
 	ch.serve()

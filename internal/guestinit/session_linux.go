@@ -50,6 +50,10 @@ func (r *reaper) reaped(pid int, ws unix.WaitStatus) {
 	}
 }
 
+// sessionKeys writes the OS's users' SSH keys: set by the guest side of an OS, nil in a
+// workload's guest (which refuses them).
+var sessionKeys func(guestsession.AuthorizedKeys) ([]string, error)
+
 // serveSessions answers the agent's exec and port-forward requests, as the workload runs (the
 // run's configuration as it stands: live), for the rest of the VM's life.
 func serveSessions() {
@@ -61,6 +65,7 @@ func serveSessions() {
 		TokenNow: ch.currentToken,
 		Command:  func(argv []string) (*exec.Cmd, error) { return command(live.config(), argv) },
 		Start:    procs.start,
+		Keys:     sessionKeys,
 	}
 	if ch.vsock {
 		go serveVsockSessions(srv, ch.port+guestsession.VsockPortOffset)

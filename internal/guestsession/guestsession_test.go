@@ -352,3 +352,24 @@ func TestHostileGuest(t *testing.T) {
 type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// TestKeys: an OS's guest side is given its users' keys and says who it lacks; a workload's
+// guest (no Keys) refuses them, and so does any guest asked without the token.
+func TestKeys(t *testing.T) {
+	ctx := context.Background()
+	s := server()
+	if _, err := pair(t, "s3cret", func(g net.Conn) { _ = s.Serve(g) }).Keys(ctx, guestsession.AuthorizedKeys{"alice": {"k"}}); err == nil ||
+		!strings.Contains(err.Error(), "404") || !strings.Contains(err.Error(), "does not boot an OS") {
+		t.Fatalf("keys to a workload's guest: %v, want a 404 refusal", err)
+	}
+	var got guestsession.AuthorizedKeys
+	s.Keys = func(k guestsession.AuthorizedKeys) ([]string, error) { got = k; return []string{"carol"}, nil }
+	if _, err := pair(t, "guess", func(g net.Conn) { _ = s.Serve(g) }).Keys(ctx, guestsession.AuthorizedKeys{"alice": {"k"}}); err == nil ||
+		!strings.Contains(err.Error(), "401") || got != nil {
+		t.Fatalf("keys with the wrong token: %v (given %v), want 401 and nothing given", err, got)
+	}
+	pending, err := pair(t, "s3cret", func(g net.Conn) { _ = s.Serve(g) }).Keys(ctx, guestsession.AuthorizedKeys{"alice": {"k"}, "carol": {"c"}})
+	if err != nil || len(pending) != 1 || pending[0] != "carol" || len(got["alice"]) != 1 {
+		t.Fatalf("keys to an OS: pending %v, %v, given %v", pending, err, got)
+	}
+}

@@ -34,6 +34,9 @@ type Server struct {
 	Start func(cmd *exec.Cmd) (wait func() int, err error)
 	// Dial connects to a TCP port of the guest (default: 127.0.0.1).
 	Dial func(ctx context.Context, port int) (net.Conn, error)
+	// Keys writes the OS's users' SSH keys and returns the users it does not have yet (an
+	// OS's guest side; nil elsewhere: KeysPath is refused).
+	Keys func(AuthorizedKeys) (pending []string, err error)
 }
 
 // http2Server serves h on prior-knowledge HTTP/2 only, with small flow-control windows: the
@@ -85,6 +88,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		s.exec(w, r)
 	case PortForwardPath:
 		s.portForward(w, r)
+	case KeysPath:
+		s.keys(w, r)
 	default:
 		http.NotFound(w, r)
 	}

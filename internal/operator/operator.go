@@ -28,6 +28,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/controller/accesscredentials"
 	"github.com/syscode-labs/imp/internal/controller/endpoints"
 	"github.com/syscode-labs/imp/internal/controller/evacuation"
 	"github.com/syscode-labs/imp/internal/controller/idle"
@@ -186,6 +187,10 @@ func Setup(ctx context.Context, mgr ctrl.Manager, o Options) error {
 	}
 	if err := (&endpoints.Reconciler{Client: mgr.GetClient()}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the endpoints reconciler: %w", err)
+	}
+	if err := (&accesscredentials.Reconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Status: status, Recorder: recorder,
+		SecretNamespace: o.VM.RunSecretNamespace}).SetupWithManager(mgr); err != nil {
+		return fmt.Errorf("setting up the access credentials' refresh: %w", err)
 	}
 	if err := (&idle.Reconciler{Client: mgr.GetClient(), Recorder: recorder, Clock: o.Clock}).SetupWithManager(mgr); err != nil {
 		return fmt.Errorf("setting up the idle reconciler: %w", err)

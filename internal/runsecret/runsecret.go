@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/accesskeys"
 )
 
 // DefaultNamespace is IMP's namespace, where the chart installs it.
@@ -54,7 +55,7 @@ func Needed(vm *impv1.ImpVM) bool {
 			return true
 		}
 	}
-	return vm.Spec.CloudInit != nil && vm.Spec.CloudInit.UserDataSecretRef != nil
+	return vm.Spec.CloudInit != nil && vm.Spec.CloudInit.UserDataSecretRef != nil || len(vm.Spec.AccessCredentials) > 0
 }
 
 // Name is the Secret of the VM with uid.
@@ -160,6 +161,14 @@ func resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM, data map[str
 			return missingKeyError{fmt.Sprintf("cloudInit.userDataSecretRef: Secret %s in namespace %s has no key %s", ref.Name, vm.Namespace, key)}
 		}
 		data[userData] = v
+	}
+	// The SSH keys as they are now; the operator refreshes them while the VM runs
+	// (controller/accesscredentials), and a failure to read them is told there, never fails
+	// the run.
+	if len(vm.Spec.AccessCredentials) > 0 {
+		if keys, _, err := accesskeys.Resolve(ctx, r, vm); err == nil {
+			data[accesskeys.SecretKey] = keys.Encode()
+		}
 	}
 	for i := range vm.Spec.Volumes {
 		files, err := volumeFiles(ctx, r, vm.Namespace, &vm.Spec.Volumes[i])
@@ -328,4 +337,42 @@ func (r *Run) Env(i int) (string, bool) {
 func (r *Run) UserData() ([]byte, bool) {
 	v, ok := r.data[userData]
 	return v, ok
+}
+
+// SSHKeys are the keys of spec.accessCredentials as the operator last wrote them (none
+// before it first could).
+func (r *Run) SSHKeys() (accesskeys.Keys, bool, error) {
+	v, ok := r.data[accesskeys.SecretKey]
+	if !ok {
+		return nil, false, nil
+	}
+	k, err := accesskeys.Decode(v)
+	return k, err == nil, err
+}
+
+// WriteSSHKeys writes keys into the run Secret of vm's current run, if it differs: the
+// operator's refresh while the VM runs. A Secret not there yet, or of another run, is left
+// alone (the run's own write carries the keys); false says nothing was written.
+func WriteSSHKeys(ctx context.Context, c client.Client, r client.Reader, ns string, vm *impv1.ImpVM, keys accesskeys.Keys) (bool, error) {
+	var s corev1.Secret
+	switch err := r.Get(ctx, types.NamespacedName{Namespace: ns, Name: Name(vm.UID)}, &s); {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("reading the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
+	}
+	enc := keys.Encode()
+	if s.Annotations[runAnno] != runOf(vm) || string(s.Data[accesskeys.SecretKey]) == string(enc) {
+		return false, nil
+	}
+	if s.Data == nil {
+		s.Data = map[string][]byte{}
+	}
+	s.Data[accesskeys.SecretKey] = enc
+	// An update of the version read (the operator may update, not patch, run Secrets): a
+	// write of the run's meanwhile is a conflict, retried.
+	if err := c.Update(ctx, &s); err != nil {
+		return false, fmt.Errorf("writing the SSH keys into the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
+	}
+	return true, nil
 }
