@@ -11,6 +11,10 @@ cd "$(dirname "$0")/.."
 CACHE=${IMP_CACHE:-$HOME/.cache/imp}
 OUT=$CACHE/os-debian
 STAMP=$(sha256sum "$0" | cut -c1-16)
+# One build at a time: the agent's tests and the end-to-end test may ask at once.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/os-debian.lock"
+flock 9
 if ! [[ -f $OUT/.imp-stamp && $(cat "$OUT/.imp-stamp") == "$STAMP" ]]; then
   if ! command -v mmdebstrap >/dev/null; then
     # debootstrap fails on a virtual dependency of cloud-init; mmdebstrap resolves it with apt.

@@ -549,6 +549,11 @@ observability:
 		checkPools(t, sh, must, eventually, tmp, realNode, ref.String(), testguest.Image(t, registry, "hello2").String())
 	}
 
+	// ## A whole OS (docs/os.md): systemd, an SSH key from a Secret, ssh through a Service.
+	if vmmKind == "" || vmmKind == "qemu" {
+		checkOS(t, sh, must, eventually, env, tmp, root, registry, realNode)
+	}
+
 	// ## Runtime OnDelete: an upgrade that changes the agent image replaces no imp-runtime pod.
 	must(helmInstall+valueFiles+" --set agent.image.digest= --set agent.image.tag=0.9.0", "STATUS: deployed", "REVISION: 2")
 	newImage := registry + "/imp-agent:0.9.0"
