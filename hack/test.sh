@@ -57,7 +57,10 @@ trap 'go test -short -count=1 -run "^$" ./test/e2e/ >/dev/null || echo "cleaning
 log=$(mktemp /tmp/imp-go-test.XXXXXX)
 if ! go test -count=1 -timeout 45m ${GO_TEST_FLAGS:-} ./... 2>&1 | tee "$log"; then
   echo; echo "=== what failed (all of it is above)"
-  grep -E -e '^(--- FAIL|FAIL|panic:)' -e '^\s+[A-Za-z0-9_]+\.go:[0-9]+: ' "$log" | cut -c1-300 | tail -80
+  # A test's lines but the commands it ran (the end-to-end test logs each as "$ command"),
+  # which would push its errors out of the tail.
+  grep -E -e '^(--- FAIL|FAIL|panic:)' -e '^\s+[A-Za-z0-9_]+\.go:[0-9]+: ' "$log" | grep -vE '^\s+[A-Za-z0-9_]+\.go:[0-9]+: \$ ' |
+    cut -c1-300 | tail -80
   echo "=== the failed tests"; grep -E '^\s*--- FAIL' "$log" | tail -20
   rm -f "$log"
   exit 1

@@ -32,7 +32,14 @@ const SecretKey = "ssh.keys"
 const (
 	MaxLine  = 16 << 10
 	MaxLines = 256
+	// MaxBytes bounds the lines of all users together, as the guest is sent them (the guest
+	// side takes a request of 1 MiB at most).
+	MaxBytes = 256 << 10
 )
+
+// None are no keys: what a VM that names no credentials any more gives its guest, whose users
+// given keys before lose them.
+var None = Keys{}
 
 // Keys are the authorized_keys lines of each user, sorted and without duplicates.
 type Keys map[string][]string
@@ -69,6 +76,7 @@ func Decode(b []byte) (Keys, error) {
 // is an error, and nothing is resolved. A line that is not an authorized key is an error.
 func Resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM) (keys Keys, missing []string, err error) {
 	keys = Keys{}
+	total := 0
 	for i, c := range vm.Spec.AccessCredentials {
 		for _, u := range c.Users {
 			if keys[u] == nil {
@@ -87,6 +95,13 @@ func Resolve(ctx context.Context, r client.Reader, vm *impv1.ImpVM) (keys Keys, 
 		lines, err := Lines(s.Data)
 		if err != nil {
 			return nil, nil, fmt.Errorf("accessCredentials[%d]: Secret %s in namespace %s: %w", i, name, vm.Namespace, err)
+		}
+		n := 0
+		for _, l := range lines {
+			n += len(l) + 1
+		}
+		if total += n * len(c.Users); total > MaxBytes {
+			return nil, nil, fmt.Errorf("accessCredentials: the keys of all users come to more than %d bytes", MaxBytes)
 		}
 		for _, u := range c.Users {
 			keys[u] = append(keys[u], lines...)

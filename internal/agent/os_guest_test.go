@@ -63,6 +63,8 @@ func TestAnOSBootsItsInit(t *testing.T) {
 users:
   - name: alice
     shell: /bin/bash
+  - name: bob
+    shell: /bin/bash
 write_files:
   - path: /home/alice/hello.txt
     content: hello from cloud-init
@@ -184,8 +186,9 @@ runcmd:
 		got.Message != fmt.Sprintf("accessCredentials[1]: Secret their-keys in namespace %s not found", w.ns) {
 		t.Errorf("status.accessCredentials %+v, want a digest and the message that their-keys is not in %s", got, w.ns)
 	}
-	if got := run("sh", "-c", "cat /home/bob/.ssh/authorized_keys 2>&1; id bob 2>&1"); !strings.Contains(got, "No such file") {
-		t.Errorf("bob's authorized_keys: %q", got)
+	if got := run("sh", "-c", "id -un bob; cat /home/bob/.ssh/authorized_keys 2>/dev/null"); !strings.HasPrefix(got, "bob") ||
+		strings.Contains(got, "BEGIN IMP") || strings.Contains(got, strings.Fields(key2)[1]) {
+		t.Errorf("bob (made by cloud-init) and his authorized_keys: %q, want none of IMP's keys", got)
 	}
 	if got := run("stat", "-c", "%a %U", "/home/alice/.ssh", "/home/alice/.ssh/authorized_keys"); got != "700 alice\n600 alice" {
 		t.Errorf("alice's ~/.ssh and authorized_keys: %q, want 700 alice and 600 alice", got)
@@ -201,6 +204,16 @@ runcmd:
 	t.Logf("the rotated key logs in %v after the Secret changed", time.Since(rotated).Round(time.Millisecond))
 	if out, err := ssh("key1", "alice", "true"); err == nil || !strings.Contains(out, "Permission denied") {
 		t.Errorf("after the rotation, key1 logs in: %q %v", out, err)
+	}
+	// The Secret deleted: its keys are taken back, and alice's own line stays.
+	run("sh", "-c", "echo '# alice-own-line' >> /home/alice/.ssh/authorized_keys")
+	if err := w.c.Client.Delete(ctx, keySecret); err != nil {
+		t.Fatal(err)
+	}
+	g.Eventually(func() string { out, _ := ssh("key2", "alice", "true"); return out }).
+		WithTimeout(2 * time.Minute).WithPolling(time.Second).Should(ContainSubstring("Permission denied"))
+	if got := run("cat", "/home/alice/.ssh/authorized_keys"); got != "# alice-own-line" {
+		t.Errorf("after the Secret was deleted, alice's authorized_keys: %q, want only her own line", got)
 	}
 
 	// The user data is the VM's alone: not in its status or Events.
@@ -267,6 +280,42 @@ runcmd:
 	}
 	if got := run("systemctl", "is-system-running"); got != "running" {
 		t.Errorf("after the resume, systemctl is-system-running says %q", got)
+	}
+
+	// Stopped (kubectl imp stop: runStrategy Halted), the OS shuts down within the grace
+	// period: the console ends with the kernel's power-off; started again, its journal's
+	// previous boot ends with systemd's shutdown.
+	setRunStrategy := func(rs impv1.RunStrategy) {
+		t.Helper()
+		cur := w.get("debian")
+		orig := cur.DeepCopy()
+		cur.Spec.RunStrategy = rs
+		if err := w.c.Client.Patch(ctx, cur, client.MergeFrom(orig)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stopped := time.Now()
+	setRunStrategy(impv1.RunStrategyHalted)
+	var console string
+	g.Eventually(func() impv1.VMPhase {
+		if c := w.console(v); c != "" {
+			console = c
+		}
+		return w.get("debian").Status.Phase
+	}).WithTimeout(3 * time.Minute).WithPolling(100 * time.Millisecond).Should(Equal(impv1.VMStopped))
+	took := time.Since(stopped)
+	t.Logf("stopped: the OS powered off and the VM was Stopped in %v", took.Round(time.Millisecond))
+	if !strings.Contains(console, "reboot: Power down") {
+		t.Errorf("stopped, the OS did not power off: its console ends\n%s", tail(console, 30))
+	}
+	setRunStrategy(impv1.RunStrategyAlways)
+	g.Eventually(func() bool {
+		v := w.get("debian")
+		return v.Status.Phase == impv1.VMRunning && meta.IsStatusConditionTrue(v.Status.Conditions, impv1.ReadyCondition)
+	}).WithTimeout(8*time.Minute).WithPolling(200*time.Millisecond).Should(BeTrue(), func() string { return tail(w.console(w.get("debian")), 30) })
+	v = w.get("debian")
+	if got := run("sh", "-c", "journalctl -b -1 -o cat --no-pager | tail -15"); !strings.Contains(got, "System Power Off") {
+		t.Errorf("the journal's previous boot does not end with systemd's power-off:\n%s", got)
 	}
 
 	// Deleted, the OS shuts down: the agent's stop is systemd's power-off, seen on the console

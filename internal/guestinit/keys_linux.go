@@ -14,6 +14,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -39,17 +41,43 @@ var userName = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
 // ~/.ssh and could point root's write anywhere else.
 type keyWriter struct {
 	root string
-	// given records the users written before (a file in the guest side's root-only state), so
-	// that a user taken out of the VM's accessCredentials has its block emptied.
+	// given records the users written before (a root-only file on the OS's disk, which outlives
+	// a restart of the VM), so that a user taken out of the VM's accessCredentials, even while
+	// it was stopped, has its block emptied.
 	given string
 	mu    sync.Mutex
 }
 
+// keysWithin bounds a request's writing: a user's file system that blocks (a FUSE mount of
+// theirs) holds the writer, not the agent; later requests are refused while it is held.
+const keysWithin = 10 * time.Second
+
+// give is write within keysWithin, one request at a time.
+func (k *keyWriter) give(keys guestsession.AuthorizedKeys) ([]string, error) {
+	if !k.mu.TryLock() {
+		return nil, errors.New("an earlier request for the users' keys is still being written")
+	}
+	type result struct {
+		pending []string
+		err     error
+	}
+	done := make(chan result, 1)
+	go func() {
+		defer k.mu.Unlock()
+		p, err := k.write(keys)
+		done <- result{p, err}
+	}()
+	select {
+	case r := <-done:
+		return r.pending, r.err
+	case <-time.After(keysWithin):
+		return nil, fmt.Errorf("writing the users' keys took more than %v", keysWithin)
+	}
+}
+
 // write gives each user of keys its lines, empties the block of users given keys before and
-// not named now, and returns the users the OS does not have yet.
+// not named now, and returns the users the OS does not have yet. Its caller holds k.mu.
 func (k *keyWriter) write(keys guestsession.AuthorizedKeys) ([]string, error) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
 	for u, lines := range keys {
 		if !userName.MatchString(u) {
 			return nil, fmt.Errorf("user %q: not a user name", u)
@@ -111,6 +139,10 @@ func (k *keyWriter) readGiven() []string {
 func (k *keyWriter) writeGiven(users []string) {
 	slices.Sort(users)
 	b, _ := json.Marshal(slices.Compact(users))
+	if err := os.MkdirAll(filepath.Dir(k.given), 0o700); err != nil {
+		fmt.Fprintln(os.Stderr, "imp-init: recording the users given SSH keys:", err)
+		return
+	}
 	if err := os.WriteFile(k.given, b, 0o600); err != nil {
 		fmt.Fprintln(os.Stderr, "imp-init: recording the users given SSH keys:", err)
 	}
@@ -156,14 +188,22 @@ func (k *keyWriter) writeUser(u passwdEntry, lines []string) error {
 		return fmt.Errorf("user %s: its home %s: %w", u.name, u.home, err)
 	}
 	defer unix.Close(home)
+	var st unix.Stat_t
+	if err := unix.Fstat(home, &st); err != nil {
+		return fmt.Errorf("user %s: its home %s: %w", u.name, u.home, err)
+	}
+	if int(st.Uid) != u.uid && st.Uid != 0 {
+		return fmt.Errorf("user %s: its home %s belongs to uid %d: refused", u.name, u.home, st.Uid)
+	}
+	made := false
 	switch err := unix.Mkdirat(home, ".ssh", 0o700); {
 	case err == nil:
-		if err := unix.Fchownat(home, ".ssh", u.uid, u.gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-			return fmt.Errorf("user %s: ~/.ssh: %w", u.name, err)
-		}
+		made = true
 	case !errors.Is(err, unix.EEXIST):
 		return fmt.Errorf("user %s: making ~/.ssh: %w", u.name, err)
 	}
+	// Opened, then checked and given to the user by its descriptor: never by its name, which
+	// the user can point elsewhere in between.
 	dir, err := unix.Openat(home, ".ssh", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
@@ -172,14 +212,18 @@ func (k *keyWriter) writeUser(u passwdEntry, lines []string) error {
 		return fmt.Errorf("user %s: ~/.ssh: %w", u.name, err)
 	}
 	defer unix.Close(dir)
-	var st unix.Stat_t
 	if err := unix.Fstat(dir, &st); err != nil {
 		return fmt.Errorf("user %s: ~/.ssh: %w", u.name, err)
 	}
-	if int(st.Uid) != u.uid && st.Uid != 0 {
+	switch {
+	case made && st.Uid == 0:
+		if err := unix.Fchown(dir, u.uid, u.gid); err != nil {
+			return fmt.Errorf("user %s: ~/.ssh: %w", u.name, err)
+		}
+	case int(st.Uid) != u.uid:
 		return fmt.Errorf("user %s: ~/.ssh belongs to uid %d: refused", u.name, st.Uid)
 	}
-	old, err := readAuthorizedKeys(dir)
+	old, err := readAuthorizedKeys(dir, u.uid)
 	if err != nil {
 		return fmt.Errorf("user %s: %w", u.name, err)
 	}
@@ -216,8 +260,8 @@ func (k *keyWriter) writeUser(u passwdEntry, lines []string) error {
 }
 
 // readAuthorizedKeys reads dir's authorized_keys: none is empty; one that is not a regular
-// file (a symlink, a FIFO) is refused.
-func readAuthorizedKeys(dir int) ([]byte, error) {
+// file of uid's with one link (a symlink, a FIFO, a hard link to a file of root's) is refused.
+func readAuthorizedKeys(dir, uid int) ([]byte, error) {
 	fd, err := unix.Openat(dir, "authorized_keys", unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	switch {
 	case errors.Is(err, unix.ENOENT):
@@ -235,6 +279,9 @@ func readAuthorizedKeys(dir int) ([]byte, error) {
 	}
 	if !st.Mode().IsRegular() {
 		return nil, errors.New("~/.ssh/authorized_keys is not a regular file: refused")
+	}
+	if sys, ok := st.Sys().(*syscall.Stat_t); !ok || int(sys.Uid) != uid || sys.Nlink != 1 {
+		return nil, errors.New("~/.ssh/authorized_keys is not the user's alone (another owner, or a hard link): refused")
 	}
 	b, err := io.ReadAll(io.LimitReader(f, maxAuthorizedKeys+1))
 	if err != nil {

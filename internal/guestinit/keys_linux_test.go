@@ -15,9 +15,11 @@ import (
 
 // TestKeyWriter: the guest side gives users their SSH keys in a block of their
 // authorized_keys, replaced whole (a rotated key is gone), the user's own lines kept, a user
-// taken out emptied, a user the OS lacks pending; and it is not led astray by what the user
-// owns: a ~/.ssh or an authorized_keys that is a symlink (to a file root's write would
-// replace), a FIFO (a read that never ends), and a key line that would be two.
+// taken out emptied (after a restart too), a user the OS lacks pending; and it is not led
+// astray by what a user owns: a ~/.ssh or an authorized_keys that is a symlink (to a file
+// root's write would replace), a FIFO (a read that never ends), a hard link to root's file, a
+// ~/.ssh another user made; nor by a key line that would be two, or a user's name that is a
+// path.
 func TestKeyWriter(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: it gives files to users")
@@ -50,7 +52,7 @@ func TestKeyWriter(t *testing.T) {
 		return string(b)
 	}
 
-	pending, err := kw.write(guestsession.AuthorizedKeys{"alice": {k1}, "carol": {k2}})
+	pending, err := kw.give(guestsession.AuthorizedKeys{"alice": {k1}, "carol": {k2}})
 	if err != nil || !slices.Equal(pending, []string{"carol"}) {
 		t.Fatalf("first write: pending %v, %v; want carol pending", pending, err)
 	}
@@ -68,14 +70,16 @@ func TestKeyWriter(t *testing.T) {
 	}
 	// The user's own line stays; the rotated key replaces the old.
 	must(os.WriteFile(ak, []byte(own+"\n"+read()), 0o600))
-	if _, err := kw.write(guestsession.AuthorizedKeys{"alice": {k2}}); err != nil {
+	if _, err := kw.give(guestsession.AuthorizedKeys{"alice": {k2}}); err != nil {
 		t.Fatal(err)
 	}
 	if got := read(); !strings.Contains(got, own+"\n") || strings.Contains(got, k1) || !strings.Contains(got, k2) || strings.Count(got, keysBegin) != 1 {
 		t.Errorf("after the rotation, alice's authorized_keys: %q", got)
 	}
-	// Taken out of the VM's credentials: its block is emptied, its own line stays.
-	if _, err := kw.write(guestsession.AuthorizedKeys{}); err != nil {
+	// Taken out of the VM's credentials, after a restart of the guest side (a new writer on
+	// the same record): its block is emptied, its own line stays.
+	kw = &keyWriter{root: root, given: kw.given}
+	if _, err := kw.give(guestsession.AuthorizedKeys{}); err != nil {
 		t.Fatal(err)
 	}
 	if got := read(); got != own+"\n" {
@@ -87,20 +91,37 @@ func TestKeyWriter(t *testing.T) {
 	must(os.MkdirAll(victim, 0o755))
 	must(os.WriteFile(filepath.Join(victim, "authorized_keys"), []byte("root's own\n"), 0o600))
 	must(os.Symlink(victim, filepath.Join(root, "home/bob/.ssh")))
-	if _, err := kw.write(guestsession.AuthorizedKeys{"bob": {k1}}); err == nil || !strings.Contains(err.Error(), "refused") {
+	if _, err := kw.give(guestsession.AuthorizedKeys{"bob": {k1}}); err == nil || !strings.Contains(err.Error(), "refused") {
 		t.Errorf("bob's ~/.ssh a symlink: %v, want a refusal", err)
 	}
 	// mallory's authorized_keys a symlink to a file of root's, then a FIFO.
 	must(os.MkdirAll(filepath.Join(root, "home/mallory/.ssh"), 0o700))
 	must(os.Chown(filepath.Join(root, "home/mallory/.ssh"), 1002, 1002))
 	must(os.Symlink(filepath.Join(victim, "authorized_keys"), filepath.Join(root, "home/mallory/.ssh/authorized_keys")))
-	if _, err := kw.write(guestsession.AuthorizedKeys{"mallory": {k1}}); err == nil || !strings.Contains(err.Error(), "symlink") {
+	if _, err := kw.give(guestsession.AuthorizedKeys{"mallory": {k1}}); err == nil || !strings.Contains(err.Error(), "symlink") {
 		t.Errorf("mallory's authorized_keys a symlink: %v, want a refusal", err)
 	}
 	must(os.Remove(filepath.Join(root, "home/mallory/.ssh/authorized_keys")))
 	must(unix.Mkfifo(filepath.Join(root, "home/mallory/.ssh/authorized_keys"), 0o600))
-	if _, err := kw.write(guestsession.AuthorizedKeys{"mallory": {k1}}); err == nil || !strings.Contains(err.Error(), "not a regular file") {
+	if _, err := kw.give(guestsession.AuthorizedKeys{"mallory": {k1}}); err == nil || !strings.Contains(err.Error(), "not a regular file") {
 		t.Errorf("mallory's authorized_keys a FIFO: %v, want a refusal", err)
+	}
+	// A hard link to a file of root's (where protected_hardlinks is off): neither read nor
+	// written through.
+	must(os.Remove(filepath.Join(root, "home/mallory/.ssh/authorized_keys")))
+	must(os.Link(filepath.Join(victim, "authorized_keys"), filepath.Join(root, "home/mallory/.ssh/authorized_keys")))
+	if _, err := kw.give(guestsession.AuthorizedKeys{"mallory": {k1}}); err == nil || !strings.Contains(err.Error(), "hard link") {
+		t.Errorf("mallory's authorized_keys a hard link to root's file: %v, want a refusal", err)
+	}
+	// A ~/.ssh of another user's (mallory made bob's): refused.
+	must(os.Remove(filepath.Join(root, "home/bob/.ssh")))
+	must(os.Mkdir(filepath.Join(root, "home/bob/.ssh"), 0o700))
+	must(os.Chown(filepath.Join(root, "home/bob/.ssh"), 1002, 1002))
+	if _, err := kw.give(guestsession.AuthorizedKeys{"bob": {k1}}); err == nil || !strings.Contains(err.Error(), "belongs to uid 1002") {
+		t.Errorf("bob's ~/.ssh mallory's: %v, want a refusal", err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "home/bob/.ssh/authorized_keys")); !os.IsNotExist(err) {
+		t.Errorf("a file was written in bob's ~/.ssh of mallory's: %v", err)
 	}
 	if b, _ := os.ReadFile(filepath.Join(victim, "authorized_keys")); string(b) != "root's own\n" {
 		t.Errorf("the file the symlinks named was changed: %q", b)
@@ -108,11 +129,15 @@ func TestKeyWriter(t *testing.T) {
 	if ents, _ := os.ReadDir(victim); len(ents) != 1 {
 		t.Errorf("the directory bob's symlink named holds %d entries, want only its own", len(ents))
 	}
-	// A key line that would be two lines, or a comment that would end IMP's block.
+	// A key line that would be two lines, or a comment that would end IMP's block; a user's
+	// name that is a path.
 	for _, bad := range []string{k1 + "\n" + k2, keysEnd} {
-		if _, err := kw.write(guestsession.AuthorizedKeys{"alice": {bad}}); err == nil {
+		if _, err := kw.give(guestsession.AuthorizedKeys{"alice": {bad}}); err == nil {
 			t.Errorf("the key line %q was written", bad)
 		}
+	}
+	if _, err := kw.give(guestsession.AuthorizedKeys{"../root": {k1}}); err == nil || !strings.Contains(err.Error(), "not a user name") {
+		t.Errorf("the user ../root: %v, want a refusal", err)
 	}
 	if got := read(); got != own+"\n" {
 		t.Errorf("after the refused lines, alice's authorized_keys: %q", got)

@@ -29,8 +29,9 @@ const (
 	guestSideDir   = "/run/imp"
 	guestSideState = guestSideDir + "/guest.json"
 	guestSideBin   = guestSideDir + "/imp-init"
-	// guestSideKeys records the users the guest side gave SSH keys (keys_linux.go).
-	guestSideKeys = guestSideDir + "/keys.users"
+	// guestSideKeys records the users the guest side gave SSH keys (keys_linux.go), on the
+	// OS's disk: a restart of the VM keeps it.
+	guestSideKeys = "/var/lib/imp/keys.users"
 	// guestSideUnit is the runtime unit (in /run, gone at the next boot) that starts the
 	// guest side early in the OS's boot, and again if it ends.
 	guestSideUnit = "/run/systemd/system/imp-guest.service"
@@ -190,7 +191,7 @@ func RunGuestSide() error {
 	}
 	live.configure(st.Config, st.Net)
 	keys := &keyWriter{root: "/", given: guestSideKeys}
-	sessionKeys = keys.write
+	sessionKeys = keys.give
 	serveSessions()
 	go reapAll()
 	ch.serve()

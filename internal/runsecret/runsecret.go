@@ -350,19 +350,25 @@ func (r *Run) SSHKeys() (accesskeys.Keys, bool, error) {
 	return k, err == nil, err
 }
 
+// ErrNoRunSecret is WriteSSHKeys' answer when the VM's current run has no run Secret: none
+// was needed when it started, or the run's own is not written yet.
+var ErrNoRunSecret = errors.New("the VM's current run has no run Secret")
+
 // WriteSSHKeys writes keys into the run Secret of vm's current run, if it differs: the
-// operator's refresh while the VM runs. A Secret not there yet, or of another run, is left
-// alone (the run's own write carries the keys); false says nothing was written.
+// operator's refresh while the VM runs; false says nothing was written.
 func WriteSSHKeys(ctx context.Context, c client.Client, r client.Reader, ns string, vm *impv1.ImpVM, keys accesskeys.Keys) (bool, error) {
 	var s corev1.Secret
 	switch err := r.Get(ctx, types.NamespacedName{Namespace: ns, Name: Name(vm.UID)}, &s); {
 	case apierrors.IsNotFound(err):
-		return false, nil
+		return false, ErrNoRunSecret
 	case err != nil:
 		return false, fmt.Errorf("reading the run's Secret of %s/%s: %w", vm.Namespace, vm.Name, err)
 	}
+	if s.Annotations[runAnno] != runOf(vm) {
+		return false, ErrNoRunSecret
+	}
 	enc := keys.Encode()
-	if s.Annotations[runAnno] != runOf(vm) || string(s.Data[accesskeys.SecretKey]) == string(enc) {
+	if string(s.Data[accesskeys.SecretKey]) == string(enc) {
 		return false, nil
 	}
 	if s.Data == nil {

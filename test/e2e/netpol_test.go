@@ -40,6 +40,9 @@ type matrixWorld struct {
 	env      []string
 	dir      string
 	entities []entity
+	// diagnose, when set, prints what the node did with the traffic, at the first matrix
+	// that never converged.
+	diagnose func()
 }
 
 // protos are the matrix's columns for each destination.
@@ -177,6 +180,10 @@ func (w *matrixWorld) converge(name string, want [][]bool, bound time.Duration) 
 		}
 	}
 	w.t.Errorf("matrix %q: seen differs from expected (X reached, . not, ! where seen differs):\n%s", name, w.show(want, seen))
+	if w.diagnose != nil {
+		w.diagnose()
+		w.diagnose = nil
+	}
 }
 
 // netpolCase is one policy set and what it lets through.
@@ -247,6 +254,18 @@ spec:
 	}
 	must("kubectl apply -f netpol-world.yaml")
 	w := &matrixWorld{t: t, env: env, dir: dir}
+	w.diagnose = func() {
+		// The node's routes to the VMs' endpoint addresses and its transit links, the nft
+		// chains of the networks, and what the agent said of them.
+		for _, c := range []string{
+			"for e in 100.72.0.1 100.72.0.2 100.72.0.3; do ip -4 route get $e; done; ip -4 route show proto 0x4a; ip -br link | grep -E 'impe|impb'",
+			"nft list tables; nft list ruleset | grep -cE 'impe|dnat'",
+			"kubectl get impnetwork -A -o wide; kubectl get impvm -A -o wide",
+			"kubectl -n imp-system logs -l app.kubernetes.io/name=imp-runtime --tail=-1 | grep -E 'np-x|np-y|transit|expos|plumb|route' | tail -60",
+		} {
+			_, _ = sh(c)
+		}
+	}
 	for _, e := range []entity{{name: "px", ns: "np-x"}, {name: "py", ns: "np-y"}, {name: "va", ns: "np-x", kind: isVM}, {name: "vb", ns: "np-x", kind: isVM}, {name: "vc", ns: "np-y", kind: isVM}} {
 		eventually(e.name+" serving", 6*time.Minute, func() error {
 			if e.kind == isPod {

@@ -19,9 +19,11 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
+	"github.com/syscode-labs/imp/internal/accesskeys"
 	"github.com/syscode-labs/imp/internal/guestsession"
 	"github.com/syscode-labs/imp/internal/runsecret"
 )
@@ -32,8 +34,19 @@ const (
 	ReasonPending = "AccessCredentialsPending"
 )
 
-// Retry is how soon keys are given again to an OS that lacks some of their users.
-const Retry = 3 * time.Second
+// Retry is how soon keys are given again to an OS that lacks some of their users, doubled at
+// each further try up to MaxRetry.
+const (
+	Retry    = 3 * time.Second
+	MaxRetry = time.Minute
+)
+
+// Timeout bounds a guest's answer: a guest that stalls holds one of the giver's workers this
+// long, and no more.
+const Timeout = 10 * time.Second
+
+// Workers give keys to as many VMs at once.
+const Workers = 4
 
 // Sessions are the running VMs' session channels (the monitor's registry).
 type Sessions interface {
@@ -56,8 +69,14 @@ type Giver struct {
 
 	mu sync.Mutex
 	// given is, per VM, the run and digest whose keys its guest has ("uid instance.run
-	// digest"); told, those whose pending users an Event told.
-	given, told map[types.NamespacedName]string
+	// digest"); pending, those whose guest lacks users, and how often it was asked.
+	given   map[types.NamespacedName]string
+	pending map[types.NamespacedName]tries
+}
+
+type tries struct {
+	mark string
+	n    int
 }
 
 // Reconcile gives the VM's guest the keys of its status' digest, once per run and digest.
@@ -67,7 +86,7 @@ func (g *Giver) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		if apierrors.IsNotFound(err) {
 			g.mu.Lock()
 			delete(g.given, req.NamespacedName)
-			delete(g.told, req.NamespacedName)
+			delete(g.pending, req.NamespacedName)
 			g.mu.Unlock()
 		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
@@ -85,24 +104,29 @@ func (g *Giver) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if done {
 		return ctrl.Result{}, nil
 	}
-	run, err := runsecret.Read(ctx, g.APIReader, g.Namespace, vm)
-	if err != nil {
-		return ctrl.Result{}, fmt.Errorf("the SSH keys of %s/%s: %w", vm.Namespace, vm.Name, err)
-	}
-	keys, ok, err := run.SSHKeys()
-	if err != nil {
-		return ctrl.Result{}, err
-	}
-	if !ok || keys.Digest() != digest {
-		// The operator writes the run Secret before the status: a status ahead of the Secret
-		// is one this cache read before the Secret's write reached the API server's reads.
-		return ctrl.Result{RequeueAfter: time.Second}, nil
+	keys := accesskeys.None // no credentials named any more: the users given keys lose them
+	if digest != accesskeys.None.Digest() {
+		run, err := runsecret.Read(ctx, g.APIReader, g.Namespace, vm)
+		if err != nil {
+			return ctrl.Result{}, fmt.Errorf("the SSH keys of %s/%s: %w", vm.Namespace, vm.Name, err)
+		}
+		k, ok, err := run.SSHKeys()
+		if err != nil {
+			return ctrl.Result{}, err
+		}
+		if !ok || k.Digest() != digest {
+			// The operator writes the run Secret before the status, and the status again at
+			// its next read when the Secret changed meanwhile: a digest the Secret does not
+			// hold is read again, with backoff.
+			return ctrl.Result{}, fmt.Errorf("the SSH keys of %s/%s: the run's Secret holds no keys of digest %.12s yet", vm.Namespace, vm.Name, digest)
+		}
+		keys = k
 	}
 	s, err := g.Sessions.Session(req.NamespacedName, vm.HostUID())
 	if err != nil {
 		return ctrl.Result{}, fmt.Errorf("the SSH keys of %s/%s: %w", vm.Namespace, vm.Name, err)
 	}
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, Timeout)
 	defer cancel()
 	pending, err := s.Keys(ctx, guestsession.AuthorizedKeys(keys))
 	if err != nil {
@@ -110,20 +134,25 @@ func (g *Giver) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	}
 	g.mu.Lock()
 	if g.given == nil {
-		g.given, g.told = map[types.NamespacedName]string{}, map[types.NamespacedName]string{}
+		g.given, g.pending = map[types.NamespacedName]string{}, map[types.NamespacedName]tries{}
 	}
-	tell := g.told[req.NamespacedName] != mark
+	p := g.pending[req.NamespacedName]
+	if p.mark != mark {
+		p = tries{mark: mark}
+	}
 	if len(pending) == 0 {
 		g.given[req.NamespacedName] = mark
+		delete(g.pending, req.NamespacedName)
 	} else {
-		g.told[req.NamespacedName] = mark
+		p.n++
+		g.pending[req.NamespacedName] = p
 	}
 	g.mu.Unlock()
 	if len(pending) > 0 {
-		if tell {
+		if p.n == 1 {
 			g.Recorder.Eventf(vm, nil, "Normal", ReasonPending, "GiveKeys", "the OS has no user %s yet: its keys are given once it has", strings.Join(pending, ", "))
 		}
-		return ctrl.Result{RequeueAfter: Retry}, nil
+		return ctrl.Result{RequeueAfter: min(Retry<<min(p.n-1, 8), MaxRetry)}, nil
 	}
 	g.Recorder.Eventf(vm, nil, "Normal", ReasonGiven, "GiveKeys", "the OS's users have the SSH keys of digest %.12s", digest)
 	return ctrl.Result{}, nil
@@ -137,5 +166,6 @@ func (g *Giver) SetupWithManager(mgr ctrl.Manager) error {
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("imp-agent-accesscredentials").
 		For(&impv1.ImpVM{}, builder.WithPredicates(concerned)).
+		WithOptions(controller.Options{MaxConcurrentReconciles: Workers}).
 		Complete(g)
 }

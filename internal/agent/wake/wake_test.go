@@ -214,6 +214,11 @@ func TestHeldUntilWoken(t *testing.T) {
 			udp = true
 		}
 	}
+	// The wake is asked from the stand-in's own goroutine: waited for, not assumed done when
+	// the last frame is counted.
+	for deadline := time.Now().Add(10 * time.Second); wakes.Load() == 0 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if w := wakes.Load(); w != 1 {
 		t.Errorf("%d wakes; want one", w)
 	}
@@ -280,6 +285,11 @@ func TestAFloodIsBounded(t *testing.T) {
 			}
 			break
 		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// The wake is asked from the stand-in's own goroutine: waited for, not assumed done when
+	// the last frame is counted.
+	for deadline := time.Now().Add(10 * time.Second); wakes.Load() == 0 && time.Now().Before(deadline); {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if w := wakes.Load(); w != 1 {

@@ -9,6 +9,7 @@ package accesscredentials
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -63,11 +64,22 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.Client.Get(ctx, req.NamespacedName, vm); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
+	ns := r.SecretNamespace
+	if ns == "" {
+		ns = runsecret.DefaultNamespace
+	}
+	none := accesskeys.None.Digest()
 	if len(vm.Spec.AccessCredentials) == 0 {
-		if vm.Status.AccessCredentials != nil {
-			return ctrl.Result{}, r.patch(ctx, vm, nil)
+		// Named no more: the guest is given no keys, and its users given some before lose
+		// them (the guest side records whom it gave keys). The status stays, as none's digest.
+		if cur := vm.Status.AccessCredentials; cur == nil || cur.Digest == none {
+			return ctrl.Result{}, nil
 		}
-		return ctrl.Result{}, nil
+		if _, err := runsecret.WriteSSHKeys(ctx, r.Client, r.APIReader, ns, vm, accesskeys.None); err != nil && !errors.Is(err, runsecret.ErrNoRunSecret) {
+			return ctrl.Result{}, err
+		}
+		return ctrl.Result{}, r.patch(ctx, vm, &impv1.AccessCredentialsStatus{Digest: none,
+			Message: "no access credentials named: the keys given before are taken back"})
 	}
 	if !vm.DeletionTimestamp.IsZero() || vm.Status.NodeName == "" {
 		return ctrl.Result{}, nil
@@ -77,11 +89,18 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		// A key that is not one, or a Secret that could not be read: what the guest has stays.
 		return r.failed(ctx, vm, err.Error())
 	}
-	ns := r.SecretNamespace
-	if ns == "" {
-		ns = runsecret.DefaultNamespace
-	}
-	if _, err := runsecret.WriteSSHKeys(ctx, r.Client, r.APIReader, ns, vm, keys); err != nil {
+	switch _, err := runsecret.WriteSSHKeys(ctx, r.Client, r.APIReader, ns, vm, keys); {
+	case errors.Is(err, runsecret.ErrNoRunSecret) && vm.Status.Runtime != nil && vm.Status.Runtime.Instance == vm.Status.Instance &&
+		vm.Status.Runtime.Run == vm.Status.RestartCount:
+		// Credentials named while the VM runs, whose run needed no Secret when it started:
+		// the run's Secret is written now, the keys with it.
+		if err := runsecret.Write(ctx, r.Client, r.APIReader, ns, vm); err != nil {
+			return ctrl.Result{}, err
+		}
+	case errors.Is(err, runsecret.ErrNoRunSecret):
+		// A run about to start: its own Secret carries the keys; the digest waits for it.
+		return ctrl.Result{RequeueAfter: RefreshPeriod}, nil
+	case err != nil:
 		return ctrl.Result{}, err
 	}
 	st := &impv1.AccessCredentialsStatus{Digest: keys.Digest(), Message: strings.Join(missing, "; ")}

@@ -48,7 +48,8 @@ const (
 // Secret and their digest into its status; a changed Secret changes both; a Secret only
 // another namespace has gives its users no keys and the status names where it looked; a
 // Secret holding a line that is no key changes nothing the guest has and says why; a VM that
-// no longer names credentials loses the status.
+// no longer names credentials gives its guest none; credentials named on a running VM whose
+// run had no Secret get one.
 func TestRefresh(t *testing.T) {
 	c := testcluster.Require(t, shared)
 	ctx := context.Background()
@@ -152,12 +153,40 @@ func TestRefresh(t *testing.T) {
 		t.Errorf("events %q", ev)
 	}
 
-	// No credentials named any more: the status goes.
+	// No credentials named any more: the run's keys and the digest are none's, so that the
+	// guest's users given keys lose them.
 	v.Spec.AccessCredentials = nil
 	if err := c.Client.Update(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	if v, _ = refresh(); v.Status.AccessCredentials != nil {
-		t.Errorf("status.accessCredentials %+v after the VM named none", v.Status.AccessCredentials)
+	if v, _ = refresh(); v.Status.AccessCredentials == nil || v.Status.AccessCredentials.Digest != accesskeys.None.Digest() {
+		t.Errorf("after the VM named none, status.accessCredentials %+v; want none's digest", v.Status.AccessCredentials)
+	}
+
+	// Credentials named on a running VM whose run needed no Secret: the run's Secret is
+	// written with the keys, then the digest.
+	bare := &impv1.ImpVM{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "bare"}, Spec: impv1.ImpVMSpec{
+		Image: "registry.example.com/os:1", Boot: impv1.BootOS,
+		Resources: &impv1.VMResources{VCPUs: ptr.To[int32](1), Memory: ptr.To(resource.MustParse("512Mi"))}}}
+	if err := c.Client.Create(ctx, bare); err != nil {
+		t.Fatal(err)
+	}
+	bare.Status.NodeName, bare.Status.Instance = "node-a", 1
+	bare.Status.Runtime = &impv1.RuntimeStatus{Instance: 1, State: impv1.RuntimeRunning}
+	if err := c.Client.Status().Update(ctx, bare); err != nil {
+		t.Fatal(err)
+	}
+	bare.Spec.AccessCredentials = []impv1.AccessCredential{{SSHPublicKeys: impv1.SSHPublicKeysSource{SecretName: "keys"}, Users: []string{"alice"}}}
+	if err := c.Client.Update(ctx, bare); err != nil {
+		t.Fatal(err)
+	}
+	vm = bare
+	keys.StringData = map[string]string{"a": ed1}
+	if err := c.Client.Update(ctx, keys); err != nil {
+		t.Fatal(err)
+	}
+	v, k = refresh()
+	if want := (accesskeys.Keys{"alice": {ed1}}); k.Digest() != want.Digest() || v.Status.AccessCredentials == nil || v.Status.AccessCredentials.Digest != want.Digest() {
+		t.Errorf("credentials named on a running VM: the run's keys %v, status %+v; want %v", k, v.Status.AccessCredentials, want)
 	}
 }
