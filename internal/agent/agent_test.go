@@ -189,6 +189,22 @@ func newWorldWith(t *testing.T, op operator.Options, opts ...func(*agent.Options
 	return w
 }
 
+// nodeSpaces are the network namespaces of the tests' simulated nodes, by test and node: an
+// agent restarted for a node finds its networks' links where its predecessor left them.
+var nodeSpaces sync.Map
+
+// nodeNetNS is node's network namespace in this test, made at its first ask.
+func nodeNetNS(t *testing.T, node string) string {
+	key := t.Name() + "\x00" + node
+	if p, ok := nodeSpaces.Load(key); ok {
+		return p.(string)
+	}
+	p := testnetns.New(t, "imp-ag-"+node)
+	nodeSpaces.Store(key, p)
+	t.Cleanup(func() { nodeSpaces.Delete(key) })
+	return p
+}
+
 // startAgent runs an in-process agent with opts (TCG, a one-second report, vCPUs overcommitted
 // for this small machine) until the test ends, and kills its VMMs then.
 func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent.Agent {
@@ -215,6 +231,13 @@ func startAgent(t *testing.T, c *testcluster.Cluster, opts agent.Options) *agent
 	opts.LocalRegistries = append(opts.LocalRegistries, "127.0.0.1") // the tests' registries
 	if opts.NetNSDir == "" {
 		opts.NetNSDir = testnetns.PinDir(t) // each simulated node its own, never the machine's
+	}
+	if opts.NetNS == "" {
+		// Each simulated node's own namespace, never the machine's: an agent prunes from its
+		// node's namespace the transit links and IMP's nftables tables of networks it does
+		// not know, and the machine's are a real node's (the e2e's agent, running beside
+		// these tests, lost its networks' routes to them for minutes).
+		opts.NetNS = nodeNetNS(t, opts.NodeName)
 	}
 	ag := &agent.Agent{Client: agMgr.GetClient(), APIReader: agMgr.GetAPIReader(), Recorder: agMgr.GetEventRecorder("imp-agent"), Opts: opts}
 	if err := ag.SetupWithManager(agMgr); err != nil {
@@ -603,9 +626,9 @@ func newProcessWorld(t *testing.T, nodePrefix string) *processWorld {
 	bin := testcluster.Binary(t, "github.com/syscode-labs/imp/cmd/imp-agent")
 	kubeconfig := c.KubeconfigAs(t, testcluster.Agent, pw.node)
 	killVMMs(t, pw.stateDir, pw.node)
-	nsDir := testnetns.PinDir(t)
+	nsDir, nodeNS := testnetns.PinDir(t), nodeNetNS(t, pw.node) // never the machine's (startAgent)
 	pw.startAgent = func(env ...string) *exec.Cmd {
-		return startProcess(t, env, bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir, "--local-registry", "127.0.0.1",
+		return startProcess(t, env, bin, "--kubeconfig", kubeconfig, "--node-name", pw.node, "--state-dir", pw.stateDir, "--netns-dir", nsDir, "--netns", nodeNS, "--local-registry", "127.0.0.1",
 			"--kernel", kernel, "--initramfs", initrd, "--qemu-accel", "tcg", "--reserve-vcpus", "0", "--reserve-memory", "0", "--vcpu-overcommit", "4",
 			"--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--log-level", "error")
 	}

@@ -119,7 +119,11 @@ func TestWarmClaimsTakeOverMembers(t *testing.T) {
 		starts[w.get(name).Status.Start] = append(starts[w.get(name).Status.Start], name)
 	}
 	if len(starts[impv1.StartWarm]) != 2 || len(starts[impv1.StartRestored]) != 1 {
-		t.Fatalf("claims by how they started: %v; want two warm and one restored", starts)
+		var why strings.Builder
+		for _, name := range claims {
+			fmt.Fprintf(&why, "\n%s: %s", name, eventsOf(c.Client, ns, name))
+		}
+		t.Fatalf("claims by how they started: %v; want two warm and one restored; events:%s", starts, why.String())
 	}
 	tool := func(name string, args ...string) string {
 		var out string
