@@ -10,6 +10,7 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	impv1 "github.com/syscode-labs/imp/api/v1alpha1"
 	"github.com/syscode-labs/imp/internal/agent/guestchan"
@@ -119,11 +120,44 @@ func (s *Snapshotter) host(kind impv1.VMMKind) (snapshot.Host, error) {
 	return h, nil
 }
 
-// restoreTimeout bounds a restored guest's taking on its identity.
-const restoreTimeout = 20 * time.Second
+// restoreTimeout bounds a restored guest's taking on its identity; each connection to its
+// channel is given restoreAttempt of it. A guest that has not answered on one connection is
+// asked again on a new one: a new connection is told the guest's history (its hello with the
+// new token, once it took the identity on), and a request that never reached the guest (a
+// connection that was not the channel's current one) is sent again. Observed: a warm member
+// handed to a claim, one handover in three on a loaded machine, never answered on the first
+// connection, while the fallback's restore answered within a second.
+const (
+	restoreTimeout = 30 * time.Second
+	restoreAttempt = 10 * time.Second
+)
 
 // Reidentify gives a restored guest its identity over its guest channel.
 func (s *Snapshotter) Reidentify(ctx context.Context, r *vmrun.Run) error {
+	req := guestinit.Restore{Token: r.Meta.Token, Entropy: make([]byte, 64)}
+	if _, err := rand.Read(req.Entropy); err != nil {
+		return err
+	}
+	if r.Net != nil {
+		req.Net = r.Net.Params()
+	}
+	// The run's configuration as the config_disk step made it: the guest need not read its
+	// disk (block I/O of cold code under TCG). A restore finished after an agent restart has
+	// none, and the guest reads the disk: the agent never reads back that file, which a
+	// Firecracker VMM, whose jail holds it, may write.
+	req.Config = r.Config
+	deadline := time.Now().Add(restoreTimeout)
+	for attempt := 1; ; attempt++ {
+		err := s.reidentifyOnce(ctx, r, req, min(restoreAttempt, time.Until(deadline)))
+		if err == nil || !errors.Is(err, guestchan.ErrRestoreTimeout) || time.Until(deadline) <= 0 || ctx.Err() != nil {
+			return err
+		}
+		log.FromContext(ctx).Info("the restored guest did not answer on its channel: asking again on a new connection", "attempt", attempt)
+	}
+}
+
+// reidentifyOnce asks the guest on one new connection to its channel, waiting up to timeout.
+func (s *Snapshotter) reidentifyOnce(ctx context.Context, r *vmrun.Run, req guestinit.Restore, timeout time.Duration) error {
 	conn, err := s.Drivers.For(string(r.Meta.VMM)).Dial(r.Dir)
 	if err != nil {
 		return fmt.Errorf("connecting to the restored guest's channel: %w", err)
@@ -137,19 +171,8 @@ func (s *Snapshotter) Reidentify(ctx context.Context, r *vmrun.Run) error {
 			conn.Close()
 		}
 	}()
-	req := guestinit.Restore{Token: r.Meta.Token, UnixNano: time.Now().UnixNano(), Entropy: make([]byte, 64)}
-	if _, err := rand.Read(req.Entropy); err != nil {
-		return err
-	}
-	if r.Net != nil {
-		req.Net = r.Net.Params()
-	}
-	// The run's configuration as the config_disk step made it: the guest need not read its
-	// disk (block I/O of cold code under TCG). A restore finished after an agent restart has
-	// none, and the guest reads the disk: the agent never reads back that file, which a
-	// Firecracker VMM, whose jail holds it, may write.
-	req.Config = r.Config
-	answered, err := guestchan.Restore(conn, r.Meta.Restore.Token, req, restoreTimeout)
+	req.UnixNano = time.Now().UnixNano() // the clock as it is at this ask
+	answered, err := guestchan.Restore(conn, r.Meta.Restore.Token, req, timeout)
 	if err != nil {
 		return err
 	}
